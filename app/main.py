@@ -1,0 +1,89 @@
+"""``dsv41-panel``: start the GUI.
+
+With no display (no ``DISPLAY``/``WAYLAND_DISPLAY``), re-runs itself under ``xvfb-run`` when that exists, so the
+panel also starts on a headless box (screenshots, demos, CI); otherwise it says what to install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from engine_manager.settings import SettingsError, load_settings
+
+
+def _has_display() -> bool:
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")) or \
+        os.environ.get("QT_QPA_PLATFORM") in {"offscreen", "minimal", "vnc"}
+
+
+def _reexec_under_xvfb(argv: list[str]) -> int | None:
+    xvfb = shutil.which("xvfb-run")
+    if not xvfb or os.environ.get("DSV41_UNDER_XVFB"):
+        return None
+    env = dict(os.environ, DSV41_UNDER_XVFB="1")
+    os.execvpe(xvfb, [xvfb, "-a", "-s", "-screen 0 1600x1000x24", sys.executable, "-m", "app", *argv], env)
+    return 0  # not reached
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dsv41-panel", description="Desktop control panel for DeepSeek-V4.1-Flash.")
+    p.add_argument("--screenshot", metavar="PNG",
+                   help="after --screenshot-delay seconds, save a picture of the window and quit (for docs/tests)")
+    p.add_argument("--screenshot-delay", type=float, default=3.0, metavar="S")
+    p.add_argument("--quit-after", type=float, metavar="S", help="quit after S seconds (smoke tests)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if not _has_display():
+        if _reexec_under_xvfb(argv) is None:
+            print("dsv41-panel: no display found. Run it on a desktop, or install xvfb (apt-get install xvfb) "
+                  "to run it headless; the CLI `dsv41` needs no display.", file=sys.stderr)
+            return 2
+
+    from PySide6.QtCore import QTimer
+    from PySide6.QtGui import QIcon
+    from PySide6.QtWidgets import QApplication, QMessageBox
+
+    app = QApplication.instance() or QApplication([sys.argv[0], *argv])
+    app.setApplicationName("dsv41 panel")
+    app.setOrganizationName("dsv41")
+    app.setDesktopFileName("dsv41-panel")
+    from engine_manager import paths
+    icon = paths.resources_dir() / "dsv41-panel.svg"
+    if icon.exists():
+        app.setWindowIcon(QIcon(str(icon)))
+
+    try:
+        loaded = load_settings()
+    except SettingsError as exc:
+        box = QMessageBox(QMessageBox.Icon.Critical, "dsv41 panel: a setting is not valid", str(exc))
+        box.setInformativeText("Fix it (the environment variable or the settings file) and start the panel again.")
+        box.exec()
+        print(f"dsv41-panel: {exc}", file=sys.stderr)
+        return 2
+
+    from .context import AppContext
+    from .main_window import MainWindow
+
+    ctx = AppContext(loaded)
+    win = MainWindow(ctx)
+    win.show()
+    if args.screenshot:
+        def shoot() -> None:
+            win.grab().save(args.screenshot)
+            win.close()
+            app.quit()
+        QTimer.singleShot(int(args.screenshot_delay * 1000), shoot)
+    if args.quit_after is not None:
+        QTimer.singleShot(int(args.quit_after * 1000), lambda: (win.close(), app.quit()))
+    return app.exec()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

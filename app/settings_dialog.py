@@ -1,0 +1,212 @@
+"""The Settings dialog: a form over ``engine_manager.settings.Settings``, validated by the same model and saved
+atomically through ``save_settings``. Settings fixed by the environment are shown but locked."""
+
+from __future__ import annotations
+
+import secrets
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout,
+    QLabel, QLineEdit, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget,
+)
+
+from engine_manager.settings import Settings, SettingsError, field_allowed, field_env, mask_secret
+
+GROUPS = {
+    "Engine": ["server_engine", "host", "port", "api_key", "slots", "context_length", "kv_type", "cpu_numerics",
+               "vram_reserve_mib", "gpu_index", "numa_binding", "auto_restart", "ready_timeout_s"],
+    "Model and files": ["model_dir", "cache_dir", "model_repo", "model_revision", "engine_dir", "llama_server",
+                        "llamacpp_model", "hf_token"],
+    "Chat and monitor": ["default_max_tokens", "metrics_hz"],
+}
+
+
+def _literal_choices(annotation: Any) -> list[str] | None:
+    if typing.get_origin(annotation) is Literal:
+        return [str(a) for a in typing.get_args(annotation)]
+    return None
+
+
+def _bounds(info) -> tuple[float | None, float | None]:
+    lo = hi = None
+    for m in info.metadata:
+        lo = getattr(m, "ge", lo)
+        hi = getattr(m, "le", hi)
+    return lo, hi
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, ctx, parent=None):
+        super().__init__(parent)
+        self.ctx = ctx
+        self.setWindowTitle("Settings")
+        self.setMinimumWidth(640)
+        self.editors: dict[str, QWidget] = {}
+        self.secret_values: dict[str, str] = {}
+        outer = QVBoxLayout(self)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        inner = QWidget()
+        form_box = QVBoxLayout(inner)
+        loaded = ctx.loaded
+        for group, names in GROUPS.items():
+            title = QLabel(f"<b>{group}</b>")
+            form_box.addWidget(title)
+            form = QFormLayout()
+            form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
+            for name in names:
+                editor = self._editor(name, getattr(loaded.settings, name))
+                info = Settings.model_fields[name]
+                tip = f"{info.description}.\nVariable: {field_env(name)}\nAllowed: {field_allowed(name)}"
+                if loaded.env_locked(name):
+                    editor.setEnabled(False)
+                    tip += f"\n\nLocked: set by {field_env(name)} in the environment."
+                editor.setToolTip(tip)
+                self.editors[name] = editor
+                label = QLabel(name.replace("_", " "))
+                label.setToolTip(tip)
+                form.addRow(label, editor)
+            form_box.addLayout(form)
+        form_box.addStretch(1)
+        scroll.setWidget(inner)
+        outer.addWidget(scroll, 1)
+        self.error_label = QLabel("")
+        self.error_label.setObjectName("settingsError")
+        self.error_label.setWordWrap(True)
+        self.error_label.setStyleSheet("color: #c0392b;")
+        outer.addWidget(self.error_label)
+        note = QLabel(f"Saved to {loaded.path} (mode 0600; the last 5 versions are kept in backups/).")
+        note.setStyleSheet("color: gray;")
+        note.setWordWrap(True)
+        outer.addWidget(note)
+        self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
+        self.buttons.accepted.connect(self.save)
+        self.buttons.rejected.connect(self.reject)
+        outer.addWidget(self.buttons)
+
+    # -- editors --------------------------------------------------------------------------------------------
+    def _editor(self, name: str, value: Any) -> QWidget:
+        info = Settings.model_fields[name]
+        extra = info.json_schema_extra or {}
+        choices = _literal_choices(info.annotation)
+        if choices:
+            w = QComboBox()
+            w.addItems(choices)
+            w.setCurrentText(str(value))
+            return w
+        if info.annotation is bool:
+            w = QCheckBox()
+            w.setChecked(bool(value))
+            return w
+        if info.annotation is int:
+            w = QSpinBox()
+            lo, hi = _bounds(info)
+            # Wider than the model's range so that an out-of-range value reaches validation and is explained.
+            w.setRange(-2_000_000_000, 2_000_000_000)
+            w.setValue(int(value))
+            w.setToolTip(f"{lo}–{hi}")
+            return w
+        if info.annotation is float:
+            w = QDoubleSpinBox()
+            w.setRange(-1e9, 1e9)
+            w.setDecimals(2)
+            w.setSingleStep(0.25)
+            w.setValue(float(value))
+            return w
+        if extra.get("secret"):
+            self.secret_values[name] = str(value or "")
+            box = QWidget()
+            lay = QHBoxLayout(box)
+            lay.setContentsMargins(0, 0, 0, 0)
+            edit = QLineEdit()
+            edit.setObjectName(f"edit_{name}")
+            edit.setEchoMode(QLineEdit.EchoMode.Password)
+            edit.setPlaceholderText(mask_secret(str(value or "")) or "(empty)")
+            lay.addWidget(edit, 1)
+            if name == "api_key":
+                regen = QPushButton("Regenerate")
+                regen.clicked.connect(lambda: edit.setText("dsv41-" + secrets.token_urlsafe(32)))
+                lay.addWidget(regen)
+            box.line_edit = edit  # type: ignore[attr-defined]
+            return box
+        w = QLineEdit("" if value is None else str(value))
+        if "Path" in str(info.annotation):
+            box = QWidget()
+            lay = QHBoxLayout(box)
+            lay.setContentsMargins(0, 0, 0, 0)
+            lay.addWidget(w, 1)
+            browse = QPushButton("Browse…")
+            is_file = name in {"llama_server", "llamacpp_model"}
+            browse.clicked.connect(lambda: self._browse(w, is_file))
+            lay.addWidget(browse)
+            box.line_edit = w  # type: ignore[attr-defined]
+            return box
+        return w
+
+    def _browse(self, edit: QLineEdit, is_file: bool) -> None:
+        start = edit.text() or str(Path.home())
+        if is_file:
+            path, _ = QFileDialog.getOpenFileName(self, "Choose a file", start)
+        else:
+            path = QFileDialog.getExistingDirectory(self, "Choose a folder", start)
+        if path:
+            edit.setText(path)
+
+    def value_of(self, name: str) -> Any:
+        w = self.editors[name]
+        if isinstance(w, QComboBox):
+            return w.currentText()
+        if isinstance(w, QCheckBox):
+            return w.isChecked()
+        if isinstance(w, (QSpinBox, QDoubleSpinBox)):
+            return w.value()
+        edit = getattr(w, "line_edit", w)
+        text = edit.text()
+        if name in self.secret_values and not text:
+            return self.secret_values[name]  # unchanged secret
+        return text
+
+    def set_value(self, name: str, value: Any) -> None:
+        """Used by tests and by callers that prefill a value."""
+        w = self.editors[name]
+        if isinstance(w, QComboBox):
+            w.setCurrentText(str(value))
+        elif isinstance(w, QCheckBox):
+            w.setChecked(bool(value))
+        elif isinstance(w, (QSpinBox, QDoubleSpinBox)):
+            w.setValue(value)
+        else:
+            getattr(w, "line_edit", w).setText(str(value))
+
+    # -- save -------------------------------------------------------------------------------------------------
+    def changes(self) -> dict[str, Any]:
+        loaded = self.ctx.loaded
+        out: dict[str, Any] = {}
+        for name in self.editors:
+            if loaded.env_locked(name):
+                continue
+            new = self.value_of(name)
+            old = getattr(loaded.settings, name)
+            old_cmp = "" if old is None else (str(old) if isinstance(old, Path) else old)
+            if new != old_cmp:
+                out[name] = new
+        return out
+
+    def save(self) -> None:
+        updates = self.changes()
+        if not updates:
+            self.accept()
+            return
+        try:
+            self.ctx.update_settings(updates)
+        except SettingsError as exc:
+            self.error_label.setText(str(exc))
+            editor = self.editors.get(exc.setting)
+            if editor is not None:
+                editor.setFocus(Qt.FocusReason.OtherFocusReason)
+            return
+        self.accept()

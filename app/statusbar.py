@@ -1,0 +1,60 @@
+"""Status bar widgets: engine state, RAM, CPU and GPU, refreshed every 2 s off the GUI thread."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QLabel, QStatusBar
+
+from engine_manager import sysstat
+
+from .workers import run_function
+
+GiB = 1024**3
+
+
+class LiveStatusBar(QStatusBar):
+    def __init__(self, ctx, parent=None):
+        super().__init__(parent)
+        self.ctx = ctx
+        self.engine_label = QLabel("engine: stopped")
+        self.ram_label = QLabel("RAM –")
+        self.cpu_label = QLabel("CPU –")
+        self.gpu_label = QLabel("GPU –")
+        for w in (self.engine_label, self.ram_label, self.cpu_label, self.gpu_label):
+            w.setMinimumWidth(90)
+            self.addPermanentWidget(w)
+        self._busy = False
+        self.timer = QTimer(self)
+        self.timer.setInterval(2000)
+        self.timer.timeout.connect(self.refresh)
+        self.timer.start()
+        ctx.statusMessage.connect(self.showMessage)
+        ctx.engineStateChanged.connect(self._on_state)
+        QTimer.singleShot(0, self.refresh)
+
+    def _on_state(self, ev) -> None:
+        state = getattr(ev, "state", ev)
+        self.engine_label.setText(f"engine: {state}")
+
+    def refresh(self) -> None:
+        if self._busy:
+            return
+        self._busy = True
+        run_function(sysstat.read, on_done=self._show, on_finished=self._done)
+
+    def _done(self) -> None:
+        self._busy = False
+
+    def _show(self, st: sysstat.SysStat) -> None:
+        self.ram_label.setText(f"RAM {st.ram_used_bytes / GiB:.1f}/{st.ram_total_bytes / GiB:.0f} GiB")
+        self.cpu_label.setText(f"CPU {st.cpu_pct:.0f}%")
+        if st.gpus:
+            g = st.gpus[0]
+            util = f"{g.util_pct:.0f}%" if g.util_pct is not None else "?"
+            mem = (f" {g.vram_used_bytes / GiB:.1f}/{g.vram_total_bytes / GiB:.0f} GiB"
+                   if g.vram_used_bytes is not None else "")
+            self.gpu_label.setText(f"GPU {util}{mem}")
+            self.gpu_label.setToolTip("")
+        else:
+            self.gpu_label.setText("GPU: none")
+            self.gpu_label.setToolTip(st.gpu_error or "")

@@ -1,0 +1,88 @@
+"""Atomic, owner-only file writes with rotating backups.
+
+Every config, state and history file the panel writes goes through here: write to a temp file in the same
+directory, fsync, chmod 0600, rename over the target (atomic on POSIX), fsync the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+OWNER_ONLY = 0o600
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) with mode 0700 where we create it."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes, mode: int = OWNER_ONLY) -> None:
+    path = Path(path)
+    ensure_private_dir(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def atomic_write_text(path: Path, text: str, mode: int = OWNER_ONLY) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), mode)
+
+
+def atomic_write_json(path: Path, obj: Any, mode: int = OWNER_ONLY) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", mode)
+
+
+def rotate_backup(path: Path, backup_dir: Path, keep: int) -> Path | None:
+    """Copy the current ``path`` into ``backup_dir`` as a timestamped file; keep the newest ``keep``."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    ensure_private_dir(backup_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{time.time_ns() % 1_000_000_000:09d}"
+    dest = backup_dir / f"{path.stem}-{stamp}{path.suffix}"
+    atomic_write_bytes(dest, path.read_bytes())
+    backups = sorted(backup_dir.glob(f"{path.stem}-*{path.suffix}"))
+    for old in backups[:-keep] if keep > 0 else backups:
+        try:
+            old.unlink()
+        except FileNotFoundError:
+            pass
+    return dest
+
+
+def move_aside(path: Path, reason: str = "corrupt") -> Path:
+    """Rename a bad file out of the way (never delete it) and return where it went."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = path.with_name(f"{path.name}.{reason}-{stamp}")
+    n = 1
+    while dest.exists():
+        dest = path.with_name(f"{path.name}.{reason}-{stamp}-{n}")
+        n += 1
+    os.replace(path, dest)
+    return dest

@@ -1,0 +1,79 @@
+"""``dsv41``: the headless CLI. It drives the same engine_manager functions as the GUI.
+
+Each sub-command lives in its own module of this package with ``register(subparsers)``; the parser it adds sets
+``func=run`` where ``run(args, ctx) -> int``. Exit codes: 0 ok, 1 failed, 2 bad settings or usage, 3 refused
+(e.g. a placement the host cannot hold), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from functools import cached_property
+
+from .. import __version__
+from ..settings import LoadedSettings, SettingsError, load_settings
+
+# Order is the order of `dsv41 --help`.
+COMMAND_MODULES = (
+    "doctor", "settings_cmd", "download", "plan", "engine", "chat", "monitor", "sim",
+)
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+class Context:
+    """Lazily loaded shared state for sub-commands."""
+
+    @cached_property
+    def loaded(self) -> LoadedSettings:
+        loaded = load_settings()
+        for n in loaded.notices:
+            print(f"note: {n}", file=sys.stderr)
+        return loaded
+
+    @property
+    def settings(self):
+        return self.loaded.settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dsv41",
+        description="Run DeepSeek-V4.1-Flash on one GPU workstation: probe, download, plan, start, chat.",
+    )
+    parser.add_argument("--version", action="version", version=f"dsv41 {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"{__name__}.{name}":
+                continue
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    ctx = Context()
+    try:
+        return int(args.func(args, ctx) or 0)
+    except SettingsError as exc:
+        print(f"dsv41: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""``dsv41 settings``: show (secrets masked), set, or locate the settings."""
+
+from __future__ import annotations
+
+import json
+
+from ..settings import Settings, field_allowed, field_env, save_settings
+
+
+def register(sub) -> None:
+    p = sub.add_parser("settings", help="show or change settings",
+                       description="Show the effective settings and where each comes from (env > file > default), "
+                                   "set one in the saved file, or print the file's path.")
+    sp = p.add_subparsers(dest="action")
+    show = sp.add_parser("show", help="print the effective settings (default)")
+    show.add_argument("--json", action="store_true")
+    st = sp.add_parser("set", help="save a setting to the settings file")
+    st.add_argument("name", help="setting name (e.g. slots) or its variable (e.g. DSV41_SLOTS)")
+    st.add_argument("value")
+    sp.add_parser("path", help="print the settings file's path")
+    sp.add_parser("list", help="list every setting with its variable and allowed values")
+    p.set_defaults(func=run)
+
+
+def _field_name(name: str) -> str:
+    if name in Settings.model_fields:
+        return name
+    for n in Settings.model_fields:
+        if field_env(n) == name.upper():
+            return n
+    return name
+
+
+def run(args, ctx) -> int:
+    action = args.action or "show"
+    loaded = ctx.loaded
+    if action == "path":
+        print(loaded.path)
+        return 0
+    if action == "list":
+        for n, info in Settings.model_fields.items():
+            print(f"{n:<20} {field_env(n):<26} {field_allowed(n)}")
+            print(f"{'':<20} {info.description}")
+        return 0
+    if action == "set":
+        name = _field_name(args.name)
+        new = save_settings(loaded, {name: args.value})
+        if new.env_locked(name):
+            print(f"saved, but {field_env(name)} in the environment overrides it")
+        print(f"{name} = {new.settings.masked()[name]}  (saved to {new.path})")
+        return 0
+    masked = loaded.settings.masked()
+    if getattr(args, "json", False):
+        print(json.dumps({"settings": masked, "sources": loaded.sources, "path": str(loaded.path)}, indent=2))
+        return 0
+    for n, v in masked.items():
+        src = loaded.sources[n]
+        print(f"{n:<20} {str(v):<40} [{src}{': ' + field_env(n) if src == 'env' else ''}]")
+    print(f"\nfile: {loaded.path}")
+    return 0

@@ -1,0 +1,158 @@
+"""The one small interface every engine sits behind, and the common metric sample.
+
+An engine module turns (settings, plan, binding) into a :class:`LaunchSpec` (argv, environment, generated files),
+knows what readiness looks like, maps its metric endpoints and log lines onto :class:`Sample`, and knows its
+failure signatures. The supervisor, the metrics collectors, the CLI and the GUI use only this interface.
+
+Units: tok/s, bytes, MB/s (10^6 bytes per second, as NVML reports KB/s ×1000), rates in 0..1, times in seconds.
+A field that is ``None`` is *missing* (the source did not say), never zero.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ReadyState = Literal["loading", "ready", "failed"]
+
+
+@dataclass
+class LaunchSpec:
+    """Everything needed to start one engine process. The binding prefix (numactl/taskset) is added by the
+    supervisor, in front of ``argv``."""
+
+    engine: str
+    argv: list[str]
+    host: str
+    port: int
+    api_key: str
+    env: dict[str, str] = field(default_factory=dict)   # added to the panel's environment
+    cwd: str | None = None
+    health_path: str = "/health"
+    files: dict[str, str] = field(default_factory=dict)  # generated files: role -> path (config, profile, plan)
+    simulated: bool = False
+    label: str = ""
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def secrets(self) -> list[str]:
+        return [s for s in (self.api_key, self.env.get("HF_TOKEN"), self.env.get("DSV41_HF_TOKEN")) if s]
+
+    def masked_argv(self, prefix: list[str] | None = None) -> list[str]:
+        return [mask_in(a, self.secrets()) for a in [*(prefix or []), *self.argv]]
+
+    def masked_env(self) -> dict[str, str]:
+        return {k: mask_in(v, self.secrets()) for k, v in self.env.items()}
+
+
+def mask_in(text: str, secrets: list[str]) -> str:
+    for s in secrets:
+        if s and s in text:
+            text = text.replace(s, f"{s[:4]}…(masked)")
+    return text
+
+
+@dataclass
+class Readiness:
+    state: ReadyState
+    detail: str = ""          # e.g. "connection refused: still loading", "HTTP 503 loading model"
+
+
+@dataclass
+class Sample:
+    """One reading of the engine, in the panel's common terms. ``None`` means missing."""
+
+    t: float                                   # time.time() of the reading
+    engine: str
+    simulated: bool = False
+    state: str | None = None                   # unloaded / idle / reading / generating
+    decode_tok_s: float | None = None          # live decode rate, all slots together
+    prefill_tok_s: float | None = None         # live (or last request's) prompt processing rate
+    decode_tok_s_per_slot: dict[int, float] | None = None
+    hit_rate: float | None = None              # observed GPU hits / expert lookups (0..1)
+    swaps_per_s: float | None = None           # expert swaps host→VRAM per second
+    swaps_total: int | None = None             # cumulative since the engine started
+    swap_mb_s: float | None = None             # MB/s moved by swaps (when the engine says)
+    pcie_rx_mb_s: float | None = None          # host→GPU as the engine or NVML reports
+    pcie_tx_mb_s: float | None = None
+    vram_used_bytes: int | None = None
+    vram_total_bytes: int | None = None
+    ram_used_bytes: int | None = None
+    ram_total_bytes: int | None = None
+    slots_busy: int | None = None
+    slots_total: int | None = None
+    queued: int | None = None
+    requests_total: int | None = None
+    tokens_generated_total: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LogEvent:
+    """Something an engine's log line says that the panel shows or counts."""
+
+    kind: Literal["phase", "ready", "swap", "placement", "error", "info"]
+    text: str
+    swaps: int = 0              # for kind == "swap": how many swaps this line reports
+    swap_bytes: int = 0
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FailureHint:
+    """A crash cause in plain words with a fix."""
+
+    cause: str                 # short id: oom_killed, port_in_use, driver_too_old, cuda_oom, placement_refused, ...
+    title: str                 # plain words
+    fix: str                   # what to do
+
+
+@dataclass
+class LogPattern:
+    regex: re.Pattern[str]
+    hint: FailureHint
+
+
+class Engine(ABC):
+    """One engine kind. Stateless: every method takes what it needs."""
+
+    name: str = ""
+    label: str = ""
+    simulated: bool = False
+    #: log-line signatures of known failures, checked newest line first
+    failure_patterns: list[LogPattern] = []
+
+    @abstractmethod
+    def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
+        """argv, env and generated files for (settings, plan). ``plan`` is the planner's plan as a JSON dict
+        (see ``engine_manager.placement``); ``workdir`` is where generated files may be written."""
+
+    @abstractmethod
+    def readiness(self, client: Any, spec: LaunchSpec) -> Readiness:
+        """One readiness check with an ``httpx.Client``; connection refused → loading."""
+
+    @abstractmethod
+    def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
+        """Read the engine's metric endpoints once and map them to a :class:`Sample`. ``previous`` lets an
+        adapter turn counters into rates."""
+
+    def parse_log_line(self, line: str) -> LogEvent | None:
+        """Map one engine log line to an event (phase, ready, swaps, placement), or None."""
+        return None
+
+    def classify_failure(self, returncode: int | None, log_tail: list[str]) -> FailureHint | None:
+        """Engine-specific cause of an exit, from the log tail; None when nothing matches."""
+        for line in reversed(log_tail):
+            for pat in self.failure_patterns:
+                if pat.regex.search(line):
+                    return pat.hint
+        return None

