@@ -1,0 +1,1 @@
+python3 -m engine_manager doctor --json

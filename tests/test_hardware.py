@@ -1,0 +1,64 @@
+"""The hardware probe: no-GPU path on this machine (real NVML library lookup), the JSON round trip of a real H200
+probe, and sysfs NUMA parsing on a real directory tree."""
+
+from __future__ import annotations
+
+import json
+
+from engine_manager import hardware
+from engine_manager.hardware import HardwareReport, format_cpulist, parse_cpulist, sysfs_bus_id
+
+
+def test_no_gpu_is_a_result_with_a_reason(tmp_path):
+    report = hardware.probe(tmp_path)
+    if report.has_gpu:  # pragma: no cover - only on a GPU machine
+        assert report.gpu_error is None
+        return
+    assert report.gpus == []
+    assert report.gpu_error and ("NVIDIA" in report.gpu_error or "NVML" in report.gpu_error)
+    assert report.host.ram_total_bytes > 0 and report.host.cores_logical >= 1
+    assert report.host.numa_nodes and report.host.numa_nodes[0].cpus
+    assert report.host.disk_free_bytes and report.host.disk_free_bytes > 0
+
+
+def test_report_round_trips_through_json(data_dir):
+    raw = json.loads((data_dir / "doctor-h200.json").read_text())["hardware"]
+    report = HardwareReport.from_dict(raw)
+    g = report.gpu(0)
+    assert g.name == "NVIDIA H200" and g.vram_total_bytes // 2**20 == 143_771
+    assert g.pci_bus_id == "00000000:00:06.0"
+    assert HardwareReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+
+
+def test_cpulists():
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert format_cpulist([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
+    assert parse_cpulist("") == []
+
+
+def test_bus_id_nvml_to_sysfs():
+    assert sysfs_bus_id("00000000:00:06.0") == "0000:00:06.0"
+    assert sysfs_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
+
+
+def test_numa_nodes_from_a_sysfs_tree(tmp_path):
+    base = tmp_path / "devices" / "system" / "node"
+    for n, cpus, kb in [(0, "0-7", 1000), (1, "8-15", 2000)]:
+        d = base / f"node{n}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpus + "\n")
+        (d / "meminfo").write_text(f"Node {n} MemTotal:       {kb} kB\nNode {n} MemFree:        {kb // 2} kB\n")
+    nodes = hardware.numa_nodes(tmp_path)
+    assert [(x.id, x.cpus[0], x.cpus[-1], x.mem_total_bytes) for x in nodes] == [
+        (0, 0, 7, 1000 * 1024), (1, 8, 15, 2000 * 1024)]
+    pci = tmp_path / "bus" / "pci" / "devices" / "0000:00:06.0"
+    pci.mkdir(parents=True)
+    (pci / "numa_node").write_text("1\n")
+
+    class NoNumaNvml:  # the sysfs fallback only needs a module-like object without nvmlDeviceGetNumaNodeId
+        pass
+
+    assert hardware._gpu_numa(NoNumaNvml(), None, "00000000:00:06.0", nodes, tmp_path) == (1, "sysfs")
+    (pci / "numa_node").write_text("-1\n")
+    assert hardware._gpu_numa(NoNumaNvml(), None, "00000000:00:06.0", nodes, tmp_path) == (None, "unknown")
+    assert hardware._gpu_numa(NoNumaNvml(), None, "00000000:00:06.0", nodes[:1], tmp_path) == (0, "single-node")

@@ -1,0 +1,137 @@
+"""Settings: precedence env > file > defaults, validation messages, atomic 0600 save with backups, corrupt-file
+recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from engine_manager import paths
+from engine_manager.settings import (
+    BACKUPS_KEPT, Settings, SettingsError, field_env, load_settings, mask_secret, resolve_engine, save_settings,
+)
+
+
+def test_defaults_match_the_guides():
+    s = load_settings().settings
+    assert s.cache_dir == Path("~/.cache/deepseek-one-gpu") or "DSV41_CACHE_DIR" in os.environ
+    assert s.default_max_tokens == 4096
+    assert s.host == "127.0.0.1" and s.port == 8090
+    assert s.ready_timeout_s == 7200
+    assert s.model_repo == "vcruz305/DeepSeek-V4.1-Flash-GGUF"
+    assert s.slots == 1 and s.cpu_numerics == "fork"
+
+
+def test_guides_variable_names():
+    assert field_env("model_dir") == "DSV41_MODEL_DIR"
+    assert field_env("cache_dir") == "DSV41_CACHE_DIR"
+    assert field_env("default_max_tokens") == "DSV41_DEFAULT_MAX_TOKENS"
+    assert field_env("server_engine") == "DSV41_SERVER_ENGINE"
+
+
+def test_api_key_generated_once_and_kept(isolated_dirs):
+    first = load_settings()
+    key = first.settings.api_key
+    assert len(key) >= 32
+    again = load_settings()
+    assert again.settings.api_key == key
+    assert key not in json.dumps(first.settings.masked())
+    assert mask_secret(key).startswith(key[:4]) and key[5:] not in mask_secret(key)
+
+
+def test_precedence_env_over_file_over_default():
+    loaded = load_settings()
+    loaded = save_settings(loaded, {"slots": 4, "port": 9001})
+    assert loaded.settings.slots == 4 and loaded.sources["slots"] == "file"
+    env = dict(os.environ, DSV41_SLOTS="6")
+    both = load_settings(env=env)
+    assert both.settings.slots == 6 and both.sources["slots"] == "env"
+    assert both.settings.port == 9001 and both.sources["port"] == "file"
+    assert both.sources["context_length"] == "default"
+
+
+def test_mock_is_an_alias_of_sim():
+    env = dict(os.environ, DSV41_SERVER_ENGINE="mock")
+    assert load_settings(env=env).settings.server_engine == "sim"
+
+
+@pytest.mark.parametrize("var,value,allowed", [
+    ("DSV41_DEFAULT_MAX_TOKENS", "-5", "from 1 to 1048576"),
+    ("DSV41_SLOTS", "9", "from 1 to 8"),
+    ("DSV41_PORT", "80", "from 1024 to 65535"),
+    ("DSV41_SERVER_ENGINE", "vllm", "one of auto, strata, llamacpp, sim"),
+    ("DSV41_HOST", "0.0.0.0", "loopback"),
+    ("DSV41_CPU_NUMERICS", "cpu", "one of fork, gpu"),
+    ("DSV41_METRICS_HZ", "50", "from 0.25 to 10"),
+    ("DSV41_AUTO_RESTART", "maybe", "true or false"),
+])
+def test_bad_env_value_names_variable_value_and_allowed(var, value, allowed):
+    with pytest.raises(SettingsError) as ei:
+        load_settings(env=dict(os.environ, **{var: value}))
+    msg = str(ei.value)
+    assert var in msg and value in msg and allowed in msg
+
+
+def test_bad_file_value_is_refused_naming_the_file():
+    p = paths.settings_file()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"slots": 42}))
+    with pytest.raises(SettingsError) as ei:
+        load_settings()
+    msg = str(ei.value)
+    assert "slots=42" in msg and "from 1 to 8" in msg and str(p) in msg
+    assert p.exists()  # a bad value is refused, the file is left for the user to fix
+
+
+def test_corrupt_file_is_moved_aside_and_defaults_used():
+    p = paths.settings_file()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text("{ not json")
+    loaded = load_settings()
+    assert loaded.settings.slots == 1
+    aside = [q for q in p.parent.iterdir() if q.name.startswith("settings.json.corrupt-")]
+    assert len(aside) == 1 and aside[0].read_text() == "{ not json"
+    assert any(str(aside[0]) in n for n in loaded.notices)
+
+
+def test_file_is_owner_only_and_atomic_with_five_backups():
+    loaded = load_settings()
+    p = loaded.path
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    for i in range(8):
+        loaded = save_settings(loaded, {"slots": (i % 8) + 1})
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    backups = sorted((p.parent / "backups").iterdir())
+    assert len(backups) == BACKUPS_KEPT
+    assert all(stat.S_IMODE(b.stat().st_mode) == 0o600 for b in backups)
+    # the newest backup is the version before the last save
+    assert json.loads(backups[-1].read_text())["slots"] == 7
+    assert not [q for q in p.parent.iterdir() if q.name.endswith(".tmp")]
+
+
+def test_save_refuses_bad_value_and_keeps_old_file():
+    loaded = save_settings(load_settings(), {"slots": 3})
+    before = loaded.path.read_text()
+    with pytest.raises(SettingsError):
+        save_settings(loaded, {"slots": 0})
+    assert loaded.path.read_text() == before
+
+
+def test_unknown_keys_are_ignored_with_a_notice():
+    p = paths.settings_file()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"slots": 2, "from_the_future": 1}))
+    loaded = load_settings()
+    assert loaded.settings.slots == 2
+    assert any("from_the_future" in n for n in loaded.notices)
+
+
+def test_resolve_engine_auto():
+    s = Settings()
+    assert resolve_engine(s, has_gpu=False) == "sim"
+    assert resolve_engine(s, has_gpu=True) == "strata"
+    assert resolve_engine(Settings(server_engine="llamacpp"), has_gpu=False) == "llamacpp"
