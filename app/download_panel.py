@@ -1,17 +1,507 @@
-"""Placeholder until its issue lands: keeps the main window's arrangement final from the start."""
+"""The Downloads tab: the seven model shards (a progress bar, speed, ETA and a verified tick each), the total,
+pause / resume / cancel, the engine release, and "use a folder that already has the shards".
+
+All work runs in ``engine_manager.download`` generators on a worker (``app.workers.run_generator``); this widget
+only renders their events and forwards the user's intents (``DownloadControl``)."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import Qt, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QFileDialog, QFrame, QGridLayout, QGroupBox, QHBoxLayout, QHeaderView, QLabel, QProgressBar,
+    QPushButton, QSizePolicy, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget,
+)
+
+from engine_manager import download as dl
+
+from .workers import run_function, run_generator
+
+COLS = ("", "Shard", "Progress", "Size", "Speed", "ETA", "State")
+STATE_WORDS = {
+    "queued": "queued", "downloading": "downloading", "paused": "paused", "retrying": "retrying…",
+    "verifying": "verifying sha256", "verified": "verified", "present": "verified", "failed": "failed",
+    "missing": "not downloaded", "partial": "partly downloaded", "stopped": "stopped (resumable)",
+    "checking": "checking", "bad": "damaged: will be fetched again",
+}
+
+
+def _short(name: str) -> str:
+    stem = name[:-5] if name.endswith(".gguf") else name
+    parts = stem.rsplit("-", 3)
+    return "shard " + "-".join(parts[-3:]) if len(parts) == 4 and parts[-2] == "of" else name
+
+
+class ErrorBox(QFrame):
+    """A plain-words error and what to do about it."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("downloadError")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.setStyleSheet("#downloadError { background: #fdecea; border: 1px solid #f5c2c0; border-radius: 4px; }"
+                           "#downloadError QLabel { color: #611a15; }")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(8, 6, 8, 6)
+        self.message = QLabel()
+        self.message.setObjectName("downloadErrorMessage")
+        self.message.setWordWrap(True)
+        self.message.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.fix = QLabel()
+        self.fix.setObjectName("downloadErrorFix")
+        self.fix.setWordWrap(True)
+        self.fix.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        lay.addWidget(self.message)
+        lay.addWidget(self.fix)
+        self.hide()
+
+    def show_error(self, message: str, fix: str = "") -> None:
+        self.message.setText(f"<b>{_esc(message)}</b>")
+        self.fix.setText(f"What to do: {_esc(fix)}" if fix else "")
+        self.fix.setVisible(bool(fix))
+        self.show()
+
+
+def _esc(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 class DownloadPanel(QWidget):
+    progressChanged = Signal(object)      # engine_manager.download.Progress
+    modelFinished = Signal(object)        # Finished
+    engineFinished = Signal(object)       # Finished
+    errorRaised = Signal(str, str)        # message, fix
+    busyChanged = Signal(bool)
+
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx
+        self.control: dl.DownloadControl | None = None
+        self.worker = None
+        self.kind: str | None = None          # "model", "engine", "verify"
+        self.rows: dict[str, int] = {}
+        self.bars: dict[str, QProgressBar] = {}
+        self.last_progress: dl.Progress | None = None
+        self._build()
+        ctx.settingsChanged.connect(lambda _l: self.refresh())
+        self.refresh()
+
+    # -- layout --------------------------------------------------------------------------------------------------
+    def _build(self) -> None:
         lay = QVBoxLayout(self)
-        label = QLabel("Downloads arrive with the download issue.")
-        label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        label.setWordWrap(True)
-        lay.addWidget(label)
+        lay.setContentsMargins(8, 8, 8, 8)
+
+        model_box = QGroupBox("Model: DeepSeek-V4.1-Flash Q2_K (seven GGUF shards)")
+        ml = QVBoxLayout(model_box)
+        self.where = QLabel()
+        self.where.setObjectName("downloadWhere")
+        self.where.setWordWrap(True)
+        self.where.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        ml.addWidget(self.where)
+
+        self.table = QTableWidget(0, len(COLS))
+        self.table.setObjectName("shardTable")
+        self.table.setHorizontalHeaderLabels(COLS)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.table.setSelectionMode(QTableWidget.SelectionMode.NoSelection)
+        self.table.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        hh = self.table.horizontalHeader()
+        hh.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        hh.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
+        self.table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
+        ml.addWidget(self.table, 1)
+
+        tot = QHBoxLayout()
+        self.total_bar = QProgressBar()
+        self.total_bar.setObjectName("totalBar")
+        self.total_bar.setRange(0, 1000)
+        self.total_bar.setFormat("%p%")
+        self.total_label = QLabel("—")
+        self.total_label.setObjectName("totalLabel")
+        tot.addWidget(QLabel("Total"))
+        tot.addWidget(self.total_bar, 1)
+        tot.addWidget(self.total_label)
+        ml.addLayout(tot)
+
+        self.status = QLabel()
+        self.status.setObjectName("downloadStatus")
+        self.status.setWordWrap(True)
+        ml.addWidget(self.status)
+
+        btns = QHBoxLayout()
+        self.download_btn = QPushButton("&Download model")
+        self.download_btn.setObjectName("downloadButton")
+        self.download_btn.setToolTip("Download the missing shards (resumes partial ones) and verify every byte")
+        self.pause_btn = QPushButton("&Pause")
+        self.pause_btn.setObjectName("pauseButton")
+        self.resume_btn = QPushButton("&Resume")
+        self.resume_btn.setObjectName("resumeButton")
+        self.cancel_btn = QPushButton("&Cancel")
+        self.cancel_btn.setObjectName("cancelButton")
+        self.cancel_btn.setToolTip("Stop; the partial files stay and the next download resumes them")
+        self.folder_btn = QPushButton("Use a &folder that already has the shards…")
+        self.folder_btn.setObjectName("useFolderButton")
+        self.open_btn = QPushButton("&Open folder")
+        self.open_btn.setObjectName("openFolderButton")
+        self.download_btn.clicked.connect(self.start_model)
+        self.pause_btn.clicked.connect(self.pause)
+        self.resume_btn.clicked.connect(self.resume)
+        self.cancel_btn.clicked.connect(self.cancel)
+        self.folder_btn.clicked.connect(self.choose_folder)
+        self.open_btn.clicked.connect(self._open_folder)
+        for b in (self.download_btn, self.pause_btn, self.resume_btn, self.cancel_btn):
+            btns.addWidget(b)
+        btns.addStretch(1)
+        btns.addWidget(self.folder_btn)
+        btns.addWidget(self.open_btn)
+        ml.addLayout(btns)
+        lay.addWidget(model_box, 1)
+
+        eng_box = QGroupBox("Engine release")
+        el = QGridLayout(eng_box)
+        self.engine_label = QLabel()
+        self.engine_label.setObjectName("engineStatus")
+        self.engine_label.setWordWrap(True)
+        self.engine_btn = QPushButton("Download &engine")
+        self.engine_btn.setObjectName("engineButton")
+        self.engine_btn.clicked.connect(self.start_engine)
+        self.engine_bar = QProgressBar()
+        self.engine_bar.setObjectName("engineBar")
+        self.engine_bar.setRange(0, 1000)
+        self.engine_bar.hide()
+        el.addWidget(self.engine_label, 0, 0)
+        el.addWidget(self.engine_btn, 0, 1)
+        el.addWidget(self.engine_bar, 1, 0, 1, 2)
+        el.setColumnStretch(0, 1)
+        lay.addWidget(eng_box)
+
+        self.error = ErrorBox()
+        lay.addWidget(self.error)
+
+        QShortcut(QKeySequence("Ctrl+Shift+P"), self, self._toggle_pause,
+                  context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
+        self._set_busy(False)
+
+    # -- state on disk (cheap: no network, no hashing) --------------------------------------------------------------
+    def refresh(self) -> None:
+        if self.worker is not None:
+            return
+        run_function(self._read_local, on_done=self._show_local)
+
+    def _read_local(self) -> dict[str, Any]:
+        s = self.ctx.settings
+        out: dict[str, Any] = {"status": dl.local_status(s), "engine": None, "engine_error": None}
+        try:
+            m = dl.read_engine_manifest()
+            out["engine"] = (m["version"], dl.installed_engine(s, m), m["size"])
+        except dl.DownloadError as exc:
+            out["engine_error"] = exc.message
+        except (OSError, ValueError) as exc:
+            out["engine_error"] = str(exc)
+        return out
+
+    def _show_local(self, info: dict[str, Any]) -> None:
+        if self.worker is not None:
+            return
+        st: dl.LocalStatus = info["status"]
+        self.folder = st.folder
+        src = "model_dir (DSV41_MODEL_DIR)" if self.ctx.settings.model_dir else "the cache"
+        commit = f" · pinned commit {st.commit[:12]}" if st.commit else ""
+        self.where.setText(f"Folder: <code>{_esc(str(st.folder))}</code> — from {src}{commit}")
+        names = dl.shard_names()
+        self._ensure_rows(names)
+        for n in names:
+            if n in st.present:
+                self._set_row(n, 1.0 if st.verified else None, None, None, None,
+                              "verified" if st.verified else "present")
+            else:
+                self._set_row(n, 0.0, None, None, None, "missing")
+        if st.verified:
+            self.status.setText("All seven shards are here and verified. Nothing to download.")
+            self.total_bar.setValue(1000)
+        elif st.present or st.partial_bytes:
+            self.status.setText(f"{len(st.present)} of 7 shards present, {dl.fmt_bytes(st.partial_bytes)} of partial "
+                                "files kept: Download resumes them.")
+        else:
+            self.status.setText("The model is not downloaded yet: 264.5 GB in seven files. Or use a folder that "
+                                "already has them.")
+        if info["engine"]:
+            version, where, size = info["engine"]
+            self.engine_label.setText(f"Strata {version}: installed and verified in <code>{_esc(str(where))}</code>"
+                                      if where else f"Strata {version} ({dl.fmt_bytes(size)}): not installed.")
+            self.engine_btn.setEnabled(where is None)
+        else:
+            self.engine_label.setText(f"Engine release: {_esc(info['engine_error'] or '')}")
+            self.engine_label.setToolTip("Edit resources/manifests/engine.json, or set DSV41_ENGINE_DIR to an "
+                                         "engine you unpacked yourself.")
+            self.engine_btn.setEnabled(False)
+
+    # -- rows ------------------------------------------------------------------------------------------------------
+    def _ensure_rows(self, names: list[str]) -> None:
+        for n in names:
+            if n in self.rows:
+                continue
+            r = self.table.rowCount()
+            self.table.insertRow(r)
+            self.rows[n] = r
+            item = QTableWidgetItem(_short(n))
+            item.setToolTip(n)
+            self.table.setItem(r, 1, item)
+            bar = QProgressBar()
+            bar.setRange(0, 1000)
+            bar.setTextVisible(True)
+            bar.setObjectName(f"bar_{r}")
+            self.bars[n] = bar
+            self.table.setCellWidget(r, 2, bar)
+            for c in (0, 3, 4, 5, 6):
+                self.table.setItem(r, c, QTableWidgetItem(""))
+
+    def _set_row(self, name: str, frac: float | None, size: int | None, speed: float | None, eta: float | None,
+                 state: str) -> None:
+        self._ensure_rows([name])
+        r = self.rows[name]
+        ok = state in ("verified", "present") and frac == 1.0
+        tick = self.table.item(r, 0)
+        tick.setText("✓" if ok else ("✗" if state in ("failed", "bad") else ""))
+        tick.setForeground(Qt.GlobalColor.darkGreen if ok else Qt.GlobalColor.darkRed)
+        tick.setToolTip("sha256 verified" if ok else "")
+        bar = self.bars[name]
+        if frac is None:
+            bar.setRange(0, 0) if state == "verifying" else bar.setValue(0)
+        else:
+            bar.setRange(0, 1000)
+            bar.setValue(int(frac * 1000))
+        if size is not None:
+            self.table.item(r, 3).setText(dl.fmt_bytes(size))
+        self.table.item(r, 4).setText(f"{dl.fmt_bytes(speed)}/s" if speed else "")
+        self.table.item(r, 5).setText(dl.fmt_eta(eta) if state == "downloading" and eta is not None else "")
+        self.table.item(r, 6).setText(STATE_WORDS.get(state, state))
+
+    def shard_state(self, name: str) -> str:
+        """The state word shown for ``name`` (tests and the first-run page read it)."""
+        r = self.rows.get(name)
+        return self.table.item(r, 6).text() if r is not None else ""
+
+    def verified_count(self) -> int:
+        return sum(1 for r in self.rows.values() if self.table.item(r, 0).text() == "✓")
+
+    # -- actions ---------------------------------------------------------------------------------------------------
+    def _set_busy(self, busy: bool, kind: str | None = None) -> None:
+        self.kind = kind if busy else None
+        self.download_btn.setEnabled(not busy)
+        self.folder_btn.setEnabled(not busy)
+        self.pause_btn.setEnabled(busy and kind in ("model", "engine"))
+        self.resume_btn.setEnabled(False)
+        self.cancel_btn.setEnabled(busy)
+        if busy:
+            self.engine_btn.setEnabled(False)
+        self.busyChanged.emit(busy)
+
+    @property
+    def busy(self) -> bool:
+        return self.worker is not None
+
+    def start_model(self) -> None:
+        if self.worker is not None:
+            return
+        self.error.hide()
+        self.control = dl.DownloadControl()
+        self.status.setText("Resolving the model's files on the hub…")
+        self._set_busy(True, "model")
+        self.worker = run_generator(dl.download_model, self.ctx.settings, control=self.control,
+                                    on_event=self._on_event, on_done=self._on_done, on_error=self._on_error,
+                                    on_finished=self._on_finished)
+
+    def start_engine(self) -> None:
+        if self.worker is not None:
+            return
+        self.error.hide()
+        self.control = dl.DownloadControl()
+        self.engine_bar.show()
+        self.engine_bar.setValue(0)
+        self.engine_label.setText("Downloading the engine release…")
+        self._set_busy(True, "engine")
+        self.worker = run_generator(dl.download_engine, self.ctx.settings, control=self.control,
+                                    on_event=self._on_event, on_done=self._on_done, on_error=self._on_error,
+                                    on_finished=self._on_finished)
+
+    def pause(self) -> None:
+        if self.control is not None and self.kind in ("model", "engine"):
+            self.control.pause()
+            self.pause_btn.setEnabled(False)
+            self.resume_btn.setEnabled(True)
+            self.status.setText("Pausing… (the connections close; partial files are kept)")
+
+    def resume(self) -> None:
+        if self.control is not None:
+            self.control.resume()
+            self.pause_btn.setEnabled(True)
+            self.resume_btn.setEnabled(False)
+            self.status.setText("Resuming…")
+
+    def _toggle_pause(self) -> None:
+        if self.control is None:
+            return
+        self.resume() if self.control.paused else self.pause()
+
+    def cancel(self) -> None:
+        if self.control is not None:
+            self.control.cancel()
+            self.status.setText("Stopping… partial files are kept and the next download resumes them.")
+
+    def choose_folder(self) -> None:
+        start = str(self.ctx.settings.model_dir or Path.home())
+        d = QFileDialog.getExistingDirectory(self, "A folder that already has the seven shards", start)
+        if d:
+            self.use_folder(Path(d))
+
+    def use_folder(self, folder: Path) -> None:
+        """Verify ``folder`` (sha256 against the hub, split metadata) and, if complete, make it model_dir."""
+        if self.worker is not None:
+            return
+        self.error.hide()
+        self.control = dl.DownloadControl()
+        self._pending_folder = Path(folder)
+        self.status.setText(f"Checking {folder}: every shard's sha256 against the hub (this reads all 264.5 GB "
+                            "once; it is remembered afterwards)…")
+        self._set_busy(True, "verify")
+        self.worker = run_generator(dl.verify_model_dir, self.ctx.settings, Path(folder), control=self.control,
+                                    on_event=self._on_event, on_done=self._on_verified, on_error=self._on_error,
+                                    on_finished=self._on_finished)
+
+    def _open_folder(self) -> None:
+        folder = getattr(self, "folder", None)
+        if folder is not None and Path(folder).is_dir():
+            QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder)))
+        else:
+            self.ctx.statusMessage.emit("The model folder does not exist yet.", 4000)
+
+    # -- events ----------------------------------------------------------------------------------------------------
+    def _on_event(self, ev: Any) -> None:
+        if isinstance(ev, dl.Progress):
+            self.last_progress = ev
+            if self.kind == "engine":
+                self.engine_bar.setValue(int(ev.fraction * 1000))
+                self.engine_label.setText(f"Downloading the engine release: {dl.fmt_bytes(ev.done_bytes)} of "
+                                          f"{dl.fmt_bytes(ev.total_bytes)} · ETA {dl.fmt_eta(ev.eta_s)}")
+            else:
+                for f in ev.files:
+                    frac = f.done_bytes / f.size_bytes if f.size_bytes else 1.0
+                    self._set_row(f.name, frac, f.size_bytes, f.speed_bps, f.eta_s, f.state)
+                self.total_bar.setValue(int(ev.fraction * 1000))
+                self.total_label.setText(f"{dl.fmt_bytes(ev.done_bytes)} of {dl.fmt_bytes(ev.total_bytes)} · "
+                                         f"{dl.fmt_bytes(ev.speed_bps)}/s · ETA {dl.fmt_eta(ev.eta_s)}")
+                if self.control is not None and self.control.paused:
+                    self.status.setText("Paused. Resume goes on where it stopped.")
+                elif self.control is not None and not self.control.cancelled:
+                    self.status.setText(f"Downloading with {sum(f.state == 'downloading' for f in ev.files)} "
+                                        "connections; every byte is hashed as it arrives.")
+            self.progressChanged.emit(ev)
+        elif isinstance(ev, dl.Resolved):
+            self.folder = ev.target_dir
+            how = "pinned earlier" if ev.pinned else f"resolved from “{ev.revision}” and pinned"
+            self.where.setText(f"Folder: <code>{_esc(str(ev.target_dir))}</code> · {ev.repo} @ "
+                               f"<code>{ev.commit[:12]}</code> ({how})")
+            for f in ev.files:
+                self._set_row(f.name, None, f.size, None, None, "checking")
+        elif isinstance(ev, dl.Checking):
+            frac = ev.done_bytes / ev.total_bytes if ev.total_bytes else 1.0
+            self.status.setText(f"Checking files already on disk: {frac * 100:.0f}% of "
+                                f"{dl.fmt_bytes(ev.total_bytes)} hashed")
+        elif isinstance(ev, dl.DiskChecked):
+            self.status.setText(f"{dl.fmt_bytes(ev.free_bytes)} free at {ev.path}; "
+                                f"{dl.fmt_bytes(ev.needed_bytes)} needed.")
+        elif isinstance(ev, dl.FileVerified):
+            if self.kind != "engine":
+                self._set_row(ev.name, 1.0, None, None, None, "verified")
+        elif isinstance(ev, dl.FileCorrupt):
+            self._set_row(ev.name, 0.0, None, None, None, "bad")
+            self.ctx.statusMessage.emit(f"{ev.name}: sha256 mismatch — {ev.action}", 8000)
+        elif isinstance(ev, dl.Retrying):
+            self.status.setText(f"{_short(ev.name)}: {ev.reason}; retry {ev.attempt} in {ev.delay_s:.0f} s")
+        elif isinstance(ev, dl.Notice):
+            self.ctx.statusMessage.emit(ev.text, 10000)
+        elif isinstance(ev, dl.Paused):
+            self.status.setText("Paused. Resume goes on where it stopped.")
+        elif isinstance(ev, dl.Resumed):
+            self.status.setText("Resumed.")
+        elif isinstance(ev, dl.Stopped):
+            self.status.setText(f"Stopped. {dl.fmt_bytes(ev.kept_bytes)} of {dl.fmt_bytes(ev.total_bytes)} kept; "
+                                "Download resumes from there (also after closing the panel).")
+        elif isinstance(ev, dl.Finished):
+            if ev.what == "engine":
+                self.engine_bar.setValue(1000)
+                self.engine_label.setText(f"Engine release verified and unpacked in <code>{_esc(str(ev.target_dir))}"
+                                          "</code>")
+                self.engineFinished.emit(ev)
+            else:
+                fetched = f"{dl.fmt_bytes(ev.fetched_bytes)} downloaded" if ev.fetched_bytes else "nothing to download"
+                self.status.setText(f"All seven shards verified in {ev.target_dir} ({fetched}).")
+                self.total_bar.setValue(1000)
+                self.modelFinished.emit(ev)
+
+    def _on_done(self, _result: Any) -> None:
+        pass
+
+    def _on_verified(self, problems: Any) -> None:
+        folder = getattr(self, "_pending_folder", None)
+        if problems == ["cancelled"]:
+            self.status.setText("Check cancelled.")
+            return
+        if problems:
+            self.error.show_error(f"{folder} is not a complete, verified copy of the model: "
+                                  + "; ".join(problems[:4]) + ("…" if len(problems) > 4 else ""),
+                                  "Pick the folder that holds all seven DeepSeek-V4.1-Flash-Q2_K-0000N-of-00007.gguf "
+                                  "files, or download the model.")
+            self.errorRaised.emit("incomplete folder", "")
+            return
+        try:
+            self.ctx.update_settings({"model_dir": str(folder)})
+        except Exception as exc:  # noqa: BLE001 - a settings error is shown, not raised in a slot
+            self.error.show_error(f"Could not save model_dir: {exc}", "Check the settings file's folder.")
+            return
+        self.status.setText(f"{folder} holds all seven shards, verified. It is now the model folder (model_dir).")
+        self.ctx.statusMessage.emit(f"Model folder set to {folder}", 6000)
+        self.modelFinished.emit(dl.Finished(Path(folder), [Path(folder) / n for n in dl.shard_names()], 0, 0.0))
+
+    def _on_error(self, exc: BaseException) -> None:
+        if isinstance(exc, dl.DownloadError):
+            msg, fix = exc.message, exc.fix
+        else:
+            msg, fix = f"{type(exc).__name__}: {exc}", "This is a bug in the panel; the log has the details."
+        self.error.show_error(msg, fix)
+        self.status.setText("Stopped by an error; partial files are kept.")
+        self.errorRaised.emit(msg, fix)
+
+    def _on_finished(self) -> None:
+        self.worker = None
+        self.control = None
+        self._set_busy(False)
+        self.engine_bar.setVisible(self.engine_bar.value() not in (0, 1000))
+        run_function(self._read_local, on_done=self._engine_only)
+
+    def _engine_only(self, info: dict[str, Any]) -> None:
+        """After a run: refresh the engine line (the shard rows keep the run's final states)."""
+        if self.worker is not None:
+            return
+        if info["engine"]:
+            version, where, size = info["engine"]
+            if where:
+                self.engine_label.setText(f"Strata {version}: installed and verified in <code>{_esc(str(where))}"
+                                          "</code>")
+            self.engine_btn.setEnabled(where is None)
+
+    def shutdown(self) -> None:
+        """Window closing: stop cleanly (partial files keep their checkpoints)."""
+        if self.control is not None:
+            self.control.cancel()
+        if self.worker is not None:
+            try:
+                self.worker.quit()
+            except RuntimeError:
+                pass
+

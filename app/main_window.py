@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
 from engine_manager import __version__, doctor, hardware, uistate
 
 from .chat_pane import ChatPane
+from . import first_run
 from .download_panel import DownloadPanel
 from .engine_panel import EnginePanel
 from .log_view import LogView
@@ -103,6 +104,7 @@ class MainWindow(QMainWindow):
         self.status = LiveStatusBar(ctx)
         self.setStatusBar(self.status)
         self._build_menus()
+        first_run.install(self)  # Help ▸ Getting started…, shown once at startup while no model is present
         ctx.requestTab.connect(self.show_tab)
         self._restore_state()
         for n in ctx.loaded.notices:

@@ -1,17 +1,998 @@
-"""Placeholder until its issue lands: keeps the main window's arrangement final from the start."""
+"""The Monitor tab: live plots of what the engine and the machine are doing, "now" cards, and a card comparing
+the live figures with the deepseek-one-gpu guides'.
+
+All collecting happens in :mod:`engine_manager.metrics` (a :class:`MetricsHub` per running engine, driven
+through ``app.workers.run_generator``); this view only draws. Plots follow pyqtgraph's PlotSpeedTest idioms:
+curves are created once and fed with ``setData``; ``setClipToView(True)`` and ``setDownsampling(mode='peak')``
+keep long series cheap, and the view asks the store only for the visible range, reduced to about two points
+per pixel.
+
+Missing values are gaps in the curves and "—" on the cards, never zero. Numbers from the scripted engine are
+labelled "simulated".
+"""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QThreadPool, QTimer, Qt, Signal
+from PySide6.QtGui import QAction, QColor, QFont, QKeySequence
+from PySide6.QtWidgets import (
+    QButtonGroup, QComboBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QLabel, QPushButton, QSizePolicy,
+    QToolButton, QVBoxLayout, QWidget,
+)
+
+from engine_manager import metrics as M
+from engine_manager import uistate
+from engine_manager.engines import get_engine
+from engine_manager.metrics import guides
+
+from .workers import run_function, run_generator
+
+GiB = float(1024**3)
+WINDOWS: tuple[tuple[str, float | None], ...] = (("1 min", 60.0), ("10 min", 600.0), ("1 h", 3600.0), ("All", None))
+RATES = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+DASH = Qt.PenStyle.DashLine
+SLOT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+MIN_POOL_THREADS = 8
 
 
+def _ensure_pool() -> None:
+    """The monitor keeps one worker of the global pool busy for as long as an engine runs; on a 2-core machine
+    the pool has only 2 threads, which would leave one for every other short job. Raise the cap (only ever
+    up)."""
+    pool = QThreadPool.globalInstance()
+    if pool.maxThreadCount() < MIN_POOL_THREADS:
+        pool.setMaxThreadCount(MIN_POOL_THREADS)
+
+
+# -- what the plots show --------------------------------------------------------------------------------------
+@dataclass
+class Series:
+    column: str
+    name: str
+    color: str
+    scale: float = 1.0              # value × scale is drawn (bytes → GiB, 0..1 → %)
+    style: Qt.PenStyle = Qt.PenStyle.SolidLine
+    width: float = 1.6
+    right: bool = False             # on the plot's right axis
+    fmt: str = "{:.1f}"
+    unit: str = ""
+
+
+@dataclass
+class PlotSpec:
+    key: str
+    title: str
+    unit: str
+    series: list[Series]
+    right_unit: str | None = None
+    y_min: float | None = 0.0
+    y_max: float | None = None
+
+
+def _plot_specs() -> list[PlotSpec]:
+    pct = dict(scale=100.0, fmt="{:.1f}", unit="%")
+    gib = dict(scale=1 / GiB, fmt="{:.1f}", unit="GiB")
+    return [
+        PlotSpec("tok", "Throughput", "tok/s", [
+            Series("decode_tok_s", "decode (all slots)", "#1f77b4", width=2.2, unit="tok/s"),
+            Series("prefill_tok_s", "prefill", "#ff7f0e", unit="tok/s"),
+        ]),
+        PlotSpec("slots", "Decode per slot", "tok/s", [
+            Series(M.SLOT_COLUMNS[i], f"slot {i}", SLOT_COLORS[i], width=1.2, unit="tok/s")
+            for i in range(M.MAX_SLOTS)
+        ]),
+        PlotSpec("hit", "Hot-set hit rate", "%", [
+            Series("hit_rate", "observed", "#9ecae1", width=1.2, **pct),
+            Series("hit_rate_rolling", "rolling 60 s", "#08519c", width=2.4, **pct),
+        ], y_max=100.0),
+        PlotSpec("swaps", "PCIe expert swaps", "swaps/s", [
+            Series("swaps_per_s", "swaps/s", "#d62728", width=2.0, fmt="{:.2f}", unit="/s"),
+            Series("swap_mb_s", "swap MB/s", "#ff9896", right=True, fmt="{:.0f}", unit="MB/s"),
+            Series("pcie_rx_mb_s", "PCIe host→GPU MB/s", "#7f7f7f", style=DASH, right=True, width=1.2,
+                   fmt="{:.0f}", unit="MB/s"),
+        ], right_unit="MB/s"),
+        PlotSpec("mem", "VRAM and RAM", "GiB", [
+            Series("vram_used_bytes", "VRAM used", "#2ca02c", width=2.0, **gib),
+            Series("vram_total_bytes", "VRAM total", "#2ca02c", style=DASH, width=1.0, **gib),
+            Series("ram_used_bytes", "RAM used", "#9467bd", width=2.0, **gib),
+            Series("ram_total_bytes", "RAM total", "#9467bd", style=DASH, width=1.0, **gib),
+            Series("engine_rss_bytes", "engine RSS", "#8c564b", width=1.2, **gib),
+        ]),
+        PlotSpec("util", "CPU and GPU", "%", [
+            Series("cpu_bound_pct", "CPU bound cores", "#d62728", width=2.0, unit="%"),
+            Series("cpu_rest_pct", "CPU other cores", "#ff9896", width=1.2, unit="%"),
+            Series("cpu_total_pct", "CPU all cores", "#7f7f7f", style=DASH, width=1.0, unit="%"),
+            Series("gpu_util_pct", "GPU util", "#2ca02c", width=2.0, unit="%"),
+        ], y_max=100.0),
+    ]
+
+
+def fmt_value(v: float | None, fmt: str = "{:.1f}", unit: str = "") -> str:
+    if v is None or not math.isfinite(v):
+        return "—"
+    s = fmt.format(v)
+    return f"{s} {unit}".strip()
+
+
+# -- small widgets --------------------------------------------------------------------------------------------
+class NowCard(QFrame):
+    """One metric's current value: a title, a big value, a line of detail, an optional "simulated" tag."""
+
+    def __init__(self, key: str, title: str, parent=None):
+        super().__init__(parent)
+        self.key = key
+        self.setObjectName(f"nowCard_{key}")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.setStyleSheet("NowCard { background: palette(base); border-radius: 4px; }")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(6, 3, 6, 3)
+        lay.setSpacing(0)
+        top = QHBoxLayout()
+        self.title = QLabel(title)
+        f = self.title.font()
+        f.setPointSizeF(max(7.0, f.pointSizeF() * 0.85))
+        self.title.setFont(f)
+        self.title.setStyleSheet("color: palette(mid);")
+        self.tag = QLabel("simulated")
+        self.tag.setFont(f)
+        self.tag.setStyleSheet("color: #8a5a00; background: #fff1cc; border-radius: 3px; padding: 0 3px;")
+        self.tag.hide()
+        top.addWidget(self.title)
+        top.addStretch(1)
+        top.addWidget(self.tag)
+        self.value = QLabel("—")
+        self.value.setObjectName(f"nowValue_{key}")
+        vf = self.value.font()
+        vf.setPointSizeF(vf.pointSizeF() * 1.35)
+        vf.setBold(True)
+        self.value.setFont(vf)
+        self.detail = QLabel("")
+        self.detail.setFont(f)
+        self.detail.setStyleSheet("color: palette(mid);")
+        lay.addLayout(top)
+        lay.addWidget(self.value)
+        lay.addWidget(self.detail)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
+
+    def show_value(self, text: str, detail: str = "", simulated: bool = False, tip: str = "") -> None:
+        self.value.setText(text)
+        self.detail.setText(detail)
+        self.tag.setVisible(simulated)
+        self.setToolTip(tip)
+
+
+class CompareCard(QFrame):
+    """The live figures beside the guides' for the same number of active users."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("compareCard")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.setStyleSheet("CompareCard { background: palette(base); border-radius: 4px; }")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(8, 3, 8, 3)
+        lay.setSpacing(1)
+        head = QLabel("<b>Compared with the guides</b>")
+        self.badge = QLabel("")
+        self.badge.setObjectName("compareBadge")
+        row = QHBoxLayout()
+        row.addWidget(head)
+        row.addStretch(1)
+        row.addWidget(self.badge)
+        lay.addLayout(row)
+        small = self.font()
+        small.setPointSizeF(max(7.0, small.pointSizeF() * 0.9))
+        self.table = QLabel("")
+        self.table.setObjectName("compareTable")
+        self.table.setTextFormat(Qt.TextFormat.RichText)
+        self.table.setFont(small)
+        self.hints = QLabel("")
+        self.hints.setObjectName("compareHints")
+        self.hints.setWordWrap(True)
+        self.hints.setTextFormat(Qt.TextFormat.RichText)
+        self.hints.setFont(small)
+        self.hints.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        lay.addWidget(self.table)
+        lay.addWidget(self.hints, 1)
+        self.base_tip = (f"The guides' figures: DeepSeek-V4.1-Flash Q2_K on {guides.GUIDE_HOST}. 63.11 tok/s at "
+                         "1 user; 127.58 total / 31.87 slowest at 4; 152.53 total / ~19 each at 8; ~9 in 10 "
+                         "expert picks hit the GPU; NUMA binding took 1 user from ~53 to 63 tok/s.")
+        self.setToolTip(self.base_tip)
+        self.comparison: guides.Comparison | None = None
+        self.show_comparison(None)
+
+    def show_comparison(self, c: guides.Comparison | None) -> None:
+        self.comparison = c
+        if c is None:
+            self.badge.setText("")
+            self.badge.setStyleSheet("")
+            self.table.setText("Start the engine to compare this host with the published figures: 63.11 tok/s "
+                               "at 1 user, 127.58 at 4, 152.53 at 8; ~9 in 10 expert picks on the GPU.")
+            self.table.setWordWrap(True)
+            self.hints.setText("")
+            return
+        self.table.setWordWrap(False)
+        colors = {"as_published": ("#e6f4ea", "#1e6b34", "as published"),
+                  "below": ("#fdecea", "#a02a1a", "below the guides"),
+                  "idle": ("#eeeeee", "#555555", "idle"),
+                  "unknown": ("#eeeeee", "#555555", "—")}
+        bg, fg, word = colors.get(c.verdict, colors["unknown"])
+        if c.simulated and c.verdict not in ("idle", "unknown"):
+            word += " (simulated)"
+        self.badge.setText(word)
+        self.badge.setStyleSheet(f"background: {bg}; color: {fg}; border-radius: 3px; padding: 1px 6px;")
+        users = "—" if c.users is None else str(c.users)
+        kind = "<i>interp.</i>" if c.guide_kind == "interpolated" else ""
+        hr = "—" if c.hit_rate is None else f"{c.hit_rate * 100:.0f}%"
+        host = "this host" + (" <span style='color:#8a5a00'>(sim.)</span>" if c.simulated else "")
+        td = "<td style='padding-right:10px'>"
+        self.table.setText(
+            "<table cellspacing=0 cellpadding=0>"
+            f"<tr>{td}<b>{users}</b> active user{'s' if users != '1' else ''}</td>{td}<b>{host}</b></td>"
+            f"<td><b>guides</b> {kind}</td></tr>"
+            f"<tr>{td}decode, total</td>{td}{fmt_value(c.measured_tok_s, '{:.1f}', 'tok/s')}</td>"
+            f"<td>{fmt_value(c.guide_tok_s, '{:.2f}', 'tok/s')}</td></tr>"
+            f"<tr>{td}per user</td>{td}{fmt_value(c.measured_each_tok_s, '{:.1f}', 'tok/s')}</td>"
+            f"<td>{fmt_value(c.guide_each_tok_s, '{:.1f}', 'tok/s')}</td></tr>"
+            f"<tr>{td}GPU hit rate</td>{td}{hr}</td><td>~90%</td></tr></table>")
+        shown = [c.headline] + [h for h in c.hints if not h.startswith("Simulated")][:1]
+        self.hints.setText(" ".join(shown))
+        self.hints.setToolTip("\n\n".join(c.hints))
+        self.setToolTip("\n\n".join([c.headline, *c.hints, self.base_tip]))
+
+
+# -- one plot ---------------------------------------------------------------------------------------------------
+class _Plot:
+    """A PlotItem with its curves (created once), an optional right axis, a legend and a hover read-out."""
+
+    def __init__(self, layout: pg.GraphicsLayout, spec: PlotSpec, row: int, col: int):
+        self.spec = spec
+        axis = pg.DateAxisItem(orientation="bottom")
+        self.item: pg.PlotItem = layout.addPlot(row=row, col=col, axisItems={"bottom": axis})
+        it = self.item
+        it.setTitle(f"<span style='font-size:9pt; color:#222'><b>{spec.title}</b></span>")
+        it.setLabel("left", spec.unit)
+        it.getAxis("left").enableAutoSIPrefix(False)
+        it.setLabel("bottom", "time")
+        it.showGrid(x=True, y=True, alpha=0.25)
+        it.setClipToView(True)
+        it.setDownsampling(auto=True, mode="peak")
+        it.setMenuEnabled(True)
+        for name in ("left", "bottom", "right"):
+            ax = it.getAxis(name)
+            ax.setPen(pg.mkPen("#444"))
+            ax.setTextPen(pg.mkPen("#333"))
+        it.getAxis("left").setWidth(44)
+        self.legend = it.addLegend(offset=(4, 2), labelTextSize="7.5pt", labelTextColor="#222",
+                                   colCount=min(4, max(1, (len(spec.series) + 1) // 2)),
+                                   brush=pg.mkBrush(255, 255, 255, 200), pen=pg.mkPen("#ccc"))
+        self.legend.setZValue(100)
+        self.right_vb: pg.ViewBox | None = None
+        if spec.right_unit:
+            self.right_vb = pg.ViewBox()
+            it.showAxis("right")
+            it.scene().addItem(self.right_vb)
+            ax = it.getAxis("right")
+            ax.linkToView(self.right_vb)
+            ax.setLabel(spec.right_unit)
+            ax.enableAutoSIPrefix(False)
+            self.right_vb.setXLink(it)
+            self.right_vb.enableAutoRange(axis=pg.ViewBox.YAxis)
+            it.vb.sigResized.connect(self._sync_right)
+        self.curves: dict[str, pg.PlotDataItem] = {}
+        self.series: dict[str, Series] = {}
+        for s in spec.series:
+            pen = pg.mkPen(s.color, width=s.width, style=s.style)
+            if s.right and self.right_vb is not None:
+                c = pg.PlotDataItem(pen=pen, name=f"{s.name} (right)", connect="finite")
+                c.setClipToView(True)
+                c.setDownsampling(auto=True, method="peak")
+                self.right_vb.addItem(c)
+                self.legend.addItem(c, f"{s.name} →")
+            else:
+                c = it.plot(pen=pen, name=s.name, connect="finite")
+                c.setClipToView(True)
+                c.setDownsampling(auto=True, method="peak")
+            self.curves[s.column] = c
+            self.series[s.column] = s
+        if spec.y_min is not None:
+            it.vb.setLimits(yMin=spec.y_min - (spec.y_max or 1) * 0.05)
+        it.vb.enableAutoRange(axis=pg.ViewBox.YAxis)
+        it.vb.setAutoVisible(y=True)
+        self.cursor = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen("#888", style=DASH))
+        self.cursor.setZValue(50)
+        self.cursor.hide()
+        it.addItem(self.cursor, ignoreBounds=True)
+        self.readout = pg.TextItem("", anchor=(1, 0), color="#222", fill=pg.mkBrush(255, 255, 255, 220),
+                                   border=pg.mkPen("#bbb"))
+        self.readout.setZValue(110)
+        self.readout.hide()
+        it.addItem(self.readout, ignoreBounds=True)
+        self.ref_line: pg.InfiniteLine | None = None
+        self.note = pg.TextItem("", anchor=(0, 1), color="#8a5a00")
+        self.note.setZValue(90)
+        it.addItem(self.note, ignoreBounds=True)
+        self.data_t: np.ndarray = np.empty(0)
+        self.data: dict[str, np.ndarray] = {}
+
+    def _sync_right(self) -> None:
+        if self.right_vb is not None:
+            self.right_vb.setGeometry(self.item.vb.sceneBoundingRect())
+            self.right_vb.linkedViewChanged(self.item.vb, self.right_vb.XAxis)
+
+    def set_data(self, t: np.ndarray, cols: dict[str, np.ndarray]) -> None:
+        self.data_t = t
+        self.data = {}
+        for col, curve in self.curves.items():
+            y = cols.get(col)
+            if y is None:
+                continue
+            s = self.series[col]
+            y = y.astype(np.float64) * s.scale if s.scale != 1.0 else y.astype(np.float64)
+            self.data[col] = y
+            if t.size == 0 or not np.isfinite(y).any():
+                curve.setData([], [])
+            else:
+                curve.setData(t, y, connect="finite")
+
+    def set_reference(self, value: float | None, label: str, unknown_note: str = "") -> None:
+        """A horizontal reference line (the planner's predicted hit rate)."""
+        if value is None:
+            if self.ref_line is not None:
+                self.ref_line.hide()
+            self.note.setText(unknown_note)
+            return
+        if self.ref_line is None:
+            self.ref_line = pg.InfiniteLine(angle=0, movable=False,
+                                            pen=pg.mkPen("#e6550d", width=1.6, style=Qt.PenStyle.DashDotLine),
+                                            label=label, labelOpts={"position": 0.08, "color": "#e6550d",
+                                                                    "fill": (255, 255, 255, 200)})
+            self.item.addItem(self.ref_line, ignoreBounds=False)
+        self.ref_line.setValue(value)
+        self.ref_line.label.setFormat(label)
+        self.ref_line.show()
+        self.note.setText("")
+
+    def place_note(self) -> None:
+        (x0, x1), (y0, y1) = self.item.vb.viewRange()
+        self.note.setPos(x0, y0 + 0.02 * (y1 - y0))
+
+    def hover(self, x: float | None) -> None:
+        if x is None or self.data_t.size == 0:
+            self.cursor.hide()
+            self.readout.hide()
+            return
+        i = int(np.clip(np.searchsorted(self.data_t, x), 0, self.data_t.size - 1))
+        if i > 0 and abs(self.data_t[i - 1] - x) < abs(self.data_t[i] - x):
+            i -= 1
+        t = float(self.data_t[i])
+        lines = [time.strftime("%H:%M:%S", time.localtime(t))]
+        for col, y in self.data.items():
+            s = self.series[col]
+            v = float(y[i]) if i < y.size else float("nan")
+            lines.append(f"{s.name}: {fmt_value(v, s.fmt, s.unit)}")
+        self.cursor.setPos(t)
+        self.cursor.show()
+        self.readout.setText("\n".join(lines))
+        (x0, x1), (y0, y1) = self.item.vb.viewRange()
+        self.readout.setPos(x1, y1)
+        self.readout.show()
+
+
+# -- the view ---------------------------------------------------------------------------------------------------
 class MonitorView(QWidget):
+    """Live plots, now cards and the guides card. Starts collecting on ``ctx.engineReady`` and stops on
+    ``ctx.engineStopped``; every tick is re-emitted as ``ctx.sampleArrived(Sample)``."""
+
+    hubStarted = Signal(object)        # MetricsHub
+    tickShown = Signal(object)         # Tick, after the view drew it
+
+    MAX_POINTS_PER_PIXEL = 2
+
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx
-        lay = QVBoxLayout(self)
-        label = QLabel("Live plots arrive with the metrics issue.")
-        label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        label.setWordWrap(True)
-        lay.addWidget(label)
+        _ensure_pool()
+        self.hub: M.MetricsHub | None = None
+        self.store: M.RingStore | None = None
+        self.worker = None
+        self.last_tick: M.Tick | None = None
+        self.engine_info: dict[str, Any] = {}
+        self.window_s: float | None = 600.0
+        self.paused = False
+        self._dirty = False
+        self._setting_range = False
+        self._redraws = 0
+        self._stopping: list[M.MetricsHub] = []
+        self._generation = 0
+        st = uistate.load()
+        if isinstance(st.get("monitor_window"), str):
+            for label, secs in WINDOWS:
+                if label == st["monitor_window"]:
+                    self.window_s = secs
+        self._build()
+        ctx.engineReady.connect(self.on_engine_ready)
+        ctx.engineStopped.connect(self.on_engine_stopped)
+        ctx.planChanged.connect(self._on_plan)
+        ctx.settingsChanged.connect(self._on_settings)
+        # redraws are coalesced: at most one per event-loop pass, and never while the tab is hidden
+        self._redraw_timer = QTimer(self)
+        self._redraw_timer.setSingleShot(True)
+        self._redraw_timer.setInterval(0)
+        self._redraw_timer.timeout.connect(self.redraw)
+        if ctx.base_url and ctx.api_key:
+            QTimer.singleShot(0, lambda: self.on_engine_ready(ctx.base_url, ctx.api_key))
+
+    # -- layout ---------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        root = QVBoxLayout(self)
+        root.setContentsMargins(4, 4, 4, 4)
+        root.setSpacing(4)
+
+        bar = QHBoxLayout()
+        self.window_group = QButtonGroup(self)
+        self.window_group.setExclusive(True)
+        for i, (label, secs) in enumerate(WINDOWS):
+            b = QToolButton()
+            b.setText(label)
+            b.setCheckable(True)
+            b.setObjectName(f"window_{label.replace(' ', '')}")
+            b.setToolTip(f"Show the last {label}" if secs else "Show everything recorded since the engine started")
+            b.setChecked(secs == self.window_s)
+            self.window_group.addButton(b, i)
+            bar.addWidget(b)
+        self.window_group.idClicked.connect(self.set_window_index)
+        bar.addSpacing(8)
+        self.pause_btn = QPushButton("Pause")
+        self.pause_btn.setObjectName("pauseButton")
+        self.pause_btn.setCheckable(True)
+        self.pause_btn.setToolTip("Freeze the plots to read or scroll back (Space); collecting and recording go on")
+        self.pause_btn.toggled.connect(self.set_paused)
+        self.pause_btn.setShortcut(QKeySequence(Qt.Key.Key_Space))
+        bar.addWidget(self.pause_btn)
+        self.live_btn = QPushButton("Live ▶")
+        self.live_btn.setObjectName("liveButton")
+        self.live_btn.setToolTip("Back to the live view")
+        self.live_btn.clicked.connect(lambda: self.set_paused(False))
+        self.live_btn.setVisible(False)
+        bar.addWidget(self.live_btn)
+        bar.addSpacing(8)
+        bar.addWidget(QLabel("Rate"))
+        self.rate_box = QComboBox()
+        self.rate_box.setObjectName("rateBox")
+        for r in RATES:
+            self.rate_box.addItem(f"{r:g} Hz", r)
+        self.rate_box.setToolTip("How often the monitor reads the engine and the machine (setting metrics_hz)")
+        self._select_rate(self.ctx.settings.metrics_hz)
+        self.rate_box.activated.connect(self._rate_chosen)
+        bar.addWidget(self.rate_box)
+        bar.addSpacing(8)
+        self.status = QLabel("Not collecting: no engine is running.")
+        self.status.setObjectName("monitorStatus")
+        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        bar.addWidget(self.status, 1)
+        root.addLayout(bar)
+
+        top = QHBoxLayout()
+        top.setSpacing(4)
+        cards = QGridLayout()
+        cards.setSpacing(4)
+        cards.setAlignment(Qt.AlignmentFlag.AlignTop)
+        self.cards: dict[str, NowCard] = {}
+        for i, (key, title) in enumerate((
+                ("decode", "Decode"), ("prefill", "Prefill"), ("hit", "GPU hit rate"), ("swaps", "Expert swaps"),
+                ("pcie", "PCIe"), ("vram", "VRAM"), ("ram", "RAM"), ("cpu", "CPU"), ("gpu", "GPU"),
+                ("engine", "Engine process"))):
+            card = NowCard(key, title)
+            self.cards[key] = card
+            cards.addWidget(card, i // 5, i % 5)
+        top.addLayout(cards, 5)
+        self.compare = CompareCard()
+        self.compare.setMinimumWidth(320)
+        self.compare.setMaximumWidth(420)
+        self.compare.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Ignored)
+        top.addWidget(self.compare, 2)
+        top_box = QWidget()
+        top_box.setLayout(top)
+        top_box.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
+        root.addWidget(top_box)
+
+        self.glw = pg.GraphicsLayoutWidget()
+        self.glw.setBackground("w")
+        self.glw.setObjectName("monitorPlots")
+        self.glw.ci.setSpacing(2)
+        self.plots: dict[str, _Plot] = {}
+        for i, spec in enumerate(_plot_specs()):
+            self.plots[spec.key] = _Plot(self.glw.ci, spec, i // 2, i % 2)
+        first = self.plots["tok"].item
+        for p in self.plots.values():
+            if p.item is not first:
+                p.item.setXLink(first)
+        first.vb.sigRangeChangedManually.connect(self._user_moved)
+        for p in self.plots.values():
+            p.item.vb.sigRangeChangedManually.connect(self._user_moved)
+        first.vb.sigXRangeChanged.connect(self._x_changed)
+        self.plots["hit"].set_reference(None, "", "planner's prediction: unknown")
+        self._hover_proxy = pg.SignalProxy(self.glw.scene().sigMouseMoved, rateLimit=30, slot=self._mouse_moved)
+        root.addWidget(self.glw, 1)
+
+    def file_actions(self) -> list[QAction]:
+        act = QAction("&Export metrics CSV…", self)
+        act.setObjectName("actionExportMetrics")
+        act.setShortcut(QKeySequence("Ctrl+E"))
+        act.setToolTip("Save the current run's samples (every column, full precision) as CSV")
+        act.triggered.connect(self.export_dialog)
+        self.export_action = act
+        return [act]
+
+    # -- engine lifecycle -------------------------------------------------------------------------------------
+    def on_engine_ready(self, base_url: str, api_key: str) -> None:
+        if self.hub is not None and self.engine_info.get("base_url") == base_url and not self.hub.stopped:
+            return
+        self._stop_hub()
+        self._generation += 1
+        gen = self._generation
+        self.status.setText(f"Connecting to the engine at {base_url}…")
+        info = self._engine_info(base_url, api_key)
+        hz = M.clamp_hz(self.ctx.settings.metrics_hz)
+        carry, self._carry = getattr(self, "_carry", None), None
+        run_function(_make_hub, info, hz, self.ctx.plan, carry,
+                     on_done=lambda res, g=gen: self._hub_made(res, g),
+                     on_error=lambda exc: self.status.setText(f"Monitor could not start: {exc}"))
+
+    def _engine_info(self, base_url: str, api_key: str) -> dict[str, Any]:
+        """What the supervisor knows about the running engine (engine name, pid, binding, log path, launch spec);
+        read without I/O here — only attributes of the last status the supervisor holds."""
+        info: dict[str, Any] = {"base_url": base_url, "api_key": api_key, "engine": None, "pid": None,
+                                "binding": None, "log_path": None, "spec": None,
+                                "gpu_index": self.ctx.settings.gpu_index}
+        sup = getattr(self.ctx, "supervisor", None)
+        info["supervisor"] = sup
+        try:
+            info["engine_default"] = self.ctx.engine_name()
+        except Exception:
+            info["engine_default"] = "sim"
+        return info
+
+    def _hub_made(self, res: tuple[M.MetricsHub, M.RingStore, dict[str, Any], int] | None, gen: int) -> None:
+        if res is None:
+            return
+        hub, store, info, loaded = res
+        if gen != self._generation:          # the engine stopped (or restarted) while the hub was being made
+            run_function(hub.stop)
+            return
+        self.hub, self.store, self.engine_info = hub, store, info
+        self._update_status()
+        self.worker = run_generator(hub.iter_ticks, on_event=self._on_tick,
+                                    on_error=lambda exc: self.status.setText(f"Monitor stopped: {exc}"))
+        self.hubStarted.emit(hub)
+        self._apply_plan(self.ctx.plan if self.ctx.plan is not None else info.get("plan"))
+        self.schedule_redraw()
+
+    def on_engine_stopped(self) -> None:
+        self._generation += 1
+        self._stop_hub()
+        if self.last_tick is not None:
+            self.status.setText("Engine stopped — plots keep the run; Ctrl+E exports it.")
+        else:
+            self.status.setText("Not collecting: no engine is running.")
+
+    def _stop_hub(self) -> None:
+        hub, self.hub = self.hub, None
+        self.worker = None          # its generator returns by itself once the hub is stopped
+        if hub is not None:
+            self._stopping.append(hub)
+            run_function(hub.stop, on_finished=lambda h=hub: self._stopping.remove(h) if h in self._stopping else None)
+
+    def shutdown(self) -> None:
+        """The window is closing: stop collecting and close the recording (waits at most a few seconds)."""
+        self._generation += 1
+        hub, self.hub = self.hub, None
+        self.worker = None
+        for h in [hub, *self._stopping]:
+            if h is not None:
+                h.stop(timeout=2.0)
+        uistate.save({"monitor_window": self._window_label()})
+
+    # -- settings / plan ------------------------------------------------------------------------------------
+    def _select_rate(self, hz: float) -> None:
+        best = min(range(len(RATES)), key=lambda i: abs(RATES[i] - hz))
+        self.rate_box.setCurrentIndex(best)
+
+    def _rate_chosen(self, index: int) -> None:
+        hz = RATES[index]
+        if abs(hz - self.ctx.settings.metrics_hz) < 1e-9:
+            return
+        try:
+            self.ctx.update_settings({"metrics_hz": hz})
+        except Exception as exc:
+            self.ctx.statusMessage.emit(f"Could not save the rate: {exc}", 6000)
+            self._select_rate(self.ctx.settings.metrics_hz)
+
+    def _on_settings(self, loaded) -> None:
+        hz = M.clamp_hz(loaded.settings.metrics_hz)
+        self._select_rate(hz)
+        if self.hub is not None and abs(self.hub.hz - hz) > 1e-9:
+            info = dict(self.engine_info)
+            self._carry = self.store
+            self.on_engine_stopped()
+            self.on_engine_ready(info["base_url"], info["api_key"])
+
+    def _on_plan(self, plan) -> None:
+        self._apply_plan(plan)
+
+    def _apply_plan(self, plan) -> None:
+        engine = self.engine_info.get("engine") or ""
+        pred = M.predicted_hit_rate(plan, engine)
+        if self.hub is not None:
+            self.hub.set_predicted(pred)
+            self.hub.expert_bytes = M.plan_expert_bytes(plan)
+        if pred is None:
+            why = ("unknown: no plan" if not plan else
+                   f"{plan.get('predicted_hit_rate_note') or 'unknown until the engine has seen traffic'}")
+            self.plots["hit"].set_reference(None, "", f"planner's prediction: {why}")
+        else:
+            self.plots["hit"].set_reference(pred * 100.0, f"planner predicted {pred * 100:.1f}%")
+
+    # -- ticks ------------------------------------------------------------------------------------------------
+    def _on_tick(self, tick: M.Tick) -> None:
+        self.last_tick = tick
+        self.ctx.sampleArrived.emit(tick.to_sample())
+        self.update_cards(tick)
+        self.schedule_redraw()
+        counts = tick.notes.get("routing_counts")
+        if counts is not None:
+            self._feed_routing(counts)
+        self.tickShown.emit(tick)
+
+    ROUTING_EVERY_S = 5.0
+
+    def _feed_routing(self, counts) -> None:
+        """Observed routing → the Placement view's heatmap (``PlacementView.update_observed(counts)`` where it
+        exists), at most every few seconds."""
+        now = time.monotonic()
+        if now - getattr(self, "_routing_fed", -1e9) < self.ROUTING_EVERY_S:
+            return
+        self._routing_fed = now
+        self.routing_counts = counts
+        win = self.window()
+        target = getattr(win, "placement_view", None)
+        fn = getattr(target, "update_observed", None)
+        if callable(fn):
+            try:
+                fn(counts)
+            except Exception as exc:  # the other view's problem must not stop the monitor
+                self.ctx.statusMessage.emit(f"Placement heatmap could not take the observed routing: {exc}", 6000)
+
+    def feed(self, tick: M.Tick, store: M.RingStore | None = None) -> None:
+        """Show a tick that did not come from this view's hub (benchmarks, tests, a replay)."""
+        if store is not None:
+            self.store = store
+        self._on_tick(tick)
+
+    def schedule_redraw(self) -> None:
+        if self.paused:
+            return
+        if not self.isVisible():
+            self._dirty = True
+            return
+        if not self._redraw_timer.isActive():
+            self._redraw_timer.start()
+
+    def showEvent(self, ev) -> None:  # noqa: N802 - Qt's name
+        super().showEvent(ev)
+        if self._dirty:
+            self._dirty = False
+            self.schedule_redraw()
+
+    def _window_label(self) -> str:
+        for label, secs in WINDOWS:
+            if secs == self.window_s:
+                return label
+        return "10 min"
+
+    def set_window_index(self, i: int) -> None:
+        self.window_s = WINDOWS[i][1]
+        b = self.window_group.button(i)
+        if b is not None and not b.isChecked():
+            b.setChecked(True)
+        self.set_paused(False)
+        self.redraw()
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = bool(paused)
+        if self.pause_btn.isChecked() != self.paused:
+            self.pause_btn.blockSignals(True)
+            self.pause_btn.setChecked(self.paused)
+            self.pause_btn.blockSignals(False)
+        self.pause_btn.setText("Paused" if self.paused else "Pause")
+        self.live_btn.setVisible(self.paused)
+        if not self.paused:
+            self.redraw()
+
+    def _user_moved(self, *_: Any) -> None:
+        """Panning or zooming a plot by hand freezes the live follow (scroll back); Live ▶ resumes."""
+        if not self._setting_range and not self.paused:
+            self.set_paused(True)
+        self._fetch_later()
+
+    def _x_changed(self, *_: Any) -> None:
+        if self.paused and not self._setting_range:
+            self._fetch_later()
+
+    def _fetch_later(self) -> None:
+        if not hasattr(self, "_fetch_timer"):
+            self._fetch_timer = QTimer(self)
+            self._fetch_timer.setSingleShot(True)
+            self._fetch_timer.setInterval(60)
+            self._fetch_timer.timeout.connect(self._fetch_visible)
+        self._fetch_timer.start()
+
+    def _fetch_visible(self) -> None:
+        """While paused, scrolling back shows whatever the store holds for the visible range."""
+        if self.store is None:
+            return
+        (x0, x1), _ = self.plots["tok"].item.vb.viewRange()
+        self._draw_range(x0, x1, follow=False)
+
+    def redraw(self) -> None:
+        if self.store is None or self.paused:
+            return
+        span = self.store.span()
+        if span is None:
+            return
+        now = span[1]
+        # the window, or less while the run is younger than it (so a fresh run fills the plot)
+        x0 = span[0] if self.window_s is None else max(now - self.window_s, span[0])
+        x0 = min(x0, now - 10.0)
+        self._draw_range(x0, now, follow=True)
+
+    def _draw_range(self, x0: float, x1: float, follow: bool) -> None:
+        width = max(200, self.glw.width() // 2)
+        pad = (x1 - x0) * 0.02
+        cols = [c for p in self.plots.values() for c in p.curves]
+        t, data = self.store.window(x0 - pad, x1 + pad, cols, max_points=width * self.MAX_POINTS_PER_PIXEL)
+        for p in self.plots.values():
+            p.set_data(t, data)
+        if follow:
+            self._setting_range = True
+            try:
+                self.plots["tok"].item.setXRange(x0, x1 + (x1 - x0) * 0.01, padding=0)
+            finally:
+                self._setting_range = False
+        for p in self.plots.values():
+            p.place_note()
+        self._redraws += 1
+
+    # -- hover ------------------------------------------------------------------------------------------------
+    def _mouse_moved(self, evt) -> None:
+        pos = evt[0]
+        x = None
+        for p in self.plots.values():
+            if p.item.sceneBoundingRect().contains(pos):
+                x = p.item.vb.mapSceneToView(pos).x()
+                break
+        for p in self.plots.values():
+            p.hover(x)
+
+    def leaveEvent(self, ev) -> None:  # noqa: N802 - Qt's name
+        super().leaveEvent(ev)
+        for p in self.plots.values():
+            p.hover(None)
+
+    # -- cards ------------------------------------------------------------------------------------------------
+    def update_cards(self, tick: M.Tick) -> None:
+        v = tick.values
+        sim = tick.simulated
+        miss = tick.missing
+
+        def why(source: str) -> str:
+            return f"missing: {miss[source]}" if source in miss else ""
+
+        dec, pre = v.get("decode_tok_s"), v.get("prefill_tok_s")
+        busy, total = v.get("slots_busy"), v.get("slots_total")
+        slots = (f"{busy:.0f}/{total:.0f} slots busy" if busy is not None and total is not None
+                 else f"{busy:.0f} slots busy" if busy is not None else "")
+        q = v.get("queued")
+        if q:
+            slots += f" · {q:.0f} queued"
+        self.cards["decode"].show_value(fmt_value(dec, "{:.1f}", "tok/s"), slots, sim, why("engine"))
+        self.cards["prefill"].show_value(fmt_value(pre, "{:.0f}", "tok/s"), self._state_text(tick), sim,
+                                         why("engine"))
+        hr, roll, pred = v.get("hit_rate"), v.get("hit_rate_rolling"), tick.predicted_hit_rate
+        pred_s = "planner: unknown" if pred is None else f"planner {pred * 100:.1f}%"
+        self.cards["hit"].show_value(fmt_value(None if hr is None else hr * 100, "{:.1f}", "%"),
+                                     f"rolling {fmt_value(None if roll is None else roll * 100, '{:.1f}', '%')} · "
+                                     f"{pred_s}", sim, why("engine"))
+        sw, swmb, swt = v.get("swaps_per_s"), v.get("swap_mb_s"), v.get("swaps_total")
+        det = fmt_value(swmb, "{:.0f}", "MB/s")
+        if swt is not None:
+            det += f" · {swt:,.0f} total"
+        if "swap_mb_s" in tick.origin and tick.origin["swap_mb_s"].startswith("estimate"):
+            det += " (est.)"
+        self.cards["swaps"].show_value(fmt_value(sw, "{:.2f}", "/s"), det,
+                                       sim and tick.origin.get("swaps_per_s") == "simulated",
+                                       "; ".join(x for x in (why("engine"), why("log")) if x))
+        rx, tx = v.get("pcie_rx_mb_s"), v.get("pcie_tx_mb_s")
+        gen_, width = v.get("gpu_pcie_gen"), v.get("gpu_pcie_width")
+        link = f" · gen {gen_:.0f} ×{width:.0f}" if gen_ is not None and width is not None else ""
+        self.cards["pcie"].show_value(f"RX {fmt_value(rx, '{:.0f}', 'MB/s')}",
+                                      f"TX {fmt_value(tx, '{:.0f}', 'MB/s')}{link}",
+                                      tick.origin.get("pcie_rx_mb_s") == "simulated", why("gpu"))
+        vu, vt = v.get("vram_used_bytes"), v.get("vram_total_bytes")
+        self.cards["vram"].show_value(self._gib_pair(vu, vt), _origin_words(tick.origin.get("vram_used_bytes")),
+                                      tick.origin.get("vram_used_bytes") == "simulated",
+                                      "; ".join(x for x in (why("gpu"), why("engine")) if x))
+        ru, rt = v.get("ram_used_bytes"), v.get("ram_total_bytes")
+        self.cards["ram"].show_value(self._gib_pair(ru, rt), "host (psutil)", False, why("host"))
+        cb, cr, ct = v.get("cpu_bound_pct"), v.get("cpu_rest_pct"), v.get("cpu_total_pct")
+        if cb is not None:
+            self.cards["cpu"].show_value(f"bound {fmt_value(cb, '{:.0f}', '%')}",
+                                         f"rest {fmt_value(cr, '{:.0f}', '%')} · all {fmt_value(ct, '{:.0f}', '%')}",
+                                         False, why("host"))
+        else:
+            self.cards["cpu"].show_value(f"all {fmt_value(ct, '{:.0f}', '%')}", "engine not bound to a node",
+                                         False, why("host") or "The engine runs without a NUMA binding, so there "
+                                         "is no bound/rest split.")
+        gu, pw, tc = v.get("gpu_util_pct"), v.get("gpu_power_w"), v.get("gpu_temp_c")
+        self.cards["gpu"].show_value(fmt_value(gu, "{:.0f}", "%"),
+                                     "no NVIDIA GPU" if "gpu" in miss and gu is None
+                                     else f"{fmt_value(pw, '{:.0f}', 'W')} · {fmt_value(tc, '{:.0f}', '°C')}",
+                                     False, why("gpu"))
+        rss, ecpu = v.get("engine_rss_bytes"), v.get("engine_cpu_pct")
+        self.cards["engine"].show_value(fmt_value(None if rss is None else rss / GiB, "{:.2f}", "GiB"),
+                                        f"CPU {fmt_value(ecpu, '{:.0f}', '%')} of a core",
+                                        False, why("host") or str(tick.notes.get("engine_process", "")))
+        self._update_compare(tick)
+        self._update_status()
+
+    def _state_text(self, tick: M.Tick) -> str:
+        st = tick.sample.state if tick.sample is not None else None
+        return f"state: {st}" if st else ""
+
+    @staticmethod
+    def _gib_pair(used: float | None, total: float | None) -> str:
+        if used is None:
+            return "—"
+        if total is None:
+            return f"{used / GiB:.1f} GiB"
+        return f"{used / GiB:.1f} / {total / GiB:.0f} GiB"
+
+    def _update_compare(self, tick: M.Tick) -> None:
+        v = tick.values
+        users = v.get("slots_busy")
+        dec = v.get("decode_tok_s")
+        if self.store is not None and users is not None and dec is not None:
+            # a few seconds' mean of the decode rate at the current number of users: steadier than one tick
+            t, d = self.store.window(tick.t - 10.0, tick.t, ["decode_tok_s", "slots_busy"])
+            same = np.isfinite(d["decode_tok_s"]) & (d["slots_busy"] == np.float32(users))
+            if same.any():
+                dec = float(np.mean(d["decode_tok_s"][same]))
+        hr = v.get("hit_rate_rolling")
+        if hr is None:
+            hr = v.get("hit_rate")
+        c = guides.compare(dec, users, hr, simulated=tick.simulated,
+                           numa_bound=self.engine_info.get("numa_bound"),
+                           pcie_gen=v.get("gpu_pcie_gen"), pcie_width=v.get("gpu_pcie_width"))
+        self.compare.show_comparison(c)
+        self.last_comparison = c
+
+    def _update_status(self) -> None:
+        hub = self.hub
+        if hub is None:
+            return
+        parts = [f"Collecting from {hub.engine}" + (" (simulated)" if hub.simulated else "") + f" at {hub.hz:g} Hz"]
+        if hub.recorder is not None and not hub.record_error:
+            parts.append(f"recording to {hub.recorder.csv_path}")
+        if hub.record_error:
+            parts.append(hub.record_error)
+        t = self.last_tick
+        if t is not None and t.missing:
+            parts.append("missing: " + "; ".join(f"{k} ({v})" for k, v in sorted(t.missing.items())))
+        text = " · ".join(parts)
+        self.status.setText(text)
+        self.status.setToolTip(text)
+
+    # -- export -----------------------------------------------------------------------------------------------
+    def current_recording(self) -> Path | None:
+        hub = self.hub
+        if hub is not None and hub.recorder is not None:
+            return hub.recorder.csv_path
+        runs = M.list_runs()
+        return runs[0].csv_path if runs else None
+
+    def export_dialog(self) -> None:
+        rec = self.current_recording()
+        if rec is None and self.store is None:
+            self.ctx.statusMessage.emit("Nothing to export yet: start the engine first.", 5000)
+            return
+        default = str(Path.home() / f"dsv41-metrics-{time.strftime('%Y%m%d-%H%M%S')}.csv")
+        path, _ = QFileDialog.getSaveFileName(self, "Export metrics as CSV", default, "CSV files (*.csv)")
+        if not path:
+            return
+        self.export_to(Path(path))
+
+    def export_to(self, dest: Path, on_done: Callable[[int], None] | None = None) -> None:
+        rec = self.current_recording()
+        store = self.store
+
+        def done(n: int) -> None:
+            self.ctx.statusMessage.emit(f"Exported {n:,} samples to {dest}", 8000)
+            if on_done is not None:
+                on_done(n)
+
+        def failed(exc: BaseException) -> None:
+            self.ctx.statusMessage.emit(f"Export failed: {exc}. Choose another folder and try again.", 10000)
+
+        if rec is not None and rec.exists():
+            run_function(M.export_csv, dest, recording=rec, on_done=done, on_error=failed)
+        else:
+            run_function(M.export_csv, dest, store=store, on_done=done, on_error=failed)
+
+
+def _origin_words(origin: str | None) -> str:
+    return {"simulated": "modelled by the scripted engine", "driver": "GPU driver (NVML)",
+            "engine": "reported by the engine"}.get(origin or "", "")
+
+
+def _make_hub(info: dict[str, Any], hz: float, plan: dict | None, old_store: M.RingStore | None
+              ) -> tuple[M.MetricsHub, M.RingStore, dict[str, Any], int]:
+    """Off the GUI thread: ask the supervisor about the engine, build the hub, and (after a panel restart
+    against the same engine) load the run recorded so far."""
+    info = dict(info)
+    sup = info.pop("supervisor", None)
+    status = None
+    if sup is not None:
+        try:
+            status = sup.status()
+        except Exception:
+            status = None
+    if status is not None:
+        for key in ("engine", "pid", "binding", "log_path", "spec", "argv"):
+            val = getattr(status, key, None) if not isinstance(status, dict) else status.get(key)
+            if val is not None:
+                info[key] = val
+    engine = info.get("engine") or info.get("engine_default") or "sim"
+    if hasattr(engine, "name"):
+        engine = engine.name
+    info["engine"] = engine
+    spec = info.get("spec")
+    if spec is not None and getattr(spec, "base_url", None) != info["base_url"]:
+        spec = None
+    info["numa_bound"] = M.binding_bound(info.get("binding"))
+    plan_path = getattr(sup, "plan_path", None)
+    if plan is None and plan_path is not None and status is not None and getattr(status, "pid", None):
+        try:                                   # the plan the supervisor started this engine with
+            import json
+            plan = json.loads(Path(plan_path).read_text())
+            info["plan"] = plan
+        except (OSError, ValueError):
+            pass
+    store = M.RingStore(M.COLUMN_NAMES, hz=hz)
+    hub = M.build_hub(engine, info["base_url"], info["api_key"], spec=spec, pid=info.get("pid"),
+                      binding=info.get("binding"), log_path=info.get("log_path"),
+                      gpu_index=int(info.get("gpu_index") or 0), hz=hz, plan=plan, store=store,
+                      argv=info.get("argv"))
+    info["label"] = get_engine(engine).label or engine
+    loaded = 0
+    rec = hub.recorder
+    if rec is not None and rec.meta.get("resumed_at") and rec.csv_path.exists():
+        # the same engine process as before (a panel restart or a rate change): show the run so far
+        try:
+            loaded = M.load_into(store, rec.csv_path)
+        except (OSError, ValueError):
+            loaded = 0
+    if not loaded and old_store is not None and old_store.span() is not None:
+        t, d = old_store.window()
+        store.extend(t, np.column_stack([d[c] for c in M.COLUMN_NAMES]))
+        loaded = int(t.shape[0])
+    return hub, store, info, loaded

@@ -41,6 +41,8 @@ def runs_dir() -> Path:
 
 def resources_dir() -> Path:
     """The ``resources/`` folder: beside the source tree, else under ``<prefix>/share/dsv41-panel``."""
+    if getattr(sys, "frozen", False):  # a PyInstaller bundle (packaging/dsv41-panel.spec)
+        return Path(getattr(sys, "_MEIPASS", Path(sys.executable).parent)) / "resources"
     here = Path(__file__).resolve().parent.parent / "resources"
     if here.is_dir():
         return here

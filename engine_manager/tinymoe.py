@@ -54,13 +54,14 @@ class TinyMoeConfig:
     n_embd: int = 64
     n_head: int = 4
     n_head_kv: int = 2
-    head_dim: int = 16
+    head_dim: int = 32
     n_expert: int = 8
     n_expert_used: int = 2
     n_ff_exp: int = 32
     context_length: int = 4096
     seed: int = 1234
     shards: int = 2
+    printable_only: bool = True     # False: no output bias, so replies hit llama-server's invalid-UTF-8 400
 
     def expert_tensor_bytes(self) -> int:
         """Bytes of one layer's gate+up+down expert tensors (F16)."""
@@ -169,7 +170,11 @@ def make_tensor(cfg: TinyMoeConfig, name: str, shape: tuple[int, ...], dtype: ty
     if name == "output.weight":
         t = _normal(cfg, name, shape, 1.0)
         t[:, 0] = 0.0
-        t[~np.asarray(printable), 0] = BLOCK_WEIGHT * np.sqrt(cfg.n_embd)
+        if cfg.printable_only:
+            t[~np.asarray(printable), 0] = BLOCK_WEIGHT * np.sqrt(cfg.n_embd)
+        else:   # still never sample the special tokens, so the reply runs into the raw bytes
+            t[np.asarray([i >= len(printable) - len(SPECIAL_TOKENS) for i in range(len(printable))]), 0] = \
+                BLOCK_WEIGHT * np.sqrt(cfg.n_embd)
         return t
     if name.endswith("ffn_gate_inp.weight"):
         return _normal(cfg, name, shape, 1.0).astype(np.float32)
@@ -273,9 +278,13 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
     for f in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert", "n_expert_used", "n_ff_exp",
               "context_length", "seed", "shards"):
         p.add_argument("--" + f.replace("_", "-"), type=int, default=None, dest=f)
+    p.add_argument("--any-bytes", action="store_true",
+                   help="no printable-only output bias (replies then contain invalid UTF-8: for error tests)")
     args = p.parse_args(argv)
     cfg = replace(PRESETS[args.preset], **{k: v for k, v in vars(args).items()
                                              if k in TinyMoeConfig.__dataclass_fields__ and v is not None})
+    if args.any_bytes:
+        cfg = replace(cfg, printable_only=False)
     if cfg.n_expert_used > cfg.n_expert or cfg.shards < 1 or cfg.n_head % cfg.n_head_kv:
         p.error("need n_expert_used <= n_expert, shards >= 1 and n_head a multiple of n_head_kv")
     last = 0.0

@@ -1,0 +1,244 @@
+"""``dsv41 download [--model] [--engine] [--dir DIR] [--jobs N]``: fetch the seven model shards and the engine
+release, resumable and verified, with a terminal progress bar (per file and in total, speed, ETA).
+
+Ctrl+C stops cleanly: every partial file keeps its checkpoint, and running the command again resumes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .. import download as dl
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "download", help="download the model's seven shards and the engine release (resumable, verified)",
+        description="Download DeepSeek-V4.1-Flash's seven GGUF shards at the pinned revision and the prebuilt engine "
+                    "release, verifying every byte (sha256) before use. Interrupted downloads resume. With neither "
+                    "--model nor --engine: the model, then the engine if its manifest pins a release. The token is "
+                    "read from HF_TOKEN or the hf_token setting and never printed.")
+    p.add_argument("--model", action="store_true", help="download (or verify) the model shards")
+    p.add_argument("--engine", action="store_true", help="download and unpack the engine release")
+    p.add_argument("--dir", type=Path, metavar="DIR",
+                   help="folder for the shards (default: DSV41_MODEL_DIR if set, else <cache_dir>/models/…)")
+    p.add_argument("--jobs", type=int, default=dl.DEFAULT_JOBS, metavar="N",
+                   help=f"files downloaded in parallel, one connection each (default {dl.DEFAULT_JOBS})")
+    p.add_argument("--verify", action="store_true",
+                   help="re-hash files already on disk even if they were verified before")
+    p.add_argument("--engine-manifest", type=Path, metavar="FILE",
+                   help="engine release manifest (JSON: version, url, size, sha256, executables) instead of "
+                        "resources/manifests/engine.json")
+    p.add_argument("--json", action="store_true", help="print one JSON object per event instead of a progress bar")
+    p.add_argument("--checkpoint-mib", type=float, default=dl.CHECKPOINT_BYTES / dl.MiB, metavar="MIB",
+                   help="save resumable state every MIB mebibytes: at most this much is fetched again after a "
+                        "crash (default %(default)g)")
+    p.add_argument("--stall-timeout", type=float, default=dl.STALL_TIMEOUT_S, metavar="S",
+                   help="retry a connection that delivered nothing for S seconds (default %(default)g)")
+    p.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rendering
+# ---------------------------------------------------------------------------------------------------------------
+
+def _short(name: str) -> str:
+    """``DeepSeek-V4.1-Flash-Q2_K-00003-of-00007.gguf`` → ``00003-of-00007``."""
+    stem = name[:-5] if name.endswith(".gguf") else name
+    parts = stem.rsplit("-", 3)
+    return "-".join(parts[-3:]) if len(parts) == 4 and parts[-2] == "of" else name[:24]
+
+
+def _bar(frac: float, width: int) -> str:
+    frac = min(1.0, max(0.0, frac))
+    full = int(frac * width)
+    return "█" * full + ("▌" if frac * width - full >= 0.5 else "") + " " * (width - full - (1 if frac * width - full >= 0.5 else 0))
+
+
+def _speed(bps: float | None) -> str:
+    return f"{dl.fmt_bytes(bps)}/s" if bps else "   --   "
+
+
+class Renderer:
+    """Prints events. On a terminal: a block of bars redrawn in place (one per file and a total); otherwise a
+    line per event and a progress line every few seconds."""
+
+    def __init__(self, out=None, json_mode: bool = False):
+        self.out = out or sys.stdout
+        self.json = json_mode
+        self.tty = (not json_mode) and self.out.isatty() and os.environ.get("TERM") != "dumb"
+        self.lines_drawn = 0
+        self.last_draw = 0.0
+        self.last_line = 0.0
+        self.last_progress: dl.Progress | None = None
+
+    def _print(self, text: str) -> None:
+        if self.tty and self.lines_drawn:
+            self.out.write(f"\x1b[{self.lines_drawn}F\x1b[J")
+            self.lines_drawn = 0
+        print(text, file=self.out, flush=True)
+        if self.tty and self.last_progress is not None:
+            self._draw(self.last_progress)
+
+    def event(self, ev) -> None:
+        if self.json:
+            d = {"event": type(ev).__name__}
+            d.update({k: (str(v) if isinstance(v, Path) else v) for k, v in ev.__dict__.items() if k != "files"})
+            if isinstance(ev, dl.Progress):
+                d["files"] = [f.__dict__ for f in ev.files]
+            elif isinstance(ev, (dl.Resolved, dl.Finished)):
+                d["files"] = [(f.__dict__ if hasattr(f, "__dict__") and not isinstance(f, Path) else str(f))
+                              for f in ev.files]
+            print(json.dumps(d, default=str), file=self.out, flush=True)
+            return
+        if isinstance(ev, dl.Progress):
+            self.progress(ev)
+        elif isinstance(ev, dl.Resolved):
+            how = "pinned earlier" if ev.pinned else f"resolved from '{ev.revision}' and pinned"
+            self._print(f"{ev.repo} @ {ev.commit[:12]} ({how}): {len(ev.files)} files, "
+                        f"{dl.fmt_bytes(ev.total_bytes)} → {ev.target_dir}")
+        elif isinstance(ev, dl.DiskChecked):
+            self._print(f"disk: {dl.fmt_bytes(ev.free_bytes)} free at {ev.path}, "
+                        f"{dl.fmt_bytes(ev.needed_bytes)} needed")
+        elif isinstance(ev, dl.Checking):
+            now = time.monotonic()
+            if now - self.last_line >= (0.2 if self.tty else 5.0):
+                self.last_line = now
+                frac = ev.done_bytes / ev.total_bytes if ev.total_bytes else 1.0
+                msg = f"checking files on disk: {frac * 100:5.1f}% of {dl.fmt_bytes(ev.total_bytes)}"
+                if self.tty:
+                    self.out.write("\r\x1b[2K" + msg)
+                    self.out.flush()
+                else:
+                    print(msg, file=self.out, flush=True)
+        elif isinstance(ev, dl.FileVerified):
+            if self.tty:
+                self.out.write("\r\x1b[2K")
+            self._print(f"✓ {ev.name} verified" + ("" if ev.downloaded else " (already on disk)"))
+        elif isinstance(ev, dl.FileCorrupt):
+            self._print(f"✗ {ev.name}: sha256 mismatch (expected {ev.expected[:12]}…, got {ev.actual[:12]}…): "
+                        f"{ev.action}")
+        elif isinstance(ev, dl.Retrying):
+            self._print(f"↻ {ev.name}: {ev.reason}; retry {ev.attempt} in {ev.delay_s:.1f} s")
+        elif isinstance(ev, dl.Notice):
+            self._print(f"note: {ev.text}")
+        elif isinstance(ev, dl.Paused):
+            self._print("paused")
+        elif isinstance(ev, dl.Resumed):
+            self._print("resumed")
+
+    def progress(self, p: dl.Progress, force: bool = False) -> None:
+        self.last_progress = p
+        now = time.monotonic()
+        if self.tty:
+            if force or now - self.last_draw >= 0.2:
+                self.last_draw = now
+                self._draw(p)
+        elif force or now - self.last_line >= 5.0:
+            self.last_line = now
+            active = [f for f in p.files if f.state in ("downloading", "retrying", "verifying")]
+            parts = ", ".join(f"{_short(f.name)} {f.done_bytes / f.size_bytes * 100:.0f}%" for f in active
+                              if f.size_bytes)
+            print(f"{p.fraction * 100:5.1f}%  {dl.fmt_bytes(p.done_bytes)} of {dl.fmt_bytes(p.total_bytes)}  "
+                  f"{_speed(p.speed_bps)}  ETA {dl.fmt_eta(p.eta_s)}" + (f"  [{parts}]" if parts else ""),
+                  file=self.out, flush=True)
+
+    def _draw(self, p: dl.Progress) -> None:
+        cols = shutil.get_terminal_size((100, 20)).columns
+        width = max(10, min(40, cols - 62))
+        lines = []
+        for f in p.files:
+            frac = f.done_bytes / f.size_bytes if f.size_bytes else 1.0
+            mark = "✓" if f.state in ("verified", "present") else " "
+            lines.append(f"{mark} {_short(f.name):<15} {_bar(frac, width)} {frac * 100:5.1f}% "
+                         f"{dl.fmt_bytes(f.done_bytes):>9} {_speed(f.speed_bps):>11} "
+                         f"{dl.fmt_eta(f.eta_s) if f.state == 'downloading' else f.state:>8}")
+        lines.append(f"  {'total':<15} {_bar(p.fraction, width)} {p.fraction * 100:5.1f}% "
+                     f"{dl.fmt_bytes(p.done_bytes):>9} {_speed(p.speed_bps):>11} ETA {dl.fmt_eta(p.eta_s)}"
+                     f"  of {dl.fmt_bytes(p.total_bytes)}")
+        lines = [ln[:cols - 1] for ln in lines]
+        if self.lines_drawn:
+            self.out.write(f"\x1b[{self.lines_drawn}F")
+        self.out.write("".join("\x1b[2K" + ln + "\n" for ln in lines))
+        self.out.flush()
+        self.lines_drawn = len(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------------------------------
+
+def _drive(gen, r: Renderer):
+    """Run a download generator to its end, printing events; returns the last event."""
+    last = None
+    try:
+        for ev in gen:
+            r.event(ev)
+            last = ev
+    finally:
+        gen.close()
+    if r.last_progress is not None and not r.json:
+        r.progress(r.last_progress, force=True)
+    return last
+
+
+def run(args, ctx) -> int:
+    settings = ctx.settings
+    want_model = args.model or not args.engine
+    want_engine = args.engine
+    r = Renderer(json_mode=args.json)
+    err = sys.stderr
+    if args.jobs < 1 or args.jobs > 16:
+        print("dsv41 download: --jobs must be 1 to 16", file=err)
+        return EXIT_USAGE
+    common = dict(checkpoint_bytes=max(64 * 1024, int(args.checkpoint_mib * dl.MiB)),
+                  stall_timeout_s=max(0.5, args.stall_timeout))
+    control = dl.DownloadControl()
+    stage = "model"
+    try:
+        if want_model:
+            last = _drive(dl.download_model(settings, target_dir=args.dir, jobs=args.jobs, control=control,
+                                            verify="full" if args.verify else "quick", **common), r)
+            if isinstance(last, dl.Finished):
+                where = last.target_dir
+                fetched = f"{dl.fmt_bytes(last.fetched_bytes)} fetched" if last.fetched_bytes else "nothing fetched"
+                print(f"model: all {len(last.files)} shards verified in {where} ({fetched}, "
+                      f"{last.elapsed_s:.1f} s).", file=sys.stdout if not args.json else err, flush=True)
+                if args.dir and settings.model_dir is None:
+                    print(f"hint: the engine loads the model from {dl.model_dir(settings)}; set DSV41_MODEL_DIR={where}"
+                          " (or `dsv41 settings set model_dir …`) to use this folder.", file=err)
+        if not args.engine and not args.model:
+            try:
+                dl.read_engine_manifest(args.engine_manifest)
+                want_engine = True
+            except dl.ArchiveError as exc:
+                print(f"note: engine release skipped: {exc.message}", file=err)
+        if want_engine:
+            stage = "engine"
+            last = _drive(dl.download_engine(settings, manifest=args.engine_manifest, control=control, **common), r)
+            if isinstance(last, dl.Finished):
+                print(f"engine: release verified and unpacked in {last.target_dir}.",
+                      file=sys.stdout if not args.json else err, flush=True)
+    except KeyboardInterrupt:
+        control.cancel()
+        if r.tty:
+            sys.stdout.write("\n")
+        st = dl.local_status(settings, args.dir) if stage == "model" else None
+        kept = f" ({dl.fmt_bytes(st.partial_bytes)} of partial files kept in {st.folder})" if st else ""
+        print(f"dsv41 download: interrupted; the download state is saved{kept}. Run `dsv41 download` again to "
+              "resume where it stopped.", file=err, flush=True)
+        return EXIT_INTERRUPTED
+    except dl.DownloadError as exc:
+        if r.tty and r.lines_drawn:
+            sys.stdout.write("\n")
+        print(f"dsv41 download: {exc.message}", file=err)
+        if exc.fix:
+            print(f"  what to do: {exc.fix}", file=err)
+        return EXIT_FAIL
+    return EXIT_OK

@@ -1,0 +1,300 @@
+"""``dsv41 start | stop | status | logs | binding``: run the engine from a terminal.
+
+- ``dsv41 start [--engine sim|strata|llamacpp] [--dry-run] [--foreground]``: start the engine and return once it
+  is ready (it keeps running in its own session; ``dsv41 stop`` stops it). ``--foreground`` stays, prints the
+  engine's log, restarts it after a crash (auto_restart) and stops it on Ctrl+C. ``--dry-run`` prints every
+  command it would run here. Without a GPU the scripted engine (simulated) is the default, and it says so.
+- ``dsv41 stop [--force]``: SIGTERM to the engine's process group, grace period, SIGKILL (``--force``: at once).
+- ``dsv41 status [--json]``: state, engine, pid, port, base_url, binding, uptime, last failure.
+- ``dsv41 logs [-f] [-n N]``: the engine log (rotated, secrets masked); ``-f`` follows it.
+- ``dsv41 binding [--json]``: the NUMA binding the engine would get here, each strategy probed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from .. import hardware, supervisor as sv
+from ..engines import ENGINE_NAMES
+from ..numa import choose_binding
+from ..settings import resolve_engine
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def register(sub) -> None:
+    p = sub.add_parser("start", help="start the engine and wait until it is ready",
+                       description="Start the engine (bound to the GPU's NUMA node), wait until it answers, then "
+                                   "return and leave it running; `dsv41 stop` stops it. Without a GPU the scripted "
+                                   "engine (simulated) is started. Exit 0 ready (or already running), 1 failed, "
+                                   "3 placement refused, 130 interrupted (the engine is then stopped).")
+    p.add_argument("--engine", choices=ENGINE_NAMES + ("mock",),
+                   help="which engine (default: the engine setting; auto = strata with a GPU, else sim)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print every command that would run (binding probes, engine command, environment with "
+                        "the key masked) and start nothing")
+    p.add_argument("--foreground", action="store_true",
+                   help="stay attached: print the engine log, restart after crashes, stop on Ctrl+C")
+    p.add_argument("--json", action="store_true", help="print the events as JSON lines")
+    p.set_defaults(func=run_start)
+
+    p = sub.add_parser("stop", help="stop the engine this panel started",
+                       description="SIGTERM to the engine's process group, a grace period, then SIGKILL; checks that "
+                                   "no process of the group is left. An engine the panel did not start is never "
+                                   "stopped.")
+    p.add_argument("--force", action="store_true", help="SIGKILL at once")
+    p.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL (default 20)")
+    p.set_defaults(func=run_stop)
+
+    p = sub.add_parser("status", help="is the engine running? where? how was it bound?",
+                       description="State (stopped/starting/ready/stopping/crashed/restarting), engine, pid, port, "
+                                   "base_url, binding, uptime and the last failure. Always exit 0.")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_status)
+
+    p = sub.add_parser("logs", help="print (or follow) the engine log",
+                       description="The engine's log (size-rotated: engine.log, engine.log.1 …; secrets masked).")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl+C")
+    p.add_argument("-n", "--lines", type=int, default=200, help="how many of the last lines (default 200; 0 = all "
+                                                                 "of the current file)")
+    p.add_argument("--path", action="store_true", help="print the log file's path only")
+    p.set_defaults(func=run_logs)
+
+    p = sub.add_parser("binding", help="probe the NUMA binding the engine would get here",
+                       description="Try numactl --cpunodebind=N --preferred=N, numactl --cpunodebind=N, taskset, "
+                                   "none — each by really running `<prefix> true` — and print the choice and why.")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_binding)
+
+
+# -- rendering ---------------------------------------------------------------------------------------------
+
+def _fmt_s(s: float) -> str:
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.1f} s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{m} min {sec:02d} s"
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min"
+
+
+class Printer:
+    """Prints supervisor events for a person (or as JSON lines)."""
+
+    def __init__(self, out=None, json_lines: bool = False, show_log: bool = False):
+        self.out = out or sys.stdout
+        self.json = json_lines
+        self.show_log = show_log
+        self.tty = hasattr(self.out, "isatty") and self.out.isatty()
+        self._last_progress = 0.0
+        self._progress_shown = False
+
+    def _line(self, text: str) -> None:
+        if self._progress_shown and self.tty:
+            self.out.write("\r\033[K")
+            self._progress_shown = False
+        print(text, file=self.out, flush=True)
+
+    def __call__(self, ev: sv.Event) -> None:
+        if self.json:
+            if ev.kind == "log" and not self.show_log:
+                return
+            print(json.dumps(ev.to_dict(), default=str), file=self.out, flush=True)
+            return
+        k = ev.kind
+        if k == "log":
+            if self.show_log:
+                for ln in ev.lines:
+                    self._line(f"  | {ln}")
+        elif k == "progress":
+            eta = f", about {_fmt_s(ev.eta_s)} left" if ev.eta_s else ""
+            text = (f"waiting for the engine: {_fmt_s(ev.elapsed_s)} of {_fmt_s(ev.timeout_s)} — {ev.phase}{eta}")
+            if self.tty:
+                self.out.write("\r\033[K" + text[:200])
+                self.out.flush()
+                self._progress_shown = True
+            elif time.monotonic() - self._last_progress >= 5.0:
+                self._last_progress = time.monotonic()
+                self._line(text)
+        elif k == "note":
+            self._line(("warning: " if ev.level == "warning" else "") + ev.text)
+        elif k == "state":
+            self._line(f"[{ev.state}] {ev.message}" if ev.message else f"[{ev.state}]")
+        elif k == "ready":
+            self._line(f"ready: {ev.base_url} ({'re-attached' if ev.attached else f'after {_fmt_s(ev.elapsed_s)}'})"
+                       f"{' — simulated' if ev.simulated else ''}")
+        elif k == "crashed":
+            self._line(f"CRASHED: {ev.title}")
+            self._line(f"  what to do: {ev.fix}")
+            if ev.cause == "unknown" and ev.log_tail:
+                pass   # the fix already carries the last lines
+            if ev.will_restart:
+                self._line(f"  restarting in {ev.restart_in_s:.1f} s (crash {ev.crashes_in_window})")
+        elif k == "restarting":
+            pass
+        elif k == "gave_up":
+            self._line(f"gave up: {ev.message}")
+        elif k == "failed":
+            self._line(f"error: {ev.message}")
+            self._line(f"  what to do: {ev.fix}")
+            for ln in ev.log_tail:
+                self._line(f"  | {ln}")
+        elif k == "stopping":
+            if time.monotonic() - self._last_progress >= 1.0:
+                self._last_progress = time.monotonic()
+                self._line(f"stopping: {ev.signal_name} sent {_fmt_s(ev.elapsed_s)} ago, {ev.remaining} "
+                           f"process(es) left (SIGKILL after {_fmt_s(ev.grace_s)})")
+        elif k == "stopped":
+            self._line(ev.message)
+        elif k == "attached":
+            self._line(ev.message)
+
+
+# -- commands ------------------------------------------------------------------------------------------------
+
+def _probe(settings):
+    return hardware.probe(settings.cache_path)
+
+
+def _choose_engine(args, settings, hw, say) -> str:
+    if args.engine:
+        return {"mock": "sim"}.get(args.engine, args.engine)
+    name = resolve_engine(settings, hw.has_gpu)
+    if name == "sim" and not hw.has_gpu:
+        say(f"No NVIDIA GPU here ({hw.gpu_error}): starting the scripted engine (simulated) with the replica "
+            "layout of DeepSeek-V4.1-Flash. Every figure it reports is simulated. Choose another engine with "
+            "--engine or DSV41_SERVER_ENGINE.")
+    return name
+
+
+def run_start(args, ctx) -> int:
+    settings = ctx.settings
+    hw = _probe(settings)
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    engine = _choose_engine(args, settings, hw, say)
+    sup = sv.Supervisor(settings, hardware=hw)
+    if args.dry_run:
+        dr = sup.dry_run(engine)
+        if args.json:
+            print(json.dumps(dr.to_dict(), indent=2, default=str))
+        else:
+            print(dr.render(), end="")
+        return EXIT_OK
+    printer = Printer(json_lines=args.json, show_log=args.foreground)
+    result = None
+    failed: sv.StartFailed | None = None
+    gave_up = False
+    gen = sup.run(engine, watch=args.foreground)
+    try:
+        while True:
+            try:
+                ev = next(gen)
+            except StopIteration as stop:
+                result = stop.value
+                break
+            printer(ev)
+            if isinstance(ev, sv.StartFailed):
+                failed = ev
+            elif isinstance(ev, sv.GaveUp):
+                gave_up = True
+    except KeyboardInterrupt:
+        gen.close()
+        say("\ninterrupted: stopping the engine…")
+        for ev in sup.stop():
+            printer(ev)
+        return EXIT_INTERRUPTED
+    if failed is not None:
+        return EXIT_REFUSED if failed.cause == "placement_refused" else EXIT_FAIL
+    st = result or sup.status(check_health=False)
+    if st.state == sv.READY:
+        if not args.foreground:
+            say(f"The engine runs in the background (pid {st.pid}, {st.base_url}). `dsv41 status` shows it, "
+                "`dsv41 logs -f` follows its log, `dsv41 stop` stops it.")
+        return EXIT_OK
+    if st.state == sv.STOPPED and args.foreground and not gave_up:
+        return EXIT_OK
+    return EXIT_FAIL
+
+
+def run_stop(args, ctx) -> int:
+    sup = sv.Supervisor(ctx.settings, grace_s=args.grace)
+    printer = Printer()
+    external = False
+    for ev in sup.stop(force=args.force):
+        if isinstance(ev, sv.Note) and ev.level == "warning" and "not started by this panel" in ev.text:
+            external = True
+        printer(ev)
+    return EXIT_FAIL if external else EXIT_OK
+
+
+def run_status(args, ctx) -> int:
+    sup = sv.Supervisor(ctx.settings)
+    st = sup.status()
+    if args.json:
+        print(json.dumps(st.to_dict(), indent=2, default=str))
+        return EXIT_OK
+    rows = [("state", st.state), ("engine", (st.label or st.engine or "—") + (" (simulated)" if st.simulated else "")),
+            ("pid", st.pid), ("process group", st.pgid), ("port", st.port), ("base_url", st.base_url),
+            ("binding", st.binding)]
+    if st.started_at and st.running:
+        rows.append(("uptime", _fmt_s(time.time() - st.started_at)))
+    rows.append(("log", st.log_path))
+    for k, v in rows:
+        print(f"{k:<14} {v if v not in (None, '') else '—'}")
+    if st.key_matches is False:
+        print("warning: the engine was started with another API key than the one in the settings now")
+    if st.message:
+        print(st.message)
+    if st.last_failure:
+        lf = st.last_failure
+        print(f"last failure:  {lf.get('title')}")
+        print(f"what to do:    {lf.get('fix')}")
+    return EXIT_OK
+
+
+def run_logs(args, ctx) -> int:
+    sup = sv.Supervisor(ctx.settings)
+    path = sup.log_path
+    if args.path:
+        print(path)
+        return EXIT_OK
+    if not path.exists():
+        print(f"No engine log yet ({path}); it appears once the engine was started.", file=sys.stderr)
+        if not args.follow:
+            return EXIT_OK
+    lines = sv.read_log_tail(path)
+    if args.lines > 0:
+        lines = lines[-args.lines:]
+    for ln in lines:
+        print(ln)
+    sys.stdout.flush()
+    if not args.follow:
+        return EXIT_OK
+    tail = sv.LogTail(path, None)
+    try:
+        while True:
+            for ln in tail.read():
+                print(ln, flush=True)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        tail.close()
+
+
+def run_binding(args, ctx) -> int:
+    settings = ctx.settings
+    b = choose_binding(_probe(settings), settings.gpu_index, settings.numa_binding)
+    if args.json:
+        print(json.dumps(b.to_dict(), indent=2))
+    else:
+        print("\n".join(b.describe()))
+    return EXIT_OK

@@ -1,0 +1,207 @@
+"""``dsv41 plan``: which experts live in VRAM on this host (or another), or why the host cannot hold the model.
+
+Exit 0 with a plan, 3 when the host is refused, 1 when there is no model to plan (or its headers are unreadable),
+2 for bad arguments or an unreadable usage file.
+
+Where the model comes from: ``--model-dir DIR``; else ``--replica`` (the header-faithful sparse replica, generated
+once into the data dir); else the settings' ``model_dir`` or the download cache. With none of them it says there is
+no model and how to get one, and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from .. import hardware as hw
+from .. import placement
+from ..layout import KIND_LABELS, LayoutError, read_layout
+from ..routing import RoutingError, load_usage
+
+GiB, GB, MiB = 1 << 30, 10**9, 1 << 20
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(gib|gb|mib|mb|tib|tb|g|m|t)?\s*$", re.I)
+_UNIT = {None: GiB, "gib": GiB, "g": GiB, "gb": GB, "mib": MiB, "m": MiB, "mb": 10**6, "tib": 1 << 40,
+         "tb": 10**12, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"95.6"`` (GiB), ``"280GB"``, ``"97887MiB"`` → bytes."""
+    import argparse
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 96, 95.6GiB, 280GB, 97887MiB)")
+    v = float(m.group(1)) * _UNIT[(m.group(2) or "").lower() or None]
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
+    return int(v)
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="plan which experts live in VRAM, or refuse a host that cannot hold the model",
+        description="Read the model's GGUF headers, the GPU's VRAM and the host's RAM (or the sizes you give) and "
+                    "print the placement: itemised VRAM and RAM terms, the hot set, the predicted hit rate (only "
+                    "from real routing data), the Strata flags and the stock llama.cpp per-layer equivalent. "
+                    "Exit 0 with a plan, 3 when the host is refused, 1 with no model.")
+    p.add_argument("--model-dir", metavar="DIR", help="folder (or first shard) of the model's GGUF split "
+                                                      "(default: the model_dir setting, then the download cache)")
+    p.add_argument("--replica", action="store_true",
+                   help="plan the header-faithful sparse replica of DeepSeek-V4.1-Flash Q2_K (no download needed)")
+    p.add_argument("--vram-gib", type=parse_size, metavar="N",
+                   help="plan for a GPU with this much memory (GiB; or 280GB, 97887MiB) instead of this host's")
+    p.add_argument("--ram-gib", type=parse_size, metavar="N",
+                   help="plan for a host with this much RAM (GiB; or e.g. 280GB) instead of this host's")
+    p.add_argument("--usage", action="append", default=[], metavar="FILE",
+                   help="routing data: a --dump-routing trace, a saved frequency table, or a Strata profile "
+                        "(repeatable; traces are merged)")
+    p.add_argument("--slots", type=int, help="concurrent requests (default: the slots setting)")
+    p.add_argument("--context", type=int, metavar="TOKENS", help="context per slot (default: the setting)")
+    p.add_argument("--kv-type", choices=["int8", "q4_0", "k8v4"], help="KV cache type (default: the setting)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--out", metavar="FILE", help="also write the plan's JSON to FILE")
+    p.add_argument("--strp", metavar="FILE", help="write the Strata expert profile (STRP) in the plan's order")
+    p.set_defaults(func=run)
+
+
+def _layout(args, settings):
+    if args.model_dir:
+        return read_layout(args.model_dir), None
+    if args.replica:
+        return placement.default_sim_layout(), "the header-faithful replica (sparse files, no weights)"
+    first = placement.find_model(settings)
+    if first is None:
+        return None, None
+    return read_layout(first), None
+
+
+def run(args, ctx) -> int:
+    settings = ctx.settings
+    try:
+        layout, what = _layout(args, settings)
+    except LayoutError as exc:
+        print(f"dsv41 plan: cannot read the model: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    if layout is None:
+        where = [f"model_dir ({settings.model_dir})" if settings.model_dir else "model_dir is not set",
+                 f"the download cache ({settings.cache_path}) holds no shards"]
+        print("dsv41 plan: there is no model to plan: " + "; ".join(where) + ".\n"
+              "Get it with `dsv41 download`, or set DSV41_MODEL_DIR to a folder that holds the seven "
+              "DeepSeek-V4.1-Flash-Q2_K-0000N-of-00007.gguf shards, or pass --model-dir DIR.\n"
+              "To see a plan without the 264.5 GB download, plan the header-faithful replica: "
+              "`dsv41 plan --replica`.", file=sys.stderr)
+        return EXIT_FAIL
+
+    if args.vram_gib is not None or args.ram_gib is not None:
+        base = hw.probe(settings.cache_path)
+        hardware = placement.hypothetical_hardware(base, args.vram_gib, args.ram_gib)
+    else:
+        hardware = hw.probe(settings.cache_path)
+
+    overrides = {k: v for k, v in (("slots", args.slots), ("context_length", args.context),
+                                   ("kv_type", args.kv_type)) if v is not None}
+    ps = placement.PlanSettings.from_settings(settings, **overrides)
+    try:
+        usage = load_usage(args.usage, layout.n_layers, layout.n_experts) if args.usage else None
+    except RoutingError as exc:
+        print(f"dsv41 plan: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        p = placement.plan(layout, hardware, usage, ps, strp_path=args.strp)
+    except ValueError as exc:
+        print(f"dsv41 plan: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    d = p.to_dict()
+    if what:
+        d["model"]["source"] = what
+    if args.out:
+        placement.save_plan(d, args.out)
+    if args.json:
+        json.dump(d, sys.stdout, indent=1)
+        print()
+    else:
+        print(render(p, what))
+        if args.strp and p.strp_path:
+            print(f"\nWrote the Strata profile to {p.strp_path}")
+        elif args.strp:
+            print("\nNo Strata profile written: the plan was refused.")
+        if args.out:
+            print(f"Wrote the plan to {args.out}")
+    return EXIT_REFUSED if p.refused else EXIT_OK
+
+
+def _g(n: int) -> str:
+    return f"{n / GiB:9.2f} GiB"
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:8.1f} GB ({n / GiB:6.1f} GiB)"
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}–{xs[j]}")
+        i = j + 1
+    return ", ".join(out) or "none"
+
+
+def render(p: placement.Plan, what: str | None = None) -> str:
+    lay, s = p.layout, p.settings
+    L = []
+    L.append(f"Plan for {lay.name}: {len(lay.shards)} shard(s), {lay.total_bytes / GB:.1f} GB"
+             + (f" — {what}" if what else ""))
+    L.append(f"Host: {p.hardware_label}" + ("  [HYPOTHETICAL: not this machine]" if p.hypothetical else ""))
+    L.append(f"Settings: {s.slots} slot(s), {s.context_length:,}-token context, {s.kv_type} KV cache, "
+             f"{s.vram_reserve_mib} MiB VRAM reserve")
+    kinds = lay.bytes_by_kind()
+    L.append("Model: " + ", ".join(f"{KIND_LABELS[k]} {v / GiB:.1f} GiB" for k, v in kinds.items() if v))
+    L.append("")
+    L.append(f"VRAM  budget {p.vram.budget_bytes / GiB:.2f} GiB ({p.vram.budget_bytes / MiB:,.0f} MiB)")
+    w = max(len(t.name) for t in p.vram.terms + p.ram.terms)
+    for t in p.vram.terms:
+        L.append(f"  {t.name:<{w}} {_g(t.bytes)}   {t.note}")
+    L.append(f"  {'total':<{w}} {_g(p.vram.total_bytes)}   free {p.vram.free_bytes / MiB:,.1f} MiB")
+    L.append(f"RAM   budget {p.ram.budget_bytes / GB:.1f} GB ({p.ram.budget_bytes / GiB:.1f} GiB)")
+    for t in p.ram.terms:
+        L.append(f"  {t.name:<{w}} {_gb(t.bytes)}   {t.note}")
+    L.append(f"  {'total':<{w}} {_gb(p.ram.total_bytes)}   "
+             + (f"free {p.ram.free_bytes / GB:.1f} GB" if p.ram.free_bytes >= 0
+                else f"SHORT {-p.ram.free_bytes / GB:.1f} GB"))
+    L.append("")
+    if p.refused:
+        L.append("REFUSED — this host cannot hold the model's minimum layout:")
+        for sf in p.shortfalls:
+            if sf.resource == "gpu":
+                L.append("  GPU: none found")
+            elif sf.resource == "vram":
+                L.append(f"  VRAM: needs {sf.needed_bytes / GiB:.1f} GiB before any expert, has "
+                         f"{sf.available_bytes / GiB:.1f} GiB → {sf.missing_bytes / GiB:.1f} GiB "
+                         f"({sf.missing_bytes / GB:.1f} GB) missing")
+            else:
+                L.append(f"  RAM: needs {sf.needed_bytes / GB:.1f} GB, has {sf.available_bytes / GB:.1f} GB → "
+                         f"{sf.missing_bytes / GB:.1f} GB missing")
+        L.append(f"  {p.refused}.")
+        return "\n".join(L)
+    L.append(f"Hot set: {p.n_hot:,} of {p.total_experts:,} experts in VRAM ({p.hot_expert_bytes / GiB:.1f} GiB); "
+             f"{p.cold_experts:,} in RAM ({p.cold_expert_bytes / GiB:.1f} GiB)")
+    if p.predicted_hit_rate is not None:
+        L.append(f"Predicted hit rate: {p.predicted_hit_rate:.1%} ({p.hit_rate_note})")
+    else:
+        L.append(f"Predicted hit rate: {p.hit_rate_note}")
+    lh = p.llamacpp_predicted_hit_rate
+    L.append(f"Stock llama.cpp at the same budget: experts of {len(p.llamacpp_gpu_layers)} of {len(p.moe_layers)} "
+             f"MoE layers on the GPU; layers {_ranges(p.llamacpp_cpu_layers)} stay on the CPU → hit rate "
+             + (f"{lh:.1%}" if lh is not None else "unknown") + f" ({p.llamacpp_note})")
+    L.append("Strata flags: " + " ".join(p.strata_args()))
+    if p.llamacpp_args():
+        L.append("llama.cpp flags: " + " ".join(f"'{a}'" if "\\" in a else a for a in p.llamacpp_args()))
+    for n in p.notes:
+        L.append(f"note: {n}")
+    return "\n".join(L)

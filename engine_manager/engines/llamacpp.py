@@ -1,0 +1,645 @@
+"""Stock llama.cpp's ``llama-server`` behind the panel's engine interface (ENGINE_CONTRACT.md §3).
+
+Placement under llama.cpp is per layer: a layer's experts live in three tensors (``blk.N.ffn_{gate,up,down}_exps``),
+so the plan names the MoE layers whose experts stay in RAM (``llamacpp_cpu_layers``) and the command line keeps
+them there with one ``-ot 'blk\\.(N|M)\\.ffn_.*_exps\\.=CPU'`` rule. Choices made here, and why:
+
+* **No ``-ngl``.** llama-server's default (``auto``) offloads every layer and keeps its own fitting (``--fit``)
+  on: it projects the memory of the whole layout against free VRAM minus ``--fit-target`` (we pass the panel's
+  ``vram_reserve_mib``) before loading. With our ``-ot`` rule in place, fitting reports the projection and leaves
+  the placement alone (it refuses to rewrite user overrides); with no CPU layers in the plan, fitting may itself
+  move experts out of VRAM if they do not fit, instead of dying of a CUDA OOM. ``-ngl 999`` would turn all that off.
+* **Context.** ``-c`` is the *total* KV size; with ``-np N`` and ``--no-kv-unified`` each slot gets exactly
+  ``c / N`` (llama-server logs ``n_ctx_seq``), so ``-c context_length*slots`` gives every slot the context the
+  settings promise — the panel's ``context_length`` is per slot. (A unified cache would let one long request
+  starve the others.)
+* **KV type.** int8 → ``q8_0``, q4_0 → ``q4_0``, k8v4 → K ``q8_0`` V ``q4_0`` (a quantized V cache makes
+  llama.cpp enable flash attention itself).
+* **Verbosity ``-lv 4``.** Level 4 (trace) prints the fitting projection, every ``model/KV/compute buffer size``
+  line per device and ``offloaded N/M layers`` — the proof of placement — and no per-token lines. Level 5 adds a
+  line per overridden tensor (``tensor blk.0.ffn_gate_exps.weight … buffer type overridden to CPU``) but also ~15
+  lines per generated token and the prompts themselves, so it is opt-in: ``DSV41_LLAMACPP_LOG_VERBOSITY=5``.
+* **The key** goes in a 0600 file (``--api-key-file``), not on the command line where ``ps`` shows it.
+* **GPU choice.** ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` + ``CUDA_VISIBLE_DEVICES=<gpu_index>`` (unless the caller set
+  ``CUDA_VISIBLE_DEVICES``) so llama.cpp's ``CUDA0`` is the GPU that NVML index ``gpu_index`` names.
+
+Live decode rate: ``/metrics``' ``*_tokens_seconds`` gauges are running averages over finished requests and its
+counters only move when a request ends (and are printed with 6 significant digits). The in-flight count is in
+``/slots`` (``next_token[0].n_decoded`` of each processing slot), so the panel's token counter is
+``tokens_predicted_total + Σ n_decoded(processing slots)`` and tok/s is its delta between two polls. A request
+that ends between polls moves its tokens from the second term to the first, so nothing is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..atomic import atomic_write_bytes
+from .base import Engine, FailureHint, LaunchSpec, LogEvent, LogPattern, Readiness, Sample
+
+VERBOSITY_ENV = "DSV41_LLAMACPP_LOG_VERBOSITY"
+DEFAULT_VERBOSITY = 4
+KV_TYPES = {"int8": ("q8_0", "q8_0"), "q4_0": ("q4_0", "q4_0"), "k8v4": ("q8_0", "q4_0")}
+GPU_BUFFER = re.compile(r"^(CUDA|ROCm|HIP|Vulkan|Metal|SYCL|MUSA|CANN|OpenCL)", re.I)
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+def cpu_layers_rule(layers: Iterable[int]) -> str | None:
+    """The ``-ot`` value that keeps the experts of ``layers`` in RAM, or None for no layers."""
+    ls = sorted({int(x) for x in layers})
+    if not ls:
+        return None
+    return r"blk\.(" + "|".join(str(x) for x in ls) + r")\.ffn_.*_exps\.=CPU"
+
+
+def first_shard(path: Path) -> Path:
+    """``…-00003-of-00007.gguf`` → ``…-00001-of-00007.gguf`` (llama.cpp loads a split model from shard 1)."""
+    m = _SHARD.search(path.name)
+    if m and m.group(1) != "00001":
+        return path.with_name(path.name[: m.start()] + f"-00001-of-{m.group(2)}.gguf")
+    return path
+
+
+class ModelNotFound(RuntimeError):
+    pass
+
+
+def resolve_model(settings: Any, plan: dict[str, Any] | None) -> Path:
+    """The GGUF llama-server loads: the ``llamacpp_model`` setting, else the plan's model file, else the first
+    shard in the model folder."""
+    cands: list[Path] = []
+    if getattr(settings, "llamacpp_model", None):
+        cands.append(Path(settings.llamacpp_model).expanduser())
+    elif plan and (plan.get("model") or {}).get("file"):
+        cands.append(Path(plan["model"]["file"]).expanduser())
+    elif getattr(settings, "model_dir", None):
+        d = Path(settings.model_dir).expanduser()
+        firsts = sorted(d.glob("*-00001-of-*.gguf")) or sorted(d.glob("*.gguf"))
+        cands += firsts[:1]
+    for c in cands:
+        c = first_shard(c)
+        if c.is_file():
+            return c
+        raise ModelNotFound(f"The model file {c} does not exist. Point DSV41_LLAMACPP_MODEL at the first shard "
+                            f"(…-00001-of-0000N.gguf) of a GGUF, or fix DSV41_MODEL_DIR.")
+    raise ModelNotFound("No GGUF for llama-server: set DSV41_LLAMACPP_MODEL to the first shard of a GGUF (or "
+                        "DSV41_MODEL_DIR to its folder), or make a plan for a model first (`dsv41 plan`).")
+
+
+@dataclass
+class LlamaPlacement:
+    """What the plan asked llama.cpp to do, and what the build can do; written beside the launch."""
+
+    moe_layers: list[int]
+    cpu_layers: list[int]
+    gpu_backend: bool | None        # the binary has a GPU backend (None: could not tell)
+    predicted_hit_rate: float | None = None
+
+    @property
+    def gpu_layers(self) -> list[int]:
+        cpu = set(self.cpu_layers)
+        return [x for x in self.moe_layers if x not in cpu]
+
+    def hit_rate(self) -> float | None:
+        """Share of MoE layers whose experts sit on the GPU: llama.cpp's analogue of the expert hit rate."""
+        if not self.moe_layers or self.gpu_backend is None:
+            return None
+        if not self.gpu_backend:
+            return 0.0
+        return len(self.gpu_layers) / len(self.moe_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"moe_layers": self.moe_layers, "cpu_layers": self.cpu_layers, "gpu_backend": self.gpu_backend,
+                "predicted_hit_rate": self.predicted_hit_rate, "hit_rate": self.hit_rate()}
+
+
+@lru_cache(maxsize=8)
+def _gpu_backend(path: str, mtime: float) -> bool | None:
+    p = Path(path)
+    libs = {f.name.split(".so")[0] for f in p.parent.glob("libggml-*.so*")}
+    if libs & {"libggml-cuda", "libggml-hip", "libggml-vulkan", "libggml-sycl", "libggml-musa", "libggml-metal"}:
+        return True
+    if "libggml-cpu" in libs and "libggml-base" in libs:
+        return False        # the pip build: CPU backend only
+    try:        # a static build: ask it
+        r = subprocess.run([path, "--list-devices"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = r.stdout + r.stderr
+    return bool(re.search(r"^\s*(CUDA|ROCm|Vulkan|SYCL|MUSA)\d", text, re.M)) if text else None
+
+
+def gpu_backend(binary_path: Path) -> bool | None:
+    try:
+        return _gpu_backend(str(binary_path), binary_path.stat().st_mtime)
+    except OSError:
+        return None
+
+
+# -- log lines -------------------------------------------------------------------------------------------------
+_RE_OVERRIDE = re.compile(r"tensor (blk\.(\d+)\.(\S+?)) \((\d+) MiB (\w+)\) buffer type overridden to (\S+)")
+_RE_MODEL_BUF = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
+_RE_KV_BUF = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB")
+_RE_KV_SIZE = re.compile(r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells,\s+(\d+) layers,\s+(\d+)/(\d+) seqs\)"
+                         r"(?:, K \((\w+)\):\s+[\d.]+ MiB, V \((\w+)\))?")
+_RE_COMPUTE_BUF = re.compile(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
+_RE_OFFLOADED = re.compile(r"load_tensors: offloaded (\d+)/(\d+) layers to GPU")
+_RE_LAYER_DEV = re.compile(r"load_tensors: layer\s+(\d+) assigned to device (\w+)")
+_RE_LOADING = re.compile(r"load_tensors: loading model tensors.*\(load_mode = (\w+)\)")
+_RE_FIT = re.compile(r"common_params_fit_impl: (.*\S)")
+_RE_FIT_RESULT = re.compile(r"common_fit_params: (successfully fit params.*|failed to fit params.*|"
+                            r"encountered an error.*)")
+_RE_DEVICE = re.compile(r"common_param:\s+- (\S+)\s+: (.*?) \((\d+) MiB, (\d+) MiB free\)")
+_RE_SLOTS = re.compile(r"load_model: initializing, n_slots = (\d+), n_ctx_slot = (\d+)")
+_RE_READY = re.compile(r"llama_server: (?:server is )?listening on (\S+)|main: server is listening on (\S+)")
+_RE_LOADED = re.compile(r"llama_server: model loaded")
+_RE_LOADING_MODEL = re.compile(r"load_model: loading model '([^']+)'")
+_RE_WARMUP = re.compile(r"warming up the model")
+_RE_ERROR = re.compile(r"^\S+ E |^error:|error while handling argument")
+_RE_TIMING = re.compile(r"print_timing: id\s+(\d+) \| task (\d+) \|\s+eval time =\s+([\d.]+) ms /\s+(\d+) tokens "
+                        r"\(\s*([\d.]+) ms per token,\s+([\d.]+) tokens per second\)")
+
+
+def parse_line(line: str) -> LogEvent | None:
+    """One llama-server log line → an event (placement, phase, ready, error, info) or None."""
+    line = line.rstrip("\r\n")
+    if not line.strip():
+        return None
+    if m := _RE_OVERRIDE.search(line):
+        return LogEvent("placement", line, data={"what": "override", "tensor": m.group(1), "layer": int(m.group(2)),
+                                                 "mib": int(m.group(4)), "type": m.group(5),
+                                                 "buffer": m.group(6)})
+    if m := _RE_MODEL_BUF.search(line):
+        return LogEvent("placement", line, data={"what": "model_buffer", "buffer": m.group(1),
+                                                 "mib": float(m.group(2))})
+    if m := _RE_KV_BUF.search(line):
+        return LogEvent("placement", line, data={"what": "kv_buffer", "buffer": m.group(1),
+                                                 "mib": float(m.group(2))})
+    if m := _RE_KV_SIZE.search(line):
+        return LogEvent("placement", line, data={"what": "kv_size", "mib": float(m.group(1)),
+                                                 "cells": int(m.group(2)), "layers": int(m.group(3)),
+                                                 "seqs": int(m.group(5)), "k_type": m.group(6),
+                                                 "v_type": m.group(7)})
+    if m := _RE_COMPUTE_BUF.search(line):
+        return LogEvent("placement", line, data={"what": "compute_buffer", "buffer": m.group(1),
+                                                 "mib": float(m.group(2))})
+    if m := _RE_OFFLOADED.search(line):
+        return LogEvent("placement", line, data={"what": "offloaded", "layers": int(m.group(1)),
+                                                 "of": int(m.group(2))})
+    if m := _RE_LAYER_DEV.search(line):
+        return LogEvent("placement", line, data={"what": "layer_device", "layer": int(m.group(1)),
+                                                 "device": m.group(2)})
+    if m := _RE_LOADING.search(line):
+        return LogEvent("phase", line, data={"phase": "loading tensors", "load_mode": m.group(1)})
+    if m := _RE_FIT_RESULT.search(line):
+        return LogEvent("placement", line, data={"what": "fit_result", "text": m.group(1),
+                                                 "ok": m.group(1).startswith("successfully")})
+    if m := _RE_FIT.search(line):
+        return LogEvent("placement", line, data={"what": "fit", "text": m.group(1)})
+    if m := _RE_DEVICE.search(line):
+        return LogEvent("info", line, data={"what": "device", "device": m.group(1), "name": m.group(2),
+                                            "total_mib": int(m.group(3)), "free_mib": int(m.group(4))})
+    if m := _RE_SLOTS.search(line):
+        return LogEvent("info", line, data={"what": "slots", "n_slots": int(m.group(1)),
+                                            "n_ctx_slot": int(m.group(2))})
+    if m := _RE_TIMING.search(line):
+        return LogEvent("info", line, data={"what": "timing", "slot": int(m.group(1)), "task": int(m.group(2)),
+                                            "ms": float(m.group(3)), "tokens": int(m.group(4)),
+                                            "tok_s": float(m.group(6))})
+    if m := _RE_READY.search(line):
+        return LogEvent("ready", line, data={"url": m.group(1) or m.group(2)})
+    if _RE_LOADED.search(line):
+        return LogEvent("phase", line, data={"phase": "model loaded"})
+    if m := _RE_LOADING_MODEL.search(line):
+        return LogEvent("phase", line, data={"phase": "loading model", "model": m.group(1)})
+    if _RE_WARMUP.search(line):
+        return LogEvent("phase", line, data={"phase": "warming up"})
+    if _RE_ERROR.search(line):
+        return LogEvent("error", line)
+    return None
+
+
+@dataclass
+class PlacementSummary:
+    """Where llama.cpp put things, folded from placement events. Each ``loading model tensors`` line (the fitting
+    step's trial load at -lv 5, then the real one) starts the model part over, so the last load wins."""
+
+    model_mib: dict[str, float] = field(default_factory=dict)      # buffer type → MiB (CUDA0, CPU_Mapped, …)
+    kv_mib: dict[str, float] = field(default_factory=dict)
+    compute_mib: dict[str, float] = field(default_factory=dict)
+    kv: dict[str, Any] = field(default_factory=dict)               # cells, layers, seqs, k_type, v_type
+    offloaded: tuple[int, int] | None = None
+    cpu_override_layers: set[int] = field(default_factory=set)     # layers whose expert tensors went to CPU
+    override_mib: dict[int, int] = field(default_factory=dict)
+    layer_device: dict[int, str] = field(default_factory=dict)
+    fit: list[str] = field(default_factory=list)
+    fit_ok: bool | None = None
+    load_mode: str | None = None
+    events: int = 0
+
+    def add(self, ev: LogEvent | None) -> bool:
+        """Fold one event in; True when it changed the summary."""
+        if ev is None:
+            return False
+        d = ev.data
+        if ev.kind == "phase" and d.get("phase") == "loading tensors":
+            self.model_mib.clear()
+            self.kv_mib.clear()
+            self.compute_mib.clear()
+            self.cpu_override_layers.clear()
+            self.override_mib.clear()
+            self.layer_device.clear()
+            self.offloaded = None
+            self.load_mode = d.get("load_mode")
+            self.events += 1
+            return True
+        if ev.kind != "placement":
+            return False
+        what = d.get("what")
+        if what == "model_buffer":
+            self.model_mib[d["buffer"]] = self.model_mib.get(d["buffer"], 0.0) + d["mib"]
+        elif what == "kv_buffer":
+            self.kv_mib[d["buffer"]] = self.kv_mib.get(d["buffer"], 0.0) + d["mib"]
+        elif what == "compute_buffer":
+            self.compute_mib[d["buffer"]] = self.compute_mib.get(d["buffer"], 0.0) + d["mib"]
+        elif what == "kv_size":
+            self.kv = {k: d[k] for k in ("mib", "cells", "layers", "seqs", "k_type", "v_type")}
+        elif what == "offloaded":
+            self.offloaded = (d["layers"], d["of"])
+        elif what == "override":
+            if "_exps" in d["tensor"] and not GPU_BUFFER.match(d["buffer"]):
+                self.cpu_override_layers.add(d["layer"])
+                self.override_mib[d["layer"]] = self.override_mib.get(d["layer"], 0) + d["mib"]
+        elif what == "layer_device":
+            self.layer_device[d["layer"]] = d["device"]
+        elif what == "fit":
+            self.fit.append(d["text"])
+            self.fit = self.fit[-20:]
+        elif what == "fit_result":
+            self.fit_ok = d["ok"]
+        else:
+            return False
+        self.events += 1
+        return True
+
+    def feed(self, lines: Iterable[str]) -> "PlacementSummary":
+        for ln in lines:
+            self.add(parse_line(ln))
+        return self
+
+    @property
+    def gpu_buffers(self) -> list[str]:
+        return sorted(b for b in {*self.model_mib, *self.kv_mib} if GPU_BUFFER.match(b))
+
+    @property
+    def on_gpu(self) -> bool:
+        return bool(self.gpu_buffers)
+
+    def model_gpu_mib(self) -> float:
+        return sum(v for k, v in self.model_mib.items() if GPU_BUFFER.match(k))
+
+    def model_host_mib(self) -> float:
+        return sum(v for k, v in self.model_mib.items() if not GPU_BUFFER.match(k))
+
+    def expert_layers_on_gpu(self, moe_layers: Iterable[int]) -> list[int] | None:
+        """MoE layers whose experts the log shows on the GPU, or None when the log does not say (no model buffer
+        line yet). With no GPU buffer at all, none are. Per-layer detail needs the -lv 5 override lines; without
+        them, the plan's CPU layers are taken as applied (llama.cpp refuses to start on a bad -ot rule)."""
+        if not self.model_mib:
+            return None
+        if not self.on_gpu:
+            return []
+        return [x for x in moe_layers if x not in self.cpu_override_layers]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_mib": self.model_mib, "kv_mib": self.kv_mib, "compute_mib": self.compute_mib,
+                "kv": self.kv, "offloaded": list(self.offloaded) if self.offloaded else None,
+                "cpu_override_layers": sorted(self.cpu_override_layers), "gpu_buffers": self.gpu_buffers,
+                "model_gpu_mib": self.model_gpu_mib(), "model_host_mib": self.model_host_mib(),
+                "fit": self.fit[-4:], "fit_ok": self.fit_ok, "load_mode": self.load_mode}
+
+    def text(self) -> str:
+        """A few plain lines for the Placement tab and the log."""
+        def fmt(d: dict[str, float]) -> str:
+            return ", ".join(f"{k} {v:,.1f} MiB" for k, v in sorted(d.items(), key=lambda kv: -kv[1])) or "—"
+
+        out = [f"Model weights: {fmt(self.model_mib)}"]
+        if self.offloaded:
+            out.append(f"Layers offloaded to the GPU: {self.offloaded[0]}/{self.offloaded[1]}")
+        if self.cpu_override_layers:
+            out.append(f"Expert tensors kept in RAM (-ot): layers {_ranges(self.cpu_override_layers)}")
+        kv = f"KV cache: {fmt(self.kv_mib)}"
+        if self.kv:
+            kv += (f" ({self.kv['cells']:,} cells × {self.kv['seqs']} slot(s), K {self.kv.get('k_type')}, "
+                   f"V {self.kv.get('v_type')})")
+        out.append(kv)
+        if self.compute_mib:
+            out.append(f"Compute buffers: {fmt(self.compute_mib)}")
+        if not self.on_gpu and self.model_mib:
+            out.append("No GPU buffer: this llama-server runs everything on the CPU.")
+        if self.fit_ok is False:
+            out.append("llama.cpp's fitting did not adjust anything (the plan's -ot rule is kept as given).")
+        return "\n".join(out)
+
+
+def _ranges(xs: Iterable[int]) -> str:
+    xs = sorted(set(xs))
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}–{xs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+# -- Prometheus text -------------------------------------------------------------------------------------------
+_PROM = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``name value`` pairs of a Prometheus text page (labelled series keep their label set in the key).
+    llama-server's exposition is flat (``llamacpp:name value``, one labelled counter for speculative decoding),
+    so a line split is the whole parser; pulling in a client library for it would add a dependency for 6 lines."""
+    out: dict[str, float] = {}
+    for ln in text.splitlines():
+        if not ln or ln.startswith("#"):
+            continue
+        m = _PROM.match(ln)
+        if m:
+            try:
+                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+            except ValueError:
+                continue
+    return out
+
+
+# -- the engine ------------------------------------------------------------------------------------------------
+def _hint(cause: str, title: str, fix: str) -> FailureHint:
+    return FailureHint(cause=cause, title=title, fix=fix)
+
+
+H_UNKNOWN_BUFFER = _hint(
+    "unknown_buffer_type", "llama-server does not know a buffer type the command asked for (e.g. CUDA0 on a "
+    "CPU-only build)", "Use a llama-server built with CUDA (set DSV41_LLAMA_SERVER to it), or keep the plan's "
+    "placement to =CPU rules, which every build accepts.")
+H_CUDA_OOM = _hint(
+    "cuda_oom", "The GPU ran out of memory while llama-server loaded the model or its KV cache",
+    "Keep more expert layers in RAM: raise DSV41_VRAM_RESERVE_MIB or lower the context/slots, re-plan "
+    "(`dsv41 plan`), and start again. Close other programs that use the GPU.")
+H_MODEL_LOAD = _hint(
+    "model_load_failed", "llama-server could not load the model file",
+    "Check that DSV41_LLAMACPP_MODEL (or the plan's model) is the first shard of a complete, unmodified GGUF and "
+    "that every shard is beside it; re-download a shard that fails verification.")
+H_PORT = _hint(
+    "port_in_use", "llama-server could not listen on its port: another program is using it",
+    "Stop the other program (`ss -ltnp | grep <port>` shows it), or choose another port with DSV41_PORT.")
+H_BAD_ARG = _hint(
+    "bad_argument", "llama-server refused an argument on its command line (an older or different llama.cpp "
+    "build?)", "Use the llama-server from the [llamacpp] extra (clear DSV41_LLAMA_SERVER), or update your build.")
+H_KV_TYPE = _hint(
+    "kv_type_unsupported", "The model's attention head size cannot use the chosen quantized KV cache",
+    "Choose another KV type (DSV41_KV_TYPE) and start again.")
+H_ARCH = _hint(
+    "unsupported_model", "This llama-server does not support the model's architecture",
+    "Update llama.cpp (reinstall the [llamacpp] extra) or use a model it supports.")
+FAILURE_PATTERNS = [      # most specific first (see classify_failure)
+    LogPattern(re.compile(r"unknown buffer type"), H_UNKNOWN_BUFFER),
+    LogPattern(re.compile(r"cudaMalloc failed: out of memory|CUDA error: out of memory|failed to allocate "
+                          r"CUDA\d* buffer|ggml_backend_cuda_buffer_type_alloc_buffer.*out of memory|"
+                          r"unable to allocate CUDA\d* buffer", re.I), H_CUDA_OOM),
+    LogPattern(re.compile(r"couldn't bind HTTP server socket|Address already in use|bind\(\) failed", re.I), H_PORT),
+    LogPattern(re.compile(r"does not divide n_embd_head"), H_KV_TYPE),
+    LogPattern(re.compile(r"unknown model architecture"), H_ARCH),
+    LogPattern(re.compile(r"failed to load model|error loading model|failed to open GGUF file|"
+                          r"gguf_init_from_\w+: failed|failed to create_context|failed to create context"), H_MODEL_LOAD),
+    LogPattern(re.compile(r"error: invalid argument|error while handling argument"), H_BAD_ARG),
+]
+# request errors that show in the log but never stop the server: never a crash cause
+_REQUEST_ERROR = re.compile(r"ill-formed UTF-8|invalid UTF-8|unauthorized: Invalid API Key|"
+                            r"json\.exception|invalid_request_error")
+
+
+class LlamaCppEngine(Engine):
+    name = "llamacpp"
+    label = "llama.cpp (llama-server)"
+    simulated = False
+    failure_patterns = FAILURE_PATTERNS
+
+    # ---- launch ----
+    def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
+        from ..llamacpp_bin import find_llama_server
+
+        binary = find_llama_server(settings)
+        model = resolve_model(settings, plan)
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        ps = (plan or {}).get("settings") or {}
+        slots = int(ps.get("slots") or getattr(settings, "slots", 1) or 1)
+        ctx = int(ps.get("context_length") or getattr(settings, "context_length", 4096) or 4096)
+        kv_type = str(ps.get("kv_type") or getattr(settings, "kv_type", "int8"))
+        ctk, ctv = KV_TYPES.get(kv_type, ("f16", "f16"))
+        key = getattr(settings, "api_key", "") or ("dsv41-" + secrets.token_urlsafe(32))
+        host = getattr(settings, "host", "127.0.0.1")
+        port = int(getattr(settings, "port", 8090))
+        reserve = int(getattr(settings, "vram_reserve_mib", 700))
+        try:
+            verbosity = int(os.environ.get(VERBOSITY_ENV, DEFAULT_VERBOSITY))
+        except ValueError:
+            verbosity = DEFAULT_VERBOSITY
+        verbosity = min(max(verbosity, 3), 5)
+
+        key_file = workdir / "llamacpp-api-key"
+        atomic_write_bytes(key_file, (key + "\n").encode())
+        model_info = (plan or {}).get("model") or {}
+        moe_layers = [int(x) for x in model_info.get("moe_layers") or []]
+        cpu_layers = sorted(int(x) for x in (plan or {}).get("llamacpp_cpu_layers") or [])
+        placement = LlamaPlacement(moe_layers, cpu_layers, gpu_backend(binary.path),
+                                   (plan or {}).get("llamacpp_predicted_hit_rate"))
+        placement_file = workdir / PLACEMENT_FILE
+        atomic_write_bytes(placement_file, json.dumps(placement.to_dict(), indent=1).encode())
+
+        argv = [str(binary.path), "-m", str(model), "--host", host, "--port", str(port),
+                "--api-key-file", str(key_file), "--metrics", "-np", str(slots), "-c", str(ctx * slots),
+                "--no-kv-unified", "-ctk", ctk, "-ctv", ctv, "--fit-target", str(reserve),
+                "-lv", str(verbosity), "--no-webui"]
+        rule = cpu_layers_rule(cpu_layers)
+        if rule:
+            argv += ["-ot", rule]
+        env = binary.env()
+        if "CUDA_VISIBLE_DEVICES" not in os.environ:
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            env["CUDA_VISIBLE_DEVICES"] = str(int(getattr(settings, "gpu_index", 0)))
+        n_moe = len(moe_layers)
+        where = (f"{len(cpu_layers)}/{n_moe} MoE layers' experts in RAM" if n_moe
+                 else f"{len(cpu_layers)} expert layer(s) in RAM")
+        return LaunchSpec(engine=self.name, argv=argv, host=host, port=port, api_key=key, env=env,
+                          cwd=str(workdir), health_path="/health",
+                          files={"api_key": str(key_file), "placement": str(placement_file), "model": str(model)},
+                          simulated=False, label=f"llama.cpp · {model.name} · {where}")
+
+    # ---- readiness ----
+    def readiness(self, client: Any, spec: LaunchSpec) -> Readiness:
+        import httpx
+
+        try:
+            r = client.get(spec.base_url + spec.health_path, timeout=5.0)
+        except httpx.ConnectError:
+            return Readiness("loading", "connection refused: llama-server is starting")
+        except httpx.TimeoutException:
+            return Readiness("loading", "no answer yet from /health (busy loading)")
+        except httpx.TransportError as exc:
+            return Readiness("loading", f"{type(exc).__name__}: still starting")
+        if r.status_code == 200:
+            return Readiness("ready", "ok")
+        if r.status_code == 503:
+            msg = _error_message(r) or "loading model"
+            return Readiness("loading", f"HTTP 503: {msg}")
+        return Readiness("failed", f"/health answered HTTP {r.status_code}: {_error_message(r) or r.text[:200]}")
+
+    # ---- metrics ----
+    def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
+        hdr = {"Authorization": f"Bearer {spec.api_key}"}
+        t = time.time()
+        slots_r = client.get(spec.base_url + "/slots", headers=hdr, timeout=5.0)
+        metrics_r = client.get(spec.base_url + "/metrics", headers=hdr, timeout=5.0)
+        slots = slots_r.json() if slots_r.status_code == 200 else None
+        prom = parse_prometheus(metrics_r.text) if metrics_r.status_code == 200 else None
+        return sample_from(t, slots, prom, previous, load_placement(spec))
+
+    def parse_log_line(self, line: str) -> LogEvent | None:
+        return parse_line(line)
+
+    def classify_failure(self, returncode: int | None, log_tail: list[str]) -> FailureHint | None:
+        # patterns in priority order over the whole tail: a CUDA OOM also logs "failed to load model", and the
+        # specific cause must win over the generic one whatever the line order
+        tail = [ln for ln in log_tail if not _REQUEST_ERROR.search(ln)]
+        for pat in self.failure_patterns:
+            if any(pat.regex.search(ln) for ln in tail):
+                return pat.hint
+        return None     # signals (SIGKILL → the OOM killer, SIGSEGV, …) are the supervisor's generic causes
+
+
+def _error_message(r: Any) -> str:
+    try:
+        e = r.json().get("error")
+        return str(e.get("message")) if isinstance(e, dict) else str(e or "")
+    except (ValueError, AttributeError):
+        return ""
+
+
+PLACEMENT_FILE = "llamacpp-placement.json"
+
+
+def load_placement(spec: LaunchSpec) -> LlamaPlacement | None:
+    """The placement written at launch: from the spec, or — for a spec rebuilt from a URL and key after the
+    panel re-attached — from the supervisor's work folder for this engine (``runs/llamacpp/``)."""
+    p = spec.files.get("placement")
+    if not p:
+        try:
+            from .. import paths
+
+            p = str(paths.runs_dir() / "llamacpp" / PLACEMENT_FILE)
+        except Exception:
+            return None
+    return _load_placement(p)
+
+
+@lru_cache(maxsize=16)
+def _load_placement_cached(path: str, mtime: float) -> LlamaPlacement | None:
+    try:
+        d = json.loads(Path(path).read_text())
+        return LlamaPlacement(list(d.get("moe_layers") or []), list(d.get("cpu_layers") or []),
+                              d.get("gpu_backend"), d.get("predicted_hit_rate"))
+    except (OSError, ValueError):
+        return None
+
+
+def _load_placement(path: str) -> LlamaPlacement | None:
+    try:
+        return _load_placement_cached(path, Path(path).stat().st_mtime)
+    except OSError:
+        return None
+
+
+def sample_from(t: float, slots: list[dict] | None, prom: dict[str, float] | None, previous: Sample | None,
+                placement: LlamaPlacement | None = None) -> Sample:
+    """Map one reading of ``/slots`` (JSON list) and ``/metrics`` (parsed Prometheus) onto a :class:`Sample`.
+    Pure, so tests feed it real captures."""
+    s = Sample(t=t, engine="llamacpp", simulated=False)
+    extra: dict[str, Any] = {}
+    in_flight = 0
+    in_prompt = 0
+    per_slot: dict[int, dict[str, int]] = {}
+    if slots is not None:
+        s.slots_total = len(slots)
+        busy = [x for x in slots if x.get("is_processing")]
+        s.slots_busy = len(busy)
+        generating = reading = 0
+        for x in busy:
+            nt = (x.get("next_token") or [{}])[0]
+            n_dec = int(nt.get("n_decoded") or 0)
+            in_flight += n_dec
+            per_slot[int(x["id"])] = {"task": int(x.get("id_task", -1)), "n_decoded": n_dec}
+            if n_dec > 0:
+                generating += 1
+            else:
+                reading += 1
+                in_prompt += int(x.get("n_prompt_tokens_processed") or 0)
+        s.state = "generating" if generating else "reading" if reading else "idle"
+        extra["slots"] = per_slot
+        extra["n_ctx_slot"] = [int(x.get("n_ctx", 0)) for x in slots]
+    if prom is not None:
+        if s.slots_busy is None and "llamacpp:requests_processing" in prom:
+            s.slots_busy = int(prom["llamacpp:requests_processing"])
+        s.queued = _int(prom.get("llamacpp:requests_deferred"))
+        done_tokens = _int(prom.get("llamacpp:tokens_predicted_total"))
+        done_prompt = _int(prom.get("llamacpp:prompt_tokens_total"))
+        extra["avg_decode_tok_s"] = prom.get("llamacpp:predicted_tokens_seconds")   # running average
+        extra["avg_prefill_tok_s"] = prom.get("llamacpp:prompt_tokens_seconds")
+        extra["n_decode_total"] = _int(prom.get("llamacpp:n_decode_total"))
+        extra["busy_slots_per_decode"] = prom.get("llamacpp:n_busy_slots_per_decode")
+        if done_tokens is not None:
+            s.tokens_generated_total = done_tokens + in_flight
+        if done_prompt is not None:
+            extra["prompt_tokens_counter"] = done_prompt + in_prompt
+    if placement is not None:
+        s.hit_rate = placement.hit_rate()
+        extra["moe_layers_on_gpu"] = len(placement.gpu_layers) if placement.gpu_backend else 0
+        extra["moe_layers"] = len(placement.moe_layers)
+        extra["hit_rate_source"] = "placement (share of MoE layers whose experts are on the GPU)"
+    s.extra = extra
+    if previous is not None and previous.engine == "llamacpp":
+        dt = t - previous.t
+        if dt > 0:
+            if s.tokens_generated_total is not None and previous.tokens_generated_total is not None:
+                s.decode_tok_s = max(0, s.tokens_generated_total - previous.tokens_generated_total) / dt
+            pp, cp = previous.extra.get("prompt_tokens_counter"), extra.get("prompt_tokens_counter")
+            if pp is not None and cp is not None:
+                s.prefill_tok_s = max(0, cp - pp) / dt
+            prev_slots = previous.extra.get("slots") or {}
+            rates: dict[int, float] = {}
+            for sid, cur in per_slot.items():
+                old = prev_slots.get(sid) or prev_slots.get(str(sid))
+                base = old["n_decoded"] if old and old.get("task") == cur["task"] else 0
+                rates[sid] = max(0, cur["n_decoded"] - base) / dt
+            s.decode_tok_s_per_slot = rates
+    return s
+
+
+def _int(v: float | None) -> int | None:
+    return None if v is None else int(round(v))
+
+
+ENGINE = LlamaCppEngine()

@@ -1,0 +1,127 @@
+"""The scripted engine (``engine_manager.sim``) behind the panel's interface: a real separate process and HTTP
+server speaking Strata's endpoints, with a modelled offload. Everything it reports is simulated, and the label
+says so wherever a user can see it.
+
+Launch: ``<this python> -m engine_manager.sim --plan <workdir>/plan.json --host H --port N --api-key KEY`` plus
+the settings it models (slots, context, KV type, CPU numerics, VRAM reserve, default max_tokens). Extra sim
+flags (fault switches, ``--speed``, ``--skew`` ...) can come from ``DSV41_SIM_ARGS`` in the environment, which the
+process inherits. Metrics and log lines are Strata's, so the Strata mapping is reused; the sim additionally
+reports swaps on HTTP (its ``sim`` block), which :meth:`SimEngine.poll` turns into ``swaps_total`` /
+``swaps_per_s`` / ``swap_mb_s``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_write_json
+from .base import Engine, FailureHint, LaunchSpec, LogEvent, Readiness, Sample
+from .strata import (
+    FAILURE_PATTERNS,
+    auth_headers,
+    check_readiness,
+    classify,
+    parse_strata_log_line,
+    sample_from_metrics,
+    sample_from_prometheus,
+)
+
+LABEL = "Scripted engine (SIMULATED — no GPU, modelled speeds)"
+# the folder that holds this engine_manager package: the child imports the same code as the panel, whatever
+# the interpreter's own site-packages (or the working directory) would resolve
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def sim_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """PYTHONPATH with the panel's own package root first, and unbuffered output."""
+    import os
+
+    current = (base if base is not None else os.environ).get("PYTHONPATH", "")
+    parts = [PACKAGE_ROOT] + [p for p in current.split(os.pathsep) if p and p != PACKAGE_ROOT]
+    return {"PYTHONPATH": os.pathsep.join(parts), "PYTHONUNBUFFERED": "1"}
+
+
+def sim_argv(plan_path: str | None, host: str, port: int, api_key: str, extra: list[str] | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "engine_manager.sim"]
+    if plan_path:
+        argv += ["--plan", str(plan_path)]
+    argv += ["--host", host, "--port", str(port)]
+    if api_key:
+        argv += ["--api-key", api_key]
+    return argv + list(extra or [])
+
+
+def apply_sim_block(s: Sample, doc: dict[str, Any], previous: Sample | None) -> Sample:
+    sim = doc.get("sim") if isinstance(doc.get("sim"), dict) else {}
+    swaps, sbytes = sim.get("swaps_total"), sim.get("swap_bytes_total")
+    if isinstance(swaps, int):
+        s.swaps_total = swaps
+        s.extra["swap_bytes_total"] = sbytes if isinstance(sbytes, int) else None
+        if previous is not None and previous.swaps_total is not None and s.t > previous.t \
+                and swaps >= previous.swaps_total:
+            dt = s.t - previous.t
+            s.swaps_per_s = (swaps - previous.swaps_total) / dt
+            pb = previous.extra.get("swap_bytes_total")
+            if isinstance(sbytes, int) and isinstance(pb, int) and sbytes >= pb:
+                s.swap_mb_s = (sbytes - pb) / dt / 1e6
+    for key in ("hit_rate_total", "expected_hit_rate", "speed", "skew", "adapt_rounds"):
+        if key in sim:
+            s.extra[f"sim_{key}"] = sim[key]
+    return s
+
+
+class SimEngine(Engine):
+    name = "sim"
+    label = LABEL
+    simulated = True
+    failure_patterns = FAILURE_PATTERNS
+
+    def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
+        if plan and plan.get("refused"):
+            raise ValueError(f"the plan was refused: {plan['refused']}")
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        files: dict[str, str] = {}
+        plan_path = None
+        if plan:
+            plan_path = workdir / "plan.json"
+            atomic_write_json(plan_path, plan)
+            files["plan"] = str(plan_path)
+        extra = ["--slots", str(int(settings.slots)), "--max-context", str(int(settings.context_length)),
+                 "--kv", settings.kv_type, "--cpu-numerics", settings.cpu_numerics,
+                 "--vram-reserve-mib", str(int(settings.vram_reserve_mib)),
+                 "--default-max-tokens", str(int(settings.default_max_tokens))]
+        argv = sim_argv(str(plan_path) if plan_path else None, settings.host, int(settings.port),
+                        settings.api_key, extra)
+        return LaunchSpec(engine=self.name, argv=argv, host=settings.host, port=int(settings.port),
+                          api_key=settings.api_key, env=sim_env(), cwd=str(workdir),
+                          files=files, simulated=True, label=self.label)
+
+    def preflight(self, spec: LaunchSpec) -> list[str]:
+        return []
+
+    def readiness(self, client: Any, spec: LaunchSpec) -> Readiness:
+        return check_readiness(client, spec, service_hint="strata")
+
+    def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
+        t = time.time()
+        r = client.get(spec.base_url + "/metrics", headers={**auth_headers(spec), "Accept": "application/json"},
+                       timeout=5.0)
+        r.raise_for_status()
+        if "json" not in r.headers.get("content-type", "json"):
+            return sample_from_prometheus(r.text, self.name, t, simulated=True)
+        doc = r.json()
+        s = sample_from_metrics(doc, self.name, previous, t, simulated=True)
+        return apply_sim_block(s, doc, previous)
+
+    def parse_log_line(self, line: str) -> LogEvent | None:
+        return parse_strata_log_line(line, self.failure_patterns)
+
+    def classify_failure(self, returncode: int | None, log_tail: list[str]) -> FailureHint | None:
+        return classify(self.failure_patterns, returncode, log_tail)
+
+
+ENGINE = SimEngine()

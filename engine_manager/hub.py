@@ -1,0 +1,964 @@
+"""A local Hugging Face hub on 127.0.0.1, for tests and demos (``python -m engine_manager.hub``).
+
+It is a real HTTP server that answers the routes ``huggingface_hub`` 2.x calls, so ``HF_ENDPOINT`` can point at it
+and the real library (``hf_hub_download``, ``snapshot_download``, ``HfApi.model_info``/``list_repo_tree``/
+``get_paths_info``) works against it unchanged:
+
+- ``GET /api/models/{repo}`` and ``GET /api/models/{repo}/revision/{rev}`` (``?blobs=true`` adds sizes and LFS
+  sha256 to ``siblings``): the model info with the commit ``sha``.
+- ``GET /api/models/{repo}/tree/{rev}[/{path}]?recursive=…``: the file list (paginated with a ``Link`` header).
+- ``POST /api/models/{repo}/paths-info/{rev}``: info for given paths, LFS sha256 included.
+- ``HEAD/GET /{repo}/resolve/{rev}/{path}``: ``X-Repo-Commit``, ``ETag``, ``Content-Length``, ``Accept-Ranges``,
+  and for LFS files ``X-Linked-Etag``/``X-Linked-Size`` with a 302 to a "CDN" URL on another host name
+  (``localhost`` instead of ``127.0.0.1``), as the real hub does; ``Range`` gives 206 with ``Content-Range``.
+- Errors carry ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``) as the hub's do.
+
+Files come from disk (big sparse replica shards are served with ``os.sendfile``) or from bytes in memory.
+Fault switches (``Fault``) make it the test double for a bad network: drop the connection at byte N, stall at
+byte N, serve wrong bytes, answer a status code (404, 5xx, 429), or limit the rate. Each fault applies to files
+whose path matches a glob, ``times`` times (``None``: until cleared). ``hub.stats()`` counts the body bytes
+actually sent per file, so tests can tell how much a resumed download fetched again.
+
+Admin routes (for a hub running in another process): ``POST /_hub/faults`` (JSON fault or list),
+``DELETE /_hub/faults``, ``GET /_hub/stats``, ``POST /_hub/stats/reset``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fnmatch
+import hashlib
+import http.server
+import json
+import os
+import secrets
+import select
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+SEND_CHUNK = 8 << 20          # bytes per sendfile()/send() call on the fast path
+LFS_SUFFIXES = (".gguf", ".bin", ".safetensors", ".tar", ".gz", ".xz", ".zst", ".zip", ".pt", ".npz")
+LFS_MIN_SIZE = 10 << 20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# content
+# ---------------------------------------------------------------------------------------------------------------
+
+def sha256_file(path: Path, bufsize: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(bufsize)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(mv[:n])
+    return h.hexdigest()
+
+
+def git_blob_oid(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def lfs_pointer(sha256: str, size: int) -> bytes:
+    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
+
+
+@dataclass
+class HubFile:
+    path: str
+    size: int
+    sha256: str
+    lfs: bool
+    source: Path | None = None
+    data: bytes | None = None
+    git_oid: str = ""
+    pointer_size: int = 0
+
+    def open_fd(self) -> int | None:
+        return os.open(self.source, os.O_RDONLY) if self.source is not None else None
+
+    def read(self, offset: int, n: int, fd: int | None) -> bytes:
+        if self.data is not None:
+            return self.data[offset:offset + n]
+        return os.pread(fd, n, offset)
+
+    def tree_entry(self) -> dict[str, Any]:
+        e: dict[str, Any] = {"type": "file", "oid": self.git_oid, "size": self.size, "path": self.path}
+        if self.lfs:
+            e["lfs"] = {"oid": self.sha256, "size": self.size, "pointerSize": self.pointer_size}
+        return e
+
+    def sibling(self, blobs: bool) -> dict[str, Any]:
+        s: dict[str, Any] = {"rfilename": self.path}
+        if blobs:
+            s["size"] = self.size
+            s["blobId"] = self.git_oid
+            if self.lfs:
+                s["lfs"] = {"size": self.size, "sha256": self.sha256, "pointerSize": self.pointer_size}
+        return s
+
+
+def make_file(path: str, source: Path | bytes, *, lfs: bool | None = None, sha256: str | None = None) -> HubFile:
+    if isinstance(source, (bytes, bytearray)):
+        data, src = bytes(source), None
+        size = len(data)
+        sha = sha256 or hashlib.sha256(data).hexdigest()
+    else:
+        data, src = None, Path(source)
+        size = src.stat().st_size
+        sha = sha256 or sha256_file(src)
+    if lfs is None:
+        lfs = path.lower().endswith(LFS_SUFFIXES) or size >= LFS_MIN_SIZE
+    if lfs:
+        pointer = lfs_pointer(sha, size)
+        oid, psize = git_blob_oid(pointer), len(pointer)
+    else:
+        oid, psize = git_blob_oid(data if data is not None else src.read_bytes()), 0
+    return HubFile(path=path, size=size, sha256=sha, lfs=lfs, source=src, data=data, git_oid=oid, pointer_size=psize)
+
+
+class HubRepo:
+    """A model repository: commits (sha → files) and refs (branch → sha). ``add_file`` writes into the head
+    commit of ``main``; ``new_commit()`` starts a new head (a copy of the old one) so earlier commits stay
+    resolvable with their own content."""
+
+    def __init__(self, repo_id: str, private: bool = False):
+        self.repo_id = repo_id
+        self.private = private
+        sha = secrets.token_hex(20)
+        self.commits: dict[str, dict[str, HubFile]] = {sha: {}}
+        self.refs: dict[str, str] = {"main": sha}
+        self.created = datetime.now(timezone.utc)
+
+    @property
+    def head(self) -> str:
+        return self.refs["main"]
+
+    def add_file(self, path: str, source: Path | bytes, *, lfs: bool | None = None,
+                 sha256: str | None = None) -> HubFile:
+        f = make_file(path, source, lfs=lfs, sha256=sha256)
+        self.commits[self.head][path] = f
+        return f
+
+    def remove_file(self, path: str) -> None:
+        self.commits[self.head].pop(path, None)
+
+    def new_commit(self) -> str:
+        sha = secrets.token_hex(20)
+        self.commits[sha] = dict(self.commits[self.head])
+        self.refs["main"] = sha
+        return sha
+
+    def resolve(self, revision: str) -> str | None:
+        if revision in self.refs:
+            return self.refs[revision]
+        if revision in self.commits:
+            return revision
+        return None
+
+    def files(self, sha: str) -> dict[str, HubFile]:
+        return self.commits[sha]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# faults
+# ---------------------------------------------------------------------------------------------------------------
+
+FAULT_KINDS = ("drop", "stall", "corrupt", "status", "slow")
+
+
+@dataclass
+class Fault:
+    """One fault switch.
+
+    kind: ``drop`` (close the connection once the body reaches byte ``at`` of the file), ``stall`` (stop sending
+    at byte ``at`` for ``seconds``; the connection stays open), ``corrupt`` (bytes ``[at, at+length)`` of the file
+    are served flipped), ``status`` (answer ``status`` instead, for ``method`` GET/HEAD/any), ``slow`` (limit
+    the body to ``rate_bps`` bytes/s). ``path`` is a glob on the file's path (or its base name). ``times``: how
+    many responses it hits (``None``: all, until cleared)."""
+
+    kind: str
+    path: str = "*"
+    at: int = 0
+    times: int | None = 1
+    status: int = 500
+    seconds: float = 3600.0
+    length: int = 1
+    rate_bps: float = 0.0
+    method: str = "GET"
+    hits: int = 0
+
+    def __post_init__(self):
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; one of {', '.join(FAULT_KINDS)}")
+
+    def matches(self, path: str) -> bool:
+        return fnmatch.fnmatchcase(path, self.path) or fnmatch.fnmatchcase(path.rsplit("/", 1)[-1], self.path)
+
+    @property
+    def live(self) -> bool:
+        return self.times is None or self.hits < self.times
+
+    @classmethod
+    def parse(cls, spec: str) -> "Fault":
+        """``drop:at=1048576,path=*00002*,times=1`` → Fault."""
+        kind, _, rest = spec.partition(":")
+        kw: dict[str, Any] = {}
+        for part in filter(None, rest.split(",")):
+            k, _, v = part.partition("=")
+            k = k.strip()
+            if k in ("at", "status", "length"):
+                kw[k] = int(v)
+            elif k in ("seconds", "rate_bps"):
+                kw[k] = float(v)
+            elif k == "times":
+                kw[k] = None if v in ("", "inf", "none", "None") else int(v)
+            else:
+                kw[k] = v
+        return cls(kind=kind.strip(), **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the server
+# ---------------------------------------------------------------------------------------------------------------
+
+def _iso(dt: datetime) -> str:
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.000Z")
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None | str:
+    """``bytes=a-b`` → (a, b+1). None: no (usable) range. "invalid": unsatisfiable (416)."""
+    if not header or not header.strip().lower().startswith("bytes="):
+        return None
+    spec = header.split("=", 1)[1].strip()
+    if "," in spec:
+        return None  # multiple ranges: serve the whole file, as many servers do
+    first, _, last = spec.partition("-")
+    try:
+        if first == "":
+            n = int(last)
+            if n <= 0:
+                return "invalid"
+            return (max(0, size - n), size)
+        a = int(first)
+        b = int(last) + 1 if last else size
+    except ValueError:
+        return None
+    if a >= size or a < 0:
+        return "invalid"
+    return (a, min(b, size))
+
+
+class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, addr, handler, hub: "LocalHub"):
+        self.hub = hub
+        super().__init__(addr, handler)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "dsv41-localhub/1"
+    server: _Server
+
+    def log_message(self, format, *args):  # noqa: A002 - BaseHTTPRequestHandler's name
+        pass  # the hub records requests in stats (never their headers)
+
+    def setup(self):
+        super().setup()
+        self.connection.settimeout(60)
+        self.server.hub._track(self.connection, True)
+
+    def finish(self):
+        try:
+            super().finish()
+        finally:
+            self.server.hub._track(self.connection, False)
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    @property
+    def hub(self) -> "LocalHub":
+        return self.server.hub
+
+    def _json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        self.hub._record(self.command, self.path, status, self.headers.get("Range"))
+
+    def _error(self, status: int, code: str | None, message: str) -> None:
+        headers = {"X-Error-Message": message}
+        if code:
+            headers["X-Error-Code"] = code
+        self._json(status, {"error": message}, headers)
+
+    def _authorized(self, repo: HubRepo | None) -> bool:
+        token = self.hub.token
+        if not token:
+            return True
+        got = self.headers.get("Authorization", "")
+        return got == f"Bearer {token}"
+
+    def _repo_or_error(self, repo_id: str) -> HubRepo | None:
+        repo = self.hub.repos.get(repo_id)
+        if repo is None or not self._authorized(repo):
+            self._error(401, "RepoNotFound",
+                        "Repository Not Found for url. Please make sure you specified the correct `repo_id` and "
+                        "`repo_type`. If you are trying to access a private or gated repo, make sure you are "
+                        "authenticated.")
+            return None
+        return repo
+
+    def _sha_or_error(self, repo: HubRepo, rev: str) -> str | None:
+        sha = repo.resolve(rev)
+        if sha is None:
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        return sha
+
+    # -- verbs --------------------------------------------------------------------------------------------------
+    def do_HEAD(self):  # noqa: N802
+        self._dispatch()
+
+    def do_GET(self):  # noqa: N802
+        self._dispatch()
+
+    def do_POST(self):  # noqa: N802
+        self._dispatch()
+
+    def do_DELETE(self):  # noqa: N802
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        try:
+            self._route()
+        except (BrokenPipeError, ConnectionResetError, socket.timeout, TimeoutError):
+            self.close_connection = True
+
+    def _body(self) -> bytes:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _route(self) -> None:
+        parts = urlsplit(self.path)
+        path = parts.path
+        query = parse_qs(parts.query)
+        hub = self.hub
+        if path.startswith("/_hub/"):
+            return self._admin(path, query)
+        if path.startswith("/_cdn/"):
+            seg = path[len("/_cdn/"):].split("/", 1)
+            f = hub._by_sha.get(seg[0])
+            if f is None:
+                return self._error(404, "EntryNotFound", "no such object")
+            return self._serve(f, {"ETag": f'"{f.sha256}"'})
+        if unquote(path) in hub.raw:
+            f = hub.raw[unquote(path)]
+            return self._serve(f, {"ETag": f'"{f.sha256}"'})
+        if path.startswith("/api/models/"):
+            return self._api(path[len("/api/models/"):], query)
+        if "/resolve/" in path:
+            return self._resolve(path)
+        self._error(404, None, f"no route for {path}")
+
+    def _admin(self, path: str, query: dict) -> None:
+        hub = self.hub
+        if path == "/_hub/faults" and self.command == "POST":
+            spec = json.loads(self._body() or b"[]")
+            for d in spec if isinstance(spec, list) else [spec]:
+                hub.add_fault(Fault(**d))
+            return self._json(200, {"faults": [asdict(f) for f in hub.faults]})
+        if path == "/_hub/faults" and self.command == "DELETE":
+            hub.clear_faults()
+            return self._json(200, {"faults": []})
+        if path == "/_hub/stats":
+            return self._json(200, hub.stats())
+        if path == "/_hub/stats/reset" and self.command == "POST":
+            hub.reset_stats()
+            return self._json(200, hub.stats())
+        self._error(404, None, "unknown admin route")
+
+    def _api(self, rest: str, query: dict) -> None:
+        segs = [unquote(s) for s in rest.split("/")]
+        if len(segs) < 2:
+            return self._error(404, None, "bad repo id")
+        repo_id = f"{segs[0]}/{segs[1]}"
+        tail = segs[2:]
+        repo = self._repo_or_error(repo_id)
+        if repo is None:
+            return
+        if self.command in ("GET", "HEAD") and (not tail or tail[0] == "revision"):
+            rev = tail[1] if len(tail) >= 2 else "main"
+            sha = self._sha_or_error(repo, rev)
+            if sha is None:
+                return
+            blobs = query.get("blobs", ["false"])[0].lower() in ("1", "true")
+            return self._json(200, self.hub._model_info(repo, sha, blobs))
+        if tail and tail[0] == "tree" and self.command == "GET":
+            if len(tail) < 2:
+                return self._error(404, "RevisionNotFound", "no revision")
+            sha = self._sha_or_error(repo, tail[1])
+            if sha is None:
+                return
+            sub = "/".join(tail[2:]).strip("/")
+            recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
+            entries = self.hub._tree(repo, sha, sub, recursive)
+            if entries is None:
+                return self._error(404, "EntryNotFound", f"{sub} does not exist on {tail[1]}")
+            cursor = int(query.get("cursor", ["0"])[0])
+            page = entries[cursor:cursor + self.hub.page_size]
+            headers = {}
+            if cursor + self.hub.page_size < len(entries):
+                q = f"recursive={str(recursive).lower()}&cursor={cursor + self.hub.page_size}"
+                headers["Link"] = f'<{self.hub.url}{urlsplit(self.path).path}?{q}>; rel="next"'
+            return self._json(200, page, headers)
+        if tail and tail[0] == "paths-info" and self.command == "POST":
+            if len(tail) < 2:
+                return self._error(404, "RevisionNotFound", "no revision")
+            sha = self._sha_or_error(repo, tail[1])
+            if sha is None:
+                return
+            raw = self._body()
+            ctype = self.headers.get("Content-Type", "")
+            if "json" in ctype:
+                wanted = json.loads(raw or b"{}").get("paths", [])
+            else:
+                wanted = parse_qs(raw.decode()).get("paths", [])
+            wanted = [wanted] if isinstance(wanted, str) else wanted
+            files = repo.files(sha)
+            out = []
+            for p in wanted:
+                p = p.strip("/")
+                if p in files:
+                    out.append(files[p].tree_entry())
+                elif any(k.startswith(p + "/") for k in files):
+                    out.append({"type": "directory", "oid": hashlib.sha1(p.encode()).hexdigest(), "size": 0,
+                                "path": p})
+            return self._json(200, out)
+        self._error(404, None, "unknown api route")
+
+    def _resolve(self, path: str) -> None:
+        head, _, rest = path.lstrip("/").partition("/resolve/")
+        repo_id = unquote(head)
+        rev_q, _, file_q = rest.partition("/")
+        rev, fname = unquote(rev_q), unquote(file_q)
+        repo = self._repo_or_error(repo_id)
+        if repo is None:
+            return
+        sha = self._sha_or_error(repo, rev)
+        if sha is None:
+            return
+        f = repo.files(sha).get(fname)
+        if f is None:
+            return self._error(404, "EntryNotFound", f"{fname} does not exist on {rev}")
+        headers = {"X-Repo-Commit": sha, "Access-Control-Expose-Headers": "X-Repo-Commit, ETag, X-Linked-Size"}
+        if f.lfs:
+            headers["X-Linked-Size"] = str(f.size)
+            headers["X-Linked-Etag"] = f'"{f.sha256}"'
+        if f.lfs and self.hub.redirect_lfs:
+            status = self.hub._status_fault(f.path, self.command)
+            if status:
+                return self._error(status, None, f"fault: status {status}")
+            host = self.hub.cdn_host
+            loc = (f"http://{host}:{self.hub.port}/_cdn/{f.sha256}/{quote(fname.rsplit('/', 1)[-1])}"
+                   f"?X-Amz-Expires=3600&X-Amz-Signature={secrets.token_hex(8)}")
+            self.send_response(302)
+            headers["ETag"] = f'"{f.git_oid}"'
+            headers["Location"] = loc
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            self.hub._record(self.command, self.path, 302, self.headers.get("Range"))
+            return
+        headers["ETag"] = f'"{f.sha256}"' if f.lfs else f'"{f.git_oid}"'
+        self._serve(f, headers)
+
+    # -- file bodies --------------------------------------------------------------------------------------------
+    def _serve(self, f: HubFile, headers: dict[str, str]) -> None:
+        hub = self.hub
+        status = hub._status_fault(f.path, self.command)
+        if status:
+            return self._error(status, None, f"fault: status {status}")
+        rng = parse_range(self.headers.get("Range"), f.size)
+        if rng == "invalid":
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{f.size}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            hub._record(self.command, self.path, 416, self.headers.get("Range"))
+            return
+        start, end = (0, f.size) if rng is None else rng
+        code = 200 if rng is None else 206
+        self.send_response(code)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(end - start))
+        if code == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{f.size}")
+        self.end_headers()
+        hub._record(self.command, self.path, code, self.headers.get("Range"))
+        if self.command == "HEAD" or end <= start:
+            return
+        self.wfile.flush()
+        self._send_body(f, start, end)
+
+    def _send_body(self, f: HubFile, start: int, end: int) -> None:
+        hub = self.hub
+        faults = hub._body_faults(f.path, start, end)
+        drop = next((x for x in faults if x.kind == "drop"), None)
+        stall = next((x for x in faults if x.kind == "stall"), None)
+        corrupt = [x for x in faults if x.kind == "corrupt"]
+        slow = next((x for x in faults if x.kind == "slow"), None)
+        stops = sorted({x.at for x in (drop, stall) if x is not None})
+        sock = self.connection
+        fd = f.open_fd()
+        try:
+            pos = start
+            t0 = time.monotonic()
+            sent_since = 0
+            while pos < end:
+                if stall is not None and pos == stall.at:
+                    self._stall(stall.seconds)
+                    stall = None
+                if drop is not None and pos == drop.at:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    self.close_connection = True
+                    return
+                limit = end
+                for s in stops:
+                    if s > pos:
+                        limit = min(limit, s)
+                        break
+                n = min(limit - pos, SEND_CHUNK)
+                if slow is not None and slow.rate_bps > 0:
+                    n = min(n, max(1, int(slow.rate_bps * 0.05)))
+                bad = [c for c in corrupt if c.at < pos + n and c.at + c.length > pos]
+                if bad or fd is None or slow is not None:
+                    data = bytearray(f.read(pos, n, fd))
+                    for c in bad:
+                        a = max(c.at, pos) - pos
+                        b = min(c.at + c.length, pos + n) - pos
+                        for i in range(a, b):
+                            data[i] ^= 0xFF
+                    sock.sendall(data)
+                    sent = len(data)
+                else:
+                    sent = self._sendfile(sock, fd, pos, n)
+                pos += sent
+                hub._count(f.path, sent)
+                if slow is not None and slow.rate_bps > 0:
+                    sent_since += sent
+                    ahead = sent_since / slow.rate_bps - (time.monotonic() - t0)
+                    if ahead > 0:
+                        if hub._stop.wait(ahead):
+                            return
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _sendfile(self, sock: socket.socket, fd: int, offset: int, count: int) -> int:
+        out = sock.fileno()
+        timeout = sock.gettimeout()
+        while True:
+            try:
+                n = os.sendfile(out, fd, offset, count)
+                if n == 0:
+                    raise BrokenPipeError("file ended early")
+                return n
+            except BlockingIOError:
+                _, w, _ = select.select([], [out], [], timeout)
+                if not w:
+                    raise socket.timeout("client stopped reading")
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    continue
+                raise
+
+    def _stall(self, seconds: float) -> None:
+        """Send nothing for ``seconds`` (or until the client closes, or the hub stops)."""
+        deadline = time.monotonic() + seconds
+        sock = self.connection
+        while time.monotonic() < deadline and not self.hub._stop.is_set():
+            r, _, _ = select.select([sock], [], [], 0.1)
+            if r:
+                try:
+                    if not sock.recv(1, socket.MSG_PEEK):
+                        return  # the client closed
+                except OSError:
+                    return
+
+
+class LocalHub:
+    """The hub: ``with LocalHub() as hub: hub.repo("a/b").add_file(...); os.environ["HF_ENDPOINT"] = hub.url``."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
+                 redirect_lfs: bool = True, cdn_host: str = "localhost", page_size: int = 1000):
+        self.host = host
+        self.token = token
+        self.redirect_lfs = redirect_lfs
+        self.cdn_host = cdn_host
+        self.page_size = page_size
+        self.repos: dict[str, HubRepo] = {}
+        self.raw: dict[str, HubFile] = {}
+        self.faults: list[Fault] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._bytes: dict[str, int] = {}
+        self._requests: list[dict[str, Any]] = []
+        self._conns: set[socket.socket] = set()
+        self._server = _Server((host, port), _Handler, self)
+        self.port = self._server.server_address[1]
+        self._thread: threading.Thread | None = None
+
+    # -- life -----------------------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "LocalHub":
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="localhub", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever(poll_interval=0.2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._server.shutdown()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "LocalHub":
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _track(self, conn: socket.socket, add: bool) -> None:
+        with self._lock:
+            (self._conns.add if add else self._conns.discard)(conn)
+
+    # -- content --------------------------------------------------------------------------------------------------
+    def repo(self, repo_id: str, *, private: bool = False) -> HubRepo:
+        if repo_id not in self.repos:
+            self.repos[repo_id] = HubRepo(repo_id, private=private)
+        return self.repos[repo_id]
+
+    def add_raw(self, url_path: str, source: Path | bytes) -> HubFile:
+        """Serve ``source`` at ``url_path`` (e.g. a release asset path); returns its entry (size, sha256)."""
+        url_path = "/" + url_path.lstrip("/")
+        f = make_file(url_path.lstrip("/"), source, lfs=False)
+        self.raw[url_path] = f
+        return f
+
+    def raw_url(self, url_path: str) -> str:
+        return self.url + "/" + url_path.lstrip("/")
+
+    @property
+    def _by_sha(self) -> dict[str, HubFile]:
+        out: dict[str, HubFile] = {}
+        for repo in self.repos.values():
+            for files in repo.commits.values():
+                for f in files.values():
+                    if f.lfs:
+                        out[f.sha256] = f
+        return out
+
+    def _model_info(self, repo: HubRepo, sha: str, blobs: bool) -> dict[str, Any]:
+        files = repo.files(sha)
+        ns, _, name = repo.repo_id.partition("/")
+        info: dict[str, Any] = {
+            "_id": hashlib.md5(repo.repo_id.encode()).hexdigest()[:24],
+            "id": repo.repo_id, "modelId": repo.repo_id, "author": ns, "sha": sha,
+            "lastModified": _iso(datetime.now(timezone.utc)), "createdAt": _iso(repo.created),
+            "private": repo.private, "gated": False, "disabled": False, "downloads": 0, "likes": 0,
+            "library_name": "gguf", "tags": ["gguf"],
+            "siblings": [f.sibling(blobs) for f in sorted(files.values(), key=lambda x: x.path)],
+        }
+        if blobs:
+            info["usedStorage"] = sum(f.size for f in files.values())
+        return info
+
+    def _tree(self, repo: HubRepo, sha: str, sub: str, recursive: bool) -> list[dict[str, Any]] | None:
+        files = repo.files(sha)
+        prefix = sub + "/" if sub else ""
+        if sub and sub in files:
+            return [files[sub].tree_entry()]
+        paths = sorted(p for p in files if p.startswith(prefix))
+        if sub and not paths:
+            return None
+        out: list[dict[str, Any]] = []
+        dirs: set[str] = set()
+        for p in paths:
+            rel = p[len(prefix):]
+            parts = rel.split("/")
+            for i in range(1, len(parts)):
+                d = prefix + "/".join(parts[:i])
+                if d not in dirs and (recursive or i == 1):
+                    dirs.add(d)
+                    out.append({"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0,
+                                "path": d})
+            if recursive or len(parts) == 1:
+                out.append(files[p].tree_entry())
+        return out
+
+    # -- faults ---------------------------------------------------------------------------------------------------
+    def add_fault(self, fault: Fault | None = None, **kw: Any) -> Fault:
+        fault = fault or Fault(**kw)
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def clear_faults(self) -> None:
+        with self._lock:
+            self.faults.clear()
+
+    def _status_fault(self, path: str, method: str) -> int | None:
+        with self._lock:
+            for f in self.faults:
+                if f.kind == "status" and f.live and f.matches(path) and f.method in (method, "any", "ANY"):
+                    f.hits += 1
+                    return f.status
+        return None
+
+    def _body_faults(self, path: str, start: int, end: int) -> list[Fault]:
+        out = []
+        with self._lock:
+            for f in self.faults:
+                if not (f.live and f.matches(path)) or f.kind == "status":
+                    continue
+                if f.kind == "slow" or (f.kind in ("drop", "stall") and start <= f.at < end) or \
+                        (f.kind == "corrupt" and f.at < end and f.at + f.length > start):
+                    f.hits += 1
+                    out.append(f)
+        return out
+
+    # -- stats ----------------------------------------------------------------------------------------------------
+    def _count(self, path: str, n: int) -> None:
+        with self._lock:
+            self._bytes[path] = self._bytes.get(path, 0) + n
+
+    def _record(self, method: str, path: str, status: int, rng: str | None) -> None:
+        with self._lock:
+            self._requests.append({"method": method, "path": urlsplit(path).path, "status": status, "range": rng,
+                                   "t": time.time()})
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"bytes_sent": dict(self._bytes), "requests": list(self._requests)}
+
+    def bytes_sent(self, path: str | None = None) -> int:
+        with self._lock:
+            if path is None:
+                return sum(self._bytes.values())
+            return sum(v for k, v in self._bytes.items() if k == path or k.rsplit("/", 1)[-1] == path)
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._bytes.clear()
+            self._requests.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# demo content: small GGUF shards with real split metadata, and an engine release archive
+# ---------------------------------------------------------------------------------------------------------------
+
+def shard_name(n: int, count: int = 7, stem: str = "DeepSeek-V4.1-Flash-Q2_K") -> str:
+    return f"{stem}-{n:05d}-of-{count:05d}.gguf"
+
+
+def write_demo_shards(folder: Path, *, count: int = 7, bytes_per_shard: int = 1 << 20, seed: int = 41,
+                      stem: str = "DeepSeek-V4.1-Flash-Q2_K", split_no_override: dict[int, int] | None = None
+                      ) -> list[Path]:
+    """Write ``count`` small GGUF files named like the model's shards, each with the split keys
+    (``split.no``, ``split.count``, ``split.tensors.count``) and one tensor of seeded random bytes.
+    They are download fixtures, not a model."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        p = folder / shard_name(i + 1, count, stem)
+        w = GGUFWriter(str(p), "deepseek2")
+        w.add_uint16("split.no", (split_no_override or {}).get(i, i))
+        w.add_uint16("split.count", count)
+        w.add_int32("split.tensors.count", count)
+        w.add_string("general.name", "dsv41 download fixture (not a model)")
+        n = max(32, bytes_per_shard - 512)
+        w.add_tensor(f"fixture.{i}.bytes", rng.integers(-128, 127, size=n, dtype=np.int8))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        out.append(p)
+    return out
+
+
+def write_demo_release(path: Path, version: str = "v0.1.0") -> Path:
+    """A small .tar.gz laid out like an engine release (a marked executable inside), clearly a demo."""
+    import io
+    import tarfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    script = ("#!/bin/sh\necho 'dsv41 local hub demo release " + version +
+              ": not the Strata engine, only a download fixture' >&2\nexit 2\n").encode()
+    readme = b"This archive comes from the dsv41 local hub (python -m engine_manager.hub --demo).\n"
+    with tarfile.open(path, "w:gz") as tar:
+        root = f"strata-{version}"
+        for name, data, mode in ((f"{root}/bin/strata-demo", script, 0o755),
+                                 (f"{root}/DEMO-RELEASE.txt", readme, 0o644)):
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode, ti.mtime = len(data), mode, int(time.time())
+            tar.addfile(ti, io.BytesIO(data))
+    return path
+
+
+def release_manifest(hub: LocalHub, archive: Path, version: str = "v0.1.0",
+                     url_path: str | None = None) -> dict[str, Any]:
+    """Serve ``archive`` on the hub and return an engine manifest that points at it."""
+    url_path = url_path or f"/deepseek-one-gpu/releases/download/{version}/{archive.name}"
+    f = hub.add_raw(url_path, Path(archive))
+    return {"name": "strata", "version": version, "url": hub.raw_url(url_path), "size": f.size,
+            "sha256": f.sha256, "executables": ["bin/strata-demo"],
+            "note": "local hub demo release (not the engine)"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------------------------
+
+def _cached_sha256(folder: Path, files: Iterable[Path]) -> dict[str, str]:
+    """sha256 of each file, cached in ``folder/.hub-sha256.json`` keyed by name, size and mtime (replica shards
+    are tens of GB: hash them once)."""
+    cache_path = folder / ".hub-sha256.json"
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    out = {}
+    for p in files:
+        st = p.stat()
+        key = f"{p.name}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in cache:
+            print(f"hub: hashing {p.name} ({st.st_size / 1e9:.2f} GB)…", file=sys.stderr, flush=True)
+            cache[key] = sha256_file(p)
+        out[p.name] = cache[key]
+    try:
+        cache_path.write_text(json.dumps(cache, indent=1))
+    except OSError:
+        pass
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .settings import DEFAULT_MODEL_REPO
+
+    p = argparse.ArgumentParser(prog="python -m engine_manager.hub",
+                                description="A local Hugging Face hub on 127.0.0.1 for tests and demos. Point "
+                                            "HF_ENDPOINT at the URL it prints.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--repo", default=DEFAULT_MODEL_REPO, help="repository id to serve the files as")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--dir", type=Path, help="serve every file of this folder (e.g. sparse replica shards)")
+    src.add_argument("--demo", type=Path, metavar="DIR",
+                     help="write seven small GGUF shards and a demo engine release into DIR and serve them")
+    src.add_argument("--replica", type=Path, metavar="DIR",
+                     help="write the planner's sparse replica of the real split into DIR (engine_manager.replica) "
+                          "and serve it")
+    p.add_argument("--demo-size-mib", type=float, default=4.0, help="size of each demo shard (MiB)")
+    p.add_argument("--token", help="require this bearer token (like a gated repo)")
+    p.add_argument("--no-redirect", action="store_true", help="serve LFS files directly, without the CDN 302")
+    p.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                   help="e.g. drop:at=1048576,path=*00002*  stall:at=0,seconds=30  corrupt:at=100,length=8  "
+                        "status:status=503,times=2  slow:rate_bps=5e6,times=inf")
+    args = p.parse_args(argv)
+
+    hub = LocalHub(args.host, args.port, token=args.token, redirect_lfs=not args.no_redirect)
+    repo = hub.repo(args.repo)
+    manifest_path = None
+    if args.demo:
+        shards = write_demo_shards(args.demo, bytes_per_shard=int(args.demo_size_mib * (1 << 20)))
+        for s in shards:
+            repo.add_file(s.name, s)
+        archive = write_demo_release(args.demo / "release" / "strata-v0.1.0-demo.tar.gz")
+        manifest = release_manifest(hub, archive)
+        manifest_path = args.demo / "release" / "engine.json"
+        manifest_path.write_text(json.dumps(manifest, indent=2))
+    else:
+        folder = args.dir or args.replica
+        if args.replica:
+            try:
+                from . import replica  # written by the planner's issue
+            except ImportError:
+                print("hub: engine_manager.replica is not available in this tree", file=sys.stderr)
+                return 2
+            replica.write_replica(args.replica)
+        if folder:
+            files = sorted(q for q in Path(folder).iterdir() if q.is_file() and not q.name.startswith("."))
+            shas = _cached_sha256(Path(folder), files)
+            for q in files:
+                repo.add_file(q.name, q, sha256=shas[q.name])
+    for spec in args.fault:
+        hub.add_fault(Fault.parse(spec))
+
+    print(f"HF_ENDPOINT={hub.url}", flush=True)
+    print(f"hub: serving {args.repo} at commit {repo.head} ({len(repo.files(repo.head))} files)", flush=True)
+    if manifest_path:
+        print(f"hub: demo engine manifest at {manifest_path} (dsv41 download --engine --engine-manifest …)",
+              flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    hub.start()
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    hub.stop()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,824 @@
+"""The model's layout from its GGUF headers: every tensor's name, type, shape, bytes, shard and offset, classified,
+with the bytes of each routed expert — without reading any tensor data.
+
+A split GGUF is ``<stem>-0000N-of-0000M.gguf`` (llama.cpp's ``gguf-split`` and ``gguf.GGUFWriter`` name it so);
+every shard carries ``split.no`` (0-based), ``split.count`` and ``split.tensors.count``. Shard 1 carries the model's
+metadata (hyperparameters, the tokenizer); the others usually carry only the ``split.*`` keys.
+
+Why a hand-written reader and not ``gguf.GGUFReader`` (the house prefers the library; this is the measured
+exception). ``GGUFReader`` memory-maps the file and builds numpy views for every field *and every element of every
+array*: the tokenizer's 163,840 tokens + 163,328 merges become ~650k small numpy objects. Measured on this machine
+(2 shared cores, Python 3.11, gguf 0.19) on shard 1 of the replica (a 7.2 MB header: 163,840-token vocabulary and
+its merges, 140 tensors), see ``python -m engine_manager.layout --compare FILE``:
+
+    gguf.GGUFReader(shard 1)        ~7.1 s, ~480 MiB peak RSS growth
+    read_shard_header(shard 1)      ~0.016 s (numpy fast path for string arrays), < 20 MiB
+
+(the issue's own figures, on another machine: GGUFReader 7.5 s / 558 MiB, a plain struct read 0.17 s). So the
+planner reads headers with ``struct`` over one buffer: scalar fields are unpacked, fixed-size arrays are skipped by
+arithmetic, string arrays are skipped with a vectorised pass (verified string by string, with a plain loop as the
+fallback), and nothing is allocated from a count before the count has been checked against the bytes that remain.
+
+Errors are :class:`LayoutError` naming the file and the problem (missing shard, shards of different splits or
+models, bad magic or version, truncated header, absurd counts, data past the end of the file) and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+
+# Bounds checked before anything is allocated from a count read in a header.
+MAX_TENSORS = 1 << 20               # a shard with more tensors than this is not a model
+MAX_KV = 1 << 16
+MAX_STRING = 1 << 26                # 64 MiB: no key, tensor name or token is longer
+MAX_ARRAY = 1 << 28
+MAX_DIMS = 4                        # GGML_MAX_DIMS
+MAX_HEADER_BYTES = 1 << 30          # a header larger than 1 GiB is refused
+READ_CHUNK = 1 << 20
+
+SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+# GGUF value types
+T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL, T_STRING, T_ARRAY, T_UINT64, T_INT64, \
+    T_FLOAT64 = range(13)
+_SCALAR = {T_UINT8: "<B", T_INT8: "<b", T_UINT16: "<H", T_INT16: "<h", T_UINT32: "<I", T_INT32: "<i",
+           T_FLOAT32: "<f", T_BOOL: "<?", T_UINT64: "<Q", T_INT64: "<q", T_FLOAT64: "<d"}
+_SCALAR_SIZE = {k: struct.calcsize(v) for k, v in _SCALAR.items()}
+_NP = {T_UINT8: "<u1", T_INT8: "<i1", T_UINT16: "<u2", T_INT16: "<i2", T_UINT32: "<u4", T_INT32: "<i4",
+       T_FLOAT32: "<f4", T_BOOL: "<u1", T_UINT64: "<u8", T_INT64: "<i8", T_FLOAT64: "<f8"}
+SMALL_ARRAY = 64                    # arrays up to this many elements keep their values; longer ones are summarised
+
+
+def _quant_sizes() -> dict[int, tuple[int, int, str]]:
+    """ggml type id → (block size, bytes per block, name), from the gguf package."""
+    import gguf
+    return {int(t): (bs, ts, t.name) for t, (bs, ts) in gguf.GGML_QUANT_SIZES.items()}
+
+
+QUANT = _quant_sizes()
+
+
+class LayoutError(ValueError):
+    """A model's headers could not be read. ``str()`` names the file, the problem and what to do."""
+
+    def __init__(self, path: os.PathLike | str | None, problem: str, advice: str = ""):
+        self.path = str(path) if path is not None else None
+        self.problem = problem
+        self.advice = advice
+        where = f"{self.path}: " if self.path else ""
+        super().__init__(f"{where}{problem}" + (f". {advice}" if advice else ""))
+
+
+@dataclass(frozen=True)
+class ArraySummary:
+    """A long metadata array, summarised (its values are not kept)."""
+    item_type: int
+    count: int
+
+    def __repr__(self) -> str:
+        return f"<array of {self.count} {_TYPE_NAMES.get(self.item_type, '?')}>"
+
+
+_TYPE_NAMES = {T_UINT8: "uint8", T_INT8: "int8", T_UINT16: "uint16", T_INT16: "int16", T_UINT32: "uint32",
+               T_INT32: "int32", T_FLOAT32: "float32", T_BOOL: "bool", T_STRING: "string", T_ARRAY: "array",
+               T_UINT64: "uint64", T_INT64: "int64", T_FLOAT64: "float64"}
+
+# -- classification -----------------------------------------------------------------------------------------------
+
+KINDS = ("routed_experts", "shared_experts", "attention", "dense_ffn", "embeddings_output", "other")
+KIND_LABELS = {
+    "routed_experts": "routed experts",
+    "shared_experts": "shared experts",
+    "attention": "attention",
+    "dense_ffn": "dense FFN",
+    "embeddings_output": "embeddings / output",
+    "other": "other (norms, routers, …)",
+}
+
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_EXPS = re.compile(r"^ffn_(gate_up|gate|up|down)_exps\.(weight|bias|scale)$")
+
+
+def classify(name: str) -> tuple[str, int | None, str | None]:
+    """(kind, layer or None, expert part or None) from a llama.cpp tensor name.
+
+    Routed experts: ``blk.N.ffn_{gate,up,down,gate_up}_exps.*`` (one tensor holds every expert of the layer).
+    Shared experts: ``*_shexp.*``. Attention: ``attn_*`` (norms included). Dense FFN: ``ffn_{gate,up,down}.*`` of a
+    block (its norm included). Embeddings/output: ``token_embd``, ``output``, ``output_norm`` and other embedding
+    lookup tables (``*_embd*``). Everything else (routers ``ffn_gate_inp``, ``exp_probs_b``, norms, projections of
+    modules this list does not know) is ``other``.
+    """
+    m = _BLK.match(name)
+    if not m:
+        if name.startswith(("token_embd", "output", "per_layer_token_embd")) or "_embd" in name:
+            return "embeddings_output", None, None
+        return "other", None, None
+    layer, rest = int(m.group(1)), m.group(2)
+    e = _EXPS.match(rest)
+    if e:
+        return "routed_experts", layer, e.group(1)
+    if "_shexp" in rest:
+        return "shared_experts", layer, None
+    if rest.startswith("attn_"):
+        return "attention", layer, None
+    if rest.startswith(("ffn_gate.", "ffn_up.", "ffn_down.", "ffn_norm.")):
+        return "dense_ffn", layer, None
+    if "_embd" in rest:
+        return "embeddings_output", layer, None
+    return "other", layer, None
+
+
+def is_lookup_table(name: str) -> bool:
+    """An embedding table the engine reads rows from (kept in host RAM), not a matrix it multiplies by."""
+    kind, _, _ = classify(name)
+    return kind == "embeddings_output" and _lookup_name(name)
+
+
+def _lookup_name(name: str) -> bool:
+    base = name.rsplit(".", 1)[0]
+    return base != "output" and not base.endswith("_norm") and "norm" not in base.split(".")[-1]
+
+
+# -- data ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    ggml_type: int
+    type_name: str
+    shape: tuple[int, ...]          # ggml order: ne0 (row length) first
+    n_bytes: int
+    shard: int                      # 1-based
+    offset: int                     # absolute offset of the data in its shard file
+    kind: str
+    layer: int | None
+    part: str | None = None         # gate / up / down / gate_up for routed experts
+    lookup: bool = False            # an embedding lookup table (rows are read, kept in host RAM)
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class ShardHeader:
+    path: Path
+    version: int
+    n_kv: int
+    n_tensors: int
+    metadata: dict[str, Any]
+    tensors: list[tuple[str, int, tuple[int, ...], int]]   # name, ggml type, shape, relative offset
+    alignment: int
+    header_bytes: int               # bytes up to the end of the tensor infos
+    data_offset: int                # start of the tensor data (header padded to the alignment)
+    file_size: int
+
+
+@dataclass
+class ShardInfo:
+    path: Path
+    number: int                     # 1-based
+    count: int
+    file_size: int
+    header_bytes: int
+    data_offset: int
+    n_tensors: int
+    n_kv: int
+    tensor_bytes: int
+
+
+@dataclass
+class ExpertLayer:
+    layer: int
+    n_experts: int
+    part_bytes: dict[str, int]      # per expert: gate / up / down (or gate_up) bytes
+    types: dict[str, str]
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(self.part_bytes.values())
+
+
+@dataclass
+class ModelLayout:
+    name: str
+    arch: str
+    first_shard: Path
+    shards: list[ShardInfo]
+    tensors: list[TensorInfo]
+    metadata: dict[str, Any]
+    n_layers: int
+    n_experts: int
+    n_experts_used: int
+    expert_layers: list[ExpertLayer]
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+    # -- totals ------------------------------------------------------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the shard files' sizes (what the guides call the model's size)."""
+        return sum(s.file_size for s in self.shards)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [e.layer for e in self.expert_layers]
+
+    @property
+    def n_routed_experts(self) -> int:
+        return sum(e.n_experts for e in self.expert_layers)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        out = {k: 0 for k in KINDS}
+        for t in self.tensors:
+            out[t.kind] += t.n_bytes
+        return out
+
+    @property
+    def routed_expert_bytes(self) -> int:
+        return self.bytes_by_kind()["routed_experts"]
+
+    @property
+    def mean_expert_bytes(self) -> float:
+        n = self.n_routed_experts
+        return self.routed_expert_bytes / n if n else 0.0
+
+    def expert_bytes_matrix(self) -> np.ndarray:
+        """(MoE layers × max experts) int64 bytes of each routed expert (0 where a layer has fewer experts)."""
+        n = max((e.n_experts for e in self.expert_layers), default=0)
+        out = np.zeros((len(self.expert_layers), n), dtype=np.int64)
+        for i, e in enumerate(self.expert_layers):
+            out[i, : e.n_experts] = e.expert_bytes
+        return out
+
+    def tensors_of(self, kind: str) -> list[TensorInfo]:
+        return [t for t in self.tensors if t.kind == kind]
+
+    def header_bytes_total(self) -> int:
+        return sum(s.header_bytes for s in self.shards)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "arch": self.arch, "file": str(self.first_shard),
+            "shards": len(self.shards), "total_bytes": self.total_bytes, "tensor_bytes": self.tensor_bytes,
+            "n_tensors": len(self.tensors), "n_layers": self.n_layers, "moe_layers": self.moe_layers,
+            "n_experts": self.n_experts, "n_experts_used": self.n_experts_used,
+            "routed_experts": self.n_routed_experts, "routed_expert_bytes": self.routed_expert_bytes,
+            "expert_bytes": round(self.mean_expert_bytes), "bytes_by_kind": self.bytes_by_kind(),
+            "hparams": self.hparams,
+        }
+
+
+# -- the header reader ------------------------------------------------------------------------------------------
+
+class _Buf:
+    """A growing read buffer over one file: bytes are read only as parsing reaches them."""
+
+    def __init__(self, f, path: Path, size: int):
+        self.f, self.path, self.size = f, path, size
+        self.data = bytearray()
+        self.pos = 0
+
+    def need(self, n: int, what: str) -> None:
+        end = self.pos + n
+        if end <= len(self.data):
+            return
+        if end > self.size:
+            raise LayoutError(self.path, f"truncated header: {what} needs {n:,} bytes at offset {self.pos:,} but the "
+                                         f"file ends at {self.size:,}",
+                              "The file is incomplete or damaged; download it again")
+        if end > MAX_HEADER_BYTES:
+            raise LayoutError(self.path, f"header larger than {MAX_HEADER_BYTES >> 20} MiB ({what} at offset "
+                                         f"{self.pos:,}); this is not a model header")
+        want = min(self.size, max(end + READ_CHUNK // 4, len(self.data) + len(self.data) // 2)) - len(self.data)
+        chunk = self.f.read(want)
+        self.data += chunk
+        if len(self.data) < end:
+            raise LayoutError(self.path, f"truncated header: short read at offset {len(self.data):,} ({what})",
+                              "The file is incomplete or damaged; download it again")
+
+    def unpack(self, fmt: str, size: int, what: str):
+        self.need(size, what)
+        v = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += size
+        return v
+
+    def u32(self, what: str) -> int:
+        return self.unpack("<I", 4, what)[0]
+
+    def u64(self, what: str) -> int:
+        return self.unpack("<Q", 8, what)[0]
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"length of {what}")
+        if n > MAX_STRING:
+            raise LayoutError(self.path, f"absurd length {n:,} for {what} at offset {self.pos - 8:,}",
+                              "The header is damaged; download the file again")
+        self.need(n, what)
+        raw = bytes(self.data[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise LayoutError(self.path, f"{what} at offset {self.pos - n:,} is not UTF-8 text",
+                              "The header is damaged; download the file again") from None
+
+    def skip_strings(self, count: int, what: str) -> None:
+        """Skip ``count`` length-prefixed strings. Fast path: find every string start at once with numpy and verify
+        the chain (each start = previous start + 8 + its length); any doubt falls back to a plain loop."""
+        if count >= 256:
+            start = self.pos
+            window = count * 16
+            self.need(min(self.size - start, window), what)
+            for _ in range(8):
+                end, short = _chain_end(self.data, start, count, window)
+                if end is not None:
+                    if end > self.size:
+                        raise LayoutError(self.path, f"truncated header: {what} runs past the end of the file",
+                                          "The file is incomplete or damaged; download it again")
+                    self.need(end - start, what)
+                    self.pos = end
+                    return
+                if not short or start + window >= self.size:
+                    break
+                window *= 2
+                self.need(min(self.size - start, window), what)
+        unpack = struct.unpack_from
+        for i in range(count):
+            self.need(8, f"{what} (item {i})")
+            n = unpack("<Q", self.data, self.pos)[0]
+            if n > MAX_STRING:
+                raise LayoutError(self.path, f"absurd string length {n:,} in {what} (item {i}) at offset "
+                                             f"{self.pos:,}", "The header is damaged; download the file again")
+            self.need(8 + n, f"{what} (item {i})")
+            self.pos += 8 + n
+
+
+def _chain_end(data: bytearray, start: int, count: int, window: int) -> tuple[int | None, bool]:
+    """(end offset of ``count`` length-prefixed strings from ``start`` or None, whether more bytes could help).
+
+    Every string's 8-byte little-endian length below 65,536 ends in at least six zero bytes and is followed by its
+    (nonzero) text: the ends of zero runs — a zero byte followed by a nonzero one — give the candidate starts (7
+    bytes earlier). The first ``count`` candidates must form exactly the chain a sequential read walks (start,
+    start + 8 + len, ...), else the caller falls back to the plain loop. Four passes over the bytes; no Python
+    loop per string."""
+    stop = min(len(data), start + window)
+    buf = np.frombuffer(data, dtype=np.uint8, count=stop - start, offset=start)
+    n = buf.size
+    if n < 8 * count + 8:
+        return None, True
+    zero = buf[7:n - 1] == 0
+    zero &= buf[8:n] != 0
+    idx = np.flatnonzero(zero)                  # q: byte q+7 is the last zero of a length, q+8 its text
+    if idx.size == 0 or idx[0] != 0:
+        return None, False
+    if idx.size > count:
+        idx = idx[:count]
+    lengths = buf[idx].astype(np.int64) | (buf[idx + 1].astype(np.int64) << 8)
+    for k in range(2, 7):
+        if buf[idx + k].any():
+            bad = np.flatnonzero(buf[idx + k])
+            # a candidate inside text that merely ends in zeros: not a length field — let the slow path decide
+            if bad.size:
+                return None, False
+    nxt = idx + 8 + lengths
+    if not np.array_equal(nxt[:-1], idx[1:]):
+        return None, False
+    if idx.size < count:
+        return None, True
+    return start + int(nxt[-1]), False
+
+
+def _read_value(b: _Buf, vtype: int, key: str) -> Any:
+    if vtype in _SCALAR:
+        return b.unpack(_SCALAR[vtype], _SCALAR_SIZE[vtype], key)[0]
+    if vtype == T_STRING:
+        return b.string(f"value of {key}")
+    if vtype == T_ARRAY:
+        itype = b.u32(f"item type of {key}")
+        count = b.u64(f"length of {key}")
+        if count > MAX_ARRAY:
+            raise LayoutError(b.path, f"absurd array length {count:,} for {key}",
+                              "The header is damaged; download the file again")
+        if itype in _SCALAR:
+            size = _SCALAR_SIZE[itype]
+            if count * size > b.size - b.pos:
+                raise LayoutError(b.path, f"truncated header: array {key} of {count:,} items runs past the end of "
+                                          "the file", "The file is incomplete or damaged; download it again")
+            if count <= SMALL_ARRAY:
+                b.need(count * size, key)
+                vals = np.frombuffer(b.data, dtype=_NP[itype], count=count, offset=b.pos).tolist()
+                b.pos += count * size
+                return [bool(v) for v in vals] if itype == T_BOOL else vals
+            b.need(count * size, key)
+            b.pos += count * size
+            return ArraySummary(itype, count)
+        if itype == T_STRING:
+            if count * 8 > b.size - b.pos:
+                raise LayoutError(b.path, f"truncated header: array {key} of {count:,} strings runs past the end of "
+                                          "the file", "The file is incomplete or damaged; download it again")
+            if count <= SMALL_ARRAY:
+                return [b.string(f"{key}[{i}]") for i in range(count)]
+            b.skip_strings(count, key)
+            return ArraySummary(itype, count)
+        if itype == T_ARRAY:
+            if count * 12 > b.size - b.pos:
+                raise LayoutError(b.path, f"truncated header: array {key} runs past the end of the file",
+                                  "The file is incomplete or damaged; download it again")
+            for i in range(count):
+                _read_value(b, T_ARRAY, f"{key}[{i}]")
+            return ArraySummary(itype, count)
+        raise LayoutError(b.path, f"unknown item type {itype} in array {key}",
+                          "The header is damaged, or written by a newer GGUF version than this reader knows")
+    raise LayoutError(b.path, f"unknown value type {vtype} for {key}",
+                      "The header is damaged, or written by a newer GGUF version than this reader knows")
+
+
+def read_shard_header(path: os.PathLike | str) -> ShardHeader:
+    """Parse one GGUF file's header (metadata and tensor infos); tensor data is never read."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise LayoutError(path, "file not found", "Check the model folder") from None
+    except OSError as exc:
+        raise LayoutError(path, f"cannot open: {exc.strerror or exc}") from None
+    with f:
+        try:
+            size = os.fstat(f.fileno()).st_size
+        except OSError as exc:  # pragma: no cover
+            raise LayoutError(path, f"cannot stat: {exc}") from None
+        return parse_header(f, path, size)
+
+
+def parse_header(f, path: Path, size: int) -> ShardHeader:
+    b = _Buf(f, path, size)
+    if size < 4:
+        raise LayoutError(path, f"not a GGUF file: {size} bytes long, too short for a header",
+                          "The file is empty or incomplete; download it again")
+    b.need(4, "magic")
+    magic = bytes(b.data[:4])
+    b.pos = 4
+    if magic != GGUF_MAGIC:
+        raise LayoutError(path, f"not a GGUF file: bad magic {magic!r} (expected b'GGUF')",
+                          "Point the panel at the model's .gguf shards")
+    version = b.u32("version")
+    if version not in SUPPORTED_VERSIONS:
+        raise LayoutError(path, f"unsupported GGUF version {version} (this reader knows versions 2 and 3)",
+                          "Use a current conversion of the model")
+    n_tensors = b.u64("tensor count")
+    n_kv = b.u64("metadata count")
+    if n_tensors > MAX_TENSORS:
+        raise LayoutError(path, f"absurd tensor count {n_tensors:,} (more than {MAX_TENSORS:,})",
+                          "The header is damaged; download the file again")
+    if n_kv > MAX_KV:
+        raise LayoutError(path, f"absurd metadata count {n_kv:,} (more than {MAX_KV:,})",
+                          "The header is damaged; download the file again")
+    # every key-value needs ≥ 12 bytes, every tensor info ≥ 24: counts the file cannot hold are refused here
+    if n_kv * 12 + n_tensors * 24 > size - b.pos:
+        raise LayoutError(path, f"truncated header: {n_kv:,} metadata entries and {n_tensors:,} tensor infos cannot "
+                                f"fit in a {size:,}-byte file", "The file is incomplete or damaged; download it again")
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = b.string(f"metadata key {i}")
+        vtype = b.u32(f"type of {key}")
+        metadata[key] = _read_value(b, vtype, key)
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 20:
+        raise LayoutError(path, f"bad general.alignment {alignment!r} (must be a power of two)",
+                          "The header is damaged; download the file again")
+    tensors: list[tuple[str, int, tuple[int, ...], int]] = []
+    i = 0
+    unpack = struct.unpack_from
+    while i < n_tensors:
+        # fast path: parse straight from the buffer; on running out of bytes, fall back to the checked reads
+        data, pos = b.data, b.pos
+        try:
+            while i < n_tensors:
+                (ln,) = unpack("<Q", data, pos)
+                if ln > MAX_STRING or pos + 8 + ln + 4 > len(data):
+                    break
+                name = data[pos + 8:pos + 8 + ln].decode("utf-8")
+                p2 = pos + 8 + ln
+                (n_dims,) = unpack("<I", data, p2)
+                if n_dims == 0 or n_dims > MAX_DIMS:
+                    break
+                shape = unpack(f"<{n_dims}Q", data, p2 + 4)
+                gtype, off = unpack("<IQ", data, p2 + 4 + 8 * n_dims)
+                tensors.append((name, gtype, shape, off))
+                pos = p2 + 16 + 8 * n_dims
+                i += 1
+        except (struct.error, UnicodeDecodeError):
+            pass
+        b.pos = pos
+        if i >= n_tensors:
+            break
+        name = b.string(f"tensor name {i}")
+        n_dims = b.u32(f"dimension count of {name}")
+        if n_dims == 0 or n_dims > MAX_DIMS:
+            raise LayoutError(path, f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)",
+                              "The header is damaged; download the file again")
+        shape = b.unpack(f"<{n_dims}Q", 8 * n_dims, f"shape of {name}")
+        ggml_type = b.u32(f"type of {name}")
+        offset = b.u64(f"offset of {name}")
+        tensors.append((name, ggml_type, tuple(shape), offset))
+        i += 1
+    header_bytes = b.pos
+    data_offset = (header_bytes + alignment - 1) // alignment * alignment
+    return ShardHeader(path, version, n_kv, n_tensors, metadata, tensors, alignment, header_bytes, data_offset, size)
+
+
+def tensor_nbytes(path: Path, name: str, ggml_type: int, shape: tuple[int, ...]) -> int:
+    q = QUANT.get(ggml_type)
+    if q is None:
+        raise LayoutError(path, f"tensor {name} has unknown ggml type {ggml_type}",
+                          "The file was written by a newer llama.cpp than this reader knows, or is damaged")
+    block, size, tname = q
+    n = 1
+    for d in shape:
+        if d <= 0 or d > 1 << 40:
+            raise LayoutError(path, f"tensor {name} has an absurd dimension {d:,} in shape {list(shape)}",
+                              "The header is damaged; download the file again")
+        n *= d
+    if n > 1 << 44:
+        raise LayoutError(path, f"tensor {name} is absurdly large ({n:,} elements)",
+                          "The header is damaged; download the file again")
+    if shape[0] % block:
+        raise LayoutError(path, f"tensor {name}: row length {shape[0]} is not a multiple of {tname}'s block of "
+                                f"{block}", "The header is damaged; download the file again")
+    return n // block * size
+
+
+# -- the split --------------------------------------------------------------------------------------------------
+
+def find_shards(path: os.PathLike | str) -> list[Path]:
+    """The shard files of the model at ``path`` (a folder, the first shard, any shard, or a single .gguf), in order.
+    Raises :class:`LayoutError` for a missing shard or a folder with no model or several models."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        files = sorted(x for x in p.iterdir() if x.name.endswith(".gguf") and x.is_file())
+        if not files:
+            raise LayoutError(p, "no .gguf files in this folder",
+                              "Download the model (dsv41 download) or point --model-dir at the folder with its shards")
+        firsts = [x for x in files if (m := SPLIT_RE.match(x.name)) and int(m.group("no")) == 1]
+        singles = [x for x in files if not SPLIT_RE.match(x.name)]
+        if len(firsts) == 1:
+            p = firsts[0]
+        elif len(firsts) > 1:
+            names = ", ".join(x.name for x in firsts)
+            raise LayoutError(p, f"several models in one folder ({names})",
+                              "Keep one model per folder, or pass the first shard's path")
+        elif len(singles) == 1:
+            return singles
+        else:
+            shards = [x.name for x in files if SPLIT_RE.match(x.name)]
+            if shards:
+                m = SPLIT_RE.match(shards[0])
+                assert m
+                raise LayoutError(p / f"{m.group('stem')}-00001-of-{m.group('count')}.gguf",
+                                  f"shard 1 of {int(m.group('count'))} is missing",
+                                  "Download the missing shard (dsv41 download resumes)")
+            raise LayoutError(p, f"several .gguf files and none is a split's first shard ({len(files)} files)",
+                              "Point at the model's file directly")
+    elif not p.exists():
+        raise LayoutError(p, "file not found", "Check the path, or download the model (dsv41 download)")
+    m = SPLIT_RE.match(p.name)
+    if not m:
+        return [p]
+    count = int(m.group("count"))
+    if count < 1 or count > 9999:
+        raise LayoutError(p, f"absurd shard count {count} in the file name")
+    stem = m.group("stem")
+    out = []
+    for i in range(1, count + 1):
+        q = p.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf")
+        if not q.is_file():
+            raise LayoutError(q, f"shard {i} of {count} is missing",
+                              "Download the missing shard (dsv41 download resumes), or check the folder")
+        out.append(q)
+    return out
+
+
+def read_layout(path: os.PathLike | str) -> ModelLayout:
+    """Read every shard's header and build the :class:`ModelLayout`. ``path``: the model folder or any shard."""
+    files = find_shards(path)
+    headers = [read_shard_header(f) for f in files]
+    return build_layout(headers)
+
+
+def _split_meta(h: ShardHeader) -> tuple[int | None, int | None, int | None]:
+    md = h.metadata
+    return md.get("split.no"), md.get("split.count"), md.get("split.tensors.count")
+
+
+def build_layout(headers: list[ShardHeader]) -> ModelLayout:
+    first = headers[0]
+    count = len(headers)
+    if count > 1 or first.metadata.get("split.count") not in (None, 1):
+        totals = set()
+        for i, h in enumerate(headers):
+            no, cnt, tot = _split_meta(h)
+            if cnt is None or no is None:
+                raise LayoutError(h.path, "no split.no / split.count metadata in a file named as a shard",
+                                  "This file does not belong to the split; download the model again")
+            if cnt != count:
+                raise LayoutError(h.path, f"belongs to a split of {cnt} files, but the folder's split has {count}",
+                                  "The folder mixes shards of different splits; keep one model per folder")
+            if no != i:
+                raise LayoutError(h.path, f"says it is shard {no + 1} (split.no={no}) but is named as shard {i + 1}",
+                                  "The shards were renamed or mixed; download the model again")
+            totals.add(tot)
+        if len(totals) != 1:
+            raise LayoutError(headers[-1].path, f"shards disagree about the split's tensor count ({sorted(totals)})",
+                              "The folder mixes shards of different splits or models; keep one model per folder")
+        expected = totals.pop()
+        actual = sum(h.n_tensors for h in headers)
+        if expected is not None and expected != actual:
+            raise LayoutError(first.path, f"the split should hold {expected:,} tensors but its shards hold {actual:,}",
+                              "The folder mixes shards of different splits or models; keep one model per folder")
+    arch = first.metadata.get("general.architecture")
+    name = first.metadata.get("general.name") or first.path.name
+    for h in headers[1:]:
+        for key, val in (("general.architecture", arch), ("general.name", first.metadata.get("general.name"))):
+            other = h.metadata.get(key)
+            if other is not None and val is not None and other != val:
+                raise LayoutError(h.path, f"is from a different model ({key} {other!r}, shard 1 says {val!r})",
+                                  "The folder mixes shards of different models; keep one model per folder")
+    if not isinstance(arch, str):
+        raise LayoutError(first.path, "no general.architecture in shard 1's metadata",
+                          "This is not a model file llama.cpp can load")
+
+    tensors: list[TensorInfo] = []
+    shards: list[ShardInfo] = []
+    seen: set[str] = set()
+    for no, h in enumerate(headers, start=1):
+        shard_bytes = 0
+        end_max = 0
+        for name_, gtype, shape, rel in h.tensors:
+            if name_ in seen:
+                raise LayoutError(h.path, f"tensor {name_} appears twice in the split",
+                                  "The folder mixes shards of different splits; keep one model per folder")
+            seen.add(name_)
+            nbytes = tensor_nbytes(h.path, name_, gtype, shape)
+            if rel % h.alignment:
+                raise LayoutError(h.path, f"tensor {name_}'s offset {rel:,} is not aligned to {h.alignment}",
+                                  "The header is damaged; download the file again")
+            off = h.data_offset + rel
+            end = off + nbytes
+            if end > h.file_size:
+                raise LayoutError(h.path, f"tensor {name_} ends at byte {end:,} but the file has {h.file_size:,} "
+                                          "(the file is shorter than its header says)",
+                                  "The download is incomplete; resume it (dsv41 download)")
+            end_max = max(end_max, end)
+            kind, layer, part = classify(name_)
+            tensors.append(TensorInfo(name_, gtype, QUANT[gtype][2], shape, nbytes, no, off, kind, layer, part,
+                                      kind == "embeddings_output" and _lookup_name(name_)))
+            shard_bytes += nbytes
+        shards.append(ShardInfo(h.path, no, count, h.file_size, h.header_bytes, h.data_offset, h.n_tensors, h.n_kv,
+                                shard_bytes))
+
+    md = first.metadata
+    prefix = f"{arch}."
+
+    def hp(key: str, default: Any = None) -> Any:
+        v = md.get(prefix + key, default)
+        return v
+
+    n_layers = hp("block_count")
+    layers_seen = [t.layer for t in tensors if t.layer is not None]
+    if not isinstance(n_layers, int) or n_layers <= 0:
+        n_layers = (max(layers_seen) + 1) if layers_seen else 0
+    elif layers_seen and max(layers_seen) >= n_layers:
+        # e.g. a NextN block after the decoder layers: still a layer of the file
+        n_layers = max(layers_seen) + 1
+
+    expert_layers = _expert_layers(first.path, tensors)
+    n_exp_meta = hp("expert_count")
+    n_experts = max((e.n_experts for e in expert_layers), default=int(n_exp_meta or 0))
+    n_used = hp("expert_used_count")
+    hparams = {k[len(prefix):]: v for k, v in md.items()
+               if k.startswith(prefix) and not isinstance(v, ArraySummary)}
+    vocab = md.get("tokenizer.ggml.tokens")
+    if isinstance(vocab, ArraySummary):
+        hparams["vocab_size"] = vocab.count
+    return ModelLayout(
+        name=str(name), arch=arch, first_shard=first.path, shards=shards, tensors=tensors,
+        metadata=md, n_layers=int(n_layers), n_experts=int(n_experts),
+        n_experts_used=int(n_used) if isinstance(n_used, int) else 0,
+        expert_layers=expert_layers, hparams=hparams,
+    )
+
+
+def _expert_layers(path: Path, tensors: list[TensorInfo]) -> list[ExpertLayer]:
+    by_layer: dict[int, list[TensorInfo]] = {}
+    for t in tensors:
+        if t.kind == "routed_experts" and t.layer is not None:
+            by_layer.setdefault(t.layer, []).append(t)
+    out = []
+    for layer in sorted(by_layer):
+        parts: dict[str, int] = {}
+        types: dict[str, str] = {}
+        n_exp = None
+        for t in by_layer[layer]:
+            if len(t.shape) < 2:
+                raise LayoutError(path, f"expert tensor {t.name} has shape {list(t.shape)}; expected [.., .., experts]",
+                                  "The header is damaged, or this model stores experts in a way the planner does "
+                                  "not know")
+            n = t.shape[-1]
+            if n_exp is None:
+                n_exp = n
+            elif n != n_exp:
+                raise LayoutError(path, f"layer {layer}: {t.name} holds {n} experts, its other expert tensors "
+                                        f"{n_exp}", "The header is damaged; download the file again")
+            if t.n_bytes % n:
+                raise LayoutError(path, f"{t.name}: {t.n_bytes:,} bytes do not split evenly into {n} experts",
+                                  "The header is damaged; download the file again")
+            key = t.part if t.name.endswith(".weight") else f"{t.part}_{t.name.rsplit('.', 1)[1]}"
+            parts[key] = parts.get(key, 0) + t.n_bytes // n
+            types[key] = t.type_name
+        out.append(ExpertLayer(layer, int(n_exp or 0), parts, types))
+    return out
+
+
+# -- measuring against gguf.GGUFReader ---------------------------------------------------------------------------
+
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def compare_with_gguf_reader(path: os.PathLike | str) -> dict[str, float]:
+    """Time (and memory) of ``gguf.GGUFReader`` vs :func:`read_shard_header` on one file. Run in a fresh process
+    (``python -m engine_manager.layout --compare FILE``) so the memory figures mean something."""
+    import gc
+
+    import gguf
+    path = Path(path)
+    gc.collect()
+    r0 = _rss()
+    t0 = time.perf_counter()
+    h = read_shard_header(path)
+    t1 = time.perf_counter()
+    r1 = _rss()
+    del h
+    gc.collect()
+    r2 = _rss()
+    t2 = time.perf_counter()
+    reader = gguf.GGUFReader(path)
+    n = len(reader.tensors)
+    t3 = time.perf_counter()
+    r3 = _rss()
+    return {"struct_s": t1 - t0, "struct_rss_mib": (r1 - r0) / 2**20, "gguf_reader_s": t3 - t2,
+            "gguf_reader_rss_mib": (r3 - r2) / 2**20, "tensors": n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m engine_manager.layout",
+                                 description="Print a model's layout from its GGUF headers.")
+    ap.add_argument("path", help="model folder or any shard")
+    ap.add_argument("--compare", action="store_true", help="time gguf.GGUFReader against this reader on PATH")
+    a = ap.parse_args(argv)
+    if a.compare:
+        r = compare_with_gguf_reader(a.path)
+        print(f"struct reader:    {r['struct_s']:.3f} s, +{r['struct_rss_mib']:.0f} MiB RSS")
+        print(f"gguf.GGUFReader:  {r['gguf_reader_s']:.3f} s, +{r['gguf_reader_rss_mib']:.0f} MiB RSS "
+              f"({r['tensors']} tensors)")
+        return 0
+    try:
+        lay = read_layout(a.path)
+    except LayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    s = lay.summary()
+    print(f"{s['name']} ({s['arch']}): {s['shards']} shard(s), {s['total_bytes'] / 1e9:.1f} GB, "
+          f"{s['n_tensors']} tensors, {s['n_layers']} layers")
+    print(f"routed experts: {len(s['moe_layers'])} layers × {s['n_experts']} = {s['routed_experts']:,}, "
+          f"{s['routed_expert_bytes'] / 2**30:.1f} GiB, {s['expert_bytes'] / 2**20:.2f} MiB each "
+          f"({s['n_experts_used']} used per token)")
+    for k, v in s["bytes_by_kind"].items():
+        print(f"  {KIND_LABELS[k]:<28} {v / 2**30:8.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

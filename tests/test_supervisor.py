@@ -1,0 +1,532 @@
+"""The supervisor against real processes: the scripted engine (``python -m engine_manager.sim``) started behind
+its keeper and NUMA binding, measured with psutil. Fault switches come through ``DSV41_SIM_ARGS``."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from engine_manager import hardware, paths
+from engine_manager import supervisor as sv
+from engine_manager.settings import load_settings
+from supervisor_helpers import listening, live_group, sim_engine, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+_HW = None
+
+
+def hw():
+    global _HW
+    if _HW is None:
+        _HW = hardware.probe(Path("/tmp"))
+    return _HW
+
+
+@pytest.fixture
+def port(monkeypatch, free_port):
+    monkeypatch.setenv("DSV41_PORT", str(free_port))
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0.2")
+    return free_port
+
+
+def make(**kw) -> sv.Supervisor:
+    opts = dict(hardware=hw(), grace_s=5.0, backoff_base_s=0.1, backoff_max_s=1.0, poll_s=0.05,
+                health_every_s=0.5, silent_after_s=30.0, progress_every_s=0.2)
+    opts.update(kw)
+    return sv.Supervisor(load_settings().settings, **opts)
+
+
+@pytest.fixture(autouse=True)
+def no_engine_left_behind():
+    """Safety net: whatever a test left running is stopped (and the test fails if its group survived)."""
+    yield
+    rec = sv.Supervisor(load_settings(generate_key=False).settings, hardware=hw())._read_state_file()
+    if rec and rec.get("keeper_pid") and sv._alive(rec["keeper_pid"], rec.get("keeper_start_time")):
+        for _ in sv.Supervisor(load_settings().settings, hardware=hw()).stop(force=True):
+            pass
+        pytest.fail("the test left an engine running")
+
+
+class Runner:
+    """Runs a supervisor generator on a thread (as the GUI's worker does) and lets the test wait for events."""
+
+    def __init__(self, gen):
+        self.q: queue.Queue = queue.Queue()
+        self.events: list = []
+        self.result = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(gen,), daemon=True)
+        self.thread.start()
+
+    def _run(self, gen):
+        try:
+            while True:
+                try:
+                    ev = next(gen)
+                except StopIteration as stop:
+                    self.result = stop.value
+                    break
+                self.q.put(ev)
+        except BaseException as exc:  # surfaced by wait_for / join
+            self.error = exc
+        finally:
+            self.q.put(None)
+
+    def wait_for(self, pred, timeout: float = 20.0):
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out; events: {[e.kind for e in self.events][-30:]}")
+            try:
+                ev = self.q.get(timeout=left)
+            except queue.Empty:
+                continue
+            if ev is None:
+                raise AssertionError(f"generator ended ({self.error!r}); events: {[e.kind for e in self.events]}")
+            self.events.append(ev)
+            if pred(ev):
+                return ev
+
+    def join(self, timeout: float = 30.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the supervisor generator did not return"
+        while True:
+            try:
+                ev = self.q.get_nowait()
+            except queue.Empty:
+                break
+            if ev is not None:
+                self.events.append(ev)
+        if self.error:
+            raise self.error
+        return self.result
+
+
+def drain(gen) -> tuple[list, object]:
+    evs = []
+    while True:
+        try:
+            evs.append(next(gen))
+        except StopIteration as stop:
+            return evs, stop.value
+
+
+def kinds(evs, kind):
+    return [e for e in evs if e.kind == kind]
+
+
+def assert_gone(pgid: int, port: int) -> None:
+    left = wait_until(lambda: not live_group(pgid), timeout=5)
+    assert left, f"processes of group {pgid} left: {[(p.pid, p.name()) for p in live_group(pgid)]}"
+    assert not listening(port)
+
+
+# -- start → ready → chat → stop -----------------------------------------------------------------------------
+
+def test_start_ready_chat_stop_leaves_nothing(port):
+    sup = make()
+    evs, st = drain(sup.run(sim_engine(), watch=False))
+    ready = kinds(evs, "ready")
+    assert ready and st.state == "ready", [e.to_dict() for e in evs if e.kind in ("failed", "crashed")]
+    assert st.port == port and st.base_url == f"http://127.0.0.1:{port}"
+    assert st.binding and "numactl" in st.binding
+    pid, pgid = st.pid, st.pgid
+    engine = psutil.Process(pid)
+    assert os.getpgid(pid) == pgid and os.getsid(pid) == pgid != os.getsid(0)     # own session and group
+    assert "engine_manager.sim" in " ".join(engine.cmdline())
+    assert sorted(engine.cpu_affinity()) == sorted(sv.Supervisor(load_settings().settings,
+                                                                  hardware=hw()).binding().cpus)
+    # one chat request answered
+    key = load_settings().settings.api_key
+    r = httpx.post(st.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16,
+                         "reasoning_effort": "none", "stream": False}, timeout=30)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["choices"][0]["message"]["content"] and answer["usage"]["completion_tokens"] > 0
+    # state file: atomic, 0600, the masked command, never the key
+    sf = paths.data_dir() / sv.STATE_FILE
+    assert stat.S_IMODE(sf.stat().st_mode) == 0o600
+    text = sf.read_text()
+    rec = json.loads(text)
+    assert key not in text and rec["pid"] == pid and rec["pgid"] == pgid and rec["port"] == port
+    assert rec["keeper_start_time"] and rec["pid_start_time"] and rec["engine"] == "sim"
+    # the log got the engine's lines, and never the key
+    log = (paths.logs_dir() / sv.LOG_NAME).read_text()
+    assert "READY" in log and key not in log
+    evs, st = drain(sup.stop())
+    assert st.state == "stopped" and kinds(evs, "stopped")[0].leftovers == []
+    assert not kinds(evs, "stopped")[0].forced            # the sim stops on SIGTERM
+    assert_gone(pgid, port)
+    assert json.loads(sf.read_text())["state"] == "stopped" and "pid" not in json.loads(sf.read_text())
+
+
+def test_dry_run_lists_every_command_with_the_key_masked(port):
+    sup = make()
+    dr = sup.dry_run(sim_engine())
+    text = dr.render()
+    key = load_settings().settings.api_key
+    assert key not in text and "(masked)" in text
+    assert "numactl --cpunodebind=0 --preferred=0 true" in text or "taskset" in text
+    assert "keeper.py" in text and "engine_manager.sim" in text and f"--port {port}" in text
+    assert "export PYTHONPATH=" in text
+    assert "kill -TERM" in text and "/health" in text
+    assert not listening(port) and not (paths.data_dir() / sv.STATE_FILE).exists()
+
+
+# -- crashes -------------------------------------------------------------------------------------------------
+
+def test_sigkill_is_explained_within_a_second_and_auto_restart_brings_it_back(port):
+    sup = make(auto_restart=True)
+    run = Runner(sup.run(sim_engine()))
+    first = run.wait_for(lambda e: e.kind == "ready")
+    old_pid = first.pid
+    old_pgid = os.getpgid(old_pid)
+    t_kill = time.time()
+    os.kill(old_pid, signal.SIGKILL)
+    crash = run.wait_for(lambda e: e.kind == "crashed")
+    state = next(e for e in run.events if e.kind == "state" and e.state == "crashed")
+    assert state.t - t_kill < 1.0, f"crash state after {state.t - t_kill:.2f} s"
+    assert crash.cause == "oom_killed" and crash.signal == 9
+    assert "out-of-memory killer" in crash.title and "journalctl -k" in crash.fix
+    assert crash.will_restart and crash.restart_in_s == pytest.approx(0.1)
+    again = run.wait_for(lambda e: e.kind == "ready")
+    assert again.pid != old_pid and psutil.pid_exists(again.pid)
+    assert not live_group(old_pgid)                     # the crashed group is fully gone
+    evs, st = drain(sup.stop())
+    result = run.join()
+    assert st.state == "stopped" and result.state == "stopped"
+    assert_gone(os.getpgid(again.pid) if psutil.pid_exists(again.pid) else again.pid, port)
+
+
+def test_crash_loop_gives_up_and_says_so(port, monkeypatch):
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0 --fail-at-load crash")
+    sup = make(auto_restart=True, crash_limit=3, backoff_base_s=0.05)
+    evs, st = drain(sup.run(sim_engine()))
+    crashes = kinds(evs, "crashed")
+    assert len(crashes) == 3 and all(c.while_starting for c in crashes)
+    assert [c.will_restart for c in crashes] == [True, True, False]
+    assert [c.restart_in_s for c in crashes[:2]] == [pytest.approx(0.05), pytest.approx(0.1)]   # backoff doubles
+    gave = kinds(evs, "gave_up")
+    assert len(gave) == 1 and "crash loop" in gave[0].message and "3 times" in gave[0].message
+    assert st.state == "crashed" and not listening(port)
+
+
+@pytest.mark.parametrize("fault,cause,restarts", [
+    ("--fail-at-load cuda-oom", "cuda_oom", True),
+    ("--fail-at-load driver", "driver_too_old", False),
+    ("--fail-at-load profile", "placement_refused", False),
+    ("--fail-bind", "port_in_use", False),
+])
+def test_failures_are_classified_in_plain_words(port, monkeypatch, fault, cause, restarts):
+    monkeypatch.setenv("DSV41_SIM_ARGS", f"--load-time 0 {fault}")
+    sup = make(auto_restart=True, crash_limit=2)
+    evs, st = drain(sup.run(sim_engine()))
+    crash = kinds(evs, "crashed")[0]
+    assert crash.cause == cause, crash.to_dict()
+    assert crash.title and crash.fix
+    assert crash.will_restart is restarts
+    if not restarts:
+        assert "cannot fix" in kinds(evs, "gave_up")[0].message
+    assert not listening(port)
+
+
+def test_unknown_exit_shows_the_last_20_log_lines():
+    eng = sim_engine()
+    tail = [f"line {i}" for i in range(30)]
+    hint = sv.classify_exit(eng, sv.ExitInfo(3, None), tail)
+    assert hint.cause == "unknown" and "exit code 3" in hint.title
+    assert "line 29" in hint.fix and "line 10" in hint.fix and "line 9\n" not in hint.fix
+
+
+def test_silent_engine_is_stopped_and_explained(port):
+    sup = make(auto_restart=False, silent_after_s=1.5, health_every_s=0.3)
+    run = Runner(sup.run(sim_engine()))
+    ready = run.wait_for(lambda e: e.kind == "ready")
+    pgid = os.getpgid(ready.pid)
+    os.kill(ready.pid, signal.SIGSTOP)                # hung: alive but not answering
+    crash = run.wait_for(lambda e: e.kind == "crashed", timeout=20)
+    assert crash.cause == "engine_silent" and "no reply to its health check" in crash.title
+    run.join()
+    assert_gone(pgid, port)
+
+
+# -- stop ----------------------------------------------------------------------------------------------------
+
+def test_stop_escalates_to_sigkill_after_the_grace_period(port):
+    sup = make(grace_s=0.6)
+    evs, st = drain(sup.run(sim_engine(), watch=False))
+    pid, pgid = st.pid, st.pgid
+    os.kill(pid, signal.SIGSTOP)                      # a stopped process cannot act on SIGTERM
+    t0 = time.monotonic()
+    evs, st = drain(sup.stop())
+    took = time.monotonic() - t0
+    stopped = kinds(evs, "stopped")[0]
+    assert stopped.forced and "SIGKILL after the grace period" in stopped.message and took >= 0.6
+    assert any(e.signal_name == "SIGTERM" for e in kinds(evs, "stopping"))
+    assert_gone(pgid, port)
+
+
+ESCAPING_SERVER = r"""
+import http.server, subprocess, sys
+subprocess.Popen(["sleep", "120"], start_new_session=True)      # a helper that leaves the process group
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers()
+        self.wfile.write(b'{"status": "ok", "loaded": true}')
+    def log_message(self, *a):
+        pass
+print("READY", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_stop_kills_a_child_that_left_the_group(port):
+    """An engine child that called setsid() is outside the group; stop still leaves nothing behind."""
+    base = sim_engine()
+
+    class Escaping(type(base)):
+        def build_launch(self, settings, plan, workdir):
+            spec = super().build_launch(settings, plan, workdir)
+            spec.argv = [sys.executable, "-c", ESCAPING_SERVER, str(settings.port)]
+            return spec
+
+    sup = make()
+    evs, st = drain(sup.run(Escaping(), watch=False))
+    assert st.state == "ready", [e.to_dict() for e in evs if e.kind in ("failed", "crashed")]
+    escaped = wait_until(lambda: [c for c in psutil.Process(st.pid).children() if c.name() == "sleep"])
+    assert escaped and os.getpgid(escaped[0].pid) != st.pgid
+    evs, _ = drain(sup.stop())
+    assert kinds(evs, "stopped")[0].leftovers == []
+    assert wait_until(lambda: not sv._alive(escaped[0].pid), timeout=5)
+    assert_gone(st.pgid, port)
+
+
+def test_engine_not_started_by_the_panel_is_shown_but_never_stopped(port):
+    foreign = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: listening(port), timeout=10)
+        sup = make()
+        st = sup.status()
+        assert st.state == "stopped" and st.external and st.external["pid"] == foreign.pid
+        assert "not started by this panel" in st.message
+        evs, _ = drain(sup.stop())
+        assert any(e.kind == "note" and "never stops" in e.text for e in evs)
+        assert foreign.poll() is None                  # still running
+        # and start refuses with who holds the port and what to do
+        evs, st = drain(sup.run(sim_engine()))
+        failed = kinds(evs, "failed")[0]
+        assert failed.cause == "port_in_use"
+        assert f"Port {port} is in use by pid {foreign.pid}" in failed.message and "http.server" in failed.message
+        assert "dsv41 settings set port" in failed.fix
+        assert not (paths.data_dir() / sv.STATE_FILE).exists() or "keeper_pid" not in \
+            json.loads((paths.data_dir() / sv.STATE_FILE).read_text())
+    finally:
+        foreign.terminate()
+        foreign.wait(timeout=10)
+
+
+# -- readiness -----------------------------------------------------------------------------------------------
+
+def test_never_ready_times_out_with_a_message(port, monkeypatch):
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0.3 --never-ready")
+    sup = make(ready_timeout_s=2.5)
+    evs, st = drain(sup.run(sim_engine()))
+    failed = kinds(evs, "failed")
+    assert failed and failed[0].cause == "ready_timeout"
+    assert "did not become ready within 2 s" in failed[0].message or "within 3 s" in failed[0].message
+    assert "DSV41_READY_TIMEOUT" in failed[0].fix
+    assert any("never finishes" in ln for ln in failed[0].log_tail)
+    assert len(kinds(evs, "progress")) >= 5 and st.state == "stopped"
+    spawned = [e for e in evs if e.kind == "note" and e.text.startswith("Started")]
+    assert spawned and not listening(port)
+
+
+def test_slow_start_reports_phase_and_elapsed(port, monkeypatch):
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 2.5")
+    sup = make()
+    evs, st = drain(sup.run(sim_engine(), watch=False))
+    prog = kinds(evs, "progress")
+    phases = {p.phase for p in prog}
+    assert any("expert cache" in p for p in phases) and any("warming" in p or "KV cache" in p for p in phases)
+    el = [p.elapsed_s for p in prog]
+    assert el == sorted(el) and el[-1] > 2.0
+    fr = [p.fraction for p in prog if p.fraction is not None]
+    assert fr and fr == sorted(fr) and max(fr) <= 1.0
+    assert any(p.eta_s is not None for p in prog)
+    assert st.state == "ready"
+    drain(sup.stop())
+
+
+def test_cancel_during_start_stops_the_engine(port, monkeypatch):
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 30")
+    sup = make()
+    run = Runner(sup.run(sim_engine()))
+    run.wait_for(lambda e: e.kind == "progress" and e.pid)
+    pgid = os.getpgid(run.events[-1].pid)
+    evs, st = drain(sup.stop())
+    run.join()
+    assert st.state == "stopped"
+    assert_gone(pgid, port)
+
+
+# -- re-attach -----------------------------------------------------------------------------------------------
+
+PANEL = """
+import sys, time
+from engine_manager.settings import load_settings
+from engine_manager.supervisor import Supervisor
+sup = Supervisor(load_settings().settings, poll_s=0.05)
+for ev in sup.run("sim"):
+    if ev.kind == "ready":
+        print("READY", ev.pid, flush=True)
+"""
+
+
+def start_panel_process() -> tuple[subprocess.Popen, int]:
+    panel = subprocess.Popen([sys.executable, "-c", PANEL], stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    line = panel.stdout.readline()
+    assert line.startswith("READY"), line
+    return panel, int(line.split()[1])
+
+
+def test_killed_panel_reattaches_to_its_live_engine(port):
+    panel, pid = start_panel_process()
+    panel.kill()                                       # the panel dies; the engine (own session) lives on
+    panel.wait()
+    assert psutil.pid_exists(pid)
+    sup = make()
+    st = sup.status()
+    assert st.state == "ready" and st.pid == pid and st.owner == "panel"
+    run = Runner(sup.watch())
+    att = run.wait_for(lambda e: e.kind == "attached")
+    assert att.pid == pid and att.state == "ready"
+    ready = run.wait_for(lambda e: e.kind == "ready")
+    assert ready.attached and ready.pid == pid
+    pgid = os.getpgid(pid)
+    evs, st = drain(sup.stop())
+    run.join()
+    assert st.state == "stopped"
+    assert_gone(pgid, port)
+
+
+def test_killed_panel_with_dead_engine_is_cleaned_up(port):
+    panel, pid = start_panel_process()
+    pgid = os.getpgid(pid)
+    panel.kill()
+    panel.wait()
+    os.kill(pid, signal.SIGKILL)                       # the engine dies while no panel watches
+    assert wait_until(lambda: not sv._alive(pid), timeout=5)
+    sup = make()
+    assert sup.status(check_health=False).state == "crashed"
+    evs, st = drain(sup.watch())
+    crash = kinds(evs, "crashed")[0]
+    assert crash.cause == "oom_killed"
+    assert any(e.kind == "note" and "while no panel was watching" in e.text for e in evs)
+    rec = json.loads((paths.data_dir() / sv.STATE_FILE).read_text())
+    assert rec["state"] == "crashed" and "keeper_pid" not in rec and rec["last_failure"]["cause"] == "oom_killed"
+    assert_gone(pgid, port)
+    # a later panel still shows what happened, and can start again
+    st = make().status()
+    assert st.state == "crashed" and st.last_failure["cause"] == "oom_killed"
+
+
+def test_pid_reuse_is_not_mistaken_for_the_engine(port):
+    """A state file whose pid is alive but started at another time (a reused pid) is not re-attached."""
+    sf = paths.data_dir() / sv.STATE_FILE
+    sf.parent.mkdir(parents=True, exist_ok=True)
+    me = psutil.Process()
+    sf.write_text(json.dumps({"state": "ready", "engine": "sim", "keeper_pid": me.pid,
+                              "keeper_start_time": me.create_time() - 1000, "pid": me.pid,
+                              "pid_start_time": me.create_time() - 1000, "pgid": 999999, "port": port}))
+    sup = make()
+    evs, st = drain(sup.watch())
+    assert not kinds(evs, "attached") and me.is_running()
+    assert st.state in ("crashed", "stopped")
+
+
+# -- many cycles ---------------------------------------------------------------------------------------------
+
+def test_fifty_start_stop_cycles_leak_nothing(port, monkeypatch):
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0")
+    me = psutil.Process()
+    sup = make()
+    drain(sup.run(sim_engine(), watch=False))          # warm-up cycle (imports, first httpx client)
+    drain(sup.stop())
+    fds0, threads0 = me.num_fds(), me.num_threads()
+    pgids = []
+    for _ in range(50):
+        evs, st = drain(sup.run(sim_engine(), watch=False))
+        assert st.state == "ready", [e.to_dict() for e in evs if e.kind in ("failed", "crashed")]
+        pgids.append(st.pgid)
+        evs, st = drain(sup.stop())
+        assert st.state == "stopped" and kinds(evs, "stopped")[0].leftovers == []
+    assert me.children(recursive=True) == []          # every keeper reaped: no zombie either
+    assert not any(live_group(g) for g in pgids)
+    assert not listening(port)
+    assert me.num_fds() == fds0, f"file descriptors: {fds0} → {me.num_fds()}"
+    assert me.num_threads() == threads0
+
+
+# -- logs ----------------------------------------------------------------------------------------------------
+
+def test_keeper_rotates_by_size_masks_the_key_and_records_the_signal(tmp_path):
+    log, exitf = tmp_path / "e.log", tmp_path / "exit.json"
+    secret = "dsv41-" + "s3cret" * 5
+    script = f"for i in $(seq 1 400); do echo \"line $i key={secret}\"; done; kill -9 $$"
+    env = dict(os.environ, DSV41_KEEPER_MASK=secret)
+    tail = None
+    cp = subprocess.run([sys.executable, "-I", "-S", str(sv.KEEPER), "--log", str(log), "--exit-file", str(exitf),
+                         "--max-bytes", "4000", "--backups", "2", "--", "sh", "-c", script], env=env, timeout=30)
+    assert cp.returncode == 128 + 9
+    rec = json.loads(exitf.read_text())
+    assert rec["signal"] == 9 and rec["signal_name"] == "SIGKILL" and rec["returncode"] == -9
+    files = [log, log.with_name("e.log.1"), log.with_name("e.log.2")]
+    assert all(f.exists() for f in files) and not log.with_name("e.log.3").exists()
+    assert all(f.stat().st_size <= 4000 + 200 for f in files)
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    text = "".join(f.read_text() for f in reversed(files))
+    assert secret not in text and "(masked)" in text
+    assert "line 400" in text and "killed by signal 9" in text
+    del tail
+
+
+def test_log_tail_follows_across_rotations(tmp_path):
+    log = tmp_path / "e.log"
+    log.write_text("")
+    tail = sv.LogTail(log, 0)
+    got = []
+    script = "for i in $(seq 1 300); do echo \"line $i\"; done"
+    p = subprocess.Popen([sys.executable, "-I", "-S", str(sv.KEEPER), "--log", str(log), "--exit-file",
+                          str(tmp_path / "x.json"), "--max-bytes", "1500", "--backups", "50", "--", "sh", "-c",
+                          f"{script}; sleep 0.2; {script}"])
+    while p.poll() is None:
+        got += tail.read()
+        time.sleep(0.01)
+    got += tail.read()
+    tail.close()
+    lines = [g for g in got if g.startswith("line ")]
+    assert lines == [f"line {i}" for i in range(1, 301)] * 2
+
+
+def test_read_log_tail_returns_the_newest_lines(tmp_path):
+    log = tmp_path / "e.log"
+    log.with_name("e.log.1").write_text("".join(f"old {i}\n" for i in range(100)))
+    log.write_text("".join(f"new {i}\n" for i in range(10)))
+    lines = sv.read_log_tail(log, max_bytes=200)
+    assert lines[-1] == "new 9" and lines[0].startswith("old") and len("\n".join(lines)) <= 200
