@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import shiboken6
 from markdown_it import MarkdownIt
 from PySide6.QtCore import Qt, QThreadPool, QTimer, QUrl, Signal
 from PySide6.QtGui import (
@@ -28,14 +29,15 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import (
     QAbstractItemView, QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout,
     QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox, QPlainTextEdit, QPushButton,
-    QSizePolicy, QSpinBox, QSplitter, QTextBrowser, QToolButton, QVBoxLayout, QWidget,
+    QSpinBox, QSplitter, QTextBrowser, QToolButton, QVBoxLayout, QWidget,
 )
 
 from superqt.utils import create_worker
 
 from engine_manager import history as hist
+from engine_manager import uistate
 from engine_manager.chat import (
-    REASONING_EFFORTS, CancelToken, ChatClient, ChatOptions, ContentDelta, ReasoningDelta, StreamStats, TurnEnded,
+    MIN_RATE_SPAN_S, REASONING_EFFORTS, CancelToken, ChatClient, ChatOptions, ContentDelta, ReasoningDelta, StreamStats, TurnEnded,
     TurnStarted, run_turn,
 )
 
@@ -81,7 +83,7 @@ class MarkdownRenderer:
         return (f'<table width="100%" cellspacing="0" cellpadding="6" style="background-color:{t["code_bg"]}; '
                 f'border: 1px solid {t["code_border"]}; margin-top:4px; margin-bottom:4px">'
                 f'<tr><td><span style="color:{t["dim"]}">{lang or "code"}</span>&nbsp;&nbsp;'
-                f'<a href="{SCHEME}:copy-code/{key}">⧉ Copy</a></td></tr>'
+                f'<a href="{SCHEME}:copy-code/{key}">Copy code</a></td></tr>'
                 f'<tr><td><pre style="font-family:monospace; margin:0">{code}</pre></td></tr></table>\n')
 
     def _image(self, tokens, idx, _options, _env) -> str:
@@ -106,6 +108,20 @@ def _plain_html(text: str, color: str | None = None, italic: bool = False) -> st
 
 def _clock(t: float) -> str:
     return time.strftime("%H:%M", time.localtime(t)) if t else ""
+
+
+def _restore_ui(store: hist.HistoryStore) -> tuple[dict[str, Any], int | None]:
+    """(saved UI state, the conversation to reopen if it still exists) — read on a worker."""
+    st = uistate.load()
+    cid = st.get("chat_conversation")
+    if isinstance(cid, int) and not isinstance(cid, bool):
+        try:
+            store.get_conversation(cid)
+        except hist.HistoryError:
+            cid = None
+    else:
+        cid = None
+    return st, cid
 
 
 # ------------------------------------------------------------------------------------------------ conversation state
@@ -137,7 +153,8 @@ class LiveMessage:
         return self.msg.reasoning
 
     def live_tok_s(self) -> float | None:
-        if self.n_chunks >= 2 and self.t_first is not None and self.t_last and self.t_last > self.t_first:
+        if (self.n_chunks >= 2 and self.t_first is not None and self.t_last
+                and self.t_last - self.t_first >= MIN_RATE_SPAN_S):
             return (self.n_chunks - 1) / (self.t_last - self.t_first)
         return None
 
@@ -159,6 +176,8 @@ class ConversationDoc:
         self.last_render_s = 0.0
         self.last_render_at = 0.0
         self.expanded: set[int] = set()          # message ids whose reasoning is shown
+        self.tail_renders = 0                    # how often the streaming message was re-rendered (benchmark)
+        self.tail_render_s = 0.0
 
     # -- HTML of one message ----------------------------------------------------------------------------
     def message_html(self, lm: LiveMessage, *, streaming: bool, last_answer: bool, can_act: bool) -> str:
@@ -281,6 +300,8 @@ class ConversationDoc:
         self._render_tail(live)
         self.last_render_s = time.perf_counter() - t0
         self.last_render_at = time.perf_counter()
+        self.tail_renders += 1
+        self.tail_render_s += self.last_render_s
 
     def append(self, live: LiveMessage, kind: str, text: str) -> None:
         """One chunk: a raw append at the end, or (on a phase change) a re-render of the streaming message."""
@@ -330,11 +351,14 @@ class ConvState:
         self.follow = True
         self.timer = QTimer()
         self.timer.setSingleShot(True)
+        self.tick_connected = False
+        self.dirty = False
 
     def live_ids(self) -> int | None:
         return self.stream.live.msg.id if self.stream and self.stream.live else None
 
     def render(self) -> None:
+        self.dirty = False
         self.view.render_all(self.messages, self.live_ids())
 
 
@@ -344,6 +368,21 @@ class Composer(QPlainTextEdit):
 
     submitted = Signal()
     escape = Signal()
+    MIN_LINES, MAX_LINES = 2, 8
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+        self._fit()
+
+    def _fit(self, *_a) -> None:
+        """Grow with the text from 2 to 8 lines, then scroll."""
+        lines = max(1, int(self.document().size().height()))   # a plain-text layout measures in lines
+        lines = min(max(lines, self.MIN_LINES), self.MAX_LINES)
+        m = self.contentsMargins()
+        h = (lines * self.fontMetrics().lineSpacing() + 2 * int(self.document().documentMargin())
+             + m.top() + m.bottom() + 2)
+        self.setFixedHeight(h)
 
     def keyPressEvent(self, e):  # noqa: N802 - Qt's name
         if e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
@@ -383,7 +422,8 @@ class ChatPane(QWidget):
         self._max_tokens_touched = False
         self._theme = _theme(self.palette())
         self._font = QFont(self.font())
-        self.on_delta_rendered: Callable[[float], None] | None = None   # benchmark probe: seconds arrival→document
+        # benchmark probe: (seconds from the chunk's arrival to its text being in the document, shown on screen)
+        self.on_delta_rendered: Callable[[float, bool], None] | None = None
         self._shutting_down = False
 
         # The app.workers idiom (superqt thread workers), on the pane's own pool: each streaming answer holds a
@@ -452,6 +492,7 @@ class ChatPane(QWidget):
         self.live_label = QLabel()
         self.live_label.setObjectName("chatLive")
         self.live_label.setStyleSheet(f"color: {self._theme['dim']}")
+        self.live_label.setWordWrap(True)
         bl.addWidget(self.live_label)
 
         # options ---------------------------------------------------------------------------------------------
@@ -519,20 +560,21 @@ class ChatPane(QWidget):
         self.composer.setObjectName("chatComposer")
         self.composer.setPlaceholderText("Message the model — Enter sends, Shift+Enter starts a new line")
         self.composer.setTabChangesFocus(True)
-        self.composer.setMaximumHeight(120)
-        self.composer.setMinimumHeight(52)
-        self.composer.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
         bl.addWidget(self.composer)
 
-        actions = QHBoxLayout()
+        engine_row = QHBoxLayout()
         self.engine_label = QLabel()
         self.engine_label.setObjectName("chatEngineState")
         self.engine_label.setWordWrap(True)
         self.engine_label.setTextFormat(Qt.TextFormat.PlainText)
-        actions.addWidget(self.engine_label, 1)
+        engine_row.addWidget(self.engine_label, 1)
         self.start_button = QPushButton("Start engine")
         self.start_button.setObjectName("chatStartEngine")
-        actions.addWidget(self.start_button)
+        self.start_button.setToolTip("Start the engine (the engine panel does it and shows its progress)")
+        engine_row.addWidget(self.start_button, 0, Qt.AlignmentFlag.AlignTop)
+        bl.addLayout(engine_row)
+        actions = QHBoxLayout()
+        actions.addStretch(1)
         self.regen_button = QPushButton("Regenerate")
         self.regen_button.setObjectName("chatRegenerate")
         self.regen_button.setToolTip("Ask again for the last answer (Ctrl+Shift+R)")
@@ -564,6 +606,10 @@ class ChatPane(QWidget):
         self._search_timer = QTimer(self)
         self._search_timer.setSingleShot(True)
         self._search_timer.setInterval(250)
+        self._reload_timer = QTimer(self)
+        self._reload_timer.setSingleShot(True)
+        self._reload_timer.setInterval(150)
+        self._reload_select: int | None = None
 
     def _wire(self) -> None:
         self.composer.submitted.connect(self.send)
@@ -590,6 +636,7 @@ class ChatPane(QWidget):
         self.composer.textChanged.connect(self._update_buttons)
         self._list_timer.timeout.connect(self._refresh_streaming_items)
         self._search_timer.timeout.connect(self._run_search)
+        self._reload_timer.timeout.connect(self._reload_now)
         self.search_edit.textChanged.connect(lambda _t: self._search_timer.start())
         self.ctx.engineReady.connect(self._on_engine_ready)
         self.ctx.engineStopped.connect(self._on_engine_stopped)
@@ -606,16 +653,25 @@ class ChatPane(QWidget):
     def _spawn(self, fn: Callable[..., Any], *args: Any, on_event: Callable | None = None,
                on_done: Callable | None = None, on_error: Callable | None = None,
                on_finished: Callable | None = None, **kwargs: Any):
-        """``app.workers.run_generator`` / ``run_function``, started on the pane's pool."""
+        """``app.workers.run_generator`` / ``run_function``, started on the pane's pool. Results that arrive after
+        the pane was shut down or deleted are dropped."""
+        def guard(cb: Callable | None) -> Callable | None:
+            if cb is None:
+                return None
+
+            def call(*a: Any) -> None:
+                if not self._shutting_down and shiboken6.isValid(self):
+                    cb(*a)
+            return call
+
         worker = create_worker(fn, *args, _start_thread=False, **kwargs)
         if on_event is not None and hasattr(worker, "yielded"):
-            worker.yielded.connect(on_event)
+            worker.yielded.connect(guard(on_event))
         if on_done is not None:
-            worker.returned.connect(on_done)
-        if on_error is not None:
-            worker.errored.connect(on_error)
+            worker.returned.connect(guard(on_done))
+        worker.errored.connect(guard(on_error or self._report_error))
         if on_finished is not None:
-            worker.finished.connect(on_finished)
+            worker.finished.connect(guard(on_finished))
         self._workers.add(worker)
         worker.finished.connect(lambda w=worker: self._workers.discard(w))
         self._pool.start(worker)
@@ -632,6 +688,20 @@ class ChatPane(QWidget):
                 f"they are kept and marked interrupted.", 10000)
         self.reload_list()
         self._update_buttons()
+        self._spawn(_restore_ui, store, on_done=self._restore)
+
+    def _restore(self, restored: tuple[dict[str, Any], int | None]) -> None:
+        """What the pane looked like when it was last closed: the open conversation, the split, the options."""
+        st, cid = restored
+        sizes = st.get("chat_splitter")
+        if isinstance(sizes, list) and len(sizes) == 2 and all(isinstance(x, int) and x >= 0 for x in sizes):
+            self.splitter.setSizes(sizes)
+        if st.get("chat_options_open") is True:
+            self.options_toggle.setChecked(True)
+        fresh = self._current is not None and self._current.id is None and not self._current.messages \
+            and self._current.stream is None
+        if cid is not None and fresh:
+            self.open_conversation(cid)
 
     def _store_failed(self, exc: BaseException) -> None:
         self.engine_state_text = None
@@ -640,10 +710,17 @@ class ChatPane(QWidget):
         self._update_buttons()
 
     def reload_list(self, select: int | None = None) -> None:
+        """Refresh the conversation list from the store (coalesced: many calls in 150 ms make one read)."""
+        if select is not None:
+            self._reload_select = select
+        self._reload_timer.start()
+
+    def _reload_now(self) -> None:
         if self.store is None:
             return
+        select, self._reload_select = self._reload_select, None
         self._spawn(self.store.list_conversations, on_done=lambda convs, s=select: self._fill_list(convs, s),
-                     on_error=self._report_error)
+                    on_error=self._report_error)
 
     def _fill_list(self, convs: list[hist.ConversationInfo], select: int | None = None) -> None:
         if self.search_edit.text().strip():
@@ -804,8 +881,8 @@ class ChatPane(QWidget):
         self.browser.setDocument(state.view.doc)
         if state.loaded and state.id is not None:
             self._apply_options(state.options)
-        if state.stream is not None:
-            state.render()     # hidden streams were appended raw; draw them properly now
+        if state.stream is not None or state.dirty:
+            state.render()     # hidden streams were appended raw / finished unseen: draw them properly now
         if state.scroll is not None and not state.follow:
             self.browser.verticalScrollBar().setValue(state.scroll)
         else:
@@ -960,8 +1037,11 @@ class ChatPane(QWidget):
 
     def _update_options_label(self, *_a) -> None:
         o = self.options()
-        bits = [f"max {o.max_tokens} tokens", f"temperature {o.temperature if o.temperature is not None else 'default'}",
-                f"reasoning {o.reasoning_effort or 'default'}"]
+        bits = [f"{o.max_tokens} tokens"]
+        if o.temperature is not None:
+            bits.append(f"temperature {o.temperature:g}")
+        if o.reasoning_effort:
+            bits.append(f"reasoning {o.reasoning_effort}")
         if o.reproducible:
             bits.append("reproducible")
         self.options_toggle.setText("Options: " + " · ".join(bits))
@@ -1188,7 +1268,7 @@ class ChatPane(QWidget):
             live.t_last = ev.t
             st.view.append(live, kind, ev.text)
             if self.on_delta_rendered is not None:
-                self.on_delta_rendered(time.perf_counter() - ev.t)
+                self.on_delta_rendered(time.perf_counter() - ev.t, st is self._current)
             if st is self._current and not st.timer.isActive():
                 gap = max(RENDER_MIN_INTERVAL_S, RENDER_COST_FACTOR * st.view.last_render_s)
                 st.timer.start(int(gap * 1000))
@@ -1207,11 +1287,9 @@ class ChatPane(QWidget):
         st.messages = [LiveMessage(m) for m in ev.messages]
         stream.live = st.messages[-1]
         stream.live.t_sent = stream.t_start
-        try:
-            st.timer.timeout.disconnect()
-        except (RuntimeError, TypeError):
-            pass
-        st.timer.timeout.connect(lambda s=st: self._render_tick(s))
+        if not st.tick_connected:
+            st.timer.timeout.connect(lambda s=st: self._render_tick(s))
+            st.tick_connected = True
         if new:
             first_user = next((lm.msg for lm in st.messages if lm.msg.role == "user"), None)
             st.title = hist.title_from(first_user.content) if first_user else st.title
@@ -1259,9 +1337,11 @@ class ChatPane(QWidget):
         if st.stream is stream:
             st.stream = None
         st.timer.stop()
-        st.render()
         if st is self._current:
+            st.render()
             self._scroll_if_following()
+        else:
+            st.dirty = True        # drawn as Markdown when shown: finishing streams never stall the others
         if st.id is not None:
             item = self._item_for(st.id)
             if item is not None:          # drop the streaming mark now; the reload below refreshes the rest
@@ -1371,3 +1451,9 @@ class ChatPane(QWidget):
                 except Exception:  # noqa: BLE001 - closing must not fail; recovery marks it on the next start
                     pass
         self._list_timer.stop()
+        try:
+            uistate.save({"chat_conversation": self.current_conversation_id(),
+                          "chat_splitter": [int(x) for x in self.splitter.sizes()],
+                          "chat_options_open": self.options_toggle.isChecked()})
+        except OSError:
+            pass

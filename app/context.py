@@ -18,6 +18,7 @@ class AppContext(QObject):
     hardwareChanged = Signal(object)        # HardwareReport
     planChanged = Signal(object)            # the placement plan (dict) or None
     engineStateChanged = Signal(object)     # the supervisor's state event
+    engineLog = Signal(object)              # engine_manager.supervisor.LogLines: new engine log lines (batched)
     engineReady = Signal(str, str)          # base_url, api_key
     engineStopped = Signal()
     sampleArrived = Signal(object)          # engine_manager.engines.base.Sample

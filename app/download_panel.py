@@ -314,7 +314,7 @@ class DownloadPanel(QWidget):
         self._set_busy(True, "model")
         self.worker = run_generator(dl.download_model, self.ctx.settings, control=self.control,
                                     on_event=self._on_event, on_done=self._on_done, on_error=self._on_error,
-                                    on_finished=self._on_finished)
+                                    on_finished=self._on_finished, _ignore_errors=True)
 
     def start_engine(self) -> None:
         if self.worker is not None:
@@ -327,7 +327,7 @@ class DownloadPanel(QWidget):
         self._set_busy(True, "engine")
         self.worker = run_generator(dl.download_engine, self.ctx.settings, control=self.control,
                                     on_event=self._on_event, on_done=self._on_done, on_error=self._on_error,
-                                    on_finished=self._on_finished)
+                                    on_finished=self._on_finished, _ignore_errors=True)
 
     def pause(self) -> None:
         if self.control is not None and self.kind in ("model", "engine"):
@@ -371,7 +371,7 @@ class DownloadPanel(QWidget):
         self._set_busy(True, "verify")
         self.worker = run_generator(dl.verify_model_dir, self.ctx.settings, Path(folder), control=self.control,
                                     on_event=self._on_event, on_done=self._on_verified, on_error=self._on_error,
-                                    on_finished=self._on_finished)
+                                    on_finished=self._on_finished, _ignore_errors=True)
 
     def _open_folder(self) -> None:
         folder = getattr(self, "folder", None)
@@ -393,8 +393,9 @@ class DownloadPanel(QWidget):
                     frac = f.done_bytes / f.size_bytes if f.size_bytes else 1.0
                     self._set_row(f.name, frac, f.size_bytes, f.speed_bps, f.eta_s, f.state)
                 self.total_bar.setValue(int(ev.fraction * 1000))
-                self.total_label.setText(f"{dl.fmt_bytes(ev.done_bytes)} of {dl.fmt_bytes(ev.total_bytes)} · "
-                                         f"{dl.fmt_bytes(ev.speed_bps)}/s · ETA {dl.fmt_eta(ev.eta_s)}")
+                paused = self.control is not None and self.control.paused
+                rate = "paused" if paused else f"{dl.fmt_bytes(ev.speed_bps)}/s · ETA {dl.fmt_eta(ev.eta_s)}"
+                self.total_label.setText(f"{dl.fmt_bytes(ev.done_bytes)} of {dl.fmt_bytes(ev.total_bytes)} · {rate}")
                 if self.control is not None and self.control.paused:
                     self.status.setText("Paused. Resume goes on where it stopped.")
                 elif self.control is not None and not self.control.cancelled:
@@ -480,8 +481,10 @@ class DownloadPanel(QWidget):
     def _on_finished(self) -> None:
         self.worker = None
         self.control = None
+        was = self.kind
         self._set_busy(False)
-        self.engine_bar.setVisible(self.engine_bar.value() not in (0, 1000))
+        if was == "engine" and not self.error.isVisible():
+            self.engine_bar.hide()
         run_function(self._read_local, on_done=self._engine_only)
 
     def _engine_only(self, info: dict[str, Any]) -> None:

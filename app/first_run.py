@@ -9,8 +9,7 @@ from typing import Any
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
-    QCheckBox, QHBoxLayout, QLabel, QProgressBar, QPushButton, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWizard,
-    QWizardPage,
+    QCheckBox, QHBoxLayout, QLabel, QProgressBar, QPushButton, QScrollArea, QVBoxLayout, QWizard, QWizardPage,
 )
 
 from engine_manager import doctor, download as dl, hardware, uistate
@@ -18,8 +17,11 @@ from engine_manager import doctor, download as dl, hardware, uistate
 from .workers import run_function
 
 DISMISS_KEY = "first_run_dismissed"
-MARKS = {"pass": ("✓", Qt.GlobalColor.darkGreen), "warn": ("!", Qt.GlobalColor.darkYellow),
-         "fail": ("✗", Qt.GlobalColor.darkRed), "info": ("i", Qt.GlobalColor.darkBlue)}
+MARKS = {"pass": ("✓", "#1b7f2a"), "warn": ("!", "#9a6a00"), "fail": ("✗", "#b3261e"), "info": ("i", "#1f5fa8")}
+
+
+def _esc(s: str) -> str:
+    return (s or "").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 class DoctorPage(QWizardPage):
@@ -30,15 +32,16 @@ class DoctorPage(QWizardPage):
         self.setSubTitle("What DeepSeek-V4.1-Flash needs (a big NVIDIA GPU, ~280 GB RAM, ~300 GB disk) against "
                          "what this machine has.")
         lay = QVBoxLayout(self)
-        self.tree = QTreeWidget()
-        self.tree.setObjectName("doctorVerdicts")
-        self.tree.setHeaderLabels(["", "Requirement", "Found", "What to do"])
-        self.tree.setRootIsDecorated(False)
-        self.tree.setWordWrap(True)
-        self.tree.setColumnWidth(0, 28)
-        self.tree.setColumnWidth(1, 210)
-        self.tree.setColumnWidth(2, 300)
-        lay.addWidget(self.tree)
+        self.table = QLabel("")
+        self.table.setObjectName("doctorVerdicts")
+        self.table.setWordWrap(True)
+        self.table.setTextFormat(Qt.TextFormat.RichText)
+        self.table.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        scroll.setWidget(self.table)
+        lay.addWidget(scroll, 1)
         self.summary = QLabel("Probing the hardware…")
         self.summary.setObjectName("doctorSummary")
         self.summary.setWordWrap(True)
@@ -51,13 +54,16 @@ class DoctorPage(QWizardPage):
 
     def show_report(self, report) -> None:
         vs = doctor.verdicts(report, self.ctx.settings)
-        self.tree.clear()
+        self.verdicts = vs
+        rows = []
         for v in vs:
-            mark, color = MARKS.get(v.status, ("?", Qt.GlobalColor.black))
-            it = QTreeWidgetItem([mark, v.title, v.figure, v.advice])
-            it.setForeground(0, color)
-            it.setToolTip(3, v.advice)
-            self.tree.addTopLevelItem(it)
+            mark, color = MARKS.get(v.status, ("?", "black"))
+            rows.append(f"<tr><td style='color:{color}; font-weight:bold; padding-right:6px'>{mark}</td>"
+                        f"<td style='padding-right:10px'><b>{_esc(v.title)}</b></td>"
+                        f"<td style='padding-right:10px'>{_esc(v.figure)}</td><td>{_esc(v.advice)}</td></tr>")
+        self.table.setText("<table cellspacing='0' cellpadding='3'><tr><th></th><th align='left'>Requirement</th>"
+                           "<th align='left'>Found</th><th align='left'>What to do</th></tr>" + "".join(rows) +
+                           "</table>")
         fails = [v for v in vs if v.status == "fail"]
         if fails:
             self.summary.setText(f"{len(fails)} requirement(s) not met: " + ", ".join(v.title for v in fails) +

@@ -1,17 +1,253 @@
-"""Placeholder until its issue lands: keeps the main window's arrangement final from the start."""
+"""The engine log viewer: the size-rotated ``engine.log`` (secrets already masked by the keeper), followed live.
+
+Follow (keeps the newest line in view), search (Ctrl+F, Enter / Shift+Enter or F3 / Shift+F3 for next / previous,
+with a match count), copy (selection with Ctrl+C, or Copy all). Big logs stay cheap: the view holds at most
+``MAX_LINES`` lines (``QPlainTextEdit.maximumBlockCount``), new lines arrive in batches from the supervisor
+(``ctx.engineLog``), and the initial read of the file's tail happens on a worker thread.
+"""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+import re
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import (
+    QColor, QFont, QFontDatabase, QGuiApplication, QKeySequence, QShortcut, QSyntaxHighlighter, QTextCharFormat,
+    QTextCursor, QTextDocument,
+)
+from PySide6.QtWidgets import (
+    QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget,
+)
+
+from engine_manager.supervisor import log_path, read_log_tail
+
+from .workers import run_function
+
+MAX_LINES = 20_000
+INITIAL_BYTES = 2_000_000
+
+
+class LogHighlighter(QSyntaxHighlighter):
+    """Errors red, the panel's own lines grey-blue, READY green, phases dark blue."""
+
+    RULES = (
+        (re.compile(r"error|fatal|traceback|killed|out of memory|refused|segmentation|insufficient", re.I), "#b00020",
+         True),
+        (re.compile(r"^\[dsv41"), "#4a5d7a", False),
+        (re.compile(r"\bREADY\b"), "#1b7a2b", True),
+        (re.compile(r"^\s*phase:", re.I), "#1f4e99", False),
+        (re.compile(r"\bwarn(ing)?\b", re.I), "#9a6700", False),
+    )
+
+    def __init__(self, doc):
+        super().__init__(doc)
+        self.formats = []
+        for rx, color, bold in self.RULES:
+            f = QTextCharFormat()
+            f.setForeground(QColor(color))
+            if bold:
+                f.setFontWeight(QFont.Weight.DemiBold)
+            self.formats.append((rx, f))
+
+    def highlightBlock(self, text: str) -> None:  # noqa: N802 - Qt's name
+        for rx, fmt in self.formats:
+            if rx.search(text):
+                self.setFormat(0, len(text), fmt)
+                return
 
 
 class LogView(QWidget):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx
+        self.setObjectName("logView")
         lay = QVBoxLayout(self)
-        label = QLabel("The engine log arrives with the supervisor.")
-        label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        label.setWordWrap(True)
-        lay.addWidget(label)
+        lay.setContentsMargins(4, 4, 4, 4)
+
+        bar = QHBoxLayout()
+        self.follow = QCheckBox("Follow")
+        self.follow.setObjectName("logFollow")
+        self.follow.setChecked(True)
+        self.follow.setToolTip("Keep the newest line in view")
+        self.search = QLineEdit()
+        self.search.setObjectName("logSearch")
+        self.search.setPlaceholderText("Search the log (Ctrl+F; Enter next, Shift+Enter previous)")
+        self.search.setClearButtonEnabled(True)
+        self.matches = QLabel("")
+        self.matches.setObjectName("logMatches")
+        self.matches.setMinimumWidth(90)
+        self.prev_btn = QPushButton("◀")
+        self.prev_btn.setToolTip("Previous match (Shift+F3)")
+        self.next_btn = QPushButton("▶")
+        self.next_btn.setToolTip("Next match (F3)")
+        for b in (self.prev_btn, self.next_btn):
+            b.setFixedWidth(32)
+        self.copy_btn = QPushButton("Copy all")
+        self.copy_btn.setObjectName("logCopyAll")
+        self.copy_btn.setToolTip("Copy every line shown to the clipboard (Ctrl+C copies the selection)")
+        self.reload_btn = QPushButton("Reload")
+        self.reload_btn.setToolTip("Read the log file again")
+        bar.addWidget(self.follow)
+        bar.addWidget(self.search, 1)
+        bar.addWidget(self.prev_btn)
+        bar.addWidget(self.next_btn)
+        bar.addWidget(self.matches)
+        bar.addWidget(self.copy_btn)
+        bar.addWidget(self.reload_btn)
+        lay.addLayout(bar)
+
+        self.text = QPlainTextEdit()
+        self.text.setObjectName("logText")
+        self.text.setReadOnly(True)
+        self.text.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
+        self.text.setMaximumBlockCount(MAX_LINES)
+        self.text.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse
+                                          | Qt.TextInteractionFlag.TextSelectableByKeyboard)
+        self.highlighter = LogHighlighter(self.text.document())
+        lay.addWidget(self.text, 1)
+
+        self.path_label = QLabel()
+        self.path_label.setObjectName("logPath")
+        self.path_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.path_label.setStyleSheet("color: palette(mid);")
+        lay.addWidget(self.path_label)
+
+        self.search.returnPressed.connect(self.find_next)
+        self.search.textChanged.connect(self._search_changed)
+        self.next_btn.clicked.connect(self.find_next)
+        self.prev_btn.clicked.connect(self.find_previous)
+        self.copy_btn.clicked.connect(self.copy_all)
+        self.reload_btn.clicked.connect(self.reload)
+        self.follow.toggled.connect(lambda on: on and self._scroll_to_end())
+        self.text.verticalScrollBar().valueChanged.connect(self._user_scrolled)
+        ctx_sc = Qt.ShortcutContext.WidgetWithChildrenShortcut
+        for seq, slot in ((QKeySequence.StandardKey.Find, self.focus_search), ("F3", self.find_next),
+                          ("Shift+F3", self.find_previous), ("Shift+Return", self.find_previous)):
+            sc = QShortcut(QKeySequence(seq), self)
+            sc.setContext(ctx_sc)
+            sc.activated.connect(slot)
+        ctx.engineLog.connect(self.append_lines)
+        self._loading = False
+        self._pending: list[str] = []
+        self._programmatic_scroll = False
+        self._count_timer = QTimer(self)
+        self._count_timer.setSingleShot(True)
+        self._count_timer.setInterval(250)
+        self._count_timer.timeout.connect(self._count_matches)
+        QTimer.singleShot(0, self.reload)
+
+    # -- content -----------------------------------------------------------------------------------------------
+    def reload(self) -> None:
+        if self._loading:
+            return
+        self._loading = True
+        self._pending = []
+        path = log_path()
+        self.path_label.setText(f"{path}  (rotated to {path.name}.1 … by size; the API key is masked)")
+        run_function(read_log_tail, path, INITIAL_BYTES, on_done=self._loaded,
+                     on_finished=lambda: setattr(self, "_loading", False))
+
+    def _loaded(self, lines: list[str]) -> None:
+        lines = lines + self._pending
+        self._pending = []
+        cut = max(0, len(lines) - MAX_LINES)
+        self.text.setPlainText("\n".join(lines[cut:]))
+        if not lines:
+            self.text.setPlaceholderText("The engine log is empty: it fills once the engine is started.")
+        if cut:
+            self.path_label.setText(self.path_label.text() + f" — showing the last {MAX_LINES:,} lines")
+        self._scroll_to_end()
+
+    def append_lines(self, batch) -> None:
+        lines = getattr(batch, "lines", batch)
+        if not lines:
+            return
+        if self._loading:
+            self._pending.extend(lines)
+            return
+        bar = self.text.verticalScrollBar()
+        keep = bar.value()
+        self.text.appendPlainText("\n".join(lines))
+        if self.follow.isChecked():
+            self._scroll_to_end()
+        else:
+            self._programmatic_scroll = True
+            bar.setValue(keep)
+            self._programmatic_scroll = False
+
+    def _scroll_to_end(self) -> None:
+        self._programmatic_scroll = True
+        self.text.moveCursor(QTextCursor.MoveOperation.End)
+        bar = self.text.verticalScrollBar()
+        bar.setValue(bar.maximum())
+        self._programmatic_scroll = False
+
+    def _user_scrolled(self, value: int) -> None:
+        if self._programmatic_scroll:
+            return
+        bar = self.text.verticalScrollBar()
+        at_end = value >= bar.maximum() - 2
+        if self.follow.isChecked() != at_end:
+            self.follow.blockSignals(True)
+            self.follow.setChecked(at_end)
+            self.follow.blockSignals(False)
+
+    def line_count(self) -> int:
+        return self.text.blockCount() if self.text.toPlainText() else 0
+
+    # -- search and copy ---------------------------------------------------------------------------------------
+    def focus_search(self) -> None:
+        self.search.setFocus()
+        self.search.selectAll()
+
+    def _search_changed(self, _text: str) -> None:
+        self._count_timer.start()
+
+    def _count_matches(self) -> int:
+        needle = self.search.text()
+        if not needle:
+            self.matches.setText("")
+            return 0
+        doc = self.text.document()
+        n = 0
+        cur = doc.find(needle, 0)
+        while not cur.isNull() and n < 10_000:
+            n += 1
+            cur = doc.find(needle, cur)
+        self.matches.setText(f"{n:,}{'+' if n >= 10_000 else ''} match{'es' if n != 1 else ''}")
+        return n
+
+    def _find(self, backward: bool) -> bool:
+        needle = self.search.text()
+        if not needle:
+            return False
+        flags = QTextDocument.FindFlag.FindBackward if backward else QTextDocument.FindFlag(0)
+        if self.text.find(needle, flags):
+            self._follow_off()
+            return True
+        cur = self.text.textCursor()                          # wrap around
+        cur.movePosition(QTextCursor.MoveOperation.End if backward else QTextCursor.MoveOperation.Start)
+        self.text.setTextCursor(cur)
+        found = self.text.find(needle, flags)
+        if found:
+            self._follow_off()
+        else:
+            self.matches.setText("no match")
+        return found
+
+    def _follow_off(self) -> None:
+        self.follow.blockSignals(True)
+        self.follow.setChecked(False)
+        self.follow.blockSignals(False)
+
+    def find_next(self) -> bool:
+        self._count_matches()
+        return self._find(False)
+
+    def find_previous(self) -> bool:
+        return self._find(True)
+
+    def copy_all(self) -> None:
+        QGuiApplication.clipboard().setText(self.text.toPlainText())
+        self.ctx.statusMessage.emit(f"Copied {self.line_count():,} log lines to the clipboard.", 3000)

@@ -102,8 +102,9 @@ def _plot_specs() -> list[PlotSpec]:
         PlotSpec("mem", "VRAM and RAM", "GiB", [
             Series("vram_used_bytes", "VRAM used", "#2ca02c", width=2.0, **gib),
             Series("vram_total_bytes", "VRAM total", "#2ca02c", style=DASH, width=1.0, **gib),
-            Series("ram_used_bytes", "RAM used", "#9467bd", width=2.0, **gib),
-            Series("ram_total_bytes", "RAM total", "#9467bd", style=DASH, width=1.0, **gib),
+            Series("ram_used_bytes", "RAM used (host)", "#9467bd", width=2.0, **gib),
+            Series("ram_total_bytes", "RAM total (host)", "#9467bd", style=DASH, width=1.0, **gib),
+            Series("engine_ram_used_bytes", "RAM, engine-reported", "#bcbd22", width=1.4, **gib),
             Series("engine_rss_bytes", "engine RSS", "#8c564b", width=1.2, **gib),
         ]),
         PlotSpec("util", "CPU and GPU", "%", [
@@ -145,8 +146,7 @@ class NowCard(QFrame):
         self.tag.setFont(f)
         self.tag.setStyleSheet("color: #8a5a00; background: #fff1cc; border-radius: 3px; padding: 0 3px;")
         self.tag.hide()
-        top.addWidget(self.title)
-        top.addStretch(1)
+        top.addWidget(self.title, 1)
         top.addWidget(self.tag)
         self.value = QLabel("—")
         self.value.setObjectName(f"nowValue_{key}")
@@ -160,6 +160,9 @@ class NowCard(QFrame):
         lay.addLayout(top)
         lay.addWidget(self.value)
         lay.addWidget(self.detail)
+        for w in (self.title, self.value, self.detail):
+            w.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.setMinimumWidth(96)
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
 
     def show_value(self, text: str, detail: str = "", simulated: bool = False, tip: str = "") -> None:
@@ -170,43 +173,48 @@ class NowCard(QFrame):
 
 
 class CompareCard(QFrame):
-    """The live figures beside the guides' for the same number of active users."""
+    """The live figures beside the guides' for the same number of active users: a strip under the cards."""
 
     def __init__(self, parent=None):
         super().__init__(parent)
         self.setObjectName("compareCard")
         self.setFrameShape(QFrame.Shape.StyledPanel)
         self.setStyleSheet("CompareCard { background: palette(base); border-radius: 4px; }")
-        lay = QVBoxLayout(self)
+        lay = QHBoxLayout(self)
         lay.setContentsMargins(8, 3, 8, 3)
-        lay.setSpacing(1)
-        head = QLabel("<b>Compared with the guides</b>")
+        lay.setSpacing(12)
+        left = QVBoxLayout()
+        left.setSpacing(2)
+        head = QLabel("<b>Compared with<br>the guides</b>")
         self.badge = QLabel("")
         self.badge.setObjectName("compareBadge")
-        row = QHBoxLayout()
-        row.addWidget(head)
-        row.addStretch(1)
-        row.addWidget(self.badge)
-        lay.addLayout(row)
+        self.badge.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        left.addWidget(head)
+        left.addWidget(self.badge)
+        left.addStretch(1)
+        lay.addLayout(left)
         small = self.font()
         small.setPointSizeF(max(7.0, small.pointSizeF() * 0.9))
         self.table = QLabel("")
         self.table.setObjectName("compareTable")
         self.table.setTextFormat(Qt.TextFormat.RichText)
         self.table.setFont(small)
+        self.table.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        lay.addWidget(self.table)
         self.hints = QLabel("")
         self.hints.setObjectName("compareHints")
         self.hints.setWordWrap(True)
         self.hints.setTextFormat(Qt.TextFormat.RichText)
         self.hints.setFont(small)
         self.hints.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
-        lay.addWidget(self.table)
+        self.hints.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         lay.addWidget(self.hints, 1)
         self.base_tip = (f"The guides' figures: DeepSeek-V4.1-Flash Q2_K on {guides.GUIDE_HOST}. 63.11 tok/s at "
                          "1 user; 127.58 total / 31.87 slowest at 4; 152.53 total / ~19 each at 8; ~9 in 10 "
                          "expert picks hit the GPU; NUMA binding took 1 user from ~53 to 63 tok/s.")
         self.setToolTip(self.base_tip)
         self.comparison: guides.Comparison | None = None
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
         self.show_comparison(None)
 
     def show_comparison(self, c: guides.Comparison | None) -> None:
@@ -214,35 +222,32 @@ class CompareCard(QFrame):
         if c is None:
             self.badge.setText("")
             self.badge.setStyleSheet("")
-            self.table.setText("Start the engine to compare this host with the published figures: 63.11 tok/s "
-                               "at 1 user, 127.58 at 4, 152.53 at 8; ~9 in 10 expert picks on the GPU.")
-            self.table.setWordWrap(True)
-            self.hints.setText("")
+            self.table.setText("")
+            self.hints.setText("Start the engine to compare this host with the published figures: 63.11 tok/s "
+                               "at 1 user, 127.58 total at 4, 152.53 total at 8; ~9 in 10 expert picks on the GPU.")
             return
-        self.table.setWordWrap(False)
         colors = {"as_published": ("#e6f4ea", "#1e6b34", "as published"),
-                  "below": ("#fdecea", "#a02a1a", "below the guides"),
+                  "below": ("#fdecea", "#a02a1a", "below"),
                   "idle": ("#eeeeee", "#555555", "idle"),
                   "unknown": ("#eeeeee", "#555555", "—")}
         bg, fg, word = colors.get(c.verdict, colors["unknown"])
         if c.simulated and c.verdict not in ("idle", "unknown"):
-            word += " (simulated)"
+            word += " · sim."
         self.badge.setText(word)
         self.badge.setStyleSheet(f"background: {bg}; color: {fg}; border-radius: 3px; padding: 1px 6px;")
         users = "—" if c.users is None else str(c.users)
-        kind = "<i>interp.</i>" if c.guide_kind == "interpolated" else ""
+        kind = " <i>(interpolated)</i>" if c.guide_kind == "interpolated" else ""
         hr = "—" if c.hit_rate is None else f"{c.hit_rate * 100:.0f}%"
-        host = "this host" + (" <span style='color:#8a5a00'>(sim.)</span>" if c.simulated else "")
-        td = "<td style='padding-right:10px'>"
+        host = "this host" + (" <span style='color:#8a5a00'>(simulated)</span>" if c.simulated else "")
+        td = "<td style='padding-right:12px'>"
         self.table.setText(
             "<table cellspacing=0 cellpadding=0>"
-            f"<tr>{td}<b>{users}</b> active user{'s' if users != '1' else ''}</td>{td}<b>{host}</b></td>"
-            f"<td><b>guides</b> {kind}</td></tr>"
-            f"<tr>{td}decode, total</td>{td}{fmt_value(c.measured_tok_s, '{:.1f}', 'tok/s')}</td>"
-            f"<td>{fmt_value(c.guide_tok_s, '{:.2f}', 'tok/s')}</td></tr>"
-            f"<tr>{td}per user</td>{td}{fmt_value(c.measured_each_tok_s, '{:.1f}', 'tok/s')}</td>"
-            f"<td>{fmt_value(c.guide_each_tok_s, '{:.1f}', 'tok/s')}</td></tr>"
-            f"<tr>{td}GPU hit rate</td>{td}{hr}</td><td>~90%</td></tr></table>")
+            f"<tr>{td}</td>{td}<b>users</b></td>{td}<b>decode, total</b></td>{td}<b>per user</b></td>"
+            f"<td><b>GPU hit rate</b></td></tr>"
+            f"<tr>{td}<b>{host}</b></td>{td}{users}</td>{td}{fmt_value(c.measured_tok_s, '{:.1f}', 'tok/s')}</td>"
+            f"{td}{fmt_value(c.measured_each_tok_s, '{:.1f}', 'tok/s')}</td><td>{hr}</td></tr>"
+            f"<tr>{td}<b>guides</b>{kind}</td>{td}{users}</td>{td}{fmt_value(c.guide_tok_s, '{:.2f}', 'tok/s')}</td>"
+            f"{td}{fmt_value(c.guide_each_tok_s, '{:.1f}', 'tok/s')}</td><td>~90%</td></tr></table>")
         shown = [c.headline] + [h for h in c.hints if not h.startswith("Simulated")][:1]
         self.hints.setText(" ".join(shown))
         self.hints.setToolTip("\n\n".join(c.hints))
@@ -303,6 +308,7 @@ class _Plot:
                 c.setDownsampling(auto=True, method="peak")
             self.curves[s.column] = c
             self.series[s.column] = s
+        self.legend_cols: set[str] = set(self.curves)
         if spec.y_min is not None:
             it.vb.setLimits(yMin=spec.y_min - (spec.y_max or 1) * 0.05)
         it.vb.enableAutoRange(axis=pg.ViewBox.YAxis)
@@ -322,6 +328,21 @@ class _Plot:
         it.addItem(self.note, ignoreBounds=True)
         self.data_t: np.ndarray = np.empty(0)
         self.data: dict[str, np.ndarray] = {}
+
+    def show_columns(self, visible: set[str]) -> None:
+        """Show only these curves (and their legend entries): e.g. the slots the engine has."""
+        for col, curve in self.curves.items():
+            want = col in visible
+            if want == curve.isVisible() and (col in self.legend_cols) == want:
+                continue
+            curve.setVisible(want)
+            s = self.series[col]
+            if want and col not in self.legend_cols:
+                self.legend.addItem(curve, f"{s.name} →" if s.right and self.right_vb is not None else s.name)
+                self.legend_cols.add(col)
+            elif not want and col in self.legend_cols:
+                self.legend.removeItem(curve)
+                self.legend_cols.discard(col)
 
     def _sync_right(self) -> None:
         if self.right_vb is not None:
@@ -470,8 +491,8 @@ class MonitorView(QWidget):
         self.rate_box.setObjectName("rateBox")
         for r in RATES:
             self.rate_box.addItem(f"{r:g} Hz", r)
-        self.rate_box.setToolTip("How often the monitor reads the engine and the machine (setting metrics_hz)")
         self._select_rate(self.ctx.settings.metrics_hz)
+        self._lock_rate_box(self.ctx.loaded)
         self.rate_box.activated.connect(self._rate_chosen)
         bar.addWidget(self.rate_box)
         bar.addSpacing(8)
@@ -482,8 +503,9 @@ class MonitorView(QWidget):
         bar.addWidget(self.status, 1)
         root.addLayout(bar)
 
-        top = QHBoxLayout()
+        top = QVBoxLayout()
         top.setSpacing(4)
+        top.setContentsMargins(0, 0, 0, 0)
         cards = QGridLayout()
         cards.setSpacing(4)
         cards.setAlignment(Qt.AlignmentFlag.AlignTop)
@@ -495,12 +517,9 @@ class MonitorView(QWidget):
             card = NowCard(key, title)
             self.cards[key] = card
             cards.addWidget(card, i // 5, i % 5)
-        top.addLayout(cards, 5)
+        top.addLayout(cards)
         self.compare = CompareCard()
-        self.compare.setMinimumWidth(320)
-        self.compare.setMaximumWidth(420)
-        self.compare.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Ignored)
-        top.addWidget(self.compare, 2)
+        top.addWidget(self.compare)
         top_box = QWidget()
         top_box.setLayout(top)
         top_box.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
@@ -545,7 +564,8 @@ class MonitorView(QWidget):
         info = self._engine_info(base_url, api_key)
         hz = M.clamp_hz(self.ctx.settings.metrics_hz)
         carry, self._carry = getattr(self, "_carry", None), None
-        run_function(_make_hub, info, hz, self.ctx.plan, carry,
+        carry_rec, self._carry_recorder = getattr(self, "_carry_recorder", None), None
+        run_function(_make_hub, info, hz, self.ctx.plan, carry, carry_rec,
                      on_done=lambda res, g=gen: self._hub_made(res, g),
                      on_error=lambda exc: self.status.setText(f"Monitor could not start: {exc}"))
 
@@ -618,12 +638,20 @@ class MonitorView(QWidget):
             self.ctx.statusMessage.emit(f"Could not save the rate: {exc}", 6000)
             self._select_rate(self.ctx.settings.metrics_hz)
 
+    def _lock_rate_box(self, loaded) -> None:
+        locked = bool(getattr(loaded, "env_locked", lambda _n: False)("metrics_hz"))
+        self.rate_box.setEnabled(not locked)
+        self.rate_box.setToolTip("Set by DSV41_METRICS_HZ in the environment; unset it to choose here." if locked
+                                 else "How often the monitor reads the engine and the machine (setting metrics_hz)")
+
     def _on_settings(self, loaded) -> None:
         hz = M.clamp_hz(loaded.settings.metrics_hz)
         self._select_rate(hz)
+        self._lock_rate_box(loaded)
         if self.hub is not None and abs(self.hub.hz - hz) > 1e-9:
             info = dict(self.engine_info)
             self._carry = self.store
+            self._carry_recorder = self.hub.detach_recorder()
             self.on_engine_stopped()
             self.on_engine_ready(info["base_url"], info["api_key"])
 
@@ -800,6 +828,9 @@ class MonitorView(QWidget):
 
         dec, pre = v.get("decode_tok_s"), v.get("prefill_tok_s")
         busy, total = v.get("slots_busy"), v.get("slots_total")
+        if total is not None and total != getattr(self, "_slots_shown", None):
+            self._slots_shown = total
+            self.plots["slots"].show_columns({M.SLOT_COLUMNS[i] for i in range(min(M.MAX_SLOTS, int(total)))})
         slots = (f"{busy:.0f}/{total:.0f} slots busy" if busy is not None and total is not None
                  else f"{busy:.0f} slots busy" if busy is not None else "")
         q = v.get("queued")
@@ -944,8 +975,8 @@ def _origin_words(origin: str | None) -> str:
             "engine": "reported by the engine"}.get(origin or "", "")
 
 
-def _make_hub(info: dict[str, Any], hz: float, plan: dict | None, old_store: M.RingStore | None
-              ) -> tuple[M.MetricsHub, M.RingStore, dict[str, Any], int]:
+def _make_hub(info: dict[str, Any], hz: float, plan: dict | None, old_store: M.RingStore | None,
+              recorder: M.Recorder | None = None) -> tuple[M.MetricsHub, M.RingStore, dict[str, Any], int]:
     """Off the GUI thread: ask the supervisor about the engine, build the hub, and (after a panel restart
     against the same engine) load the run recorded so far."""
     info = dict(info)
@@ -981,7 +1012,7 @@ def _make_hub(info: dict[str, Any], hz: float, plan: dict | None, old_store: M.R
     hub = M.build_hub(engine, info["base_url"], info["api_key"], spec=spec, pid=info.get("pid"),
                       binding=info.get("binding"), log_path=info.get("log_path"),
                       gpu_index=int(info.get("gpu_index") or 0), hz=hz, plan=plan, store=store,
-                      argv=info.get("argv"))
+                      argv=info.get("argv"), recorder=recorder)
     info["label"] = get_engine(engine).label or engine
     loaded = 0
     rec = hub.recorder

@@ -1,17 +1,534 @@
-"""Placeholder until its issue lands: keeps the main window's arrangement final from the start."""
+"""The Placement tab: the plan drawn — itemised VRAM and RAM budget bars, a layer × expert heatmap of placement and
+routing frequency (hover: layer, expert, bytes, frequency), the coverage curve with the chosen point, a refusal in
+plain words with the missing amount, and a Plan button that runs the planner off the GUI thread.
+
+Everything is rendered from the plan's JSON dict (``ctx.plan``), so a plan made elsewhere (the engine panel, the CLI)
+shows here too. The planning itself is ``engine_manager.placement.make_plan`` on a worker (``app.workers``).
+"""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+import time
+from typing import Any
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, QRectF, Qt, Signal
+from PySide6.QtGui import QColor, QKeySequence, QPainter, QPen
+from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QPushButton,
+                               QSizePolicy, QSplitter, QToolTip, QVBoxLayout, QWidget)
+
+from engine_manager import placement
+from engine_manager import uistate
+
+from . import workers
+
+GiB, GB, MiB = 1 << 30, 10**9, 1 << 20
+
+TERM_COLORS = {
+    "non-expert weights": "#4e79a7", "KV cache": "#59a14f", "compute buffers": "#9c755f", "CUDA context": "#bab0ac",
+    "reserve (--vram-reserve-mib)": "#d3d3d3", "hot experts": "#f28e2b",
+    "cold experts (pinned)": "#76b7b2", "host copies of the hot experts (pinned)": "#f1ce63",
+    "CPU-resident tensors": "#4e79a7", "pinned staging": "#9c755f", "OS headroom": "#bab0ac",
+}
+FALLBACK = ["#e15759", "#af7aa1", "#ff9da7", "#86bcb6", "#8cd17d"]
+
+
+def _color(name: str, i: int) -> QColor:
+    return QColor(TERM_COLORS.get(name, FALLBACK[i % len(FALLBACK)]))
+
+
+class BudgetBar(QWidget):
+    """One horizontal bar: the budget as the full width, each term a segment; overflow past the budget in red."""
+
+    def __init__(self, title: str, unit: str, parent=None):
+        super().__init__(parent)
+        self.title, self.unit = title, unit              # unit: "GiB" or "GB"
+        self.budget = 0
+        self.terms: list[dict[str, Any]] = []
+        self.setMinimumHeight(30)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setMouseTracking(True)
+        self._rects: list[tuple[QRectF, str]] = []
+
+    def fmt(self, n: float) -> str:
+        return f"{n / GiB:.2f} GiB" if self.unit == "GiB" else f"{n / GB:.1f} GB"
+
+    def set_budget(self, budget: int, terms: list[dict[str, Any]]) -> None:
+        self.budget, self.terms = int(budget), list(terms)
+        total = sum(int(t["bytes"]) for t in self.terms)
+        self.setToolTip(f"{self.title}: {self.fmt(total)} of {self.fmt(self.budget)}")
+        self.update()
+
+    def paintEvent(self, _ev) -> None:
+        p = QPainter(self)
+        p.setRenderHint(QPainter.RenderHint.Antialiasing, False)
+        r = self.rect().adjusted(0, 2, -1, -3)
+        total = sum(int(t["bytes"]) for t in self.terms)
+        scale_to = max(self.budget, total, 1)
+        p.fillRect(r, self.palette().base())
+        x = float(r.left())
+        self._rects = []
+        for i, t in enumerate(self.terms):
+            w = r.width() * int(t["bytes"]) / scale_to
+            rect = QRectF(x, r.top(), max(0.0, w), r.height())
+            p.fillRect(rect, _color(t["name"], i))
+            self._rects.append((rect, f"{t['name']}: {self.fmt(int(t['bytes']))}" +
+                                (f"\n{t['note']}" if t.get("note") else "")))
+            x += w
+        if self.budget and total > self.budget:
+            bx = r.left() + r.width() * self.budget / scale_to
+            p.fillRect(QRectF(bx, r.top(), r.right() - bx, r.height() / 4), QColor("#e15759"))
+            p.setPen(QPen(QColor("#e15759"), 2))
+            p.drawLine(QPointF(bx, r.top() - 2), QPointF(bx, r.bottom() + 2))
+        p.setPen(QPen(self.palette().text().color(), 1))
+        p.drawRect(QRectF(r.left(), r.top(), r.width() * (self.budget / scale_to if scale_to else 1), r.height()))
+        p.end()
+
+    def mouseMoveEvent(self, ev) -> None:
+        pos = ev.position()
+        for rect, text in self._rects:
+            if rect.contains(pos):
+                QToolTip.showText(ev.globalPosition().toPoint(), text, self)
+                return
+        QToolTip.hideText()
 
 
 class PlacementView(QWidget):
+    planMade = Signal(object)              # the plan dict, after a plan made here
+
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx
+        self.plan: dict[str, Any] | None = None
+        self.observed: np.ndarray | None = None
+        self.usage_paths: list[str] = []
+        self._worker = None
+        self._grid: dict[str, Any] = {}
+
         lay = QVBoxLayout(self)
-        label = QLabel("The placement plan arrives with the planner.")
-        label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        label.setWordWrap(True)
-        lay.addWidget(label)
+        lay.setContentsMargins(6, 6, 6, 6)
+
+        # -- controls ------------------------------------------------------------------------------------------
+        row = QHBoxLayout()
+        self.plan_button = QPushButton("&Plan")
+        self.plan_button.setToolTip("Plan the placement for the chosen host (Ctrl+Shift+P)")
+        self.plan_button.setShortcut(QKeySequence("Ctrl+Shift+P"))
+        self.plan_button.clicked.connect(self.start_plan)
+        row.addWidget(self.plan_button)
+        row.addWidget(QLabel("for"))
+        self.host = QComboBox()
+        self.host.addItem("this host", "this")
+        self.host.addItem("the guides' workstation (RTX PRO 6000 96 GB, 280 GB RAM) — hypothetical", "reference")
+        self.host.addItem("another host…", "custom")
+        self.host.currentIndexChanged.connect(self._host_changed)
+        row.addWidget(self.host)
+        self.vram = QDoubleSpinBox()
+        self.vram.setRange(1, 4096)
+        self.vram.setDecimals(1)
+        self.vram.setSuffix(" GiB VRAM")
+        self.vram.setValue(placement.REFERENCE_VRAM_MIB / 1024)
+        self.ram = QDoubleSpinBox()
+        self.ram.setRange(1, 65536)
+        self.ram.setDecimals(0)
+        self.ram.setSuffix(" GB RAM")
+        self.ram.setValue(placement.REFERENCE_RAM_BYTES / GB)
+        row.addWidget(self.vram)
+        row.addWidget(self.ram)
+        self.add_usage = QPushButton("Add routing data…")
+        self.add_usage.setToolTip("A --dump-routing trace, a saved frequency table, or a Strata profile")
+        self.add_usage.clicked.connect(self._pick_usage)
+        self.clear_usage = QPushButton("Clear")
+        self.clear_usage.clicked.connect(self._clear_usage)
+        row.addWidget(self.add_usage)
+        row.addWidget(self.clear_usage)
+        row.addStretch(1)
+        lay.addLayout(row)
+        self.usage_label = QLabel()
+        self.usage_label.setWordWrap(True)
+        lay.addWidget(self.usage_label)
+
+        # -- summary / refusal -----------------------------------------------------------------------------------
+        self.summary = QLabel("No plan yet. Press Plan (Ctrl+Shift+P) to decide which experts live in VRAM.")
+        self.summary.setWordWrap(True)
+        self.summary.setTextFormat(Qt.TextFormat.RichText)
+        self.summary.setFrameShape(QFrame.Shape.StyledPanel)
+        self.summary.setMargin(6)
+        lay.addWidget(self.summary)
+
+        # -- budget bars --------------------------------------------------------------------------------------------
+        self.vram_title = QLabel("VRAM")
+        self.vram_bar = BudgetBar("VRAM", "GiB")
+        self.vram_legend = QLabel()
+        self.vram_legend.setWordWrap(True)
+        self.ram_title = QLabel("RAM")
+        self.ram_bar = BudgetBar("RAM", "GB")
+        self.ram_legend = QLabel()
+        self.ram_legend.setWordWrap(True)
+        for w in (self.vram_title, self.vram_bar, self.vram_legend, self.ram_title, self.ram_bar, self.ram_legend):
+            lay.addWidget(w)
+
+        # -- heatmap + coverage ------------------------------------------------------------------------------------
+        split = QSplitter(Qt.Orientation.Horizontal)
+        left = QWidget()
+        ll = QVBoxLayout(left)
+        ll.setContentsMargins(0, 0, 0, 0)
+        hm_row = QHBoxLayout()
+        hm_row.addWidget(QLabel("Heatmap:"))
+        self.mode = QComboBox()
+        self.mode.addItem("placement (VRAM / RAM)", "placement")
+        self.mode.addItem("planned routing frequency", "frequency")
+        self.mode.addItem("observed routing", "observed")
+        self.mode.currentIndexChanged.connect(self._redraw_heatmap)
+        hm_row.addWidget(self.mode)
+        hm_row.addStretch(1)
+        ll.addLayout(hm_row)
+        self.heat = pg.PlotWidget()
+        self.heat.setMenuEnabled(False)
+        self.heat.setLabel("bottom", "expert")
+        self.heat.setLabel("left", "MoE layer (block)")
+        self.heat.invertY(True)
+        self.image = pg.ImageItem()
+        self.heat.addItem(self.image)
+        self.heat.scene().sigMouseMoved.connect(self._hover)
+        ll.addWidget(self.heat, 1)
+        self.hover = QLabel("Orange: in VRAM (hot); teal: in RAM (cold); brighter = routed more often. Hover for a "
+                           "layer's expert: bytes, placement, frequency.")
+        ll.addWidget(self.hover)
+        split.addWidget(left)
+        right = QWidget()
+        rl = QVBoxLayout(right)
+        rl.setContentsMargins(0, 0, 0, 0)
+        rl.addWidget(QLabel("Coverage: expected hit rate against experts in VRAM"))
+        self.cov = pg.PlotWidget()
+        self.cov.setMenuEnabled(False)
+        self.cov.setLabel("bottom", "experts in VRAM")
+        self.cov.setLabel("left", "expected hit rate", units="%")
+        self.cov.setYRange(0, 100)
+        self.cov_curve = self.cov.plot([], [], pen=pg.mkPen("#4e79a7", width=2))
+        self.cov_point = pg.ScatterPlotItem(size=10, brush=pg.mkBrush("#f28e2b"))
+        self.cov.addItem(self.cov_point)
+        self.cov_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#f28e2b", style=Qt.PenStyle.DashLine))
+        self.cov.addItem(self.cov_line)
+        self.cov_line.hide()
+        self.cov_text = pg.TextItem("", anchor=(0, 0), color="#888")
+        self.cov.addItem(self.cov_text)
+        rl.addWidget(self.cov, 1)
+        self.llama = QLabel()
+        self.llama.setWordWrap(True)
+        rl.addWidget(self.llama)
+        split.addWidget(right)
+        split.setSizes([700, 400])
+        lay.addWidget(split, 1)
+
+        self._restore()
+        self._host_changed()
+        self._usage_text()
+        ctx.planChanged.connect(self._on_plan_changed)
+        if ctx.plan:
+            self.show_plan(ctx.plan)
+        else:
+            saved = placement.load_last_plan()
+            if saved:
+                self.show_plan(saved, saved=True)
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        st = uistate.load().get("placement_view") or {}
+        if isinstance(st, dict):
+            i = self.host.findData(st.get("host"))
+            if i >= 0:
+                self.host.setCurrentIndex(i)
+            elif not getattr(self.ctx, "has_gpu", False):
+                self.host.setCurrentIndex(self.host.findData("reference"))
+            for w, k in ((self.vram, "vram_gib"), (self.ram, "ram_gb")):
+                if isinstance(st.get(k), (int, float)):
+                    w.setValue(float(st[k]))
+            self.usage_paths = [str(x) for x in st.get("usage") or [] if isinstance(x, str)]
+
+    def _persist(self) -> None:
+        try:
+            uistate.save({"placement_view": {"host": self.host.currentData(), "vram_gib": self.vram.value(),
+                                             "ram_gb": self.ram.value(), "usage": self.usage_paths}})
+        except OSError:
+            pass
+
+    def _host_changed(self) -> None:
+        custom = self.host.currentData() == "custom"
+        self.vram.setVisible(custom)
+        self.ram.setVisible(custom)
+
+    def _pick_usage(self) -> None:
+        dlg = QFileDialog(self, "Routing data: traces, frequency tables, Strata profiles")
+        dlg.setFileMode(QFileDialog.FileMode.ExistingFiles)
+        dlg.filesSelected.connect(self._add_usage_files)
+        dlg.open()
+
+    def _add_usage_files(self, files) -> None:
+        for f in files:
+            if f not in self.usage_paths:
+                self.usage_paths.append(str(f))
+        self._usage_text()
+        self._persist()
+
+    def _clear_usage(self) -> None:
+        self.usage_paths = []
+        self._usage_text()
+        self._persist()
+
+    def _usage_text(self) -> None:
+        if self.usage_paths:
+            self.usage_label.setText("Routing data: " + ", ".join(self.usage_paths))
+        else:
+            self.usage_label.setText("Routing data: none — the predicted hit rate stays unknown until the engine "
+                                     "has seen traffic (add a --dump-routing trace, or plan again once the monitor "
+                                     "has observed routing).")
+
+    # -- planning ----------------------------------------------------------------------------------------------------
+    def request(self) -> placement.PlanRequest:
+        host = self.host.currentData()
+        return placement.PlanRequest(host=host, vram_bytes=int(self.vram.value() * GiB) if host == "custom" else None,
+                                     ram_bytes=int(self.ram.value() * GB) if host == "custom" else None,
+                                     usage_paths=tuple(self.usage_paths))
+
+    def start_plan(self) -> None:
+        if self._worker is not None:
+            return
+        self._persist()
+        self.plan_button.setEnabled(False)
+        self.plan_button.setText("Planning…")
+        self.summary.setText("Planning: reading the model's headers and the host…")
+        hw = self.ctx.hardware if self.host.currentData() == "this" else None
+        self._worker = workers.run_function(placement.make_plan, self.ctx.settings, self.request(), hw,
+                                            on_done=self._on_done, on_error=self._on_error,
+                                            on_finished=self._on_finished)
+
+    def _on_done(self, outcome: placement.PlanOutcome) -> None:
+        self.ctx.set_plan(outcome.plan_dict)           # → planChanged → show_plan
+        if self.plan is not outcome.plan_dict:
+            self.show_plan(outcome.plan_dict)
+        self.planMade.emit(outcome.plan_dict)
+        msg = "Plan refused: " + outcome.plan_dict["refused"] if outcome.plan_dict.get("refused") else \
+            f"Planned: {outcome.plan_dict['hot_experts']:,} experts in VRAM"
+        try:
+            self.ctx.statusMessage.emit(msg, 8000)
+        except (AttributeError, RuntimeError):
+            pass
+
+    def _on_error(self, exc: BaseException) -> None:
+        self.summary.setText(f"<b>Could not plan:</b> {_esc(str(exc))}")
+
+    def _on_finished(self) -> None:
+        self._worker = None
+        self.plan_button.setEnabled(True)
+        self.plan_button.setText("&Plan")
+
+    def _on_plan_changed(self, plan_dict) -> None:
+        if plan_dict is not None and plan_dict is not self.plan:
+            self.show_plan(plan_dict)
+
+    def shutdown(self) -> None:
+        w = self._worker
+        if w is not None:
+            try:
+                w.quit()
+            except RuntimeError:
+                pass
+
+    # -- rendering --------------------------------------------------------------------------------------------------
+    def show_plan(self, d: dict[str, Any], saved: bool = False) -> None:
+        self.plan = d
+        m = d.get("model") or {}
+        hw = d.get("hardware") or {}
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d.get("created_at") or time.time()))
+        head = (f"{_esc(m.get('name', '?'))} ({m.get('total_bytes', 0) / GB:.1f} GB) on "
+                f"{_esc(hw.get('label', '?'))}" + (" — <i>saved plan from " + when + "</i>" if saved else ""))
+        if m.get("source", "").startswith("the header-faithful replica"):
+            head += "<br><i>No model found: sizes come from the header-faithful replica.</i>"
+        if d.get("refused"):
+            parts = []
+            for sf in d.get("shortfalls") or []:
+                if sf["resource"] == "ram":
+                    parts.append(f"RAM: needs {sf['needed_bytes'] / GB:.1f} GB, this host has "
+                                 f"{sf['available_bytes'] / GB:.1f} GB — <b>{sf['missing_bytes'] / GB:.1f} GB "
+                                 f"missing</b>")
+                elif sf["resource"] == "vram":
+                    parts.append(f"VRAM: needs {sf['needed_bytes'] / GiB:.1f} GiB before any expert, the GPU has "
+                                 f"{sf['available_bytes'] / GiB:.1f} GiB — <b>{sf['missing_bytes'] / GiB:.1f} GiB "
+                                 f"missing</b>")
+                else:
+                    parts.append("GPU: none found")
+            self.summary.setStyleSheet("QLabel { color: #b00020; }")
+            self.summary.setText(f"{head}<br><b>This host cannot hold the model.</b> " + "<br>".join(parts)
+                                 + f"<br>{_esc(d['refused'])}.")
+        else:
+            hr = d.get("predicted_hit_rate")
+            hr_s = f"<b>{hr:.1%}</b> ({_esc(d.get('predicted_hit_rate_note', ''))})" if hr is not None else \
+                f"<b>{_esc(placement.UNKNOWN_HIT_RATE)}</b>"
+            self.summary.setStyleSheet("")
+            self.summary.setText(
+                f"{head}<br><b>{d['hot_experts']:,}</b> of {d['total_experts']:,} experts in VRAM "
+                f"({d['hot_expert_bytes'] / GiB:.1f} GiB), {d['cold_experts']:,} in RAM "
+                f"({d.get('cold_expert_bytes', 0) / GiB:.1f} GiB). Predicted hit rate: {hr_s}.<br>"
+                f"Strata: <code>{_esc(' '.join(d.get('strata_args') or []))}</code>")
+        v, r = d.get("vram") or {}, d.get("ram") or {}
+        self.vram_bar.set_budget(v.get("budget_bytes", 0), v.get("terms") or [])
+        self.ram_bar.set_budget(r.get("budget_bytes", 0), r.get("terms") or [])
+        self.vram_title.setText(f"<b>VRAM</b> — {v.get('total_bytes', 0) / GiB:.2f} of "
+                                f"{v.get('budget_bytes', 0) / GiB:.2f} GiB")
+        self.ram_title.setText(f"<b>RAM</b> — {r.get('total_bytes', 0) / GB:.1f} of {r.get('budget_bytes', 0) / GB:.1f} GB"
+                               + (" — <span style='color:#b00020'><b>short "
+                                  f"{(r.get('total_bytes', 0) - r.get('budget_bytes', 0)) / GB:.1f} GB</b></span>"
+                                  if r.get("total_bytes", 0) > r.get("budget_bytes", 0) else ""))
+        self.vram_legend.setText(_legend(v.get("terms") or [], "GiB"))
+        self.ram_legend.setText(_legend(r.get("terms") or [], "GB"))
+        self._build_grid(d)
+        self._redraw_heatmap()
+        self._draw_coverage(d)
+        lh = d.get("llamacpp_predicted_hit_rate")
+        cpu = d.get("llamacpp_cpu_layers") or []
+        n_moe = len(m.get("moe_layers") or [])
+        self.llama.setText(f"Stock llama.cpp at the same budget (per layer): {n_moe - len(cpu)} of {n_moe} MoE "
+                           f"layers' experts on the GPU, {len(cpu)} on the CPU → hit rate "
+                           + (f"<b>{lh:.1%}</b>" if lh is not None else "unknown")
+                           + f" <small>({_esc(d.get('llamacpp_note', ''))})</small>")
+
+    def _build_grid(self, d: dict[str, Any]) -> None:
+        m = d.get("model") or {}
+        layers = list(m.get("moe_layers") or [])
+        ne = int(m.get("n_experts") or 0)
+        pos = {b: i for i, b in enumerate(layers)}
+        hot_rank = np.full((len(layers), ne), -1, dtype=np.int64)
+        for rank, (b, e) in enumerate(d.get("hot_set") or []):
+            i = pos.get(int(b))
+            if i is not None and 0 <= int(e) < ne:
+                hot_rank[i, int(e)] = rank
+        counts = (d.get("usage") or {}).get("counts")
+        freq = None
+        if counts:
+            c = np.asarray(counts, dtype=np.float64)
+            if c.shape == (len(layers), ne) and c.sum() > 0:
+                freq = c / c.sum()
+        ebl = m.get("expert_bytes_by_layer") or [m.get("expert_bytes", 0)] * len(layers)
+        self._grid = {"layers": layers, "n_experts": ne, "hot_rank": hot_rank, "freq": freq,
+                      "bytes": np.asarray(ebl, dtype=np.int64)}
+
+    def _redraw_heatmap(self) -> None:
+        g = self._grid
+        if not g or not g["layers"]:
+            self.image.clear()
+            return
+        mode = self.mode.currentData()
+        hot = g["hot_rank"] >= 0
+        if mode == "frequency" and g["freq"] is not None:
+            img = np.log10(g["freq"] * 1e6 + 1)
+            self.image.setColorMap(pg.colormap.get("viridis"))
+            levels = (0, max(1e-9, float(img.max())))
+        elif mode == "observed" and self.observed is not None:
+            o = self.observed
+            img = np.log10(o / max(o.sum(), 1e-12) * 1e6 + 1)
+            self.image.setColorMap(pg.colormap.get("inferno"))
+            levels = (0, max(1e-9, float(img.max())))
+        else:
+            # placement: hot experts bright, cold dim; with frequencies the shade follows the frequency
+            base = np.where(hot, 0.8, 0.3)
+            if g["freq"] is not None:
+                f = g["freq"] / max(g["freq"].max(), 1e-12)
+                base = base + 0.2 * np.sqrt(f)
+            img = base
+            self.image.setColorMap(pg.ColorMap([0.0, 0.3, 0.55, 0.8, 1.0],
+                                               ["#0b1d2e", "#2f6f6a", "#76b7b2", "#f28e2b", "#ffd27f"]))
+            levels = (0.0, 1.0)
+        # ImageItem's first axis is x: experts across, layers down
+        self.image.setImage(img.T, levels=levels, autoLevels=False)
+        self.image.setRect(QRectF(0, 0, g["n_experts"], len(g["layers"])))
+        self.heat.getAxis("left").setTicks([[(i + 0.5, str(b)) for i, b in enumerate(g["layers"]) if i % 5 == 0]])
+
+    def _hover(self, scene_pos) -> None:
+        g = self._grid
+        if not g or not g["layers"]:
+            return
+        vb = self.heat.getPlotItem().vb
+        if not self.heat.sceneBoundingRect().contains(scene_pos):
+            return
+        pt = vb.mapSceneToView(scene_pos)
+        self.hover.setText(self.describe_cell(int(np.floor(pt.y())), int(np.floor(pt.x()))))
+
+    def describe_cell(self, row: int, expert: int) -> str:
+        """The hover readout for MoE-layer row ``row`` and expert ``expert`` (also used by tests)."""
+        g = self._grid
+        if not g or not (0 <= row < len(g["layers"]) and 0 <= expert < g["n_experts"]):
+            return ""
+        b = g["layers"][row]
+        rank = int(g["hot_rank"][row, expert])
+        nbytes = int(g["bytes"][row]) if row < len(g["bytes"]) else 0
+        where = f"VRAM (hot, rank {rank + 1:,})" if rank >= 0 else "RAM (cold)"
+        if g["freq"] is not None:
+            freq = f"{g['freq'][row, expert]:.4%} of planned picks"
+        else:
+            freq = "frequency unknown (no routing data)"
+        obs = ""
+        if self.observed is not None:
+            o = self.observed
+            obs = f"; observed {o[row, expert] / max(o.sum(), 1e-12):.4%} ({int(o[row, expert]):,} picks)"
+        return (f"layer {b} (MoE row {row}), expert {expert}: {nbytes / MiB:.2f} MiB, {where}, {freq}{obs}")
+
+    def _draw_coverage(self, d: dict[str, Any]) -> None:
+        cov = d.get("coverage")
+        if cov:
+            x = np.asarray(cov["n_hot"], dtype=float)
+            y = np.asarray(cov["hit_rate"], dtype=float) * 100
+            self.cov_curve.setData(x, y)
+            ch = cov.get("chosen") or {}
+            if ch.get("hit_rate") is not None:
+                self.cov_point.setData([ch["n_hot"]], [ch["hit_rate"] * 100])
+            self.cov_line.setValue(d.get("hot_experts", 0))
+            self.cov_line.show()
+            self.cov_text.setText("")
+        else:
+            self.cov_curve.setData([], [])
+            self.cov_point.setData([], [])
+            self.cov_line.setValue(d.get("hot_experts", 0))
+            self.cov_line.show()
+            self.cov.setXRange(0, max(1, d.get("total_experts", 1)))
+            self.cov_text.setText("No routing data: the curve needs real frequencies.\n"
+                                  "Hit rate unknown until the engine has seen traffic.")
+            self.cov_text.setPos(0, 95)
+
+    # -- observed routing (fed by the monitor) -------------------------------------------------------------------
+    def update_observed(self, counts) -> None:
+        """Observed routing counts, (MoE layers or all blocks) × experts; shown in the heatmap's observed mode and
+        compared with the planned hot set."""
+        g = self._grid
+        arr = np.asarray(counts, dtype=np.float64)
+        if g and arr.ndim == 2 and g["layers"]:
+            n_l, ne = len(g["layers"]), g["n_experts"]
+            if arr.shape == (n_l, ne):
+                pass
+            elif arr.shape[1] == ne and arr.shape[0] > max(g["layers"]):
+                arr = arr[g["layers"], :]
+            else:
+                return
+        elif arr.ndim != 2:
+            return
+        self.observed = arr
+        if g and g["layers"] and arr.sum() > 0:
+            hot = g["hot_rank"] >= 0
+            share = float(arr[hot].sum() / arr.sum())
+            self.hover.setText(f"Observed routing: {arr.sum():,.0f} picks; {share:.1%} of them fall in the planned "
+                               "hot set")
+        if self.mode.currentData() == "observed":
+            self._redraw_heatmap()
+
+
+def _esc(s: str) -> str:
+    return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _legend(terms: list[dict[str, Any]], unit: str) -> str:
+    out = []
+    for i, t in enumerate(terms):
+        c = _color(t["name"], i).name()
+        v = f"{t['bytes'] / GiB:.2f} GiB" if unit == "GiB" else f"{t['bytes'] / GB:.1f} GB"
+        out.append(f"<span style='color:{c}'>■</span> {_esc(t['name'])} <b>{v}</b>")
+    return " &nbsp; ".join(out)

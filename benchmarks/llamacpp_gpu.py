@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
-    ap.add_argument("--configs", default="plan,all_gpu,half_cpu,all_cpu")
+    ap.add_argument("--configs", default="plan,all_gpu,half_cpu,all_cpu",
+                    help="comma list; NAME@MODE runs NAME with llama-server's load mode MODE (mmap, none)")
     ap.add_argument("--context", type=int, default=4096)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -343,10 +344,17 @@ def main(argv: list[str] | None = None) -> int:
             p["model"] = {**base["model"], **(p.get("model") or {}), "file": str(first)}
             p["settings"] = base["settings"]
         else:
-            p = {**base, "llamacpp_cpu_layers": configs[name]}
+            p = {**base, "llamacpp_cpu_layers": configs[name.split("@")[0]]}
+        # "half_cpu@none": the same placement with llama-server's -lm (load mode) given through the adapter's knob
+        mode = name.split("@")[1] if "@" in name else None
+        if mode:
+            os.environ["DSV41_LLAMACPP_LOAD_MODE"] = mode
+        else:
+            os.environ.pop("DSV41_LLAMACPP_LOAD_MODE", None)
         print(f"== {name}: experts of {len(p.get('llamacpp_cpu_layers') or [])}/{len(moe)} MoE layers in RAM",
               flush=True)
-        r = run_config(name, settings, p, home, args, nvml, logs_out)
+        r = run_config(name.replace("@", "_lm_"), settings, p, home, args, nvml, logs_out)
+        r["load_mode"] = mode or "default (mmap)"
         result["runs"].append(r)
         d1 = r.get("decode_1") or {}
         print(f"   ready {r.get('ready_s', 0):.1f} s; 1 user {d1.get('engine_tok_s_each')} tok/s (engine), "

@@ -44,6 +44,8 @@ from httpx_sse import EventSource, SSEError
 
 REASONING_EFFORTS = ("none", "low", "medium", "high")   # "none": answer without thinking
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
+# Our tok/s needs tokens spread over at least this long: a burst read in one go has no meaningful rate (None).
+MIN_RATE_SPAN_S = 0.25
 # Strata sends ": keep-alive" comments while it reads a long prompt, so silence this long means a stalled engine.
 DEFAULT_READ_TIMEOUT_S = 120.0
 
@@ -146,6 +148,7 @@ class StreamStats:
     reasoning_chunks: int = 0
     content_chunks: int = 0
     tok_s: float | None = None              # measured here: chunks after the first / time since the first
+                                            # (None when they all came within MIN_RATE_SPAN_S)
     completion_tokens: int | None = None    # the engine's usage, else our chunk count
     prompt_tokens: int | None = None
     engine_tok_s: float | None = None       # timings.predicted_per_second
@@ -537,7 +540,7 @@ class ChatClient:
             stats.cancelled = True
         end = time.perf_counter()
         stats.duration_s = end - t0
-        if n_chunks >= 2 and t_first is not None and t_last is not None and t_last > t_first:
+        if n_chunks >= 2 and t_first is not None and t_last is not None and t_last - t_first >= MIN_RATE_SPAN_S:
             stats.tok_s = (n_chunks - 1) / (t_last - t_first)
         if stats.completion_tokens is None:
             stats.completion_tokens = n_chunks if not stats.cancelled else None

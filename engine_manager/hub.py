@@ -271,6 +271,12 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.hub = hub
         super().__init__(addr, handler)
 
+    def handle_error(self, request, client_address):
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, socket.timeout, TimeoutError, OSError)):
+            return          # a client that went away (the faults make many): not worth a traceback
+        super().handle_error(request, client_address)
+
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -542,8 +548,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             sent_since = 0
             while pos < end:
                 if stall is not None and pos == stall.at:
-                    self._stall(stall.seconds)
-                    stall = None
+                    seconds, stall = stall.seconds, None
+                    if self._stall(seconds):
+                        self.close_connection = True
+                        return          # the client gave up (or the hub stops): send nothing more
                 if drop is not None and pos == drop.at:
                     try:
                         sock.shutdown(socket.SHUT_RDWR)
@@ -601,18 +609,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     continue
                 raise
 
-    def _stall(self, seconds: float) -> None:
-        """Send nothing for ``seconds`` (or until the client closes, or the hub stops)."""
+    def _stall(self, seconds: float) -> bool:
+        """Send nothing for ``seconds``; True if the client closed (or the hub stops) meanwhile."""
         deadline = time.monotonic() + seconds
         sock = self.connection
-        while time.monotonic() < deadline and not self.hub._stop.is_set():
+        while time.monotonic() < deadline:
+            if self.hub._stop.is_set():
+                return True
             r, _, _ = select.select([sock], [], [], 0.1)
             if r:
                 try:
                     if not sock.recv(1, socket.MSG_PEEK):
-                        return  # the client closed
+                        return True
                 except OSError:
-                    return
+                    return True
+        return False
 
 
 class LocalHub:

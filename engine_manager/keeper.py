@@ -48,15 +48,25 @@ class RotatingLog:
         return os.fdopen(fd, "ab", buffering=0)
 
     def write(self, data: bytes) -> None:
-        if not data:
-            return
-        try:
-            size = os.fstat(self.f.fileno()).st_size
-        except OSError:
-            size = 0
-        if self.max_bytes > 0 and size > 0 and size + len(data) > self.max_bytes:
-            self.rotate()
-        self.f.write(data)
+        """Append ``data`` (whole lines), rotating so that no file grows past ``max_bytes`` (a single longer
+        line gets a file of its own)."""
+        while data:
+            try:
+                size = os.fstat(self.f.fileno()).st_size
+            except OSError:
+                size = 0
+            room = self.max_bytes - size if self.max_bytes > 0 else len(data)
+            if len(data) <= room:
+                self.f.write(data)
+                return
+            cut = data.rfind(b"\n", 0, max(room, 0)) + 1 if room > 0 else 0
+            if cut == 0 and size == 0:      # one line longer than a whole file: keep it whole
+                cut = data.find(b"\n") + 1 or len(data)
+            if cut:
+                self.f.write(data[:cut])
+                data = data[cut:]
+            if data:
+                self.rotate()
 
     def rotate(self) -> None:
         self.f.close()

@@ -8,11 +8,13 @@ metadata (hyperparameters, the tokenizer); the others usually carry only the ``s
 Why a hand-written reader and not ``gguf.GGUFReader`` (the house prefers the library; this is the measured
 exception). ``GGUFReader`` memory-maps the file and builds numpy views for every field *and every element of every
 array*: the tokenizer's 163,840 tokens + 163,328 merges become ~650k small numpy objects. Measured on this machine
-(2 shared cores, Python 3.11, gguf 0.19) on shard 1 of the replica (a 7.2 MB header: 163,840-token vocabulary and
-its merges, 140 tensors), see ``python -m engine_manager.layout --compare FILE``:
+(2 shared cores, Python 3.11, gguf 0.19) on shard 1 of the replica (a 5.3 MB header: 163,840-token vocabulary and
+its merges, 102 tensors), see ``python -m engine_manager.layout --compare FILE`` (machine shared and busy, so
+ranges over runs):
 
-    gguf.GGUFReader(shard 1)        ~7.1 s, ~480 MiB peak RSS growth
-    read_shard_header(shard 1)      ~0.016 s (numpy fast path for string arrays), < 20 MiB
+    gguf.GGUFReader(shard 1)        10.6–14.3 s, +527–531 MiB RSS
+    read_shard_header(shard 1)      0.02–0.06 s, +1–6 MiB RSS (0.31 s with the plain per-string loop instead of
+                                    the vectorised skip)
 
 (the issue's own figures, on another machine: GGUFReader 7.5 s / 558 MiB, a plain struct read 0.17 s). So the
 planner reads headers with ``struct`` over one buffer: scalar fields are unpacked, fixed-size arrays are skipped by
@@ -32,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 

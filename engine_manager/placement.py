@@ -39,14 +39,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 
 from . import paths
 from .atomic import atomic_write_json
 from .hardware import GpuInfo, HardwareReport, HostInfo, NumaNodeInfo
-from .layout import LayoutError, ModelLayout, is_lookup_table, read_layout
+from .layout import LayoutError, ModelLayout, read_layout
 from .routing import CoverageCurve, FrequencyTable, Usage, coverage_curve, rank_by_density, write_strp
 
 SCHEMA = 1
@@ -308,7 +308,12 @@ def hypothetical_hardware(base: HardwareReport | None, vram_bytes: int | None, r
     gpu = base.gpus[0] if base and base.gpus else None
     vram = vram_bytes if vram_bytes is not None else (gpu.vram_total_bytes if gpu else REFERENCE_VRAM_MIB * MiB)
     ram = ram_bytes if ram_bytes is not None else (base.host.ram_total_bytes if base else REFERENCE_RAM_BYTES)
-    name = gpu.name if (gpu and vram_bytes is None) else (REFERENCE_GPU_NAME if vram_bytes is None else "a GPU")
+    if vram_bytes is None:
+        name = gpu.name if gpu else REFERENCE_GPU_NAME
+    elif vram_bytes == REFERENCE_VRAM_MIB * MiB:
+        name = REFERENCE_GPU_NAME
+    else:
+        name = f"a {vram / GiB:.0f} GiB GPU"
     return reference_hardware(vram / MiB, ram, gpu_name=name)
 
 
@@ -434,10 +439,11 @@ def _fill(order: np.ndarray, eb_flat: np.ndarray, budget: int) -> tuple[np.ndarr
 def plan(layout: ModelLayout, hardware: HardwareReport | None, usage: Usage | FrequencyTable | np.ndarray | None = None,
          settings: Any = None, *, strp_path: os.PathLike | str | None = None,
          hypothetical: bool | None = None) -> Plan:
-    """Plan the placement of ``layout`` on ``hardware`` (None: this machine is probed... no — pass a report; see
-    :func:`reference_hardware`). ``usage``: routing data (Usage from :func:`routing.load_usage`, a FrequencyTable,
-    or a (blocks or MoE layers) × experts count array) or None. ``settings``: a Settings, PlanSettings or None
-    (defaults). With ``strp_path`` the Strata profile is written there (not for a refused plan)."""
+    """Plan the placement of ``layout`` on ``hardware`` (a HardwareReport: ``hardware.probe()`` for this machine,
+    :func:`reference_hardware` for the guides' workstation; None means the latter). ``usage``: routing data (a
+    Usage from :func:`routing.load_usage`, a FrequencyTable, or a (blocks or MoE layers) × experts count array) or
+    None. ``settings``: a Settings, a PlanSettings or None (defaults). With ``strp_path`` the Strata profile is
+    written there (not for a refused plan). Raises ValueError for routing counts of another model's shape."""
     s = PlanSettings.from_settings(settings)
     if hardware is None:
         hardware = reference_hardware()
@@ -666,3 +672,57 @@ def load_last_plan() -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return d if isinstance(d, dict) and d.get("schema") == SCHEMA else None
+
+
+@dataclass
+class PlanRequest:
+    """What the GUI (or any caller) asks for: which host, which routing data. ``host``: ``"this"`` (probe),
+    ``"reference"`` (the guides' workstation) or ``"custom"`` (``vram_bytes``/``ram_bytes``)."""
+    host: str = "this"
+    vram_bytes: int | None = None
+    ram_bytes: int | None = None
+    usage_paths: tuple[str, ...] = ()
+    model_path: str | None = None
+    save: bool = True
+
+
+@dataclass
+class PlanOutcome:
+    plan: Plan
+    plan_dict: dict[str, Any]
+    model_source: str
+    saved_to: Path | None = None
+
+
+def make_plan(settings: Any, request: PlanRequest, hardware: HardwareReport | None = None) -> PlanOutcome:
+    """Find the model (``model_path``, the settings' model folder or download cache, else the replica), pick the
+    host, read the routing data, plan, write the STRP profile and the JSON into ``<data dir>/plans``. Blocking:
+    the GUI runs it on a worker thread."""
+    from . import hardware as hwmod
+    from .routing import load_usage
+    if request.model_path:
+        layout = read_layout(request.model_path)
+        source = str(layout.first_shard)
+    else:
+        first = find_model(settings)
+        if first is not None:
+            layout = read_layout(first)
+            source = str(layout.first_shard)
+        else:
+            layout = default_sim_layout()
+            source = "replica"
+    if request.host == "reference":
+        hw = reference_hardware()
+    elif request.host == "custom":
+        base = hardware or hwmod.probe(getattr(settings, "cache_path", None))
+        hw = hypothetical_hardware(base, request.vram_bytes, request.ram_bytes)
+    else:
+        hw = hardware or hwmod.probe(getattr(settings, "cache_path", None))
+    usage = load_usage(list(request.usage_paths), layout.n_layers, layout.n_experts) if request.usage_paths else None
+    strp = plans_dir() / "last-plan.strp" if request.save else None
+    p = plan(layout, hw, usage, settings, strp_path=strp)
+    d = p.to_dict()
+    d["model"]["source"] = ("the header-faithful replica (no model found; sizes from the replica)"
+                            if source == "replica" else source)
+    saved = save_plan(d) if request.save else None
+    return PlanOutcome(p, d, source, saved)

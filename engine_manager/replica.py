@@ -226,7 +226,7 @@ def synthetic_vocab(vocab: int, n_merges: int) -> tuple[list[str], list[int], li
     n_special = 3 if vocab > 300 else 0
     n_words = max(0, vocab - len(tokens) - n_special)
     words: list[str] = []
-    for size in range(1, 8):
+    for size in range(2, 9):
         if len(words) >= n_words:
             break
         words.extend(itertools.islice(("".join(p) for p in itertools.product(_LETTERS, repeat=size)),

@@ -535,6 +535,22 @@ class LogTail:
         if ino is not None and ino != self._ino:       # rotated: finish the old file, continue in the new one
             data += self._f.read()
             self._f.close()
+            # the file we read became engine.log.K; engine.log.K-1 … .1 were written after it, in that order
+            newer: list[Path] = []
+            for k in range(1, 1000):
+                rotated = self.path.with_name(f"{self.path.name}.{k}")
+                try:
+                    if os.stat(rotated).st_ino == self._ino:
+                        break
+                except FileNotFoundError:
+                    newer = []                          # ours was deleted already: the gap cannot be read
+                    break
+                newer.insert(0, rotated)
+            for rotated in newer:
+                try:
+                    data += rotated.read_bytes()
+                except FileNotFoundError:
+                    pass
             self._open(0)
             if self._f is not None:
                 data += self._f.read()
@@ -552,9 +568,14 @@ class LogTail:
             self._f = None
 
 
+def log_path() -> Path:
+    """The engine log (the keeper rotates it to ``engine.log.1`` … beside it)."""
+    return paths.logs_dir() / LOG_NAME
+
+
 def read_log_tail(path: Path | None = None, max_bytes: int = 2_000_000) -> list[str]:
     """The last ``max_bytes`` of the log (the newest rotated file first if the current one is short)."""
-    path = Path(path) if path else paths.logs_dir() / LOG_NAME
+    path = Path(path) if path else log_path()
     chunks: list[bytes] = []
     need = max_bytes
     for p in (path, path.with_name(path.name + ".1")):
@@ -581,39 +602,35 @@ def read_log_tail(path: Path | None = None, max_bytes: int = 2_000_000) -> list[
 def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple[dict[str, Any] | None, list[str]]:
     """The plan to start ``engine_name`` with when the caller has none, and notes saying what was chosen.
 
-    The scripted engine gets the reference placement (one 96 GB RTX PRO 6000) on the replica layout of the
-    model; strata / llama.cpp get a plan from the model folder's headers when the planner can make one,
-    else none (the engine then sizes its expert cache itself)."""
+    - the scripted engine: the reference placement (the guides' RTX PRO 6000, 280 GB RAM) on the replica layout of
+      the model — what it models without a GPU;
+    - strata / llama.cpp: the plan saved by the Placement tab or ``dsv41 plan`` for this machine, else a fresh plan
+      for this machine from the model's headers (the planner refuses a host that cannot hold the model)."""
     notes: list[str] = []
     try:
-        from . import placement  # written by the placement issue
+        from . import placement
     except ImportError:
-        placement = None  # type: ignore[assignment]
-    if engine_name == "sim":
-        if placement is None or not hasattr(placement, "default_sim_layout"):
-            notes.append("The placement planner is not available, so the scripted engine runs with its own "
-                         "default layout.")
-            return None, notes
-        layout = placement.default_sim_layout()
-        ref = placement.reference_hardware()
-        p = placement.plan(layout, ref, None, settings)
-        notes.append("The scripted engine (simulated) runs the reference placement — "
-                     f"{getattr(p, 'hot_experts', '?')} hot experts in VRAM of a 96 GB RTX PRO 6000 — on the "
-                     "replica layout of DeepSeek-V4.1-Flash Q2_K.")
-        return p.to_dict(), notes
-    if placement is None:
         notes.append("The placement planner is not available; the engine sizes its expert cache itself.")
         return None, notes
     try:
-        from .layout import read_layout
-        model_dir = getattr(settings, "model_dir", None)
-        if not model_dir or hardware is None:
-            notes.append("No plan yet (no model folder or no hardware probe): the engine sizes its expert cache "
-                         "itself. Make one on the Placement tab or with `dsv41 plan`.")
-            return None, notes
-        p = placement.plan(read_layout(model_dir), hardware, None, settings)
-        return p.to_dict(), notes
-    except Exception as exc:  # a missing or unreadable model folder: start without a plan, say why
+        if engine_name == "sim":
+            p = placement.plan(placement.default_sim_layout(), placement.reference_hardware(), None, settings)
+            d = p.to_dict()
+            notes.append(f"The scripted engine (simulated) runs the reference placement — {d.get('hot_experts'):,} "
+                         "hot experts in VRAM of the guides' 96 GB RTX PRO 6000 — on the replica layout of "
+                         "DeepSeek-V4.1-Flash Q2_K.")
+            return d, notes
+        last = placement.load_last_plan()
+        if last and not (last.get("hardware") or {}).get("hypothetical"):
+            made = last.get("created_at")
+            when = time.strftime(" (made %Y-%m-%d %H:%M)", time.localtime(made)) if isinstance(made, (int, float)) \
+                else ""
+            notes.append(f"Using the plan saved by the Placement tab / `dsv41 plan`{when}.")
+            return last, notes
+        out = placement.make_plan(settings, placement.PlanRequest(host="this", save=True), hardware)
+        notes.append(f"Planned for this machine from {out.model_source}.")
+        return out.plan_dict, notes
+    except Exception as exc:  # an unreadable model folder must not hide the engine's own, clearer error
         notes.append(f"Could not make a plan ({exc}); the engine sizes its expert cache itself.")
         return None, notes
 
@@ -740,6 +757,22 @@ class Supervisor:
         self._phase = ""
         self._fraction: float | None = None
         self._binding_cache: dict[tuple, Binding] = {}
+        self._http: httpx.Client | None = None
+        self._plans: dict[tuple, tuple[dict[str, Any] | None, list[str]]] = {}
+
+    # -- http ------------------------------------------------------------------------------------------------
+    def http(self) -> httpx.Client:
+        """One client for health checks: loopback only (no proxies from the environment), no TLS context to
+        build, no kept-alive sockets (so nothing lingers after an engine is gone)."""
+        if self._http is None:
+            self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0), trust_env=False, verify=False,
+                                      limits=httpx.Limits(max_keepalive_connections=0))
+        return self._http
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
 
     # -- paths -----------------------------------------------------------------------------------------------
     @property
@@ -749,10 +782,6 @@ class Supervisor:
     @property
     def exit_path(self) -> Path:
         return paths.data_dir() / EXIT_FILE
-
-    @property
-    def plan_path(self) -> Path:
-        return paths.data_dir() / "engine-plan.json"
 
     @property
     def lock_path(self) -> Path:
@@ -879,6 +908,13 @@ class Supervisor:
             self._binding_cache[key] = choose_binding(hw, self.settings.gpu_index, self.settings.numa_binding)
         return self._binding_cache[key]
 
+    def _default_plan(self, engine_name: str) -> tuple[dict[str, Any] | None, list[str]]:
+        key = (engine_name, self.settings.model_dump_json())
+        if key not in self._plans:
+            self._plans[key] = default_plan(engine_name, self.settings, self.hardware)
+        plan, notes = self._plans[key]
+        return plan, list(notes)
+
     # -- status -----------------------------------------------------------------------------------------------------
     def status(self, check_health: bool = True) -> EngineStatus:
         """What runs now: this supervisor's engine, else the one in the state file (verified), else whatever
@@ -947,8 +983,7 @@ class Supervisor:
     def _health_ok_record(self, rec: dict[str, Any]) -> bool:
         try:
             eng = self.resolve_engine(rec.get("engine") or "sim")
-            with httpx.Client(timeout=2.0) as c:
-                return eng.readiness(c, self._spec_from_record(rec)).state == "ready"
+            return eng.readiness(self.http(), self._spec_from_record(rec)).state == "ready"
         except Exception:
             return False
 
@@ -966,7 +1001,7 @@ class Supervisor:
         eng = self._engine(engine)
         notes: list[str] = []
         if plan is None:
-            plan, pnotes = default_plan(eng.name, self.settings, self.hardware)
+            plan, pnotes = self._default_plan(eng.name)
             notes.extend(pnotes)
         b = self.binding(refresh=True)
         workdir = paths.runs_dir() / eng.name
@@ -1008,7 +1043,7 @@ class Supervisor:
         self.last_failure = None
         eng = self._engine(engine)
         if plan is None:
-            plan, notes = default_plan(eng.name, self.settings, self.hardware)
+            plan, notes = self._default_plan(eng.name)
             for n in notes:
                 yield Note(n)
         outcome = yield from self._start_once(eng, plan)
@@ -1023,7 +1058,9 @@ class Supervisor:
         if h is None:
             return self.status(check_health=False)
         outcome = "ready" if h.ready_at is not None else (yield from self._wait_ready(h))
-        plan = self._read_json(self.plan_path)
+        rec = self._read_state_file() or {}
+        plan_file = (rec.get("files") or {}).get("plan")
+        plan = self._read_json(Path(plan_file)) if plan_file else None   # for a restart: the plan it ran with
         return (yield from self._supervise(h.engine, plan, outcome))
 
     def _supervise(self, eng: Engine | None, plan: dict[str, Any] | None, outcome: Any,
@@ -1092,8 +1129,7 @@ class Supervisor:
         h.recent.extend(read_log_tail(self.log_path, 64_000)[-200:])
         h.tail = LogTail(self.log_path, None)
         try:
-            with httpx.Client(timeout=2.0) as c:
-                healthy = eng.readiness(c, spec).state == "ready"
+            healthy = eng.readiness(self.http(), spec).state == "ready"
         except Exception:
             healthy = False
         with self._lock:
@@ -1217,13 +1253,6 @@ class Supervisor:
                                   "Fix what the message names and start again; `dsv41 start --dry-run` shows the "
                                   "command, `dsv41 doctor` checks this machine.")
             return None
-        if plan is not None:
-            atomic_write_json(self.plan_path, plan)
-        else:
-            try:
-                self.plan_path.unlink()
-            except FileNotFoundError:
-                pass
         return (yield from self._spawn(eng, spec, binding))
 
     def _fail(self, cause: str, message: str, fix: str, tail: list[str] | None = None) -> Iterator[Event]:
@@ -1245,6 +1274,7 @@ class Supervisor:
         env = dict(os.environ)
         env.update(spec.env)
         env["DSV41_KEEPER_MASK"] = "\n".join(spec.secrets())
+        env["DSV41_NUMA_BINDING"] = binding.strategy if binding else "none"   # an engine may report it
         argv = [sys.executable, "-I", "-S", str(KEEPER), "--log", str(self.log_path), "--exit-file",
                 str(self.exit_path), "--max-bytes", str(self.log_max_bytes), "--backups", str(self.log_backups),
                 "--", *prefix, *spec.argv]
@@ -1309,59 +1339,59 @@ class Supervisor:
         self._phase, self._fraction = "starting", None
         last_out = time.time()
         next_check = next_progress = 0.0
-        with httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0)) as client:
-            while True:
-                if self._detach_req.is_set():
-                    return "detached"
+        client = self.http()
+        while True:
+            if self._detach_req.is_set():
+                return "detached"
+            if self._stop_req.is_set():
+                return "stopped"
+            batch = self._drain(h)
+            if batch is not None:
+                last_out = time.time()
+                yield batch
+                if any(e.kind == "ready" for e in batch.events):
+                    next_check = 0.0
+            if h.exited():
+                yield from self._final_lines(h)
                 if self._stop_req.is_set():
                     return "stopped"
-                batch = self._drain(h)
-                if batch is not None:
-                    last_out = time.time()
-                    yield batch
-                    if any(e.kind == "ready" for e in batch.events):
-                        next_check = 0.0
-                if h.exited():
-                    yield from self._final_lines(h)
-                    if self._stop_req.is_set():
-                        return "stopped"
-                    return self._exit_info(h)
-                now = time.time()
-                elapsed = now - h.started_at
-                if now >= next_check and h.engine is not None:
-                    next_check = now + 0.25
-                    try:
-                        r = h.engine.readiness(client, h.spec)
-                    except Exception:          # adapters map "refused" to loading; anything else: not yet
-                        r = None
-                    if r is not None and r.state == "ready":
-                        h.ready_at = time.time()
-                        self._write_state_file(h, READY)
-                        yield from _emit(self._set_state(READY, f"ready after {h.ready_at - h.started_at:.1f} s "
-                                                                f"at {h.spec.base_url}"))
-                        yield Ready(h.spec.base_url, h.ready_at - h.started_at, h.spec.engine, h.engine_pid,
-                                    h.spec.simulated, attached=h.attached)
-                        return "ready"
-                if elapsed > timeout:
-                    tail = list(h.recent)[-20:]
-                    yield from self._terminate(h, grace=min(self.grace_s, 10.0))
-                    self._forget(h)
-                    self._write_state_file(None, STOPPED, engine=h.spec.engine, message="not ready in time")
-                    yield from self._fail(
-                        "ready_timeout",
-                        f"The engine did not become ready within {timeout:.0f} s (last phase: "
-                        f"{self._phase or 'unknown'}); it was stopped.",
-                        "If it was still loading (a first start downloads and loads the model), raise "
-                        "ready_timeout_s (DSV41_READY_TIMEOUT) and start again; otherwise read the log lines.",
-                        tail)
-                    return "failed"
-                if now >= next_progress:
-                    next_progress = now + self.progress_every_s
-                    frac = self._fraction
-                    eta = elapsed * (1 - frac) / frac if frac and 0 < frac < 1 else None
-                    yield Progress(elapsed, timeout, self._phase or "starting", frac, eta, now - last_out,
-                                   h.engine_pid)
-                time.sleep(self.poll_s)
+                return self._exit_info(h)
+            now = time.time()
+            elapsed = now - h.started_at
+            if now >= next_check and h.engine is not None:
+                next_check = now + 0.25
+                try:
+                    r = h.engine.readiness(client, h.spec)
+                except Exception:          # adapters map "refused" to loading; anything else: not yet
+                    r = None
+                if r is not None and r.state == "ready":
+                    h.ready_at = time.time()
+                    self._write_state_file(h, READY)
+                    yield from _emit(self._set_state(READY, f"ready after {h.ready_at - h.started_at:.1f} s "
+                                                            f"at {h.spec.base_url}"))
+                    yield Ready(h.spec.base_url, h.ready_at - h.started_at, h.spec.engine, h.engine_pid,
+                                h.spec.simulated, attached=h.attached)
+                    return "ready"
+            if elapsed > timeout:
+                tail = list(h.recent)[-20:]
+                yield from self._terminate(h, grace=min(self.grace_s, 10.0))
+                self._forget(h)
+                self._write_state_file(None, STOPPED, engine=h.spec.engine, message="not ready in time")
+                yield from self._fail(
+                    "ready_timeout",
+                    f"The engine did not become ready within {timeout:.0f} s (last phase: "
+                    f"{self._phase or 'unknown'}); it was stopped.",
+                    "If it was still loading (a first start downloads and loads the model), raise "
+                    "ready_timeout_s (DSV41_READY_TIMEOUT) and start again; otherwise read the log lines.",
+                    tail)
+                return "failed"
+            if now >= next_progress:
+                next_progress = now + self.progress_every_s
+                frac = self._fraction
+                eta = elapsed * (1 - frac) / frac if frac and 0 < frac < 1 else None
+                yield Progress(elapsed, timeout, self._phase or "starting", frac, eta, now - last_out,
+                               h.engine_pid)
+            time.sleep(self.poll_s)
 
     # -- watching a ready engine ------------------------------------------------------------------------------
     def _watch_loop(self) -> Iterator[Event]:
@@ -1371,41 +1401,41 @@ class Supervisor:
             return "stopped"
         last_ok = time.time()
         next_health = time.time() + self.health_every_s
-        with httpx.Client(timeout=httpx.Timeout(min(5.0, max(1.0, self.health_every_s)), connect=1.0)) as client:
-            while True:
-                if self._detach_req.is_set():
-                    return "detached"
-                batch = self._drain(h)
-                if batch is not None:
-                    yield batch
-                if h.exited():
-                    yield from self._final_lines(h)
-                    if self._stop_req.is_set():
-                        return "stopped"        # our own stop() reports the rest
-                    if self._stopped_elsewhere():
-                        return (yield from self._stopped_by_other(h))
-                    return self._exit_info(h)
+        client = self.http()
+        while True:
+            if self._detach_req.is_set():
+                return "detached"
+            batch = self._drain(h)
+            if batch is not None:
+                yield batch
+            if h.exited():
+                yield from self._final_lines(h)
                 if self._stop_req.is_set():
-                    return "stopped"
-                now = time.time()
-                if now >= next_health and h.engine is not None:
-                    next_health = now + self.health_every_s
-                    try:
-                        ok = h.engine.readiness(client, h.spec).state == "ready"
-                    except Exception:
-                        ok = False
-                    if ok:
-                        last_ok = time.time()
-                    elif time.time() - last_ok >= self.silent_after_s and not h.exited() \
-                            and not self._stop_req.is_set():
-                        silent = time.time() - last_ok
-                        yield Note(f"The engine has not answered its health check for {silent:.0f} s while its "
-                                   "process is alive; stopping it.", "warning")
-                        yield from self._terminate(h, grace=min(self.grace_s, 5.0), quiet=True)
-                        info = self._exit_info(h)
-                        info.silent_s = silent
-                        return info
-                time.sleep(self.poll_s)
+                    return "stopped"        # our own stop() reports the rest
+                if self._stopped_elsewhere():
+                    return (yield from self._stopped_by_other(h))
+                return self._exit_info(h)
+            if self._stop_req.is_set():
+                return "stopped"
+            now = time.time()
+            if now >= next_health and h.engine is not None:
+                next_health = now + self.health_every_s
+                try:
+                    ok = h.engine.readiness(client, h.spec).state == "ready"
+                except Exception:
+                    ok = False
+                if ok:
+                    last_ok = time.time()
+                elif time.time() - last_ok >= self.silent_after_s and not h.exited() \
+                        and not self._stop_req.is_set():
+                    silent = time.time() - last_ok
+                    yield Note(f"The engine has not answered its health check for {silent:.0f} s while its "
+                               "process is alive; stopping it.", "warning")
+                    yield from self._terminate(h, grace=min(self.grace_s, 5.0), quiet=True)
+                    info = self._exit_info(h)
+                    info.silent_s = silent
+                    return info
+            time.sleep(self.poll_s)
 
     def _stopped_elsewhere(self) -> bool:
         rec = self._read_state_file()
@@ -1586,11 +1616,17 @@ class Supervisor:
         t0 = time.monotonic()
         killed_at: float | None = t0 if forced else None
         next_ev = 0.0
+        next_scan = time.monotonic() + 0.2
         while True:
             if h.popen is not None:
                 h.popen.poll()                  # reap the keeper as soon as it exits
-            refresh()
+            if time.monotonic() >= next_scan:   # a full process scan costs ~25 ms: not every turn
+                next_scan = time.monotonic() + 0.2
+                refresh()
             alive = _live(list(tracked.values()))
+            if not alive:
+                refresh()                       # one last look for anything started meanwhile
+                alive = _live(list(tracked.values()))
             if not alive:
                 break
             el = time.monotonic() - t0
@@ -1612,16 +1648,33 @@ class Supervisor:
 
     @staticmethod
     def _signal_all(h: _Handle, tracked: dict[int, psutil.Process], sig: int) -> None:
-        try:
-            os.killpg(h.pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for p in tracked.values():              # descendants that left the group (setsid) get it too
+        sigs = [sig]
+        if sig == signal.SIGTERM:
+            # A stopped (SIGSTOP / Ctrl+Z) process must run to act on SIGTERM. Waking it first, then a moment,
+            # matters: a SIGTERM that arrives while a multi-threaded Python engine is stopped can land on a
+            # non-main thread and never wake the main one (measured with the scripted engine: no exit in 5 s).
+            paused = []
+            for p in tracked.values():
+                try:
+                    if p.status() == psutil.STATUS_STOPPED:
+                        paused.append(p)
+                except (psutil.Error, OSError):
+                    pass
+            if paused:
+                Supervisor._signal_all(h, tracked, signal.SIGCONT)
+                time.sleep(0.1)
+            sigs = [sig, signal.SIGCONT]
+        for s in sigs:
             try:
-                if os.getpgid(p.pid) != h.pgid and p.is_running():
-                    p.send_signal(sig)
-            except (ProcessLookupError, psutil.Error, OSError):
+                os.killpg(h.pgid, s)
+            except (ProcessLookupError, PermissionError):
                 pass
+            for p in tracked.values():          # descendants that left the group (setsid) get it too
+                try:
+                    if os.getpgid(p.pid) != h.pgid and p.is_running():
+                        p.send_signal(s)
+                except (ProcessLookupError, psutil.Error, OSError):
+                    pass
 
 
 def _preflight(eng: Engine, spec: LaunchSpec) -> list[str]:

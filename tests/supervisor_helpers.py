@@ -8,49 +8,49 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 
-from engine_manager.engines.base import Engine, LaunchSpec, LogEvent, Readiness, Sample
+from engine_manager.engines.base import Engine
 
 
-class _MiniSim(Engine):
-    """Stand-in adapter for the scripted engine until engines/sim.py exists (same server, same flags)."""
+TINY_SERVER = r"""
+import http.server, signal, subprocess, sys, threading
+port, mode = int(sys.argv[1]), sys.argv[2]
+if "ignore-term" in mode:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if "escape" in mode:
+    subprocess.Popen(["sleep", "120"], start_new_session=True)   # a helper that leaves the process group
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers()
+        self.wfile.write(b'{"status": "ok", "loaded": true, "service": "tiny"}')
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", port), H)
+print("READY tiny engine", flush=True)
+srv.serve_forever(poll_interval=0.05)
+"""
 
-    name = "sim"
-    label = "scripted engine (simulated)"
-    simulated = True
 
-    def build_launch(self, settings, plan, workdir: Path) -> LaunchSpec:
-        argv = [sys.executable, "-m", "engine_manager.sim", "--host", settings.host, "--port", str(settings.port),
-                "--api-key", settings.api_key, "--load-time", "0.2"]
-        return LaunchSpec("sim", argv, settings.host, settings.port, settings.api_key, simulated=True,
-                          label=self.label)
+def tiny_engine(mode: str = "plain") -> Engine:
+    """The scripted engine's adapter with a minimal stdlib HTTP server as the process (starts in ~30 ms; exits
+    on SIGTERM at once): for the many-cycles test, and for behaviours the sim has no switch for (ignoring
+    SIGTERM, a child that leaves the process group)."""
+    base = sim_engine()
 
-    def readiness(self, client, spec) -> Readiness:
-        try:
-            r = client.get(spec.base_url + spec.health_path)
-        except httpx.HTTPError as exc:
-            return Readiness("loading", str(exc))
-        return Readiness("ready" if r.status_code == 200 else "loading", r.text[:100])
+    class Tiny(type(base)):
+        def build_launch(self, settings, plan, workdir):
+            spec = super().build_launch(settings, None, workdir)
+            spec.argv = [sys.executable, "-I", "-S", "-c", TINY_SERVER, str(settings.port), mode]
+            spec.label = f"tiny test engine ({mode})"
+            return spec
 
-    def poll(self, client, spec, previous):
-        return Sample(time.time(), "sim", True)
-
-    def parse_log_line(self, line: str):
-        if line.startswith("phase: "):
-            return LogEvent("phase", line[7:])
-        if line.startswith("READY"):
-            return LogEvent("ready", line)
-        return None
+    return Tiny()
 
 
 def sim_engine() -> Engine:
-    try:
-        from engine_manager.engines import get_engine
-        return get_engine("sim")
-    except (ImportError, ModuleNotFoundError, AttributeError):
-        return _MiniSim()
+    from engine_manager.engines import get_engine
+    return get_engine("sim")
 
 
 def wait_until(pred, timeout: float = 10.0, every: float = 0.02):

@@ -161,7 +161,11 @@ def test_history_commands(shared_sim):
 
 def test_history_export_to_a_file(shared_sim, tmp_path):
     env = env_for(shared_sim)
-    assert dsv41("chat", "--max-tokens", "20", "hello", env=env).returncode == 0
+    r = dsv41("chat", "--json", "--max-tokens", "20", "hello", env=env)
+    assert r.returncode == 0
+    saved = json.loads(r.stdout)                           # --json: nothing but the JSON on stdout
+    assert saved["conversation_id"] == 1 and saved["message"]["status"] == "complete"
+    assert saved["message"]["stats"]["completion_tokens"] == 20
     target = tmp_path / "chat.md"
     r = dsv41("history", "export", "1", "--format", "md", "-o", str(target), env=env)
     assert r.returncode == 0 and target.read_text().startswith("# hello")

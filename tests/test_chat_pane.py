@@ -60,8 +60,8 @@ def test_type_send_stream_reasoning_and_stop(qtbot, pane, ctx, start_sim):
     qtbot.waitUntil(lambda: "Here is a short answer about" in doc(pane), timeout=20000)
     qtbot.waitUntil(lambda: "▸ Reasoning" in doc(pane), timeout=5000)
     assert "The user asks about" not in doc(pane)
-    qtbot.waitUntil(lambda: "Streaming:" in pane.live_label.text(), timeout=5000)
-    assert "tok/s" in pane.live_label.text()
+    qtbot.waitUntil(lambda: "Streaming:" in pane.live_label.text() and "tok/s" in pane.live_label.text(),
+                    timeout=5000)
     qtbot.mouseClick(pane.stop_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: not pane.is_streaming(), timeout=10000)
     text = doc(pane)
@@ -172,15 +172,16 @@ def test_code_blocks_copy_and_markdown_is_safe(qtbot, pane):
     cid = store.create_conversation(title="Code")
     store.add_message(cid, "user", "show code")
     store.add_message(cid, "assistant", "Run this:\n\n```python\nprint('hi')\n```\n\n<b>raw</b> and "
-                      "![x](file:///etc/passwd) and **bold**", reasoning="some thinking")
+                      "![x](https://example.com/x.png) and ![y](file:///etc/passwd) and **bold**", reasoning="some thinking")
     pane.reload_list()
     qtbot.waitUntil(lambda: pane.conv_list.count() == 1, timeout=5000)
     pane.conv_list.setCurrentRow(0)
     qtbot.waitUntil(lambda: "Run this:" in doc(pane), timeout=5000)
     text = doc(pane)
-    assert "Copy" in text and "python" in text and "print('hi')" in text
+    assert "Copy code" in text and "python" in text and "print('hi')" in text
     assert "<b>raw</b>" in text                              # raw HTML from the model is shown, not rendered
-    assert "[image: x]" in text
+    assert "[image: x]" in text                              # images are never loaded: shown as a link
+    assert "![y](file:///etc/passwd)" in text                # a file: link is not even made a link
     assert "▸ Reasoning" in text and "some thinking" not in text
     pane._on_anchor(QUrl("dsv41:copy-code/0"))
     assert QGuiApplication.clipboard().text() == "print('hi')\n"
@@ -279,3 +280,20 @@ def test_panel_killed_mid_stream_history_intact_on_restart(qtbot, start_sim):
     q, a = p.store.messages(p.current_conversation_id())
     assert a.status == hist.STATUS_INTERRUPTED and a.content.startswith(partial)
     p.shutdown()
+
+
+def test_pane_state_survives_a_restart(qtbot, ctx):
+    p = ChatPane(ctx)
+    qtbot.addWidget(p)
+    qtbot.waitUntil(lambda: p.store is not None, timeout=10000)
+    cid = p.store.create_conversation(title="Keep me open")
+    p.store.add_message(cid, "user", "remember this conversation")
+    p.open_conversation(cid)
+    qtbot.waitUntil(lambda: "remember this conversation" in doc(p), timeout=5000)
+    p.options_toggle.setChecked(True)
+    p.shutdown()
+    again = ChatPane(AppContext(load_settings()))
+    qtbot.addWidget(again)
+    qtbot.waitUntil(lambda: again.current_conversation_id() == cid and "remember this" in doc(again), timeout=10000)
+    assert again.options_toggle.isChecked() and again.options_box.isVisibleTo(again)
+    again.shutdown()

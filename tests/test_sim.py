@@ -133,12 +133,12 @@ def test_cost_model_reproduces_the_guides_table_shape():
 
 def test_adaptive_tier_learns_a_bad_start_and_stays_quiet_at_the_optimum():
     good = OffloadModel(Layout.reference(), initial_hot="ideal")
-    for _ in range(400):
+    for _ in range(200):
         good.decode_step(8)
     assert good.swaps_total < 50                       # hysteresis: noise does not churn a good cache
     bad = OffloadModel(Layout.reference(), initial_hot="random")
     start = bad.expected_hit_rate()
-    for _ in range(600):
+    for _ in range(300):
         r = bad.decode_step(8)
     assert bad.swaps_total > 500 and r.duration_s > 0
     assert bad.expected_hit_rate() > start + 0.3       # swapped the traffic's experts in
@@ -479,3 +479,73 @@ def test_swaps_reach_the_log_and_metrics(sims):
     assert m["sim"]["swaps_total"] >= ev.swaps
     text = httpx.get(sp.url("/metrics"), headers={**sp.headers, "Accept": "text/plain"}).text
     assert "strata_sim:expert_swaps_total" in text and "strata:live_tok_s" in text
+
+
+def test_cpu_numerics_gpu_and_unbound_numa_are_slower_live(sims):
+    fast = sims("--speed", "10").wait_ready()
+    gpu = sims("--speed", "10", "--cpu-numerics", "gpu").wait_ready()
+    unbound = sims("--speed", "10", "--numa", "unbound").wait_ready()
+    rate = {}
+    for name, sp in (("fork", fast), ("gpu", gpu), ("unbound", unbound)):
+        _, frames = chat(sp, max_tokens=40)
+        rate[name] = [f for f in frames if isinstance(f, dict) and f.get("timings")][0]["timings"][
+            "predicted_per_second"]
+    assert 1 - rate["gpu"] / rate["fork"] == pytest.approx(0.257, abs=0.03)
+    assert rate["unbound"] == pytest.approx(53, rel=0.05)
+
+
+def test_dsv41_sim_runs_in_the_foreground(tmp_path):
+    import subprocess
+    import sys
+
+    from engine_manager.engines.sim import sim_env
+    from engine_manager.sim.launch import free_port
+
+    port = free_port()
+    env = {**os.environ, **sim_env()}
+    argv = [sys.executable, "-m", "engine_manager", "sim", "--port", str(port), "--load-time", "0", "--slots", "2"]
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        first = p.stdout.readline()
+        assert "SIMULATED" in first and f":{port}" in first and "…" in first       # key shown masked
+        for line in p.stdout:
+            if line.startswith("READY"):
+                break
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/models")
+        assert r.status_code == 401                                               # the settings' key applies
+        p.send_signal(signal.SIGINT)
+        assert p.wait(10) == 0
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            taken = s.getsockname()[1]
+            out = subprocess.run([*argv[:4], "--port", str(taken)], env=env, capture_output=True, text=True,
+                                 timeout=30)
+        assert out.returncode == 2 and f"port {taken}" in out.stdout + out.stderr
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(5)
+        p.stdout.close()
+
+
+def test_anthropic_messages_thinking_then_text(sims):
+    sp = sims("--speed", "20").wait_ready()
+    body = {"model": "x", "max_tokens": 30, "thinking": {"type": "enabled", "budget_tokens": 10},
+            "system": "be brief", "messages": [{"role": "user", "content": [{"type": "text", "text": "KV cache?"}]}]}
+    r = httpx.post(sp.url("/v1/messages"), json=body, headers={"x-api-key": sp.api_key}, timeout=30)
+    msg = r.json()
+    assert r.status_code == 200 and msg["type"] == "message" and msg["stop_reason"] == "max_tokens"
+    assert [b["type"] for b in msg["content"]] == ["thinking", "text"] and msg["usage"]["output_tokens"] == 30
+    events = []
+    with httpx.stream("POST", sp.url("/v1/messages"), json={**body, "stream": True, "max_tokens": 400},
+                      headers={"x-api-key": sp.api_key}, timeout=30) as s:
+        for line in s.iter_lines():
+            if line.startswith("event: "):
+                events.append(line[7:])
+    assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
+    assert events.count("content_block_start") == 2 == events.count("content_block_stop")
+    r = httpx.post(sp.url("/v1/messages"), json={"messages": [{"role": "user", "content": "x"}]},
+                   headers={"x-api-key": sp.api_key})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]

@@ -8,6 +8,7 @@ and api_key. Every turn is saved in the chat history as it streams, like the pan
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -40,7 +41,8 @@ def register(sub) -> None:
     p.add_argument("--no-reasoning", action="store_true", help="do not print the model's reasoning")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="give up when the engine sends nothing for this many seconds (default 120)")
-    p.add_argument("--json", action="store_true", help="print the saved answer and its stats as JSON at the end")
+    p.add_argument("--json", action="store_true",
+                   help="print only the saved answer, with its stats, as JSON when it is complete")
     p.set_defaults(func=run)
 
     h = sub.add_parser("history", help="the saved chat conversations: list, show, export, search, rename, delete",
@@ -123,7 +125,7 @@ def run(args, ctx) -> int:
             print(f"dsv41 chat: {exc}", file=sys.stderr)
             return 2
 
-    out = sys.stdout
+    out = open(os.devnull, "w") if args.json else sys.stdout     # --json: only the JSON on stdout
     tty = out.isatty()
     cancel = CancelToken()
     state = {"in": None}         # which part is being printed: None, "reasoning", "content"
@@ -171,6 +173,8 @@ def run(args, ctx) -> int:
         if state["in"] is not None:
             out.write("\n")
         out.flush()
+        if out is not sys.stdout:
+            out.close()
 
     if ended is None:   # pragma: no cover - run_turn always ends with TurnEnded
         return 1

@@ -47,9 +47,16 @@ from ..atomic import atomic_write_bytes
 from .base import Engine, FailureHint, LaunchSpec, LogEvent, LogPattern, Readiness, Sample
 
 VERBOSITY_ENV = "DSV41_LLAMACPP_LOG_VERBOSITY"
+LOAD_MODE_ENV = "DSV41_LLAMACPP_LOAD_MODE"          # auto (the engine decides) | mmap | none | mlock
 DEFAULT_VERBOSITY = 4
 KV_TYPES = {"int8": ("q8_0", "q8_0"), "q4_0": ("q4_0", "q4_0"), "k8v4": ("q8_0", "q4_0")}
-GPU_BUFFER = re.compile(r"^(CUDA|ROCm|HIP|Vulkan|Metal|SYCL|MUSA|CANN|OpenCL)", re.I)
+# device memory: CUDA0, ROCm0, Vulkan0, Metal, … (and CUDA_Split). CUDA_Host is *pinned host RAM*: on a CUDA build a
+# "=CPU" override lands there ("buffer type overridden to CUDA_Host"), as do CPU_Mapped / CPU / AMX / CPU_REPACK.
+GPU_BUFFER = re.compile(r"^(CUDA|ROCm|HIP|Vulkan|Metal|SYCL|MUSA|CANN|OpenCL)\d*(_Split)?$", re.I)
+
+
+def is_gpu_buffer(name: str) -> bool:
+    return bool(GPU_BUFFER.match(name))
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
@@ -94,6 +101,14 @@ def resolve_model(settings: Any, plan: dict[str, Any] | None) -> Path:
                             f"(…-00001-of-0000N.gguf) of a GGUF, or fix DSV41_MODEL_DIR.")
     raise ModelNotFound("No GGUF for llama-server: set DSV41_LLAMACPP_MODEL to the first shard of a GGUF (or "
                         "DSV41_MODEL_DIR to its folder), or make a plan for a model first (`dsv41 plan`).")
+
+
+def load_mode_for(cpu_layers: list[int], gpu_backend: bool | None) -> str | None:
+    """``-lm`` value, or None for llama.cpp's default (mmap). ``DSV41_LLAMACPP_LOAD_MODE`` overrides."""
+    mode = os.environ.get(LOAD_MODE_ENV, "auto").strip().lower()
+    if mode in ("mmap", "none", "mlock"):
+        return mode
+    return None
 
 
 @dataclass
@@ -159,6 +174,9 @@ _RE_LOADING = re.compile(r"load_tensors: loading model tensors.*\(load_mode = (\
 _RE_FIT = re.compile(r"common_params_fit_impl: (.*\S)")
 _RE_FIT_RESULT = re.compile(r"common_fit_params: (successfully fit params.*|failed to fit params.*|"
                             r"encountered an error.*)")
+# "| memory breakdown [MiB] | total free self model context compute unaccounted |" rows, one per device / host
+_RE_BREAKDOWN = re.compile(r"memory_breakdown_print: \|\s+- (\S+)(?: \(([^)]*)\))?\s+\|\s+(?:(\d+) = (\d+) \+ \()?"
+                           r"\s*(\d+) =\s+(\d+) \+\s+(\d+) \+\s+(\d+)")
 _RE_DEVICE = re.compile(r"common_param:\s+- (\S+)\s+: (.*?) \((\d+) MiB, (\d+) MiB free\)")
 _RE_SLOTS = re.compile(r"load_model: initializing, n_slots = (\d+), n_ctx_slot = (\d+)")
 _RE_READY = re.compile(r"llama_server: (?:server is )?listening on (\S+)|main: server is listening on (\S+)")
@@ -193,6 +211,12 @@ def parse_line(line: str) -> LogEvent | None:
     if m := _RE_COMPUTE_BUF.search(line):
         return LogEvent("placement", line, data={"what": "compute_buffer", "buffer": m.group(1),
                                                  "mib": float(m.group(2))})
+    if m := _RE_BREAKDOWN.search(line):
+        return LogEvent("placement", line, data={
+            "what": "memory_breakdown", "device": m.group(1), "name": m.group(2),
+            "total_mib": int(m.group(3)) if m.group(3) else None, "free_mib": int(m.group(4)) if m.group(4) else None,
+            "self_mib": int(m.group(5)), "model_mib": int(m.group(6)), "context_mib": int(m.group(7)),
+            "compute_mib": int(m.group(8))})
     if m := _RE_OFFLOADED.search(line):
         return LogEvent("placement", line, data={"what": "offloaded", "layers": int(m.group(1)),
                                                  "of": int(m.group(2))})
@@ -244,6 +268,7 @@ class PlacementSummary:
     layer_device: dict[int, str] = field(default_factory=dict)
     fit: list[str] = field(default_factory=list)
     fit_ok: bool | None = None
+    breakdown: dict[str, dict[str, Any]] = field(default_factory=dict)   # device → llama.cpp's memory table row
     load_mode: str | None = None
     events: int = 0
 
@@ -277,7 +302,7 @@ class PlacementSummary:
         elif what == "offloaded":
             self.offloaded = (d["layers"], d["of"])
         elif what == "override":
-            if "_exps" in d["tensor"] and not GPU_BUFFER.match(d["buffer"]):
+            if "_exps" in d["tensor"] and not is_gpu_buffer(d["buffer"]):
                 self.cpu_override_layers.add(d["layer"])
                 self.override_mib[d["layer"]] = self.override_mib.get(d["layer"], 0) + d["mib"]
         elif what == "layer_device":
@@ -287,6 +312,9 @@ class PlacementSummary:
             self.fit = self.fit[-20:]
         elif what == "fit_result":
             self.fit_ok = d["ok"]
+        elif what == "memory_breakdown":
+            self.breakdown[d["device"]] = {k: d[k] for k in ("name", "total_mib", "free_mib", "self_mib",
+                                                             "model_mib", "context_mib", "compute_mib")}
         else:
             return False
         self.events += 1
@@ -299,17 +327,17 @@ class PlacementSummary:
 
     @property
     def gpu_buffers(self) -> list[str]:
-        return sorted(b for b in {*self.model_mib, *self.kv_mib} if GPU_BUFFER.match(b))
+        return sorted(b for b in {*self.model_mib, *self.kv_mib} if is_gpu_buffer(b))
 
     @property
     def on_gpu(self) -> bool:
         return bool(self.gpu_buffers)
 
     def model_gpu_mib(self) -> float:
-        return sum(v for k, v in self.model_mib.items() if GPU_BUFFER.match(k))
+        return sum(v for k, v in self.model_mib.items() if is_gpu_buffer(k))
 
     def model_host_mib(self) -> float:
-        return sum(v for k, v in self.model_mib.items() if not GPU_BUFFER.match(k))
+        return sum(v for k, v in self.model_mib.items() if not is_gpu_buffer(k))
 
     def expert_layers_on_gpu(self, moe_layers: Iterable[int]) -> list[int] | None:
         """MoE layers whose experts the log shows on the GPU, or None when the log does not say (no model buffer
@@ -326,7 +354,8 @@ class PlacementSummary:
                 "kv": self.kv, "offloaded": list(self.offloaded) if self.offloaded else None,
                 "cpu_override_layers": sorted(self.cpu_override_layers), "gpu_buffers": self.gpu_buffers,
                 "model_gpu_mib": self.model_gpu_mib(), "model_host_mib": self.model_host_mib(),
-                "fit": self.fit[-4:], "fit_ok": self.fit_ok, "load_mode": self.load_mode}
+                "fit": self.fit[-4:], "fit_ok": self.fit_ok, "load_mode": self.load_mode,
+                "breakdown": self.breakdown}
 
     def text(self) -> str:
         """A few plain lines for the Placement tab and the log."""
@@ -477,6 +506,9 @@ class LlamaCppEngine(Engine):
         rule = cpu_layers_rule(cpu_layers)
         if rule:
             argv += ["-ot", rule]
+        load_mode = load_mode_for(cpu_layers, placement.gpu_backend)
+        if load_mode:
+            argv += ["-lm", load_mode]
         env = binary.env()
         if "CUDA_VISIBLE_DEVICES" not in os.environ:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"

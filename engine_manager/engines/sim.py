@@ -50,7 +50,7 @@ def sim_argv(plan_path: str | None, host: str, port: int, api_key: str, extra: l
         argv += ["--plan", str(plan_path)]
     argv += ["--host", host, "--port", str(port)]
     if api_key:
-        argv += ["--api-key", api_key]
+        argv += [f"--api-key={api_key}"]
     return argv + list(extra or [])
 
 

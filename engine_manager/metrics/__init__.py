@@ -132,10 +132,11 @@ def build_hub(engine: str | Engine, base_url: str, api_key: str, *, spec: Launch
               pid: int | None = None, binding: Any = None, log_path: str | Path | None = None,
               gpu_index: int = 0, hz: float = 1.0, plan: Mapping[str, Any] | None = None, record: bool = True,
               store: RingStore | None = None, use_nvml: bool = True, argv: list[str] | None = None,
-              extra_sources: list[Source] | None = None) -> MetricsHub:
+              recorder: Recorder | None = None, extra_sources: list[Source] | None = None) -> MetricsHub:
     """A hub for one running engine: the engine's adapter, NVML (when there is a GPU), the host and the engine
     process tree (``pid``; CPU split by ``binding``), and swaps from ``log_path``. With ``record``, a recording
-    starts (or, for the same pid after a panel restart, continues) under ``runs_dir()/metrics``."""
+    starts (or, for the same pid after a panel restart, continues) under ``runs_dir()/metrics``; ``recorder``
+    hands over an open one (the previous hub's, after a rate change)."""
     eng = engine if isinstance(engine, Engine) else get_engine(engine)
     hz = clamp_hz(hz)
     period = 1.0 / hz
@@ -151,9 +152,10 @@ def build_hub(engine: str | Engine, base_url: str, api_key: str, *, spec: Launch
         sources.append(RoutingSource(trace, n_layers, n_experts, timeout_s=min(1.0, 0.9 * period)))
     sources.extend(extra_sources or [])
     simulated = bool(eng.simulated or spec.simulated)
-    recorder = None
     record_error = None
-    if record:
+    if recorder is not None:
+        recorder.write_meta(hz=hz)
+    elif record:
         create_time = None
         if pid:
             try:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..engines.base import Sample
 from .columns import COLUMN_NAMES
 from .record import Recorder
-from .sources import LogSwapSource, Reading, Source
+from .sources import LogSwapSource, Reading, Source, SourceMissing
 from .store import RingStore
 
 Listener = Callable[["Tick"], None]
@@ -130,6 +130,8 @@ class _Runner(threading.Thread):
             result, error = None, None
             try:
                 result = self.source.read()
+            except SourceMissing as exc:
+                error = str(exc)
             except Exception as exc:  # any failure of a source is "missing", with its reason
                 error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             with self.cond:
@@ -286,16 +288,23 @@ class MetricsHub:
         sw = sum(w for _, _, w in self._roll)
         return sum(h * w for _, h, w in self._roll) / sw if sw > 0 else None
 
+    def detach_recorder(self) -> Recorder | None:
+        """Take the recording away from this hub (left open) to hand it to the next one, e.g. when the rate
+        changes for the same engine: one run, one file."""
+        rec, self.recorder = self.recorder, None
+        return rec
+
     def _record(self, tick: Tick) -> None:
-        if self.recorder is None or self.record_error:
+        rec = self.recorder
+        if rec is None or self.record_error:
             return
         try:
-            self.recorder.write(tick.t, tick.values)
+            rec.write(tick.t, tick.values)
         except ValueError:                      # closed under us while stopping
             return
         except OSError as exc:
             self.record_error = (f"recording stopped: {exc} — free some disk space in "
-                                 f"{self.recorder.dir.parent}; the plots keep running")
+                                 f"{rec.dir.parent}; the plots keep running")
             tick.notes["record_error"] = self.record_error
 
     def iter_ticks(self, max_ticks: int | None = None) -> Iterator[Tick]:

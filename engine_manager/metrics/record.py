@@ -61,6 +61,11 @@ def _fmt(v: float | int | None) -> str:
     return format(f, ".6g")
 
 
+def fmt_t(t: float) -> str:
+    """Epoch seconds with milliseconds: ``1796001392.075``."""
+    return f"{t:.3f}"
+
+
 def iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -129,7 +134,7 @@ class Recorder:
         atomic_write_json(self.meta_path, self.meta)
 
     def write(self, t: float, values: Mapping[str, float | int | None]) -> None:
-        line = ",".join((_fmt(round(t, 3)), iso(t), *(_fmt(values.get(c)) for c in self.columns)))
+        line = ",".join((fmt_t(t), iso(t), *(_fmt(values.get(c)) for c in self.columns)))
         self._f.write(line + "\n")
         self._f.flush()
         self.rows += 1
@@ -279,14 +284,14 @@ def export_csv(dest: Path, *, recording: Path | None = None, store: RingStore | 
         buf.write(",".join(("t", "time", *cols)) + "\n")
         for t, vals in iter_rows(Path(recording)):
             if lo <= t <= hi:
-                buf.write(",".join((_fmt(round(t, 3)), iso(t), *(_fmt(vals.get(c)) for c in cols))) + "\n")
+                buf.write(",".join((fmt_t(t), iso(t), *(_fmt(vals.get(c)) for c in cols))) + "\n")
                 n += 1
     elif store is not None:
         cols = list(columns) if columns is not None else list(store.columns)
         t, data = store.window(t0, t1, cols)
         buf.write(",".join(("t", "time", *cols)) + "\n")
         for i in range(t.shape[0]):
-            buf.write(",".join((_fmt(round(float(t[i]), 3)), iso(float(t[i])),
+            buf.write(",".join((fmt_t(float(t[i])), iso(float(t[i])),
                                 *(_fmt(float(data[c][i])) for c in cols))) + "\n")
             n += 1
     else:

@@ -29,6 +29,10 @@ class Reading:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
+class SourceMissing(RuntimeError):
+    """Raised by a source whose figures are missing for a plain reason (said as is, without a type name)."""
+
+
 class Source(ABC):
     """One thing to read, once per tick. ``read`` may block; the hub gives it ``timeout_s`` per tick."""
 
@@ -159,7 +163,7 @@ class NvmlSource(Source):
 
     def read(self) -> Reading:
         if self.unavailable:
-            raise RuntimeError(self.unavailable)
+            raise SourceMissing(self.unavailable)
         n = self.nvml
         v: dict[str, float | None] = {c: None for c in self.columns}
         try:
@@ -417,7 +421,7 @@ class LogSwapSource(Source):
             self._swaps = self._bytes = 0
             self._last = now
         if not attached:
-            raise RuntimeError("no engine log attached yet")
+            raise SourceMissing("no engine log attached yet")
         return Reading({"log_swaps_per_s": swaps / dt,
                         "log_swap_mb_s": (nbytes / dt / 1e6) if known else None},
                        notes={"log_swaps_total": self.swaps_total})
@@ -467,7 +471,7 @@ class RoutingSource(Source):
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            raise RuntimeError(f"no routing trace at {self.path} yet") from None
+            raise SourceMissing(f"no routing trace at {self.path} yet") from None
         if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
             self._offset, self._pending = 0, b""          # a new trace: keep counting on top
         self._ino = st.st_ino

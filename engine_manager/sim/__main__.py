@@ -18,7 +18,8 @@ Serving:
   --verbose                 log every HTTP request
 Offload model (see engine_manager/sim/offload.py):
   --skew NAME               reference (0.90 hits at 37.9% hot) | mild | steep | flat | zm:S[,Q]
-  --seed N                  routing seed (default 41)
+  --seed N                  seed of the routing *distribution* (default 41: the planner's expected_frequencies())
+  --routing-seed N          seed of the routing *draws* (default: fresh each run, like real traffic)
   --initial-hot HOW         auto | plan | ideal | random (auto: --expert-profile, else the plan's hot set when
                             the plan was made from routing data, else ideal = a 'shipped' profile)
   --numa bound|unbound      unbound doubles the CPU experts' time (~53 tok/s for 1 user instead of ~63)
@@ -88,6 +89,7 @@ def build_parser(add_help: bool = True, prog: str = "python -m engine_manager.si
     a("--verbose", action="store_true")
     a("--skew", default="reference")
     a("--seed", type=int, default=41)
+    a("--routing-seed", type=int, default=None)
     a("--initial-hot", choices=("auto", "plan", "ideal", "random"), default="auto")
     a("--numa", choices=("bound", "unbound"), default="bound")
     a("--expert-cache", default="auto")
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         model = OffloadModel(layout, skew=args.skew, seed=args.seed, initial_hot=args.initial_hot,
                              profile_pairs=profile_pairs, adapt_every=args.adapt_every,
                              adapt_swaps=args.adapt_swaps, adapt_decay=args.adapt_decay,
-                             cpu_numerics=args.cpu_numerics, numa_bound=args.numa == "bound")
+                             cpu_numerics=args.cpu_numerics, numa_bound=args.numa == "bound",
+                             routing_seed=args.routing_seed)
     except ValueError as exc:
         parser.error(str(exc))
     hot_mib = int(model.hot.sum()) * layout.expert_bytes / (1 << 20)

@@ -49,7 +49,7 @@ class SimProcess:
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "engine_manager.sim", "--host", self.host, "--port", str(self.port)]
         if self.api_key:
-            argv += ["--api-key", self.api_key]
+            argv += [f"--api-key={self.api_key}"]
         if self.load_time is not None and "--load-time" not in self.args:
             argv += ["--load-time", str(self.load_time)]
         return argv + self.args

@@ -177,7 +177,7 @@ class RoutingDistribution:
     """Per-layer skewed routing with exact inclusion probabilities (see the module docstring)."""
 
     def __init__(self, n_layers: int, n_experts: int, k: int, skew: str | Skew = "reference",
-                 seed: int = DEFAULT_SEED):
+                 seed: int = DEFAULT_SEED, routing_seed: int | None = None):
         if not (1 <= k <= n_experts):
             raise ValueError(f"experts used per token ({k}) must be 1..{n_experts}")
         self.n_layers, self.n_experts, self.k = n_layers, n_experts, k
@@ -202,7 +202,8 @@ class RoutingDistribution:
         offsets = (np.arange(n_layers * N_PERMS, dtype=np.float64) * (k + 1)).reshape(n_layers, N_PERMS, 1)
         self._flat_cums = (cums + offsets).ravel()
         self._row_offsets = offsets.reshape(n_layers, N_PERMS)
-        self._rng = np.random.default_rng(seed + 1)
+        # the draws: fresh each run unless fixed (the *distribution* above is fixed by ``seed``)
+        self._rng = np.random.default_rng(routing_seed)
 
     def _solve_exponent(self, spreads: np.ndarray) -> float:
         sk = self.skew
@@ -272,11 +273,16 @@ class CostModel:
     unbound_factor: float = 2.0       # CPU expert time without NUMA binding (remote-node RAM)
     gpu_numerics_factor: float = 2.83  # CPU expert time with --cpu-numerics gpu (bit-identical batches)
 
-    def step_s(self, b: int, u_hot: float, u_cold: float, misses: float, swaps: int, expert_bytes: int,
-               cpu_factor: float = 1.0) -> float:
+    def step_parts(self, b: int, u_hot: float, u_cold: float, misses: float, swaps: int, expert_bytes: int,
+                   cpu_factor: float = 1.0) -> tuple[float, float, float]:
+        """(GPU, CPU, PCIe-swap) seconds of one step; they add up (the model does not overlap them)."""
         gpu = self.t0_s + b * self.tg_s + u_hot * expert_bytes / self.vram_Bps
         cpu = cpu_factor * (u_cold * expert_bytes / self.cpu_Bps + misses * self.t_row_s)
-        return gpu + cpu + swaps * expert_bytes / self.pcie_Bps
+        return gpu, cpu, swaps * expert_bytes / self.pcie_Bps
+
+    def step_s(self, b: int, u_hot: float, u_cold: float, misses: float, swaps: int, expert_bytes: int,
+               cpu_factor: float = 1.0) -> float:
+        return sum(self.step_parts(b, u_hot, u_cold, misses, swaps, expert_bytes, cpu_factor))
 
 
 def expected_distinct(pi_flat: np.ndarray, b: float) -> float:
@@ -392,6 +398,7 @@ class StepResult:
     swap_bytes: int
     adapt_round: int | None           # the adaptive round number when the tier ran this step
     experts: np.ndarray | None = None  # (B, L, k) when the trace is wanted
+    gpu_s: float = 0.0                # of duration_s: the GPU's part (for the utilisation figure)
 
 
 class OffloadModel:
@@ -401,9 +408,9 @@ class OffloadModel:
                  cost: CostModel | None = None, initial_hot: str = "auto", profile_pairs=None,
                  adapt_every: int = 4, adapt_swaps: int = 96, adapt_decay: float = 0.7, min_gain: float = 3.0,
                  noise_z: float = 2.0,
-                 cpu_numerics: str = "fork", numa_bound: bool = True):
+                 cpu_numerics: str = "fork", numa_bound: bool = True, routing_seed: int | None = None):
         self.layout = layout
-        self.dist = RoutingDistribution(layout.n_moe, layout.n_experts, layout.k, skew, seed)
+        self.dist = RoutingDistribution(layout.n_moe, layout.n_experts, layout.k, skew, seed, routing_seed)
         self.cost = cost or CostModel()
         L, E = layout.n_moe, layout.n_experts
         self.n_hot = max(0, min(layout.n_hot, L * E))
@@ -481,12 +488,14 @@ class OffloadModel:
             self.rounds += 1
             adapt_round = self.rounds
             swaps = self._adapt()
-        dur = self.cost.step_s(b, hot_keys.size, cold_keys.size, misses, swaps, eb, self.cpu_factor)
+        parts = self.cost.step_parts(b, hot_keys.size, cold_keys.size, misses, swaps, eb, self.cpu_factor)
+        dur = sum(parts)
         self.lookups_total += hit.size
         self.hits_total += int(hit.sum())
         self.swaps_total += swaps
         self.swap_bytes_total += swaps * eb
-        return StepResult(dur, hits, L * k, swaps, swaps * eb, adapt_round, experts if want_experts else None)
+        return StepResult(dur, hits, L * k, swaps, swaps * eb, adapt_round, experts if want_experts else None,
+                          gpu_s=parts[0])
 
     def _adapt(self) -> int:
         n = 0

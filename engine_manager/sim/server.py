@@ -26,7 +26,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -309,7 +308,7 @@ class Engine:
         self._advance(res.duration_s)
         if res.experts is not None:
             self._write_trace(res.experts)
-        gpu_part = res.duration_s  # the GPU is busy for the whole shared step in this model
+        gpu_part = res.gpu_s       # the GPU waits while CPU threads compute the missed experts
         with self.cond:
             self.step_log.append((self._m_base, res.duration_s, b, gpu_part, res.swap_bytes))
             self._trim_window()
@@ -337,13 +336,27 @@ class Engine:
                              req.budget < len(req.reasoning) + len(req.answer) else "stop")
             self._faults_after_token()
 
+    def _drain(self, timeout: float = 1.0) -> None:
+        """Let the HTTP threads write the tokens already produced (so "die after N tokens" means the clients
+        saw N tokens), at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.cond:
+                pending = any(s is not None and not s.events.empty() for s in self.slots)
+            if not pending:
+                break
+            time.sleep(0.005)
+        time.sleep(0.05)
+
     def _faults_after_token(self) -> None:
         f = self.opts.faults
         n = self.tokens_total
         if f.sigkill_after_tokens is not None and n >= f.sigkill_after_tokens:
+            self._drain()
             self.close_trace()
             os.kill(os.getpid(), signal.SIGKILL)
         if f.die_after_tokens is not None and n >= f.die_after_tokens:
+            self._drain()
             log(f"{f.die_message} (after {n} tokens)")
             self.close_trace()
             os._exit(f.die_code)
@@ -542,6 +555,8 @@ class Handler(BaseHTTPRequestHandler):
                 return
             if path in ("/v1/chat/completions", "/chat/completions"):
                 return self._chat()
+            if path == "/v1/messages":
+                return self._chat(anthropic=True)
             self._error(404, "not_found", f"no route POST {path}")
         except (BrokenPipeError, ConnectionResetError):
             pass
@@ -681,7 +696,8 @@ class Handler(BaseHTTPRequestHandler):
                          "chat_template": "", "build_info": f"{SERVICE} {VERSION}", "simulated": True})
 
     # -- chat --------------------------------------------------------------------------------------------------
-    def _chat(self) -> None:
+    def _chat(self, anthropic: bool = False) -> None:
+        """OpenAI chat completions, or (``anthropic``) Anthropic messages: thinking then text blocks."""
         o, eng = self.server.opts, self.server.engine
         try:
             body = self._body()
@@ -696,10 +712,16 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(msgs, list) or not msgs:
             return self._error(400, "invalid_request_error", "'messages' must be a non-empty list")
         texts = []
+        system = body.get("system") if anthropic else None
+        if isinstance(system, list):
+            system = " ".join(p.get("text", "") for p in system if isinstance(p, dict))
+        if isinstance(system, str):
+            texts.append(("system", system))
+        roles = ("user", "assistant") if anthropic else ("system", "user", "assistant", "developer")
         for m in msgs:
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            if not isinstance(m, dict) or m.get("role") not in roles:
                 return self._error(400, "invalid_request_error",
-                                   "each message needs a role (system, user or assistant) and content")
+                                   f"each message needs a role ({', '.join(roles)}) and content")
             c = m.get("content")
             if isinstance(c, list):
                 c = " ".join(p.get("text", "") for p in c if isinstance(p, dict))
@@ -707,7 +729,7 @@ class Handler(BaseHTTPRequestHandler):
                 return self._error(400, "invalid_request_error", "message content must be a string")
             texts.append((m["role"], c or ""))
         mt = body.get("max_tokens", body.get("max_completion_tokens"))
-        if mt is None:
+        if mt is None and not anthropic:
             mt = o.default_max_tokens
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
             return self._error(400, "invalid_request_error", "'max_tokens' must be a positive integer")
@@ -718,13 +740,17 @@ class Handler(BaseHTTPRequestHandler):
                                code_name="context_length_exceeded")
         mt = min(mt, o.max_context - prompt)
         question = next((t for r, t in reversed(texts) if r == "user"), texts[-1][1])
-        effort = str(body.get("reasoning_effort") or "medium").lower()
-        reasoning, answer = corpus.script(question, reasoning=effort not in ("none", "off"),
+        if anthropic:
+            thinking = body.get("thinking")
+            think = isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+        else:
+            think = str(body.get("reasoning_effort") or "medium").lower() not in ("none", "off")
+        reasoning, answer = corpus.script(question, reasoning=think,
                                           reply_tokens=o.reply_tokens if o.reply_tokens else None)
         stream = bool(body.get("stream"))
         so = body.get("stream_options") or {}
-        req = Request(rid="chatcmpl-" + uuid.uuid4().hex[:24], number=0, prompt_tokens=prompt, max_tokens=mt,
-                      reasoning=reasoning, answer=answer, stream=stream,
+        req = Request(rid=("msg_" if anthropic else "chatcmpl-") + uuid.uuid4().hex[:24], number=0,
+                      prompt_tokens=prompt, max_tokens=mt, reasoning=reasoning, answer=answer, stream=stream,
                       include_usage=bool(isinstance(so, dict) and so.get("include_usage")))
         refused = eng.submit(req)
         if refused == "model_busy":
@@ -733,13 +759,86 @@ class Handler(BaseHTTPRequestHandler):
         if refused:
             return self._error(503, "unavailable", "the engine is starting or stopping")
         try:
-            if stream:
+            if anthropic:
+                (self._stream_messages if stream else self._complete_messages)(req)
+            elif stream:
                 self._stream(req)
             else:
                 self._complete(req)
         except (BrokenPipeError, ConnectionResetError, ClientGone):
             eng.cancel(req)
             self.close_connection = True
+
+    # -- Anthropic messages ------------------------------------------------------------------------------------
+    def _event(self, name: str, obj: Any) -> None:
+        self._chunk(b"event: " + name.encode() + b"\ndata: " + json.dumps(obj).encode() + b"\n\n")
+
+    def _message(self, req: Request, content: list, stop: str | None) -> dict[str, Any]:
+        return {"id": req.rid, "type": "message", "role": "assistant", "model": MODEL_ID, "content": content,
+                "stop_reason": stop, "stop_sequence": None,
+                "usage": {"input_tokens": req.prompt_tokens, "output_tokens": req.generated}}
+
+    @staticmethod
+    def _stop_reason(finish: str | None) -> str:
+        return "max_tokens" if finish == "length" else "end_turn"
+
+    def _stream_messages(self, req: Request) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("X-Simulated", "1")
+        self.end_headers()
+        self._event("message_start", {"type": "message_start", "message": self._message(req, [], None)})
+        index, open_kind = -1, None
+        while True:
+            try:
+                ev = req.events.get(timeout=15)
+            except queue.Empty:
+                continue
+            if ev[0] == "keepalive":
+                self._event("ping", {"type": "ping"})
+            elif ev[0] == "token":
+                kind = "thinking" if ev[1] == "reasoning_content" else "text"
+                if kind != open_kind:
+                    if open_kind is not None:
+                        self._event("content_block_stop", {"type": "content_block_stop", "index": index})
+                    index += 1
+                    open_kind = kind
+                    self._event("content_block_start", {"type": "content_block_start", "index": index,
+                                                        "content_block": {"type": kind, kind: ""}})
+                self._event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                    "delta": {"type": f"{kind}_delta", kind: ev[2]}})
+            elif ev[0] == "error":
+                self._event("error", {"type": "error", "error": {"type": "api_error", "message": ev[1]}})
+                break
+            elif ev[0] == "done":
+                if open_kind is not None:
+                    self._event("content_block_stop", {"type": "content_block_stop", "index": index})
+                self._event("message_delta", {"type": "message_delta",
+                                              "delta": {"stop_reason": self._stop_reason(ev[1]),
+                                                        "stop_sequence": None},
+                                              "usage": {"output_tokens": req.generated},
+                                              "timings": req.timings()})
+                self._event("message_stop", {"type": "message_stop"})
+                break
+        self._chunk(b"")
+
+    def _complete_messages(self, req: Request) -> None:
+        reasoning, content = [], []
+        while True:
+            ev = req.events.get()
+            if ev[0] == "token":
+                (reasoning if ev[1] == "reasoning_content" else content).append(ev[2])
+            elif ev[0] == "error":
+                return self._error(500, "api_error", ev[1])
+            elif ev[0] == "done":
+                break
+        blocks: list[dict[str, Any]] = []
+        if reasoning:
+            blocks.append({"type": "thinking", "thinking": "".join(reasoning).rstrip(), "signature": ""})
+        blocks.append({"type": "text", "text": "".join(content)})
+        self._json(200, self._message(req, blocks, self._stop_reason(req.finish)))
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -862,8 +961,3 @@ def serve(srv: SimHTTPServer, engine: Engine, opts: Options, stop: threading.Eve
     srv.server_close()
     log("stopped")
     return 0
-
-
-def trace_path_ok(path: str | None) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,291 @@
+"""What the Monitor tab costs, measured side by side in one run (issue 6).
+
+1. **Event-loop stall**: the Monitor view with 24 h of history at 10 Hz already loaded (864,000 rows × every column;
+   labelled synthetic rows — this measures drawing, not an engine) while all six plots update at 10 Hz for
+   ``--seconds`` (60 by default). A 1 ms probe timer records every gap in the event loop; the longest gap beyond
+   its interval is the longest stall. Goal: ≤ 16 ms. The time spent in one redraw is printed beside it (the part
+   the view itself owns; a stall may also come from the OS on a shared machine).
+2. **The panel's own CPU** at the default rate (1 Hz): the Monitor view collecting from a real scripted engine
+   under 4 streaming chats (the chats run in another process), against the same view not collecting, in this
+   process. Goal: ≤ 2% of one core.
+3. **Engine speed with the panel polling vs not**: the scripted engine's tokens per second (its own counter)
+   in alternating phases — not polled, polled at 1 Hz — in one run, ratio of the means. Goal: ≥ 0.99. A pair at
+   10 Hz is printed as a stress figure.
+
+Run: ``xvfb-run -a -s "-screen 0 1600x1000x24" .venv/bin/python benchmarks/gui_load.py [--seconds 60]``
+(``--seconds 10 --phase-seconds 4`` for a quick look). Prints the figures; exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=60.0, help="length of the 10 Hz stall run (default 60)")
+    p.add_argument("--cpu-seconds", type=float, default=None, help="length of each CPU phase (default seconds/2)")
+    p.add_argument("--phase-seconds", type=float, default=10.0, help="length of each on/off speed phase")
+    p.add_argument("--pairs", type=int, default=3, help="off/on pairs at 1 Hz (default 3)")
+    p.add_argument("--users", type=int, default=4, help="concurrent streaming chats (default 4)")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse()
+    tmp = Path(tempfile.mkdtemp(prefix="dsv41-guiload-"))
+    os.environ["DSV41_CONFIG_DIR"] = str(tmp / "config")
+    os.environ["DSV41_DATA_DIR"] = str(tmp / "data")
+    for k in [k for k in os.environ if k.startswith("DSV41_") and k not in ("DSV41_CONFIG_DIR", "DSV41_DATA_DIR")]:
+        del os.environ[k]
+
+    from PySide6.QtCore import QElapsedTimer, QEventLoop, Qt, QTimer
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+
+    from app.context import AppContext
+    from app.monitor_view import MonitorView
+    from engine_manager import metrics as M
+    from engine_manager.engines import get_engine
+    from engine_manager.settings import load_settings
+    from engine_manager.sim.launch import SimProcess
+
+    def wait(ms: float) -> None:
+        loop = QEventLoop()
+        QTimer.singleShot(int(ms), loop.quit)
+        loop.exec()
+
+    print(f"host: {psutil.cpu_count()} CPUs, load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"Qt platform {app.platformName()}")
+
+    # -- 1. stall --------------------------------------------------------------------------------------------------
+    ctx = AppContext(load_settings())
+    view = MonitorView(ctx)
+    view.resize(1100, 760)          # the Monitor tab's share of a 1600 × 1000 window
+    view.show()
+    wait(300)
+    hz = 10.0
+    store = M.RingStore(M.COLUMN_NAMES, hz=hz)
+    now = time.time()
+    n = int(24 * 3600 * hz)
+    t = now - (n - 1) / hz + np.arange(n) / hz
+    rng = np.random.default_rng(41)
+    base = np.full(len(M.COLUMN_NAMES), np.nan, dtype=np.float32)
+    ix = store.index
+    fill = {"decode_tok_s": 120, "prefill_tok_s": 400, "slot0_tok_s": 30, "slot1_tok_s": 30, "slot2_tok_s": 30,
+            "slot3_tok_s": 30, "hit_rate": 0.9, "hit_rate_rolling": 0.9, "swaps_per_s": 2, "swap_mb_s": 25,
+            "pcie_rx_mb_s": 800, "vram_used_bytes": 95e9, "vram_total_bytes": 96e9, "ram_used_bytes": 200e9,
+            "ram_total_bytes": 280e9, "engine_ram_used_bytes": 190e9, "engine_rss_bytes": 180e9,
+            "cpu_bound_pct": 85, "cpu_rest_pct": 5, "cpu_total_pct": 45, "gpu_util_pct": 95, "slots_busy": 4,
+            "slots_total": 4}
+    cols = [ix[c] for c in fill]
+    level = np.array(list(fill.values()), dtype=np.float32)
+    t0 = time.perf_counter()
+    chunk = 86_400
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        vals = np.tile(base, (b - a, 1))
+        vals[:, cols] = level * (1 + 0.05 * rng.standard_normal((b - a, len(cols))).astype(np.float32))
+        store.extend(t[a:b], vals)
+    load_s = time.perf_counter() - t0
+    print(f"\n1. history: 24 h at {hz:g} Hz = {n:,} rows × {len(M.COLUMN_NAMES)} columns loaded in {load_s:.1f} s "
+          f"({store.nbytes / 2**20:.0f} MiB in the ring buffers) — labelled synthetic rows")
+
+    view.store = store
+    seq = [0]
+
+    def push() -> None:
+        seq[0] += 1
+        tt = time.time()
+        row = dict(zip(fill, (float(x) for x in level * (1 + 0.05 * rng.standard_normal(len(level))))))
+        store.append(tt, row)
+        view.feed(M.Tick(seq=seq[0], t=tt, values={**{c: None for c in M.COLUMN_NAMES}, **row}, engine="bench",
+                         simulated=False, missing={}))
+
+    redraw_ms: list[float] = []
+    orig_redraw = view._draw_range
+
+    def timed_draw(*a, **k):
+        s = time.perf_counter()
+        orig_redraw(*a, **k)
+        redraw_ms.append((time.perf_counter() - s) * 1000)
+
+    view._draw_range = timed_draw
+
+    def measure(seconds: float) -> tuple[float, float, float]:
+        gaps: list[float] = []
+        clock = QElapsedTimer()
+        clock.start()
+        last = [clock.nsecsElapsed()]
+
+        def probe() -> None:
+            nowns = clock.nsecsElapsed()
+            gaps.append((nowns - last[0]) / 1e6)
+            last[0] = nowns
+
+        probe_t = QTimer()
+        probe_t.setTimerType(Qt.TimerType.PreciseTimer)
+        probe_t.setInterval(1)
+        probe_t.timeout.connect(probe)
+        feed_t = QTimer()
+        feed_t.setTimerType(Qt.TimerType.PreciseTimer)
+        feed_t.setInterval(int(1000 / hz))
+        feed_t.timeout.connect(push)
+        redraw_ms.clear()
+        probe_t.start()
+        feed_t.start()
+        wait(seconds * 1000)
+        feed_t.stop()
+        probe_t.stop()
+        g = np.asarray(gaps[5:]) - 1.0
+        return float(g.max()), float(np.percentile(g, 99.9)), float(np.percentile(g, 99))
+
+    view.set_window_index(1)                  # the default window, 10 min
+    stall, p999, p99 = measure(args.seconds)
+    print(f"   window 10 min, 6 plots at {hz:g} Hz for {args.seconds:g} s: longest event-loop stall "
+          f"{stall:.1f} ms (goal ≤ 16 ms; 99.9th pct {p999:.1f} ms, 99th {p99:.1f} ms); "
+          f"one redraw {statistics.mean(redraw_ms):.1f} ms mean, {max(redraw_ms):.1f} ms max over "
+          f"{len(redraw_ms)} redraws")
+    for i, label in ((2, "1 h"), (3, "all (24 h)")):
+        view.set_window_index(i)
+        s, q999, _ = measure(max(5.0, args.seconds / 6))
+        print(f"   window {label}: longest stall {s:.1f} ms (99.9th pct {q999:.1f} ms); one redraw "
+              f"{statistics.mean(redraw_ms):.1f} ms mean, {max(redraw_ms):.1f} ms max")
+    view._draw_range = orig_redraw
+    view.shutdown()
+    view.close()
+    view.deleteLater()
+    del store
+    wait(200)
+
+    # -- 2 and 3: a real scripted engine -------------------------------------------------------------------------
+    sim = SimProcess(["--slots", str(max(1, args.users))]).start()
+    load = None
+    try:
+        sim.wait_ready()
+        load_code = textwrap.dedent(f"""
+            import threading, httpx, time
+            def run(i):
+                with httpx.Client(timeout=60) as c:
+                    while True:
+                        try:
+                            with c.stream("POST", {sim.url('/v1/chat/completions')!r},
+                                          headers={{"Authorization": "Bearer {sim.api_key}"}},
+                                          json={{"messages": [{{"role": "user", "content": "topic %d" % i}}],
+                                                "stream": True, "max_tokens": 400}}) as r:
+                                for _ in r.iter_lines():
+                                    pass
+                        except httpx.HTTPError:
+                            time.sleep(0.2)
+            for i in range({args.users}):
+                threading.Thread(target=run, args=(i,), daemon=True).start()
+            while True:
+                time.sleep(3600)
+        """)
+        load = subprocess.Popen([sys.executable, "-c", load_code], start_new_session=True)
+        eng = get_engine("sim")
+        spec = M.spec_for(eng, sim.base_url, sim.api_key)
+        import httpx
+
+        client = httpx.Client(timeout=5)
+
+        def tokens() -> tuple[float, int]:
+            s = eng.poll(client, spec, None)
+            return time.monotonic(), int(s.tokens_generated_total or 0)
+
+        ctx2 = AppContext(load_settings())
+        ctx2.update_settings({"metrics_hz": 1.0})
+        view2 = MonitorView(ctx2)
+        view2.resize(1100, 760)
+        view2.show()
+        me = psutil.Process()
+        wait(3000)                              # the chats reach steady state
+
+        def cpu_phase(seconds: float) -> float:
+            a = me.cpu_times()
+            w = time.monotonic()
+            wait(seconds * 1000)
+            b = me.cpu_times()
+            return 100.0 * ((b.user - a.user) + (b.system - a.system)) / (time.monotonic() - w)
+
+        def start_polling(rate: float) -> None:
+            if abs(ctx2.settings.metrics_hz - rate) > 1e-9:
+                ctx2.update_settings({"metrics_hz": rate})
+            ctx2.set_ready(sim.base_url, sim.api_key)
+            for _ in range(100):
+                if view2.hub is not None:
+                    break
+                wait(50)
+
+        def stop_polling() -> None:
+            ctx2.set_ready(None, None)
+            for _ in range(100):
+                if not view2._stopping:
+                    break
+                wait(50)
+
+        cpu_s = args.cpu_seconds or max(5.0, args.seconds / 2)
+        idle = cpu_phase(cpu_s)
+        start_polling(1.0)
+        wait(2500)                              # first ticks, hub threads up
+        busy = cpu_phase(cpu_s)
+        ticks = view2.last_tick.seq if view2.last_tick else 0
+        stop_polling()
+        print(f"\n2. panel CPU at the default rate (1 Hz), Monitor collecting from the scripted engine under "
+              f"{args.users} chats: {busy:.2f}% of one core (goal ≤ 2%); the same view not collecting: "
+              f"{idle:.2f}%; the monitor's own share {busy - idle:.2f}% ({ticks} ticks)")
+
+        def speed_phase(seconds: float) -> float:
+            t1, n1 = tokens()
+            wait(seconds * 1000)
+            t2, n2 = tokens()
+            return (n2 - n1) / (t2 - t1)
+
+        offs, ons = [], []
+        for _ in range(max(1, args.pairs)):
+            offs.append(speed_phase(args.phase_seconds))
+            start_polling(1.0)
+            ons.append(speed_phase(args.phase_seconds))
+            stop_polling()
+        ratio = statistics.mean(ons) / statistics.mean(offs)
+        print(f"\n3. scripted engine, {args.users} users, {len(offs)} × ({args.phase_seconds:g} s not polled, "
+              f"{args.phase_seconds:g} s polled at 1 Hz):")
+        print(f"   not polled {', '.join(f'{x:.1f}' for x in offs)} tok/s; polled "
+              f"{', '.join(f'{x:.1f}' for x in ons)} tok/s → ratio {ratio:.4f} (goal ≥ 0.99)")
+        off10 = speed_phase(args.phase_seconds)
+        start_polling(10.0)
+        on10 = speed_phase(args.phase_seconds)
+        stop_polling()
+        print(f"   stress: not polled {off10:.1f} tok/s, polled at 10 Hz {on10:.1f} tok/s → ratio "
+              f"{on10 / off10:.4f}")
+        view2.shutdown()
+        client.close()
+    finally:
+        if load is not None:
+            try:
+                os.killpg(load.pid, 9)
+            except ProcessLookupError:
+                pass
+            load.wait(5)
+        sim.stop()
+    print(f"\nload average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,506 @@
+"""Model downloads from the local hub (a real HTTP server) through the real huggingface_hub: full download,
+SIGKILL at random points and resume, corruption, stalls, drops, disk space, pause/cancel, the pinned commit, and
+the token never appearing anywhere."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_manager import download as dl
+from engine_manager.hub import LocalHub, sha256_file, write_demo_shards
+from engine_manager.settings import load_settings
+
+REPO = "vcruz305/DeepSeek-V4.1-Flash-GGUF"
+ROOT = Path(__file__).resolve().parent.parent
+SHARD = 512 * 1024
+FAST = dict(backoff_s=(0.05, 0.1), progress_interval_s=0.05)
+
+
+def _settings():
+    return load_settings().settings
+
+
+def _run(gen) -> list:
+    return list(gen)
+
+
+def _of(events, cls) -> list:
+    return [e for e in events if isinstance(e, cls)]
+
+
+@pytest.fixture
+def shards(tmp_path) -> list[Path]:
+    return write_demo_shards(tmp_path / "src", bytes_per_shard=SHARD)
+
+
+@pytest.fixture
+def hub(shards):
+    with LocalHub() as h:
+        repo = h.repo(REPO)
+        for s in shards:
+            repo.add_file(s.name, s)
+        yield h
+
+
+def _expected(shards) -> dict[str, str]:
+    return {s.name: sha256_file(s) for s in shards}
+
+
+def _assert_complete(folder: Path, shards) -> None:
+    for name, sha in _expected(shards).items():
+        assert sha256_file(folder / name) == sha, name
+
+
+def _subprocess_env(hub_url: str, **extra) -> dict[str, str]:
+    env = dict(os.environ, HF_ENDPOINT=hub_url, PYTHONPATH=str(ROOT), HF_HUB_DISABLE_PROGRESS_BARS="1")
+    env.update(extra)
+    return env
+
+
+# -- the whole path ------------------------------------------------------------------------------------------------
+
+def test_full_download_then_nothing_to_do(hub, shards):
+    s = _settings()
+    events = _run(dl.download_model(s, endpoint=hub.url, jobs=3, checkpoint_bytes=128 * 1024, **FAST))
+    res = _of(events, dl.Resolved)[0]
+    assert res.commit == hub.repo(REPO).head and not res.pinned and len(res.files) == 7
+    assert res.total_bytes == sum(p.stat().st_size for p in shards)
+    assert _of(events, dl.DiskChecked)[0].needed_bytes >= res.total_bytes
+    assert len(_of(events, dl.FileVerified)) == 7 and all(e.downloaded for e in _of(events, dl.FileVerified))
+    progress = _of(events, dl.Progress)
+    assert progress and progress[-1].done_bytes == res.total_bytes and len(progress[-1].files) == 7
+    fin = events[-1]
+    assert isinstance(fin, dl.Finished) and fin.fetched_bytes == res.total_bytes
+    folder = dl.default_model_dir(s)
+    assert fin.target_dir == folder
+    _assert_complete(folder, shards)
+    state = json.loads((folder / dl.STATE_DIR / "state.json").read_text())
+    assert state["commit"] == res.commit and state["revision"] == "main"
+    assert not list((folder / dl.STATE_DIR).glob("*.part*"))
+    assert dl.local_status(s).verified and dl.model_present(s)
+
+    hub.reset_stats()
+    again = _run(dl.download_model(s, endpoint=hub.url, **FAST))
+    assert _of(again, dl.Resolved)[0].pinned
+    assert hub.bytes_sent() == 0                       # nothing fetched: every file known-verified
+    assert [e.downloaded for e in _of(again, dl.FileVerified)] == [False] * 7
+    assert isinstance(again[-1], dl.Finished) and again[-1].fetched_bytes == 0
+
+
+def test_model_dir_with_a_complete_set_downloads_nothing(hub, shards, tmp_path, monkeypatch):
+    folder = tmp_path / "mine"
+    _run(dl.download_model(_settings(), target_dir=folder, endpoint=hub.url, **FAST))
+    # a fresh machine (no verification records): the set is hashed once, nothing is fetched
+    (Path(os.environ["DSV41_DATA_DIR"]) / "downloads" / "verified.json").unlink()
+    monkeypatch.setenv("DSV41_MODEL_DIR", str(folder))
+    s = _settings()
+    hub.reset_stats()
+    events = _run(dl.download_model(s, endpoint=hub.url, **FAST))
+    assert hub.bytes_sent() == 0
+    assert any("DSV41_MODEL_DIR" in e.text for e in _of(events, dl.Notice))
+    assert isinstance(events[-1], dl.Finished) and events[-1].target_dir == folder
+    assert dl.model_present(s)
+    assert not dl.default_model_dir(s).exists()
+
+
+def test_pinned_commit_is_used_after_the_repo_moves(hub, shards, tmp_path):
+    s = _settings()
+    hub.add_fault(kind="slow", rate_bps=400_000, times=None)
+    control = dl.DownloadControl()
+    events = []
+    for ev in dl.download_model(s, endpoint=hub.url, jobs=2, control=control, checkpoint_bytes=64 * 1024, **FAST):
+        events.append(ev)
+        if isinstance(ev, dl.Progress) and ev.done_bytes > 200_000:
+            control.cancel()
+    assert isinstance(events[-1], dl.Stopped) and events[-1].kept_bytes > 0
+    first = _of(events, dl.Resolved)[0].commit
+    hub.clear_faults()
+    repo = hub.repo(REPO)
+    new = repo.new_commit()
+    other = write_demo_shards(tmp_path / "other", bytes_per_shard=SHARD, seed=7)
+    for o in other:
+        repo.add_file(o.name, o)
+    assert new != first
+    events = _run(dl.download_model(s, endpoint=hub.url, **FAST))
+    res = _of(events, dl.Resolved)[0]
+    assert res.pinned and res.commit == first
+    _assert_complete(dl.default_model_dir(s), shards)      # the pinned commit's bytes, not main's new ones
+    fresh = _of(_run(dl.download_model(s, target_dir=tmp_path / "fresh", endpoint=hub.url, **FAST)), dl.Resolved)[0]
+    assert fresh.commit == new and not fresh.pinned
+
+
+# -- SIGKILL at random points ----------------------------------------------------------------------------------------
+
+CHUNK = 128 * 1024
+
+
+def _partials(folder: Path) -> dict[str, tuple[int, int]]:
+    """name → (bytes in the partial file, checkpointed offset)."""
+    out = {}
+    for part in (folder / dl.STATE_DIR).glob("*.part"):
+        try:
+            off = json.loads(part.with_name(part.name + ".json").read_text())["offset"]
+        except (OSError, ValueError, KeyError):
+            off = 0
+        out[part.name[:-5]] = (part.stat().st_size, off)
+    return out
+
+
+def test_sigkill_at_ten_random_points_each_rerun_resumes(tmp_path):
+    seed = int(os.environ.get("DSV41_TEST_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    shards = write_demo_shards(tmp_path / "src", bytes_per_shard=3 * 512 * 1024)
+    total = sum(p.stat().st_size for p in shards)
+    jobs = 3
+    with LocalHub() as hub:
+        for s in shards:
+            hub.repo(REPO).add_file(s.name, s)
+        hub.add_fault(kind="slow", rate_bps=1_500_000, times=None)
+        env = _subprocess_env(hub.url)
+        folder = dl.default_model_dir(_settings())
+        cmd = [sys.executable, "-m", "engine_manager", "download", "--model", "--json", "--jobs", str(jobs),
+               "--checkpoint-mib", str(CHUNK / dl.MiB), "--stall-timeout", "5"]
+        kills = []
+        for i in range(10):
+            start = hub.bytes_sent()
+            target = start + rng.uniform(0.1, 0.9) * total / 12
+            log = open(tmp_path / f"run{i}.out", "w")
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 60
+            while hub.bytes_sent() < target and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0, 0.05))
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=10)
+            log.close()
+            assert p.returncode == -signal.SIGKILL, (seed, (tmp_path / f"run{i}.out").read_text())
+            parts = _partials(folder)
+            for name, (size, off) in parts.items():
+                # what this kill costs: bytes written after the last checkpoint, fetched again by the rerun
+                assert 0 <= size - off <= CHUNK, (seed, i, name, size, off)
+            kills.append(sum(off for _, off in parts.values()))
+        assert kills[-1] > 0, seed
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (seed, p.stdout[-2000:], p.stderr[-2000:])
+        events = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+        assert events[0]["event"] == "Resolved" and events[0]["pinned"] is True
+        assert events[-1]["event"] == "Finished"
+        _assert_complete(folder, shards)
+        refetched = hub.bytes_sent() - total
+        # every kill may cost up to one checkpoint per file in flight, plus what was in the socket
+        assert refetched <= 10 * jobs * (CHUNK + 512 * 1024), (seed, refetched)
+        print(f"seed {seed}: {refetched:,} bytes fetched again over 10 kills "
+              f"({refetched / 10 / 1024:.0f} KiB per kill; checkpoint {CHUNK // 1024} KiB)")
+
+
+def test_hf_hub_download_restarts_after_kill(tmp_path):
+    """The measurement behind keeping our own partial file: huggingface_hub 2.4's partial is per process, so a
+    killed hf_hub_download starts the file over."""
+    src = write_demo_shards(tmp_path / "src", count=1, bytes_per_shard=1024 * 1024)[0]
+    size = src.stat().st_size
+    with LocalHub() as hub:
+        hub.repo("a/b").add_file(src.name, src)
+        hub.add_fault(kind="slow", rate_bps=400_000, times=None)
+        code = ("import sys\nfrom huggingface_hub import hf_hub_download\n"
+                "hf_hub_download('a/b', sys.argv[1], cache_dir=sys.argv[2], token=False)\n")
+        env = _subprocess_env(hub.url)
+        argv = [sys.executable, "-c", code, src.name, str(tmp_path / "hfcache")]
+        p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while hub.bytes_sent() < size // 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        p.kill()
+        p.wait(timeout=10)
+        time.sleep(0.3)                                  # the hub notices the dead connection
+        before = hub.bytes_sent()
+        assert size // 2 <= before < size
+        hub.clear_faults()
+        assert subprocess.run(argv, env=env, capture_output=True, timeout=60).returncode == 0
+        assert hub.bytes_sent() - before == size           # the whole file again, from byte 0
+        assert list((tmp_path / "hfcache").rglob("*.incomplete"))   # the killed run's orphan stays behind
+
+
+# -- damage, stalls, drops --------------------------------------------------------------------------------------------
+
+def test_corruption_from_the_server_is_detected_and_fetched_again(hub, shards):
+    hub.add_fault(kind="corrupt", path="*00002-of*", at=1000, length=4)
+    events = _run(dl.download_model(_settings(), endpoint=hub.url, **FAST))
+    bad = _of(events, dl.FileCorrupt)
+    assert len(bad) == 1 and "00002-of" in bad[0].name and bad[0].action == "fetching it again"
+    assert bad[0].expected == _expected(shards)[bad[0].name] != bad[0].actual
+    assert isinstance(events[-1], dl.Finished)
+    _assert_complete(dl.default_model_dir(_settings()), shards)
+
+
+def test_corruption_on_disk_is_detected_and_fetched_again(hub, shards):
+    s = _settings()
+    _run(dl.download_model(s, endpoint=hub.url, **FAST))
+    victim = dl.default_model_dir(s) / shards[3].name
+    data = bytearray(victim.read_bytes())
+    data[SHARD // 2] ^= 0x01
+    victim.write_bytes(bytes(data))                 # same size, one bit flipped
+    hub.reset_stats()
+    events = _run(dl.download_model(s, endpoint=hub.url, **FAST))
+    bad = _of(events, dl.FileCorrupt)
+    assert [b.name for b in bad] == [shards[3].name]
+    assert hub.bytes_sent() == shards[3].stat().st_size      # only that shard came again
+    _assert_complete(dl.default_model_dir(s), shards)
+
+
+def test_persistent_corruption_gives_up_with_a_plain_error(hub):
+    hub.add_fault(kind="corrupt", path="*00001-of*", at=10, times=None)
+    with pytest.raises(dl.VerificationError) as ei:
+        _run(dl.download_model(_settings(), endpoint=hub.url, **FAST))
+    assert "wrong sha256" in str(ei.value) and ei.value.fix
+
+
+def test_a_stall_triggers_the_retry(hub, shards):
+    hub.add_fault(kind="stall", path="*00003-of*", at=100_000, seconds=60)
+    events = _run(dl.download_model(_settings(), endpoint=hub.url, stall_timeout_s=0.5, **FAST))
+    retries = _of(events, dl.Retrying)
+    assert retries and "00003-of" in retries[0].name and "stalled" in retries[0].reason
+    assert isinstance(events[-1], dl.Finished)
+    _assert_complete(dl.default_model_dir(_settings()), shards)
+    # the retry continued from where the stall began (Range), it did not start over
+    assert hub.bytes_sent(shards[2].name) == shards[2].stat().st_size
+
+
+def test_dropped_connections_and_5xx_are_retried_with_range(hub, shards):
+    hub.add_fault(kind="drop", path="*00001-of*", at=70_000, times=2)
+    hub.add_fault(kind="status", path="*00005-of*", status=503, times=2, method="any")
+    events = _run(dl.download_model(_settings(), endpoint=hub.url, **FAST))
+    by_file = {}
+    for r in _of(events, dl.Retrying):
+        by_file.setdefault(r.name, []).append(r)
+    assert shards[0].name in by_file and shards[4].name in by_file
+    assert "HTTP 503" in by_file[shards[4].name][0].reason or "503" in by_file[shards[4].name][0].reason
+    assert hub.bytes_sent(shards[0].name) == shards[0].stat().st_size   # resumed at byte 70,000, not refetched
+    ranges = [r["range"] for r in hub.stats()["requests"] if shards[0].name in r["path"] and r["range"]]
+    assert "bytes=70000-" in ranges
+    _assert_complete(dl.default_model_dir(_settings()), shards)
+
+
+def test_missing_file_and_no_network_say_what_to_do(hub, shards, free_port):
+    hub.add_fault(kind="status", path="*00006-of*", status=404, times=None, method="any")
+    with pytest.raises(dl.HubError) as ei:
+        _run(dl.download_model(_settings(), endpoint=hub.url, **FAST))
+    assert "404" in ei.value.message and "DSV41_MODEL_REVISION" in ei.value.fix
+    with pytest.raises(dl.HubError) as ei:
+        _run(dl.download_model(_settings(), endpoint=f"http://127.0.0.1:{free_port}", **FAST))
+    assert "Could not reach the hub" in ei.value.message and "network" in ei.value.fix
+
+
+def test_split_metadata_must_agree(tmp_path):
+    bad = write_demo_shards(tmp_path / "bad", bytes_per_shard=64 * 1024, split_no_override={2: 4})
+    with LocalHub() as h:
+        for s in bad:
+            h.repo(REPO).add_file(s.name, s)
+        with pytest.raises(dl.VerificationError) as ei:
+            _run(dl.download_model(_settings(), endpoint=h.url, **FAST))
+    assert "split.no is 4" in str(ei.value) and "00003-of-00007" in str(ei.value)
+
+
+# -- disk space --------------------------------------------------------------------------------------------------------
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                           capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def test_not_enough_disk_is_refused_before_anything_is_written(hub, shards, tmp_path, monkeypatch):
+    small = tmp_path / "small"
+    mounted = _mount_tmpfs(small, "2m")      # a real 2 MiB filesystem; the shards need 3.5 MiB
+    try:
+        if mounted:
+            monkeypatch.setenv("DSV41_CACHE_DIR", str(small / "cache"))
+            kw = dict(reserve_bytes=0)
+        else:   # mount not permitted: the real disk, made too small by the headroom asked for
+            print("tmpfs could not be mounted here; checking against the real disk's free space instead")
+            _, free = dl.free_bytes(tmp_path)
+            monkeypatch.setenv("DSV41_CACHE_DIR", str(small / "cache"))
+            kw = dict(reserve_bytes=free)
+        s = _settings()
+        events = []
+        with pytest.raises(dl.DiskSpaceError) as ei:
+            for ev in dl.download_model(s, endpoint=hub.url, **kw, **FAST):
+                events.append(ev)
+        err = ei.value
+        assert err.missing_bytes > 0 and "missing" in str(err) and "DSV41_CACHE_DIR" in err.fix
+        assert _of(events, dl.DiskChecked)
+        assert list(small.iterdir()) == []               # nothing written: not even the folder
+        assert hub.bytes_sent() == 0
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)], capture_output=True, timeout=20)
+
+
+# -- pause, resume, cancel -------------------------------------------------------------------------------------------
+
+def test_pause_resume_and_cancel_then_resume(hub, shards):
+    s = _settings()
+    hub.add_fault(kind="slow", rate_bps=300_000, times=None)
+    control = dl.DownloadControl()
+    phase, t_pause, paused_bytes, t_mark = "run", 0.0, None, 0.0
+    for ev in dl.download_model(s, endpoint=hub.url, jobs=2, control=control, checkpoint_bytes=64 * 1024, **FAST):
+        now = time.monotonic()
+        if phase == "run" and isinstance(ev, dl.Progress) and ev.done_bytes > 150_000:
+            control.pause()
+            phase = "pausing"
+        elif phase == "pausing" and isinstance(ev, dl.Paused):
+            phase, t_pause = "paused", now
+        elif phase == "paused" and isinstance(ev, dl.Progress) and now - t_pause > 0.4:
+            if paused_bytes is None:            # the connections have closed by now
+                paused_bytes, t_mark = hub.bytes_sent(), now
+            elif now - t_mark > 0.5:
+                assert hub.bytes_sent() == paused_bytes          # nothing flows while paused
+                assert {f.state for f in ev.files} <= {"paused", "queued"}
+                assert ev.speed_bps == 0 or ev.speed_bps is None or ev.speed_bps < 300_000
+                control.resume()
+                phase = "resuming"
+        elif phase == "resuming" and isinstance(ev, dl.Resumed):
+            phase = "resumed"
+        elif phase == "resumed" and isinstance(ev, dl.Progress) and ev.done_bytes > 700_000:
+            control.cancel()
+            phase = "cancelled"
+    assert phase == "cancelled"
+    assert isinstance(ev, dl.Stopped) and ev.kept_bytes > 700_000
+    kept = sum(off for _, off in _partials(dl.default_model_dir(s)).values())
+    assert kept > 0
+    hub.clear_faults()
+    before = hub.bytes_sent()
+    events = _run(dl.download_model(s, endpoint=hub.url, **FAST))
+    assert isinstance(events[-1], dl.Finished)
+    total = sum(p.stat().st_size for p in shards)
+    assert hub.bytes_sent() - before == total - kept          # the rerun fetched exactly what was missing
+    _assert_complete(dl.default_model_dir(s), shards)
+
+
+def test_cli_ctrl_c_leaves_a_resumable_state(hub, shards, tmp_path):
+    hub.add_fault(kind="slow", rate_bps=300_000, times=None)
+    env = _subprocess_env(hub.url)
+    p = subprocess.Popen([sys.executable, "-m", "engine_manager", "download", "--model", "--checkpoint-mib", "0.0625"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while hub.bytes_sent() < 300_000 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130, (out, err)
+    assert "interrupted" in err and "again to resume" in err
+    parts = _partials(dl.default_model_dir(_settings()))
+    assert parts and sum(off for _, off in parts.values()) > 0
+    hub.clear_faults()
+    r = subprocess.run([sys.executable, "-m", "engine_manager", "download", "--model"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "pinned earlier" in r.stdout and "all 7 shards verified" in r.stdout
+    _assert_complete(dl.default_model_dir(_settings()), shards)
+
+
+# -- the token ---------------------------------------------------------------------------------------------------------
+
+def test_the_token_never_appears_in_output_logs_or_files(shards, tmp_path, monkeypatch, caplog):
+    token = "hf_" + "Zq8xR2tokenNeverLogged" + "91c"
+    with LocalHub(token=token) as hub:
+        for s in shards:
+            hub.repo(REPO).add_file(s.name, s)
+        hub.add_fault(kind="drop", path="*00002-of*", at=50_000)        # a retry message too
+        monkeypatch.setenv("HF_TOKEN", token)
+        caplog.set_level(logging.DEBUG)
+        events = _run(dl.download_model(_settings(), endpoint=hub.url, **FAST))
+        assert isinstance(events[-1], dl.Finished)
+        texts = [caplog.text, repr(events)]
+        # the CLI, both renderings, with the token from the environment
+        env = _subprocess_env(hub.url, HF_TOKEN=token, HF_DEBUG="1")
+        for extra in (["--json"], []):
+            r = subprocess.run([sys.executable, "-m", "engine_manager", "download", "--model", "--verify", *extra],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            texts += [r.stdout, r.stderr]
+        # a wrong token: refused, and neither token is echoed
+        bad = "hf_wrongTokenAlsoSecret42"
+        r = subprocess.run([sys.executable, "-m", "engine_manager", "download", "--model"], cwd=ROOT,
+                           env=_subprocess_env(hub.url, HF_TOKEN=bad,
+                                               DSV41_CACHE_DIR=str(tmp_path / "other-cache")),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "HF_TOKEN" in r.stderr
+        texts += [r.stdout, r.stderr]
+        monkeypatch.setenv("HF_TOKEN", bad)
+        with pytest.raises(dl.HubError) as ei:
+            _run(dl.download_model(_settings(), target_dir=tmp_path / "x", endpoint=hub.url, **FAST))
+        texts.append(str(ei.value))
+    for root in (Path(os.environ["DSV41_DATA_DIR"]), Path(os.environ["DSV41_CONFIG_DIR"]),
+                 dl.default_model_dir(_settings()) / dl.STATE_DIR):
+        for f in root.rglob("*"):
+            if f.is_file():
+                texts.append(f.read_text(errors="replace"))
+    blob = "\n".join(texts)
+    assert token not in blob and bad not in blob
+    assert "Zq8xR2tokenNeverLogged" not in blob
+
+
+# -- smaller pieces ----------------------------------------------------------------------------------------------------
+
+def test_verify_model_dir_and_local_status(hub, shards, tmp_path):
+    s = _settings()
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for p in shards[:-1]:
+        (folder / p.name).write_bytes(p.read_bytes())
+    gen = dl.verify_model_dir(s, folder, endpoint=hub.url)
+    problems = _drain(gen)
+    assert problems == [f"{shards[-1].name}: missing"]
+    (folder / shards[-1].name).write_bytes(shards[-1].read_bytes())
+    assert _drain(dl.verify_model_dir(s, folder, endpoint=hub.url)) == []
+    st = dl.local_status(s, folder)
+    assert st.verified and not st.missing
+
+
+def _drain(gen):
+    try:
+        while True:
+            next(gen)
+    except StopIteration as stop:
+        return stop.value
+
+
+def test_a_file_over_50_gb_gets_a_notice(tmp_path):
+    """huggingface_hub refuses single files over 50 GB on plain HTTP; the ranged download does not."""
+    shards = write_demo_shards(tmp_path / "src", bytes_per_shard=32 * 1024)
+    big = tmp_path / "big" / shards[0].name
+    big.parent.mkdir()
+    with open(big, "wb") as f:
+        f.truncate(51 * 10**9)                  # sparse: no disk used
+    with LocalHub() as h:
+        h.repo(REPO).add_file(big.name, big, sha256="ab" * 32)
+        for s in shards[1:]:
+            h.repo(REPO).add_file(s.name, s)
+        gen = dl.download_model(_settings(), endpoint=h.url, **FAST)
+        notes = []
+        for ev in gen:
+            if isinstance(ev, dl.Notice):
+                notes.append(ev.text)
+                break
+        gen.close()
+    assert notes and "50 GB" in notes[0] and "ranged requests" in notes[0]
+
+
+def test_format_helpers():
+    assert dl.fmt_bytes(264.5e9) == "264.5 GB" and dl.fmt_bytes(None) == "?"
+    assert dl.fmt_eta(3725) == "1:02:05" and dl.fmt_eta(None) == "--:--"
+    assert dl.shard_names()[2] == "DeepSeek-V4.1-Flash-Q2_K-00003-of-00007.gguf"

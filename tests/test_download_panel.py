@@ -1,0 +1,167 @@
+"""The Downloads tab and the first-run flow under a real X server, against the local hub."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine_manager import download as dl, uistate
+from engine_manager.hub import LocalHub, write_demo_shards
+from engine_manager.settings import load_settings
+
+pytestmark = pytest.mark.gui
+
+REPO = "vcruz305/DeepSeek-V4.1-Flash-GGUF"
+
+
+@pytest.fixture
+def shards(tmp_path):
+    return write_demo_shards(tmp_path / "src", bytes_per_shard=512 * 1024)
+
+
+@pytest.fixture
+def hub(shards, monkeypatch):
+    with LocalHub() as h:
+        for s in shards:
+            h.repo(REPO).add_file(s.name, s)
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        yield h
+
+
+@pytest.fixture
+def ctx(qapp):
+    from app.context import AppContext
+    return AppContext(load_settings())
+
+
+@pytest.fixture
+def panel(qtbot, ctx):
+    from app.download_panel import DownloadPanel
+    w = DownloadPanel(ctx)
+    qtbot.addWidget(w)
+    w.resize(1000, 600)
+    w.show()
+    yield w
+    w.shutdown()
+    qtbot.waitUntil(lambda: w.worker is None, timeout=15000)
+
+
+def test_initial_state_shows_seven_missing_shards_and_the_engine_line(panel, qtbot):
+    qtbot.waitUntil(lambda: panel.table.rowCount() == 7 and panel.engine_label.text() != "", timeout=5000)
+    assert all(panel.shard_state(n) == "not downloaded" for n in dl.shard_names())
+    assert "264.5 GB" in panel.status.text()
+    assert "never runs a binary it has not verified" in panel.engine_label.text()   # the placeholder manifest
+    assert not panel.engine_btn.isEnabled() and not panel.pause_btn.isEnabled()
+
+
+def test_download_to_verified_ticks(panel, hub, qtbot):
+    done = []
+    panel.modelFinished.connect(done.append)
+    qtbot.mouseClick(panel.download_btn, qtbot_left())
+    qtbot.waitUntil(lambda: bool(done), timeout=30000)
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=10000)
+    assert panel.verified_count() == 7
+    assert all(panel.shard_state(n) == "verified" for n in dl.shard_names())
+    assert panel.total_bar.value() == 1000 and "All seven shards verified" in panel.status.text()
+    assert "pinned" in panel.where.text()
+    assert panel.download_btn.isEnabled() and not panel.cancel_btn.isEnabled()
+
+
+def qtbot_left():
+    from PySide6.QtCore import Qt
+    return Qt.MouseButton.LeftButton
+
+
+def test_pause_resume_cancel_buttons(panel, hub, qtbot):
+    hub.add_fault(kind="slow", rate_bps=250_000, times=None)
+    qtbot.mouseClick(panel.download_btn, qtbot_left())
+    qtbot.waitUntil(lambda: panel.last_progress is not None and panel.last_progress.done_bytes > 100_000,
+                    timeout=20000)
+    qtbot.mouseClick(panel.pause_btn, qtbot_left())
+    assert panel.resume_btn.isEnabled() and not panel.pause_btn.isEnabled()
+    qtbot.waitUntil(lambda: any(panel.shard_state(n) == "paused" for n in dl.shard_names()), timeout=5000)
+    assert "Paused" in panel.status.text() and "paused" in panel.total_label.text()
+    qtbot.mouseClick(panel.resume_btn, qtbot_left())
+    qtbot.waitUntil(lambda: any(panel.shard_state(n) == "downloading" for n in dl.shard_names()), timeout=5000)
+    qtbot.mouseClick(panel.cancel_btn, qtbot_left())
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=15000)
+    assert "Stopped" in panel.status.text() and "resumes" in panel.status.text()
+    st = dl.local_status(panel.ctx.settings)
+    assert st.partial_bytes > 0 and not st.verified
+
+
+def test_an_error_is_shown_with_the_fix(panel, hub, qtbot):
+    hub.add_fault(kind="status", path="*00004-of*", status=404, times=None, method="any")
+    errors = []
+    panel.errorRaised.connect(lambda m, f: errors.append((m, f)))
+    panel.start_model()
+    qtbot.waitUntil(lambda: bool(errors), timeout=30000)
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=10000)
+    assert panel.error.isVisible()
+    assert "404" in panel.error.message.text()
+    assert "What to do" in panel.error.fix.text() and "DSV41_MODEL_REVISION" in panel.error.fix.text()
+
+
+def test_use_a_folder_that_already_has_the_shards(panel, hub, shards, tmp_path, qtbot):
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    for s in shards[:6]:
+        shutil.copy(s, folder / s.name)
+    panel.use_folder(folder)
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=20000)
+    assert panel.error.isVisible() and "missing" in panel.error.message.text()
+    assert panel.ctx.settings.model_dir is None
+    shutil.copy(shards[6], folder / shards[6].name)
+    changed = []
+    panel.ctx.settingsChanged.connect(changed.append)
+    panel.use_folder(folder)
+    qtbot.waitUntil(lambda: panel.worker is None and bool(changed), timeout=20000)
+    assert Path(panel.ctx.settings.model_dir) == folder
+    assert dl.model_present(panel.ctx.settings)
+
+
+def test_first_run_flow(panel, hub, ctx, shards, tmp_path, qtbot):
+    from app.first_run import FirstRunDialog, should_show
+    from engine_manager.hardware import probe
+
+    assert should_show(ctx)
+    ctx.set_hardware(probe(ctx.settings.cache_path))
+    dlg = FirstRunDialog(ctx, panel)
+    qtbot.addWidget(dlg)
+    dlg.show()
+    text = dlg.doctor_page.table.text()
+    assert "RAM" in text and "What to do" in text
+    dlg.next()
+    assert dlg.currentPage() is dlg.model_page
+    qtbot.mouseClick(dlg.model_page.download_btn, qtbot_left())
+    qtbot.waitUntil(lambda: "All seven shards verified" in dlg.model_page.state.text(), timeout=30000)
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=10000)
+    assert dlg.model_page.bar.value() == 1000
+    with qtbot.waitSignal(ctx.requestTab, timeout=2000) as tab:
+        dlg.next()
+    assert tab.args == ["Placement"]
+    dlg.next()
+    assert dlg.currentPage() is dlg.start_page
+    dlg.dont_show.setChecked(True)
+    with qtbot.waitSignal(ctx.requestStart, timeout=2000):
+        qtbot.mouseClick(dlg.start_page.start_btn, qtbot_left())
+    assert not dlg.isVisible()
+    assert uistate.load().get("first_run_dismissed") is True
+    assert not should_show(ctx)
+
+
+def test_main_window_shows_getting_started_on_first_launch(qtbot, ctx):
+    from app.main_window import MainWindow
+
+    win = MainWindow(ctx)
+    qtbot.addWidget(win)
+    win.show()
+    qtbot.waitUntil(lambda: win.first_run_dialog is not None and win.first_run_dialog.isVisible(), timeout=10000)
+    names = [a.objectName() for a in win.menuBar().actions()[-1].menu().actions()]
+    assert "actionGettingStarted" in names
+    win.first_run_dialog.dont_show.setChecked(True)
+    win.first_run_dialog.reject()
+    assert uistate.load().get("first_run_dismissed") is True
+    win.close()

@@ -1,0 +1,295 @@
+"""The engine adapters behind one interface: launch specs (argv, env, generated files), readiness, the mapping
+of metric responses to the common Sample, log lines and failure signatures.
+
+There is no real Strata server on the build machines: the strata adapter is tested against documents built
+strictly from ENGINE_CONTRACT.md's field names (``tests/data/strata/``, see its README) and against the scripted
+engine, which speaks the same fields — captured from it (``tests/data/sim/``) and live as a real subprocess.
+(The llama.cpp adapter has its own tests in ``test_llamacpp.py``.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_manager.engines import get_engine
+from engine_manager.engines.base import LaunchSpec, Sample
+from engine_manager.engines.strata import (
+    parse_prometheus,
+    sample_from_metrics,
+    sample_from_prometheus,
+    write_strp,
+)
+from engine_manager.settings import load_settings
+
+DATA = Path(__file__).parent / "data"
+STRATA = get_engine("strata")
+SIM = get_engine("sim")
+KEY = "dsv41-test-key-0123456789abcdef"
+
+
+@pytest.fixture
+def settings(tmp_path):
+    s = load_settings(env={"DSV41_API_KEY": KEY}, path=tmp_path / "settings.json").settings
+    return s.model_copy(update={"slots": 4, "context_length": 16384, "kv_type": "k8v4", "cpu_numerics": "gpu",
+                                "vram_reserve_mib": 900, "port": 18090})
+
+
+def _plan(hot=((3, 17), (3, 250), (4, 1)), **kw):
+    plan = {"schema": 1, "refused": None,
+            "model": {"name": "DeepSeek-V4.1-Flash", "file": "/models/x-00001-of-00007.gguf", "n_layers": 43,
+                      "moe_layers": list(range(3, 43)), "n_experts": 384, "n_experts_used": 6,
+                      "expert_bytes": 12792627},
+            "hot_experts": len(hot), "hot_set": [list(p) for p in hot],
+            "strata_args": ["--expert-cache", str(len(hot)), "--vram-reserve-mib", "700"], "strp_path": None,
+            "predicted_hit_rate": None, "settings": {"slots": 4, "context_length": 16384, "kv_type": "k8v4"}}
+    plan.update(kw)
+    return plan
+
+
+def _flag(args, flag):
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
+
+
+# ------------------------------------------------------------------------------------------------ strata launch
+def test_strata_launch_follows_the_contract(settings, tmp_path):
+    edir = tmp_path / "release"
+    (edir / "serve").mkdir(parents=True)
+    (edir / "serve" / "server.py").write_text("# placeholder\n")
+    (edir / "bin").mkdir()
+    (edir / "bin" / "strata").write_text("")
+    s = settings.model_copy(update={"engine_dir": edir})
+    spec = STRATA.build_launch(s, _plan(), tmp_path / "run")
+    assert spec.argv[1:] == [str(edir / "serve" / "server.py"), "--config", spec.files["config"],
+                             "--host", "127.0.0.1", "--port", "18090", "--api-key", KEY, "--gpu", "0"]
+    assert not spec.simulated and spec.base_url == "http://127.0.0.1:18090" and spec.cwd == str(edir)
+    assert KEY not in " ".join(spec.masked_argv()) and "(masked)" in " ".join(spec.masked_argv())
+    cfg_path = Path(spec.files["config"])
+    cfg = json.loads(cfg_path.read_text())
+    assert stat.S_IMODE(cfg_path.stat().st_mode) == 0o600 and KEY not in cfg_path.read_text()
+    assert cfg["exe"] == str(edir / "bin" / "strata") and cfg["args"][0] == "/models/x-00001-of-00007.gguf"
+    args = cfg["args"]
+    # each plan- or settings-driven flag exactly once, with the settings' values
+    assert _flag(args, "--expert-cache") == ["3"] and _flag(args, "--vram-reserve-mib") == ["900"]
+    assert _flag(args, "--batch") == ["4"] and _flag(args, "--max-context") == ["16384"]
+    assert _flag(args, "--kv") == ["k8v4"] and _flag(args, "--cpu-numerics") == ["gpu"]
+    (profile,) = _flag(args, "--expert-profile")
+    assert spec.files["profile"] == profile
+    # the generated STRP has the contract's exact byte layout
+    data = Path(profile).read_bytes()
+    assert data[:4] == b"STRP" and struct.unpack_from("<5I", data, 4) == (1, 43, 384, 3, 3)
+    assert struct.unpack_from("<6H", data, 24) == (3, 17, 3, 250, 4, 1)
+    ranks = struct.unpack_from(f"<{43 * 384}i", data, 24 + 12)
+    assert ranks[3 * 384 + 17] == 0 and ranks[3 * 384 + 250] == 1 and ranks[4 * 384 + 1] == 2
+    assert sum(r >= 0 for r in ranks) == 3 and len(data) == 24 + 12 + 4 * 43 * 384
+    routing = pytest.importorskip("engine_manager.routing")
+    prof = routing.read_strp(profile)
+    assert [tuple(p) for p in prof.ranked.tolist()] == [(3, 17), (3, 250), (4, 1)]
+    # nothing missing: no preflight problem but the model file
+    problems = STRATA.preflight(spec)
+    assert len(problems) == 1 and "model file" in problems[0]
+
+
+def test_strata_uses_the_planners_profile_and_says_what_is_missing(settings, tmp_path):
+    strp = tmp_path / "planned.strp"
+    write_strp(strp, 43, 384, [(5, 5)], 1)
+    spec = STRATA.build_launch(settings, _plan(strp_path=str(strp)), tmp_path / "run")
+    args = json.loads(Path(spec.files["config"]).read_text())["args"]
+    assert _flag(args, "--expert-profile") == [str(strp)]
+    # no engine_dir: the release in the cache, by version
+    assert spec.argv[1] == str(settings.cache_path / "engine" / "v0.1.0" / "serve" / "server.py")
+    problems = " ".join(STRATA.preflight(spec))
+    assert "not installed" in problems and "DSV41_ENGINE_DIR" in problems
+    # no plan at all: the engine sizes its cache itself
+    args = json.loads(Path(STRATA.build_launch(settings, None, tmp_path / "r2").files["config"]).read_text())["args"]
+    assert _flag(args, "--expert-cache") == ["auto"] and not _flag(args, "--expert-profile")
+    with pytest.raises(ValueError, match="refused"):
+        STRATA.build_launch(settings, _plan(refused="RAM too small"), tmp_path / "r3")
+
+
+# ------------------------------------------------------------------------------------------------ metrics mapping
+def test_strata_metrics_json_maps_with_the_contracts_names():
+    doc = json.loads((DATA / "strata" / "metrics_contract.json").read_text())
+    status = json.loads((DATA / "strata" / "status_contract.json").read_text())
+    s = sample_from_metrics(doc, "strata", None, t=100.0, status=status)
+    assert (s.state, s.decode_tok_s, s.queued) == ("generating", 127.4, 2)
+    assert s.hit_rate == 0.902                     # the newest request by `time`, not the first listed
+    assert s.prefill_tok_s == pytest.approx(400 / 0.25)
+    assert s.pcie_rx_mb_s == pytest.approx(512.0 * 1.024) and s.pcie_tx_mb_s == pytest.approx(3.5 * 1.024)
+    assert (s.vram_used_bytes, s.vram_total_bytes) == (101024890880, 102641958912)
+    assert (s.ram_used_bytes, s.ram_total_bytes) == (142000000000, 283000000000)
+    assert (s.slots_busy, s.slots_total) == (3, 4)
+    assert s.swaps_total is None and s.swaps_per_s is None   # not on HTTP in Strata: from the log
+    assert s.requests_total is None                          # missing stays missing, never 0
+    assert s.extra["gpu_util_pct"] == 93 and s.extra["expert_slots"] == 5825 and not s.simulated
+
+
+def test_strata_prefill_is_live_while_a_prompt_is_read():
+    doc = json.loads((DATA / "strata" / "metrics_reading.json").read_text())
+    first = sample_from_metrics(doc, "strata", None, t=10.0)
+    assert first.state == "reading" and first.prefill_tok_s == 1480.5      # no previous: the engine's mean
+    doc["live"]["prompt_read"] = 24576 + 16000
+    second = sample_from_metrics(doc, "strata", first, t=11.0)
+    assert second.prefill_tok_s == pytest.approx(16000.0)
+    assert second.hit_rate is None and second.slots_busy is None
+
+
+def test_strata_prometheus_text_maps():
+    text = (DATA / "strata" / "metrics_contract.prom").read_text()
+    assert parse_prometheus(text)["vllm:num_requests_running"] == 4
+    s = sample_from_prometheus(text, "strata", t=1.0)
+    assert (s.decode_tok_s, s.hit_rate, s.slots_busy) == (127.4, 0.902, 4)
+    assert s.vram_used_bytes == 101024890880 and s.tokens_generated_total == 98231
+    assert s.extra["last_decode_tok_s"] == 31.9 and s.ram_used_bytes is None
+
+
+def test_sim_captures_map_to_samples():
+    doc = json.loads((DATA / "sim" / "metrics_generating.json").read_text())
+    from engine_manager.engines.sim import apply_sim_block
+
+    prev = apply_sim_block(sample_from_metrics(doc, "sim", None, t=1.0, simulated=True), doc, None)
+    later = json.loads(json.dumps(doc))
+    later["sim"]["swaps_total"] += 30
+    later["sim"]["swap_bytes_total"] += 30 * 12_792_627
+    s = apply_sim_block(sample_from_metrics(later, "sim", prev, t=3.0, simulated=True), later, prev)
+    live = doc["live"]
+    assert s.simulated and s.state == "generating" and s.decode_tok_s == live["tok_s"]
+    assert s.slots_busy == 4 and s.slots_total == 4
+    assert s.decode_tok_s_per_slot == {x["slot"]: x["decode_tok_s"] for x in live["slots"]}
+    assert s.hit_rate == pytest.approx(sum(x["hit_rate"] for x in live["slots"]) / 4, abs=1e-6)
+    assert s.swaps_total == doc["sim"]["swaps_total"] + 30 and s.swaps_per_s == pytest.approx(15.0)
+    assert s.swap_mb_s == pytest.approx(15 * 12.792627)
+    assert s.tokens_generated_total == doc["totals"]["output_tokens"]
+    text = (DATA / "sim" / "metrics_generating.prom").read_text()    # captured a moment after the JSON
+    p = sample_from_prometheus(text, "sim", simulated=True)
+    assert p.decode_tok_s == parse_prometheus(text)["strata:live_tok_s"] > 0 and p.slots_busy == 4
+    assert p.tokens_generated_total == parse_prometheus(text)["vllm:generation_tokens_total"] and p.simulated
+
+
+# ------------------------------------------------------------------------------------------------ log lines
+def test_log_lines_from_the_sims_capture_and_the_contract():
+    events = [SIM.parse_log_line(x) for x in (DATA / "sim" / "engine.log").read_text().splitlines()]
+    kinds = [e.kind for e in events if e]
+    assert kinds.count("ready") == 1 and kinds.count("phase") >= 5 and "placement" in kinds
+    swaps = [e for e in events if e and e.kind == "swap"]
+    assert swaps and all(e.swaps > 0 and e.swap_bytes >= e.swaps * 12_000_000 for e in swaps)
+    hits = [e.data["hit_rate"] for e in events if e and e.kind == "info" and "hit_rate" in e.data]
+    assert hits and all(0 < h < 1 for h in hits)
+    assert STRATA.parse_log_line("") is None and STRATA.parse_log_line("some chatter") is None
+    ev = STRATA.parse_log_line("[adapt] round 12: 37 swaps (451.4 MiB)")
+    assert ev.kind == "swap" and ev.swaps == 37 and ev.swap_bytes == int(451.4 * 2**20)
+
+
+@pytest.mark.parametrize("line,rc,cause", [
+    ("CUDA error: out of memory at expert_cache.cu:88", 1, "cuda_oom"),
+    ("cudaMalloc failed: 2 (cudaErrorMemoryAllocation)", 1, "cuda_oom"),
+    ("CUDA driver version is insufficient for CUDA runtime version", 1, "driver_too_old"),
+    ("server.py: error: port 8090 is already in use", 2, "port_in_use"),
+    ("OSError: [Errno 98] Address already in use", 1, "port_in_use"),
+    ("error: expert profile refused: 43 x 256 vs 43 x 384", 2, "placement_refused"),
+    ("server.py: error: unrecognized arguments: --cpu-numerics gpu", 2, "bad_engine_flag"),
+    ("failed to open /models/DeepSeek-V4.1-Flash-Q2_K-00001-of-00007.gguf", 1, "model_missing"),
+    ("Segmentation fault (core dumped)", -11, "engine_crash"),
+])
+def test_failure_signatures(line, rc, cause):
+    tail = ["phase: filling the expert cache (40%)", line, "exiting"]
+    assert STRATA.classify_failure(rc, tail).cause == cause
+    assert SIM.classify_failure(rc, tail).cause == cause
+    assert STRATA.parse_log_line(line).kind in ("error", "phase")
+
+
+def test_sigkill_without_a_log_reason_is_the_oom_killer():
+    assert STRATA.classify_failure(-9, ["phase: warming up (100%)"]).cause == "oom_killed"
+    assert STRATA.classify_failure(137, []).cause == "oom_killed"
+    assert STRATA.classify_failure(1, ["something odd"]) is None
+
+
+# ------------------------------------------------------------------------------------------------ readiness
+class _Fixed(BaseHTTPRequestHandler):
+    code, body = 404, b'{"error": "no"}'
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(self.code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.mark.parametrize("code,body,state", [
+    (404, b'{"error": "no"}', "failed"),
+    (503, b'{"status": "loading"}', "loading"),
+    (200, b'{"status": "loading", "loaded": false, "service": "strata"}', "loading"),
+    (200, b'{"status": "ok", "loaded": true, "model": "m", "max_context": 1, "service": "strata"}', "ready"),
+    (200, b"<html>", "failed"),
+])
+def test_readiness_against_real_servers(code, body, state):
+    handler = type("H", (_Fixed,), {"code": code, "body": body})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        spec = LaunchSpec("strata", [], "127.0.0.1", srv.server_address[1], KEY)
+        with httpx.Client() as c:
+            assert STRATA.readiness(c, spec).state == state
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with httpx.Client() as c:      # nothing listening any more: still loading
+        assert STRATA.readiness(c, spec).state == "loading"
+
+
+# ------------------------------------------------------------------------------------------------ the sim, live
+def test_sim_launch_spec_runs_as_is_and_polls(settings, tmp_path, free_port):
+    placement = pytest.importorskip("engine_manager.placement")
+    plan = placement.plan(placement.default_sim_layout(tmp_path / "replica"), placement.reference_hardware(),
+                          None, None).to_dict()
+    s = settings.model_copy(update={"port": free_port, "slots": 2})
+    spec = SIM.build_launch(s, plan, tmp_path / "run")
+    assert spec.simulated and "SIMULATED" in spec.label and spec.argv[:3] == [sys.executable, "-m",
+                                                                              "engine_manager.sim"]
+    assert _flag(spec.argv, "--plan") == [spec.files["plan"]] and _flag(spec.argv, "--slots") == ["2"]
+    assert KEY not in " ".join(spec.masked_argv())
+    import subprocess
+
+    env = {**os.environ, **spec.env, "DSV41_SIM_ARGS": "--load-time 0.3 --speed 10"}
+    proc = subprocess.Popen(spec.argv, cwd=spec.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        with httpx.Client() as c:
+            deadline = time.monotonic() + 30
+            states = []
+            while time.monotonic() < deadline:
+                r = SIM.readiness(c, spec)
+                states.append(r.state)
+                if r.state == "ready":
+                    break
+                time.sleep(0.05)
+            assert states[0] == "loading" and states[-1] == "ready"
+            r = c.post(spec.base_url + "/v1/chat/completions", headers={"x-api-key": KEY},
+                       json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 20})
+            assert r.status_code == 200
+            s1 = SIM.poll(c, spec, None)
+            s2 = SIM.poll(c, spec, s1)
+        assert isinstance(s2, Sample) and s2.simulated and s2.engine == "sim"
+        assert s2.state == "idle" and s2.slots_total == 2 and s2.slots_busy == 0
+        assert 0.8 < s2.hit_rate < 1.0 and s2.tokens_generated_total == 20 and s2.requests_total == 1
+        assert s2.swaps_total is not None and s2.vram_total_bytes == plan["vram"]["budget_bytes"]
+        assert s2.prefill_tok_s and s2.prefill_tok_s > 0
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+        proc.stdout.close()

@@ -1,0 +1,577 @@
+"""engine_manager.metrics: ring buffers (bounds, decimation), recording (crash safety, resume, CSV export), the hub
+(a failing or slow source is missing and never stalls the others), the host collector on real processes, and every
+collector against a REAL scripted engine process under streaming load. The adapters' own mapping of captured
+responses is tested by their owners (tests/test_engines.py)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from engine_manager import metrics as M
+from engine_manager.engines import get_engine
+from engine_manager.engines.base import LogEvent, Sample
+from engine_manager.engines.sim import sim_env
+from engine_manager.metrics.sources import Reading, Source, SourceMissing, sample_values
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- helpers -------------------------------------------------------------------------------------------------
+class CountingSource(Source):
+    """A source of our own interface (not a stand-in for a library): yields 1, 2, 3… in column ``x``."""
+
+    name = "count"
+    columns = ("decode_tok_s",)
+
+    def __init__(self, timeout_s: float = 0.5):
+        self.timeout_s = timeout_s
+        self.n = 0
+        self.read_at: list[float] = []
+
+    def read(self) -> Reading:
+        self.n += 1
+        self.read_at.append(time.monotonic())
+        return Reading({"decode_tok_s": float(self.n)})
+
+
+class SlowSource(Source):
+    name = "slow"
+    columns = ("gpu_util_pct",)
+
+    def __init__(self, delay_s: float, timeout_s: float = 0.3):
+        self.delay_s, self.timeout_s = delay_s, timeout_s
+        self.calls = 0
+
+    def read(self) -> Reading:
+        self.calls += 1
+        time.sleep(self.delay_s)
+        return Reading({"gpu_util_pct": 55.0})
+
+
+class FailingSource(Source):
+    name = "broken"
+    columns = ("ram_used_bytes", "ram_total_bytes")
+    timeout_s = 0.5
+
+    def read(self) -> Reading:
+        raise ConnectionError("engine went away")
+
+
+def start_sim_to_file(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, str, Path]:
+    """The scripted engine as a real process whose log goes to a file (as the supervisor's keeper does)."""
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = "test-key-" + os.urandom(8).hex()
+    log = tmp_path / "engine.log"
+    env = {k: v for k, v in os.environ.items() if k != "DSV41_SIM_ARGS"}
+    env.update(sim_env(env))
+    f = open(log, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "engine_manager.sim", "--host", "127.0.0.1", "--port", str(port),
+                             f"--api-key={key}", "--load-time", "0.1", *args],
+                            stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=env)
+    f.close()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base, key, log
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"sim exited: {log.read_text()[-2000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(log.read_text()[-2000:])
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait(5)
+
+
+class Chats:
+    """N streaming chats against the engine, restarted as they finish, on threads."""
+
+    def __init__(self, base: str, key: str, n: int, max_tokens: int = 60):
+        self.base, self.key, self.n, self.max_tokens = base, key, n, max_tokens
+        self.stop = threading.Event()
+        self.tokens = 0
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
+
+    def _run(self, i: int) -> None:
+        with httpx.Client(timeout=30) as c:
+            while not self.stop.is_set():
+                try:
+                    with c.stream("POST", self.base + "/v1/chat/completions",
+                                  headers={"Authorization": f"Bearer {self.key}"},
+                                  json={"messages": [{"role": "user", "content": f"topic {i}"}], "stream": True,
+                                        "max_tokens": self.max_tokens}) as r:
+                        for line in r.iter_lines():
+                            if self.stop.is_set():
+                                break
+                            if line.startswith("data: {"):
+                                self.tokens += 1
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+
+    def __enter__(self) -> "Chats":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+
+
+@pytest.fixture
+def sim_proc(tmp_path):
+    procs = []
+
+    def start(*args: str):
+        p, base, key, log = start_sim_to_file(tmp_path, *args)
+        procs.append(p)
+        return p, base, key, log
+
+    yield start
+    for p in procs:
+        kill_group(p)
+
+
+# -- ring buffers ----------------------------------------------------------------------------------------------
+def test_store_is_bounded_and_decimates_older_data():
+    s = M.RingStore(["a", "b"], hz=1.0, full_span_s=100, coarse_bucket_s=10, coarse_span_s=200)
+    for i in range(1000):
+        s.append(10_000.0 + i, {"a": float(i), "b": None if i % 2 else float(i)})
+    assert s.full_len == 100                     # 100 s at 1 Hz
+    assert s.coarse_len == 20                    # 200 s of 10 s buckets, the oldest dropped
+    t, d = s.window()
+    assert np.all(np.diff(t) > 0)
+    # the newest 100 rows at full rate
+    assert np.array_equal(d["a"][-100:], np.arange(900, 1000, dtype=np.float32))
+    # a decimated bucket is the mean of its rows (rows 880..889 → 884.5), per column over finite values only
+    k = int(np.flatnonzero(np.isclose(d["a"], 884.5))[0])
+    assert d["b"][k] == pytest.approx(np.mean([880, 882, 884, 886, 888]))
+    # memory stays bounded however long it runs
+    before = s.nbytes
+    for i in range(1000, 5000):
+        s.append(10_000.0 + i, {"a": float(i)})
+    assert s.nbytes == before
+
+
+def test_missing_stays_missing_through_decimation():
+    s = M.RingStore(["a", "b"], hz=1.0, full_span_s=20, coarse_bucket_s=10, coarse_span_s=1000)
+    for i in range(200):
+        s.append(float(i), {"a": 1.0})           # b never reported
+    t, d = s.window()
+    assert np.isnan(d["b"]).all() and not np.isnan(d["a"]).any()
+
+
+def test_store_capacity_is_24h_at_the_rate_and_grows_lazily():
+    s = M.RingStore(M.COLUMN_NAMES, hz=10.0)
+    assert s.full_capacity == 864_000
+    assert s.nbytes < 5 * 1024**2                # nothing allocated for a day until the day happens
+
+
+def test_extend_equals_append_and_clock_step_back_keeps_order():
+    cols = ["a"]
+    one = M.RingStore(cols, hz=1.0, full_span_s=50, coarse_bucket_s=5)
+    bulk = M.RingStore(cols, hz=1.0, full_span_s=50, coarse_bucket_s=5)
+    t = 1000.0 + np.arange(300)
+    v = np.sin(np.arange(300))[:, None].astype(np.float32)
+    for i in range(300):
+        one.append(float(t[i]), v[i].copy())
+    bulk.extend(t, v)
+    (t1, d1), (t2, d2) = one.window(), bulk.window()
+    assert np.allclose(t1, t2) and np.allclose(d1["a"], d2["a"])
+    one.append(500.0, {"a": 7.0})                # the wall clock stepped back: still after the last row
+    t3, d3 = one.window()
+    assert np.all(np.diff(t3) > 0) and d3["a"][-1] == 7.0
+
+
+def test_window_reduction_keeps_peaks_and_the_newest_rows():
+    s = M.RingStore(["a"], hz=10.0, full_span_s=86_400)
+    n = 200_000
+    t = 1e9 + np.arange(n) / 10.0
+    v = np.zeros((n, 1), dtype=np.float32)
+    v[123_457, 0] = 99.0                          # one spike
+    v[150_000, 0] = -5.0
+    s.extend(t, v)
+    s.append(float(t[-1] + 0.1), {"a": 3.0})
+    for t0 in (None, float(t[-1]) - 3600):
+        tt, d = s.window(t0, None, ["a"], max_points=2000)
+        assert tt.size <= 3000
+        assert np.all(np.diff(tt) >= 0)
+        if t0 is None:
+            assert d["a"].max() == 99.0 and d["a"].min() == -5.0
+        assert tt[-1] == pytest.approx(t[-1] + 0.1) and d["a"][-1] == 3.0
+
+
+# -- recording -------------------------------------------------------------------------------------------------
+def test_recorder_writes_owner_only_csv_and_reads_back(tmp_path):
+    rec = M.Recorder(tmp_path / "run", meta={"engine": "sim"})
+    for i in range(5):
+        rec.write(1000.0 + i, {"decode_tok_s": 10.5 + i, "ram_used_bytes": 123_456_789_012 + i, "hit_rate": None})
+    rec.close()
+    assert (rec.csv_path.stat().st_mode & 0o777) == 0o600
+    t, d = M.read_recording(rec.csv_path)
+    assert list(t) == [1000.0, 1001.0, 1002.0, 1003.0, 1004.0]
+    assert d["ram_used_bytes"][4] == 123_456_789_016          # integers exact
+    assert np.isnan(d["hit_rate"]).all()                       # missing is an empty cell, not 0
+    meta = json.loads(rec.meta_path.read_text())
+    assert meta["kind"] == "dsv41-metrics" and meta["rows_written"] == 5 and meta["ended_at"]
+
+
+def test_a_killed_recorder_loses_at_most_about_a_second(tmp_path):
+    """A real process records at 10 Hz and is SIGKILLed; the file holds everything up to ~1 s before the kill,
+    a torn last line is skipped, and a new recorder on the same run continues cleanly."""
+    run = tmp_path / "run"
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from engine_manager.metrics import Recorder
+        rec = Recorder({str(run)!r}, meta={{"engine": "sim"}})
+        print("go", flush=True)
+        i = 0
+        while True:
+            rec.write(time.time(), {{"decode_tok_s": float(i)}})
+            i += 1
+            time.sleep(0.1)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"go"
+        time.sleep(2.0)
+        killed_at = time.time()
+        p.send_signal(signal.SIGKILL)
+        p.wait(5)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    with open(run / "metrics.csv", "a") as f:      # what a kill in the middle of a write leaves
+        f.write("1234.5,2020-01-01T00:00:00Z,3")
+    t, d = M.read_recording(run / "metrics.csv")
+    assert t.size >= 10
+    assert killed_at - t[-1] <= 1.0
+    assert np.all(np.diff(d["decode_tok_s"]) == 1)             # no gap, no torn row
+    rec = M.Recorder(run)                                       # continues the same file
+    rec.write(time.time(), {"decode_tok_s": 999.0})
+    rec.close()
+    t2, d2 = M.read_recording(run / "metrics.csv")
+    assert t2.size == t.size + 1 and d2["decode_tok_s"][-1] == 999.0
+
+
+def test_resume_same_engine_process_and_prune_old_runs():
+    me = psutil.Process()
+    meta = {"engine": "sim", "pid": me.pid, "pid_create_time": me.create_time()}
+    r1 = M.open_run("sim", meta, resume_pid=me.pid)
+    r1.write(1.0, {"decode_tok_s": 1.0})
+    r1.close()
+    r2 = M.open_run("sim", meta, resume_pid=me.pid)            # same pid + start time → the same run
+    assert r2.dir == r1.dir and r2.meta.get("resumed_at")
+    r2.close()
+    r3 = M.open_run("sim", {**meta, "pid_create_time": 1.0}, resume_pid=me.pid)   # another process
+    assert r3.dir != r1.dir
+    r3.close()
+    for i in range(6):
+        M.open_run("sim", {"engine": "sim", "started_at": 10_000.0 + i}).close()
+    removed = M.prune_runs(keep=3)
+    assert len(M.list_runs()) == 3 and len(removed) == 5
+    (M.metrics_runs_dir() / "not-ours").mkdir()                  # a folder this module did not write is kept
+    M.prune_runs(keep=0)
+    assert (M.metrics_runs_dir() / "not-ours").is_dir()
+
+
+def test_export_csv_from_recording_and_from_store(tmp_path):
+    rec = M.Recorder(tmp_path / "run")
+    store = M.RingStore(M.COLUMN_NAMES, hz=1.0)
+    for i in range(10):
+        vals = {"decode_tok_s": float(i), "hit_rate": 0.9 if i % 3 else None}
+        rec.write(2000.0 + i, vals)
+        store.append(2000.0 + i, vals)
+    rec.close()
+    out1, out2 = tmp_path / "a.csv", tmp_path / "b.csv"
+    assert M.export_csv(out1, recording=rec.csv_path, t0=2003, t1=2006) == 4
+    assert M.export_csv(out2, store=store, columns=["decode_tok_s", "hit_rate"]) == 10
+    rows = list(csv.DictReader(open(out1)))
+    assert [r["decode_tok_s"] for r in rows] == ["3", "4", "5", "6"]
+    assert rows[0]["hit_rate"] == "" and rows[1]["hit_rate"] == "0.9"
+    rows2 = list(csv.DictReader(open(out2)))
+    assert list(rows2[0]) == ["t", "time", "decode_tok_s", "hit_rate"] and rows2[2]["time"].endswith("Z")
+
+
+# -- the hub ---------------------------------------------------------------------------------------------------
+def test_failing_and_slow_sources_are_missing_and_never_stall_the_others():
+    fast, slow, broken = CountingSource(), SlowSource(delay_s=2.5, timeout_s=0.3), FailingSource()
+    hub = M.MetricsHub([fast, slow, broken], hz=4.0)
+    t0 = time.monotonic()
+    ticks = list(hub.iter_ticks(max_ticks=8))
+    elapsed = time.monotonic() - t0
+    assert elapsed < 8 / 4.0 + 1.0                               # 8 ticks at 4 Hz, not held up by the slow one
+    assert [t.values["decode_tok_s"] for t in ticks] == [float(i) for i in range(1, 9)]
+    for t in ticks:
+        assert t.values["ram_used_bytes"] is None and t.values["ram_total_bytes"] is None   # missing, not 0
+        assert "engine went away" in t.missing["broken"]
+        assert t.values["gpu_util_pct"] is None
+        assert "slow" in t.missing
+    assert any("no answer within" in t.missing["slow"] for t in ticks)
+    assert any("still busy" in t.missing["slow"] for t in ticks)
+    assert slow.calls <= 2                                        # never queued up behind itself
+    t, d = hub.store.window()
+    assert np.isnan(d["ram_used_bytes"]).all() and np.isnan(d["gpu_util_pct"]).all()
+
+
+def test_rate_bounds_and_stop_from_another_thread():
+    with pytest.raises(ValueError):
+        M.MetricsHub([], hz=20)
+    assert M.clamp_hz(100) == 10 and M.clamp_hz(0.01) == 0.25 and M.clamp_hz(None) == 1.0
+    hub = M.MetricsHub([CountingSource()], hz=0.25)
+    got: list = []
+    hub.add_listener(got.append)
+    hub.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    hub.stop()
+    assert time.monotonic() - t0 < 1.0                            # a 4 s period does not delay stopping
+    assert len(got) == 1
+
+
+def test_derive_prefers_driver_for_real_engines_and_model_for_simulated():
+    raw = {"engine_vram_used_bytes": 1.0, "nvml_vram_used_bytes": 2.0, "engine_pcie_rx_mb_s": 3.0,
+           "nvml_pcie_rx_mb_s": None, "engine_swaps_per_s": None, "log_swaps_per_s": 4.0}
+    real = dict(raw)
+    o = M.derive(real, simulated=False, expert_bytes=12_792_627)
+    assert real["vram_used_bytes"] == 2.0 and o["vram_used_bytes"] == "driver"
+    assert real["pcie_rx_mb_s"] == 3.0 and o["pcie_rx_mb_s"] == "engine"
+    assert real["swaps_per_s"] == 4.0 and o["swaps_per_s"] == "log"
+    assert real["swap_mb_s"] == pytest.approx(4 * 12.792627) and o["swap_mb_s"].startswith("estimate")
+    sim = dict(raw)
+    o = M.derive(sim, simulated=True)
+    assert sim["vram_used_bytes"] == 1.0 and o["vram_used_bytes"] == "simulated"
+    assert sim["swap_mb_s"] is None                             # no expert size known: missing, not invented
+
+
+def test_rolling_hit_rate_weights_by_decode_and_ignores_idle():
+    hub = M.MetricsHub([], hz=1.0, rolling_s=60)
+    vals = [(0.8, 100.0), (1.0, 300.0), (0.1, 0.0)]             # the idle tick does not move it
+    out = None
+    for i, (hr, dec) in enumerate(vals):
+        out = hub._rolling(1000.0 + i, {"hit_rate": hr, "decode_tok_s": dec})
+    assert out == pytest.approx((0.8 * 100 + 1.0 * 300) / 400)
+    assert hub._rolling(2000.0, {"hit_rate": None, "decode_tok_s": None}) is None   # window moved on
+
+
+def test_sample_mapping_idle_slots_are_zero_only_when_the_engine_listed_its_slots():
+    s = Sample(t=1.0, engine="x", slots_total=4, decode_tok_s_per_slot={1: 20.0})
+    v = sample_values(s)
+    assert [v[f"slot{i}_tok_s"] for i in range(5)] == [0.0, 20.0, 0.0, 0.0, None]
+    v = sample_values(Sample(t=1.0, engine="x", slots_total=4))
+    assert v["slot0_tok_s"] is None                              # no per-slot report at all: missing
+
+
+def test_binding_cpus_from_every_shape():
+    assert M.binding_cpus("numactl --cpunodebind=0 --preferred=0 (node 0, CPUs 0-3,8)") == [0, 1, 2, 3, 8]
+    assert M.binding_cpus("none — one NUMA node") is None and M.binding_bound("none — x") is False
+    assert M.binding_cpus({"prefix": ["taskset"], "cpus": [2, 3]}) == [2, 3]
+    assert M.binding_cpus({"prefix": [], "cpus": [2, 3]}) is None
+    assert M.binding_cpus("4-5") == [4, 5] and M.binding_bound(None) is None
+
+
+# -- host collector on real processes -------------------------------------------------------------------------
+def test_host_source_splits_bound_cores_and_reads_the_process_tree():
+    """A parent process with a busy child pinned to CPU 0: the bound core reads busy, the tree's CPU ~one core."""
+    if (psutil.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs two CPUs and affinity")
+    code = ("import os, subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import os\\nos.sched_setaffinity(0, {0})\\nwhile True: pass'])\n"
+            "print(c.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        src = M.HostSource(pid=parent.pid, bound_cpus=[0])
+        time.sleep(1.0)
+        r = src.read()
+        v = r.values
+        assert v["cpu_bound_pct"] >= 80                        # CPU 0 never idle while the child spins there
+        assert v["cpu_rest_pct"] is not None and v["cpu_total_pct"] is not None
+        assert v["engine_cpu_pct"] > 20        # the tree includes the spinning child (the parent sleeps: ~0)
+        assert v["engine_rss_bytes"] > 1e6 and v["ram_total_bytes"] == psutil.virtual_memory().total
+        assert psutil.Process(child).cpu_affinity() == [0]
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(5)
+        v2 = src.read().values
+        assert v2["engine_rss_bytes"] is None and v2["engine_cpu_pct"] is None   # gone: missing, not 0
+        assert v2["ram_used_bytes"] is not None
+    finally:
+        try:
+            os.killpg(parent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        parent.wait(5)
+
+
+def test_nvml_source_without_a_gpu_says_why():
+    src = M.NvmlSource(0)
+    if src.unavailable is None:
+        pytest.skip("this machine has an NVIDIA GPU")
+    assert "no NVIDIA GPU" in src.unavailable or "not found" in src.unavailable
+    hub = M.MetricsHub([src, CountingSource()], hz=4.0)
+    tick = next(hub.iter_ticks(max_ticks=1))
+    assert tick.values["gpu_util_pct"] is None and tick.values["nvml_vram_used_bytes"] is None
+    assert tick.missing["gpu"] == src.unavailable and tick.values["decode_tok_s"] == 1.0
+
+
+def test_log_source_push_and_tail_with_rotation(tmp_path):
+    eng = get_engine("sim")
+    pushed = M.LogSwapSource(eng)
+    with pytest.raises(SourceMissing):
+        pushed.read()                                           # nothing attached yet: missing
+    pushed.push_line("adapt: round 4: swapped 12 experts into VRAM (146.4 MiB over PCIe, 5.1 ms)")
+    pushed.push_event(LogEvent("swap", "x", swaps=3, swap_bytes=0))
+    r = pushed.read()
+    assert r.notes["log_swaps_total"] == 15 and r.values["log_swaps_per_s"] > 0
+    assert r.values["log_swap_mb_s"] > 0
+    assert pushed.read().values["log_swaps_per_s"] == 0.0       # attached, nothing new: a real 0
+
+    log = tmp_path / "engine.log"
+    log.write_text("adapt: round 1: swapped 99 experts into VRAM (1.0 MiB over PCIe, 1 ms)\n")
+    tail = M.LogSwapSource(eng, log)                            # starts at the end: old swaps not counted
+    with open(log, "a") as f:
+        f.write("adapt: round 2: swapped 5 experts into VRAM (61.0 MiB over PCIe, 2 ms)\nadapt: round 3: sw")
+    tail.read()
+    assert tail.swaps_total == 5
+    with open(log, "a") as f:
+        f.write("apped 7 experts into VRAM (85.4 MiB over PCIe, 2 ms)\n")
+    tail.read()
+    assert tail.swaps_total == 12                               # a line split across reads counts once
+    os.rename(log, tmp_path / "engine.log.1")                   # size rotation
+    log.write_text("adapt: round 4: swapped 2 experts into VRAM (24.4 MiB over PCIe, 1 ms)\n")
+    tail.read()
+    assert tail.swaps_total == 14
+    tail.close()
+    assert pushed.push_line("adapt: swapped 1 experts") is not None
+
+
+# -- against the real scripted engine --------------------------------------------------------------------------
+def test_collectors_against_a_running_scripted_engine(sim_proc, tmp_path):
+    """A real sim process under 4 streaming chats: decode rate, hit rate, swaps (HTTP and log), slots, the
+    process tree, routing counts from its trace; then SIGKILL the engine: its series go missing while the host
+    series and the tick rate go on."""
+    trace = tmp_path / "routing.bin"
+    proc, base, key, log = sim_proc("--slots", "4", "--initial-hot", "random", "--dump-routing", str(trace))
+    hub = M.build_hub("sim", base, key, pid=proc.pid, binding="none — test", log_path=log, hz=4.0,
+                      argv=["--dump-routing", str(trace)])
+    assert hub.simulated and hub.recorder is not None
+    ticks: list[M.Tick] = []
+    with Chats(base, key, 4):
+        for tick in hub.iter_ticks(max_ticks=16):
+            ticks.append(tick)
+    got = {c: [t.values[c] for t in ticks if t.values[c] is not None] for c in M.COLUMN_NAMES}
+    assert max(got["decode_tok_s"]) > 20
+    assert all(0 <= h <= 1 for h in got["hit_rate"]) and got["hit_rate"]
+    assert max(got["slots_busy"]) == 4 and got["slots_total"][-1] == 4
+    assert max(got["slot0_tok_s"]) > 0 and max(got["slot3_tok_s"]) > 0
+    assert got["hit_rate_rolling"]
+    assert max(got["engine_swaps_per_s"]) > 0                   # a cold (random) hot set swaps as it warms
+    assert max(got["log_swaps_per_s"]) > 0                      # … and says so in its log
+    assert max(got["swaps_per_s"]) > 0 and ticks[-1].origin.get("swaps_per_s") == "simulated"
+    assert got["engine_rss_bytes"] and got["engine_cpu_pct"]
+    assert got["ram_used_bytes"] and got["cpu_total_pct"]
+    assert not got["cpu_bound_pct"]                             # not bound: no split, not a fake one
+    assert got["vram_used_bytes"] and ticks[-1].origin["vram_used_bytes"] == "simulated"
+    assert ticks[-1].sample is not None and ticks[-1].sample.simulated
+    routed = [t.notes["routing_counts"] for t in ticks if "routing_counts" in t.notes]
+    assert routed and routed[-1].shape == (43, 384) and routed[-1].sum() > 0
+    assert routed[-1][:3].sum() == 0                            # dense layers route nothing
+    assert (routed[-1].sum(axis=1)[3:] == routed[-1].sum(axis=1)[3]).all()   # every MoE layer, every token
+    # the recording has every tick
+    t, d = M.read_recording(hub.recorder.csv_path)
+    assert t.size == 16 and np.nanmax(d["decode_tok_s"]) == pytest.approx(max(got["decode_tok_s"]), rel=1e-5)
+
+    # the engine dies: engine columns go missing (not 0); host columns and the rate go on
+    hub2 = M.build_hub("sim", base, key, pid=proc.pid, log_path=log, hz=4.0, record=False)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(5)
+    t0 = time.monotonic()
+    after = list(hub2.iter_ticks(max_ticks=4))
+    assert time.monotonic() - t0 < 2.5
+    for tk in after:
+        assert tk.values["decode_tok_s"] is None and tk.values["hit_rate"] is None
+        assert "engine" in tk.missing
+        assert tk.values["ram_used_bytes"] is not None
+    assert after[-1].values["engine_rss_bytes"] is None
+
+
+def test_cli_monitor_once_json_and_no_engine(sim_proc, tmp_path, free_port):
+    proc, base, key, log = sim_proc()
+    env = {**os.environ, "DSV41_API_KEY": key, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", "import sys; from engine_manager.cli import main; "
+                          "sys.exit(main(sys.argv[1:]))", "monitor", "--url", base, "--engine", "sim", "--once",
+                          "--json", "--hz", "4", "--csv", str(tmp_path / "m.csv")],
+                         capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["simulated"] is True and doc["engine"] == "sim"
+    assert doc["values"]["decode_tok_s"] == 0.0 and doc["values"]["hit_rate"] is None   # idle: 0 rate, no hits
+    rows = list(csv.DictReader(open(tmp_path / "m.csv")))
+    assert len(rows) == 1 and rows[0]["vram_used_bytes"]
+    text = subprocess.run([sys.executable, "-c", "import sys; from engine_manager.cli import main; "
+                           "sys.exit(main(sys.argv[1:]))", "monitor", "--url", base, "--engine", "sim", "--once",
+                           "--hz", "4"], capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert text.returncode == 0 and "decode 0.0 tok/s" in text.stdout and "[simulated]" in text.stdout
+    none = subprocess.run([sys.executable, "-c", "import sys; from engine_manager.cli import main; "
+                           "sys.exit(main(sys.argv[1:]))", "monitor", "--url", f"http://127.0.0.1:{free_port}",
+                           "--engine", "sim", "--once", "--hz", "4"],
+                          capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert none.returncode == 1 and "no engine answers" in none.stderr
+
+
+# -- the guides card's logic ----------------------------------------------------------------------------------
+def test_guides_comparison():
+    c = M.compare(63.5, 1, 0.9)
+    assert c.verdict == "as_published" and c.guide_tok_s == 63.11 and c.guide_kind == "measured"
+    c = M.compare(120.0, 4, 0.9)
+    assert c.verdict == "as_published" and c.guide_each_tok_s == 31.87
+    c = M.compare(53.0, 1, 0.9, numa_bound=False)
+    assert c.verdict == "below" and any("53" in h and "NUMA" in h for h in c.hints)
+    c = M.compare(100.0, 8, 0.7, numa_bound=True, pcie_gen=3, pcie_width=16)
+    assert c.verdict == "below" and c.guide_tok_s == 152.53
+    assert any("70%" in h for h in c.hints) and any("gen 3" in h for h in c.hints)
+    assert not any("NUMA" in h for h in c.hints)                 # bound: no NUMA hint
+    c = M.compare(90.0, 2, None)
+    assert c.guide_kind == "interpolated" and any("interpolated" in h for h in c.hints)
+    assert c.guide_tok_s == pytest.approx(63.11 + (127.58 - 63.11) / 3)
+    assert M.compare(0.0, 0, None).verdict == "idle"
+    assert M.compare(None, None, None).verdict == "unknown"
+    assert M.compare(50.0, 9, None).guide_tok_s is None
+    assert any("Simulated" in h for h in M.compare(63.0, 1, 0.9, simulated=True).hints)
+    assert math.isclose(M.guide_figures(8)[0], 152.53)

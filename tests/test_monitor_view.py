@@ -1,0 +1,269 @@
+"""The Monitor tab under pytest-qt on a real X server: plots and cards fed by a REAL scripted engine process under
+streaming load; windows, pause and scroll back, hover read-out, the planner's reference line, the guides card,
+CSV export and the File-menu action. View mechanics that need hours of history use a store filled with labelled
+synthetic rows (tests only; the panel itself never shows synthetic data)."""
+
+from __future__ import annotations
+
+import csv
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PySide6.QtCore import QEvent, QPoint, QPointF, Qt
+from PySide6.QtGui import QMouseEvent
+from PySide6.QtWidgets import QApplication
+
+from engine_manager import metrics as M
+from engine_manager.engines.base import Sample
+from engine_manager.settings import load_settings
+from engine_manager.sim.launch import SimProcess
+
+pytestmark = pytest.mark.gui
+
+
+@pytest.fixture
+def ctx(qtbot, monkeypatch):
+    from app.context import AppContext
+
+    ctx = AppContext(load_settings())
+    ctx.update_settings({"metrics_hz": 5.0})
+    return ctx
+
+
+@pytest.fixture
+def view(qtbot, ctx):
+    from app.monitor_view import MonitorView
+
+    v = MonitorView(ctx)
+    qtbot.addWidget(v)
+    v.resize(1100, 800)
+    v.show()
+    qtbot.waitExposed(v)
+    yield v
+    v.shutdown()
+
+
+@pytest.fixture
+def sim():
+    sp = SimProcess(["--slots", "4", "--initial-hot", "random"]).start()
+    try:
+        sp.wait_ready()
+        yield sp
+    finally:
+        sp.stop()
+
+
+def chats(sp: SimProcess, n: int, stop: threading.Event) -> list[threading.Thread]:
+    def run(i: int) -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                try:
+                    with c.stream("POST", sp.url("/v1/chat/completions"), headers=sp.headers,
+                                  json={"messages": [{"role": "user", "content": f"topic {i}"}], "stream": True,
+                                        "max_tokens": 80}) as r:
+                        for _ in r.iter_lines():
+                            if stop.is_set():
+                                break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def curve_y(view, plot: str, col: str) -> np.ndarray:
+    x, y = view.plots[plot].curves[col].getData()
+    return np.asarray([] if y is None else y, dtype=float)
+
+
+def send_mouse(widget, kind, pos: QPointF, buttons=Qt.MouseButton.NoButton, button=Qt.MouseButton.NoButton):
+    ev = QMouseEvent(kind, pos, widget.mapToGlobal(pos.toPoint()).toPointF(), button, buttons,
+                     Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(widget, ev)
+
+
+def view_point(view, plot: str, x: float, y: float) -> QPointF:
+    vb = view.plots[plot].item.vb
+    scene = vb.mapViewToScene(QPointF(x, y))
+    return QPointF(view.glw.mapFromScene(scene))
+
+
+# -- a real engine ---------------------------------------------------------------------------------------------
+def test_plots_and_cards_follow_a_running_scripted_engine(qtbot, ctx, view, sim, tmp_path):
+    samples: list[Sample] = []
+    ctx.sampleArrived.connect(samples.append)
+    stop = threading.Event()
+    threads = chats(sim, 4, stop)
+    try:
+        with qtbot.waitSignal(view.hubStarted, timeout=15000) as blocker:
+            ctx.set_ready(sim.base_url, sim.api_key)
+        hub = blocker.args[0]
+        assert hub.hz == 5.0 and hub.simulated and hub.engine == "sim"
+
+        def warmed() -> bool:
+            y = curve_y(view, "swaps", "swaps_per_s")
+            return (view._redraws >= 8 and curve_y(view, "tok", "decode_tok_s").size >= 8
+                    and np.nanmax(curve_y(view, "tok", "decode_tok_s"), initial=0) > 20
+                    and y.size > 0 and np.nanmax(y, initial=0) > 0)
+
+        qtbot.waitUntil(warmed, timeout=30000)
+    finally:
+        stop.set()
+    dec = curve_y(view, "tok", "decode_tok_s")
+    assert np.nanmax(dec) < 400                                   # sensible: the guides' 4 users run ~128
+    hit = curve_y(view, "hit", "hit_rate")
+    assert hit.size and np.nanmin(hit) >= 0 and np.nanmax(hit) <= 100   # drawn in %
+    assert curve_y(view, "hit", "hit_rate_rolling").size
+    assert np.nanmax(curve_y(view, "slots", "slot0_tok_s")) > 0
+    assert view.plots["slots"].curves["slot3_tok_s"].isVisible()
+    assert not view.plots["slots"].curves["slot4_tok_s"].isVisible()   # the engine has 4 slots
+    assert np.nanmax(curve_y(view, "mem", "vram_used_bytes")) > 50      # GiB, modelled
+    assert curve_y(view, "util", "cpu_total_pct").size
+    # cards: values with units, simulated labelled, missing as —
+    assert view.cards["decode"].value.text().endswith("tok/s")
+    assert view.cards["decode"].tag.isVisibleTo(view)
+    assert view.cards["vram"].tag.isVisibleTo(view)
+    assert not view.cards["ram"].tag.isVisibleTo(view)               # the host's RAM is real
+    if "gpu" in view.last_tick.missing:
+        assert view.cards["gpu"].value.text() == "—"
+        assert view.last_tick.values["gpu_util_pct"] is None
+        assert not np.isfinite(curve_y(view, "util", "gpu_util_pct")).any()   # a gap, never a zero line
+    assert "simulated" in view.status.text() and "recording to" in view.status.text()
+    assert view.compare.comparison is not None and view.compare.comparison.simulated
+    assert "guides" in view.compare.table.text()
+    assert samples and samples[-1].simulated and "panel" in samples[-1].extra
+    # the rate follows the setting: a new hub at 2 Hz, the plotted history kept
+    rows_before = len(view.store)
+    with qtbot.waitSignal(view.hubStarted, timeout=15000) as blocker:
+        view.rate_box.setCurrentIndex(view.rate_box.findData(2.0))
+        view.rate_box.activated.emit(view.rate_box.currentIndex())
+    assert blocker.args[0].hz == 2.0 and ctx.settings.metrics_hz == 2.0
+    assert len(view.store) >= rows_before
+    # export (Ctrl+E's worker path) and stop
+    out = tmp_path / "export.csv"
+    done: list[int] = []
+    view.export_to(out, on_done=done.append)
+    qtbot.waitUntil(lambda: bool(done), timeout=10000)
+    rows = list(csv.DictReader(open(out)))
+    assert len(rows) == done[0] >= 8 and any(float(r["decode_tok_s"] or 0) > 0 for r in rows)
+    rec = view.current_recording()
+    ctx.set_ready(None, None)
+    assert view.hub is None and "Engine stopped" in view.status.text()
+    qtbot.waitUntil(lambda: not view._stopping, timeout=10000)
+    assert M.list_runs() and rec is not None and rec.exists()
+    for t in threads:
+        t.join(10)
+
+
+# -- view mechanics on a labelled synthetic history -------------------------------------------------------------
+def synthetic_history(hours: float = 2.0, hz: float = 1.0) -> tuple[M.RingStore, float]:
+    """TEST DATA: a store with ``hours`` of made-up rows, newest at now."""
+    store = M.RingStore(M.COLUMN_NAMES, hz=hz)
+    now = time.time()
+    n = int(hours * 3600 * hz)
+    t = now - (n - 1) / hz + np.arange(n) / hz
+    vals = np.full((n, len(M.COLUMN_NAMES)), np.nan, dtype=np.float32)
+    ix = store.index
+    vals[:, ix["decode_tok_s"]] = 60 + 10 * np.sin(np.arange(n) / 300)
+    vals[:, ix["hit_rate"]] = 0.9
+    vals[:, ix["slots_busy"]] = 1
+    vals[:, ix["slots_total"]] = 1
+    vals[:, ix["ram_used_bytes"]] = 100 * 2**30
+    store.extend(t, vals)
+    return store, float(t[-1])
+
+
+def tick_at(t: float, **values) -> M.Tick:
+    v = {c: None for c in M.COLUMN_NAMES}
+    v.update(values)
+    return M.Tick(seq=1, t=t, values=v, engine="strata", simulated=False, missing={"gpu": "no NVIDIA GPU (test)"})
+
+
+def x_range(view) -> tuple[float, float]:
+    return tuple(view.plots["tok"].item.vb.viewRange()[0])
+
+
+def test_windows_pause_scroll_back_and_hover(qtbot, view):
+    store, now = synthetic_history(2.0)
+    view.feed(tick_at(now, decode_tok_s=61.0, slots_busy=1.0, hit_rate=0.9), store)
+    for i, want in ((0, 60), (1, 600), (2, 3600), (3, 7200)):
+        view.set_window_index(i)
+        x0, x1 = x_range(view)
+        assert x1 - x0 == pytest.approx(want, rel=0.05), (i, x1 - x0)
+        assert x1 >= now - 1
+    view.set_window_index(1)
+    y = curve_y(view, "tok", "decode_tok_s")
+    assert 0 < y.size <= 2 * view.glw.width()
+    # drag the plot to the right: looks back in time, pauses the live follow
+    (vx0, vx1), (vy0, vy1) = view.plots["tok"].item.vb.viewRange()
+    p1 = view_point(view, "tok", vx0 + 0.7 * (vx1 - vx0), (vy0 + vy1) / 2)     # clear of the legend
+    p2 = p1 + QPointF(150, 0)
+    vp = view.glw.viewport()
+    send_mouse(vp, QEvent.Type.MouseButtonPress, p1, Qt.MouseButton.LeftButton, Qt.MouseButton.LeftButton)
+    for k in range(1, 11):
+        send_mouse(vp, QEvent.Type.MouseMove, p1 + (p2 - p1) * (k / 10), Qt.MouseButton.LeftButton)
+    send_mouse(vp, QEvent.Type.MouseButtonRelease, p2, Qt.MouseButton.NoButton, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: view.paused, timeout=3000)
+    assert view.live_btn.isVisibleTo(view) and view.pause_btn.text() == "Paused"
+    x0, x1 = x_range(view)
+    assert x1 < now - 60
+    # new data arrives while paused: the view stays where the user looks
+    store.append(now + 1, {"decode_tok_s": 500.0})
+    view.feed(tick_at(now + 1, decode_tok_s=500.0))
+    qtbot.wait(150)
+    assert x_range(view) == pytest.approx((x0, x1))
+    assert np.nanmax(curve_y(view, "tok", "decode_tok_s")) < 100
+    # hover read-out: time and values with units
+    send_mouse(vp, QEvent.Type.MouseMove, view_point(view, "tok", x0 + 0.7 * (x1 - x0), (vy0 + vy1) / 2))
+    qtbot.waitUntil(lambda: view.plots["tok"].readout.isVisible(), timeout=3000)
+    text = view.plots["tok"].readout.toPlainText()
+    assert "decode (all slots):" in text and "tok/s" in text and ":" in text.splitlines()[0]
+    assert view.plots["hit"].cursor.isVisible()                   # the cursor is shared by every plot
+    # Live ▶ resumes, showing the newest data
+    qtbot.mouseClick(view.live_btn, Qt.MouseButton.LeftButton)
+    assert not view.paused
+    assert x_range(view)[1] >= now + 0.5
+    assert np.nanmax(curve_y(view, "tok", "decode_tok_s")) == 500.0
+
+
+def test_cards_missing_reference_line_and_guides_card(qtbot, ctx, view):
+    store, now = synthetic_history(0.1)
+    view.feed(tick_at(now, decode_tok_s=None, slots_busy=None), store)
+    assert view.cards["decode"].value.text() == "—"
+    assert view.cards["gpu"].value.text() == "—" and "no NVIDIA GPU" in view.cards["gpu"].detail.text()
+    assert not view.cards["decode"].tag.isVisibleTo(view)         # not simulated
+    def push(t: float, **vals) -> None:                        # as the hub does: store, then show
+        store.append(t, vals)
+        view.feed(tick_at(t, **vals))
+
+    # the guides card at 4 users
+    push(now + 100, decode_tok_s=127.0, slots_busy=4.0, hit_rate=0.9)
+    c = view.compare.comparison
+    assert c.users == 4 and c.guide_tok_s == 127.58 and c.verdict == "as_published"
+    assert "127.58" in view.compare.table.text() and view.compare.badge.text() == "as published"
+    view.engine_info["numa_bound"] = False
+    push(now + 200, decode_tok_s=53.0, slots_busy=1.0, hit_rate=0.9)
+    assert view.compare.comparison.verdict == "below"
+    assert "NUMA" in view.compare.hints.text() and "53" in view.compare.hints.text()
+    # the planner's predicted hit rate as a reference line; unknown said in words
+    ctx.set_plan({"predicted_hit_rate": 0.874, "model": {"expert_bytes": 12_792_627}})
+    ref = view.plots["hit"].ref_line
+    assert ref is not None and ref.isVisible() and ref.value() == pytest.approx(87.4)
+    ctx.set_plan({"predicted_hit_rate": None, "predicted_hit_rate_note": "unknown until the engine has seen traffic"})
+    assert not ref.isVisible() and "unknown" in view.plots["hit"].note.toPlainText()
+
+
+def test_file_menu_has_the_export_action(qtbot, ctx):
+    from app.main_window import MainWindow
+
+    win = MainWindow(ctx)
+    qtbot.addWidget(win)
+    acts = [a for a in win.menuBar().actions()[0].menu().actions() if a.objectName() == "actionExportMetrics"]
+    assert len(acts) == 1 and acts[0].shortcut().toString() == "Ctrl+E"
+    assert "Export metrics CSV" in acts[0].text().replace("&", "")
+    win.monitor_view.shutdown()

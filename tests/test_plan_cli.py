@@ -1,0 +1,155 @@
+"""``dsv41 plan``: exit codes, JSON keys, itemised human output, refusals, usage files, the STRP artefact, and a
+replica with other non-expert shapes (a replica this project did not calibrate against)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine_manager.cli import main
+from engine_manager.replica import ReplicaSpec, write_replica
+from engine_manager.routing import read_strp, write_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+GiB, GB = 1 << 30, 10**9
+KEYS = ("hot_experts", "hot_expert_bytes", "cold_experts", "total_experts", "predicted_hit_rate", "vram", "ram",
+        "refused", "strata_args", "llamacpp_cpu_layers")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("model")
+    write_replica(d, ReplicaSpec())
+    return d
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """Same 40 × 384 experts, different everything else: 64 heads, Q8_0 attention, a 129,280-token vocabulary,
+    no n-gram tables, dense FFN in F16, 5 shards, no size target."""
+    d = tmp_path_factory.mktemp("other")
+    spec = replace(ReplicaSpec(), file_stem="Other-Q2_K", n_shards=5, n_head=64, q_lora_rank=1024, t_attn="Q8_0",
+                   t_dense="F16", t_shared="Q4_K", vocab=129_280, n_merges=127_741, engram_layers=(),
+                   target_total_bytes=None, n_ff_dense=16384)
+    write_replica(d, spec)
+    return d
+
+
+def _run(capsys, *argv):
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_json_on_the_guides_host(model, capsys, tmp_path):
+    out_file = tmp_path / "plan.json"
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "97887MiB", "--ram-gib", "280GB", "--json",
+                      "--out", str(out_file))
+    assert rc == 0
+    d = json.loads(out)
+    for k in KEYS:
+        assert k in d
+    assert abs(d["hot_experts"] - 5825) <= 175 and d["total_experts"] == 15_360
+    assert d["predicted_hit_rate"] is None and d["refused"] is None
+    assert d["vram"]["terms"] and all(isinstance(t["bytes"], int) for t in d["vram"]["terms"])
+    assert d["hardware"]["hypothetical"] is True
+    assert json.loads(out_file.read_text())["hot_experts"] == d["hot_experts"]
+
+
+def test_human_output_itemises_terms(model, capsys):
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "95.593", "--ram-gib", "280GB")
+    assert rc == 0
+    for s in ("VRAM  budget", "non-expert weights", "KV cache", "compute buffers", "reserve (--vram-reserve-mib)",
+              "hot experts", "RAM   budget", "cold experts (pinned)", "CPU-resident tensors", "pinned staging",
+              "OS headroom", "GiB", " GB", "HYPOTHETICAL", "unknown until the engine has seen traffic",
+              "Stock llama.cpp", "--expert-cache"):
+        assert s in out, s
+
+
+def test_192_gb_refused_exit_3(model, capsys):
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "97887MiB", "--ram-gib", "192GB")
+    assert rc == 3
+    assert "REFUSED" in out and "GB missing" in out
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "97887MiB", "--ram-gib", "192GB", "--json")
+    d = json.loads(out)
+    assert rc == 3 and d["refused"] and d["shortfalls"][0]["resource"] == "ram"
+    assert d["shortfalls"][0]["missing_bytes"] > 10 * GB
+
+
+def test_vram_too_small_refused(model, capsys):
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "16", "--ram-gib", "1TB")
+    assert rc == 3 and "VRAM: needs" in out and "missing" in out
+
+
+def test_usage_trace_gives_a_hit_rate_and_strp(model, capsys, tmp_path):
+    rng = np.random.default_rng(1)
+    recs = [(int(b), rng.choice(64, 6, replace=False).tolist(), [1 / 6] * 6) for b in range(3, 43) for _ in range(50)]
+    trace = write_trace(tmp_path / "trace.bin", recs)
+    strp = tmp_path / "profile.strp"
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "97887MiB", "--ram-gib", "280GB",
+                      "--usage", str(trace), "--strp", str(strp), "--json")
+    assert rc == 0
+    d = json.loads(out)
+    assert d["predicted_hit_rate"] == pytest.approx(1.0)      # every routed expert (< 64 per layer) fits the hot set
+    assert d["strp_path"] == str(strp) and "--expert-profile" in d["strata_args"]
+    assert read_strp(strp).slots == d["hot_experts"]
+
+
+def test_bad_usage_file_exit_2(model, capsys, tmp_path):
+    bad = tmp_path / "bad.strp"
+    bad.write_bytes(b"STRP" + b"\0" * 3)
+    rc, _, err = _run(capsys, "--model-dir", str(model), "--usage", str(bad), "--vram-gib", "96")
+    assert rc == 2 and "bad.strp" in err
+
+
+def test_no_model_says_how_to_get_one(capsys):
+    rc, _, err = _run(capsys)
+    assert rc == 1
+    assert "no model" in err and "dsv41 download" in err and "--replica" in err and "DSV41_MODEL_DIR" in err
+
+
+def test_unreadable_model_names_the_file(tmp_path, capsys):
+    (tmp_path / "M-00001-of-00001.gguf").write_bytes(b"nope" * 10)
+    rc, _, err = _run(capsys, "--model-dir", str(tmp_path))
+    assert rc == 1 and "M-00001-of-00001.gguf" in err and "bad magic" in err
+
+
+def test_model_dir_setting_is_used(model, capsys, monkeypatch):
+    monkeypatch.setenv("DSV41_MODEL_DIR", str(model))
+    rc, out, _ = _run(capsys, "--vram-gib", "97887MiB", "--ram-gib", "280GB", "--json")
+    assert rc == 0 and json.loads(out)["model"]["file"].startswith(str(model))
+
+
+def test_a_replica_with_other_non_expert_shapes(other_model, capsys):
+    """Acceptance: `dsv41 plan` on a replica it did not make (other non-expert shapes, same 40 × 384 experts)."""
+    rc, out, _ = _run(capsys, "--model-dir", str(other_model), "--vram-gib", "97887MiB", "--ram-gib", "280GB",
+                      "--json")
+    assert rc == 0
+    d = json.loads(out)
+    assert d["total_experts"] == 15_360 and d["model"]["moe_layers"] == list(range(3, 43))
+    assert d["model"]["shards"] == 5
+    v = {t["name"]: t["bytes"] for t in d["vram"]["terms"]}
+    assert v["hot experts"] == d["hot_expert_bytes"] and 0 < d["hot_experts"] < 15_360
+    assert d["vram"]["total_bytes"] <= d["vram"]["budget_bytes"]
+    # different non-expert part than the calibrated replica → a different hot set size
+    assert d["hot_experts"] != 5825
+    r = {t["name"]: t["bytes"] for t in d["ram"]["terms"]}
+    assert r["CPU-resident tensors"] > 0                       # token_embd is still a lookup table
+
+
+def test_replica_flag_and_a_real_subprocess(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "engine_manager", "plan", "--replica", "--vram-gib", "97887MiB",
+                        "--ram-gib", "280GB", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["model"]["source"].startswith("the header-faithful replica")
+    assert abs(d["hot_experts"] - 5825) <= 175
