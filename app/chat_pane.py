@@ -178,6 +178,9 @@ class ConversationDoc:
         self.expanded: set[int] = set()          # message ids whose reasoning is shown
         self.tail_renders = 0                    # how often the streaming message was re-rendered (benchmark)
         self.tail_render_s = 0.0
+        self._pending: list[tuple[str, float]] = []   # (chunk, arrival) appended to the model, not yet drawn
+        self._flush_queued = False
+        self.probe: Callable[[float], None] | None = None
 
     # -- HTML of one message ----------------------------------------------------------------------------
     def message_html(self, lm: LiveMessage, *, streaming: bool, last_answer: bool, can_act: bool) -> str:
@@ -255,6 +258,8 @@ class ConversationDoc:
     # -- whole document ----------------------------------------------------------------------------------
     def render_all(self, messages: list[LiveMessage], streaming_id: int | None) -> None:
         t0 = time.perf_counter()
+        if streaming_id is None:
+            self._report()              # a finished message is drawn whole
         self.codes = []
         last_answer_id = next((lm.msg.id for lm in reversed(messages) if lm.msg.role == "assistant"), None)
         can_act = streaming_id is None
@@ -292,6 +297,7 @@ class ConversationDoc:
             self.stream_phase = "content" if live.content else "reasoning"
         cur.movePosition(QTextCursor.MoveOperation.End)
         self._cursor = cur
+        self._report()                  # the tail was drawn from the whole message: pending chunks are in
 
     def rerender_tail(self, live: LiveMessage) -> None:
         if self.stream_start is None:
@@ -303,21 +309,43 @@ class ConversationDoc:
         self.tail_renders += 1
         self.tail_render_s += self.last_render_s
 
-    def append(self, live: LiveMessage, kind: str, text: str) -> None:
-        """One chunk: a raw append at the end, or (on a phase change) a re-render of the streaming message."""
+    def append(self, live: LiveMessage, kind: str, text: str, t_arrival: float) -> None:
+        """One chunk (already added to ``live``): a raw append at the end, or (on a phase change) a re-render of
+        the streaming message. Appends are coalesced per event-loop turn: a paragraph is laid out again as a
+        whole on every insert (measured: 2.4 ms per insert into a 7,000-character paragraph), so chunks that
+        queued up while the GUI was busy go in with one insert."""
         if self.stream_start is None:
             return
         if kind == "reasoning" and self.stream_phase == "content":
             return                     # the reasoning is folded away once the answer began: drawn on re-render
+        self._pending.append((text, t_arrival))
         if self.stream_phase != kind:
             self.rerender_tail(live)
+            return
+        if not self._flush_queued:
+            self._flush_queued = True
+            QTimer.singleShot(0, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_queued = False
+        if not self._pending or self.stream_start is None:
+            self._pending.clear()
             return
         cur = self._cursor
         if cur is None:
             cur = QTextCursor(self.doc)
             cur.movePosition(QTextCursor.MoveOperation.End)
             self._cursor = cur
-        cur.insertText(text)
+        cur.insertText("".join(t for t, _a in self._pending))
+        self._report()
+
+    def _report(self) -> None:
+        """The pending chunks are in the document now (tell the benchmark probe, if any)."""
+        if self.probe is not None and self._pending:
+            now = time.perf_counter()
+            for _t, arrival in self._pending:
+                self.probe(now - arrival)
+        self._pending.clear()
 
     def render_due(self) -> bool:
         gap = max(RENDER_MIN_INTERVAL_S, RENDER_COST_FACTOR * self.last_render_s)
@@ -339,11 +367,13 @@ class Stream:
 
 
 class ConvState:
-    def __init__(self, cid: int | None, title: str, theme: dict[str, str], font: QFont):
+    def __init__(self, cid: int | None, title: str, theme: dict[str, str], font: QFont,
+                 probe: Callable[[float], None] | None = None):
         self.id = cid
         self.title = title
         self.messages: list[LiveMessage] = []
         self.view = ConversationDoc(theme, font)
+        self.view.probe = probe
         self.options: dict[str, Any] = {}
         self.stream: Stream | None = None
         self.loaded = cid is None
@@ -677,6 +707,10 @@ class ChatPane(QWidget):
         self._pool.start(worker)
         return worker
 
+    def _probe_on_screen(self, seconds: float) -> None:
+        if self.on_delta_rendered is not None:
+            self.on_delta_rendered(seconds, True)
+
     # -- store --------------------------------------------------------------------------------------------------
     def _store_ready(self, store: hist.HistoryStore) -> None:
         self.store = store
@@ -830,7 +864,7 @@ class ChatPane(QWidget):
 
     # -- conversations --------------------------------------------------------------------------------------
     def _new_draft(self) -> ConvState:
-        st = ConvState(None, hist.DEFAULT_TITLE, self._theme, self._font)
+        st = ConvState(None, hist.DEFAULT_TITLE, self._theme, self._font, self._probe_on_screen)
         st.render()
         self._show(st)
         return st
@@ -851,7 +885,7 @@ class ChatPane(QWidget):
     def open_conversation(self, cid: int) -> None:
         state = self._convs.get(cid)
         if state is None:
-            state = ConvState(cid, "", self._theme, self._font)
+            state = ConvState(cid, "", self._theme, self._font, self._probe_on_screen)
             self._convs[cid] = state
         self._show(state)
         self._select_item(cid)
@@ -1266,12 +1300,17 @@ class ChatPane(QWidget):
                 live.reasoning_parts.append(ev.text)
             live.n_chunks += 1
             live.t_last = ev.t
-            st.view.append(live, kind, ev.text)
-            if self.on_delta_rendered is not None:
-                self.on_delta_rendered(time.perf_counter() - ev.t, st is self._current)
-            if st is self._current and not st.timer.isActive():
-                gap = max(RENDER_MIN_INTERVAL_S, RENDER_COST_FACTOR * st.view.last_render_s)
-                st.timer.start(int(gap * 1000))
+            if st is self._current and st.view.stream_start is not None:
+                st.view.append(live, kind, ev.text, ev.t)
+                if not st.timer.isActive():
+                    gap = max(RENDER_MIN_INTERVAL_S, RENDER_COST_FACTOR * st.view.last_render_s)
+                    st.timer.start(int(gap * 1000))
+            else:
+                # not on screen: the text waits in the model and the conversation is drawn when it is shown
+                # (a document that is not shown still lays out every insert, at up to 4.5 ms each)
+                st.dirty = True
+                if self.on_delta_rendered is not None:
+                    self.on_delta_rendered(time.perf_counter() - ev.t, False)
             return
         if cls is TurnStarted:
             self._on_started(stream, ev)
@@ -1293,7 +1332,10 @@ class ChatPane(QWidget):
         if new:
             first_user = next((lm.msg for lm in st.messages if lm.msg.role == "user"), None)
             st.title = hist.title_from(first_user.content) if first_user else st.title
-        st.render()
+        if st is self._current:
+            st.render()
+        else:
+            st.dirty = True
         if st is self._current:
             self._show_title()
             self._scroll_to_end()

@@ -1,17 +1,633 @@
-"""Placeholder until its issue lands: keeps the main window's arrangement final from the start."""
+"""The engine controls of the control column: pick the engine, one click to start or stop it, watch it get ready.
+
+Everything here renders what ``engine_manager.supervisor`` says and forwards clicks to it; the supervisor's
+generators run on worker threads (``app.workers``). The panel owns the window's :class:`Supervisor`
+(``ctx.supervisor``), re-emits its state events as ``ctx.engineStateChanged``, its log lines as ``ctx.engineLog``,
+and calls ``ctx.set_ready(base_url, key)`` when the engine is ready (``set_ready(None, None)`` when it is not).
+On start-up it re-attaches to an engine a previous panel (or ``dsv41 start``) left running.
+"""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+import html
+import time
+from typing import Any
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QAction, QFontDatabase, QGuiApplication, QKeySequence
+from PySide6.QtWidgets import (
+    QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFrame, QHBoxLayout, QLabel, QMessageBox, QPlainTextEdit,
+    QProgressBar, QPushButton, QSizePolicy, QToolButton, QVBoxLayout, QWidget,
+)
+
+from engine_manager import supervisor as sv
+from engine_manager.settings import resolve_engine
+
+from .workers import run_function, run_generator
+
+ENGINE_CHOICES = (
+    ("auto", "Auto"),
+    ("strata", "deepseek-one-gpu (Strata)"),
+    ("llamacpp", "llama.cpp (stock llama-server)"),
+    ("sim", "Scripted engine (simulated)"),
+)
+ENGINE_WORDS = {"strata": "Strata", "llamacpp": "llama.cpp", "sim": "scripted engine (simulated)"}
+
+BADGE = {  # state: (text, background, foreground)
+    sv.STOPPED: ("Stopped", "#e4e6eb", "#3a3f47"),
+    sv.STARTING: ("Starting…", "#dbe8ff", "#1f4e99"),
+    sv.READY: ("Ready", "#d9f2dd", "#1b6b2b"),
+    sv.STOPPING: ("Stopping…", "#fff0d6", "#8a5300"),
+    sv.CRASHED: ("Crashed", "#fde2e1", "#a1131c"),
+    sv.RESTARTING: ("Restarting…", "#ffe7cc", "#9a4a00"),
+}
+POLL_MS = 3000
+
+
+def fmt_s(s: float | None) -> str:
+    if s is None:
+        return "—"
+    s = max(0.0, float(s))
+    if s < 60:
+        return f"{s:.1f} s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{m} min {sec:02d} s"
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min"
+
+
+class CrashBanner(QFrame):
+    """Cause and fix of the last failure, in plain words; dismissible."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("crashBanner")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(8, 6, 8, 6)
+        top = QHBoxLayout()
+        self.title = QLabel()
+        self.title.setObjectName("crashTitle")
+        self.title.setWordWrap(True)
+        self.title.setTextFormat(Qt.TextFormat.PlainText)
+        f = self.title.font()
+        f.setBold(True)
+        self.title.setFont(f)
+        close = QToolButton()
+        close.setText("✕")
+        close.setToolTip("Dismiss")
+        close.setAutoRaise(True)
+        close.clicked.connect(self.hide)
+        top.addWidget(self.title, 1)
+        top.addWidget(close, 0, Qt.AlignmentFlag.AlignTop)
+        lay.addLayout(top)
+        self.fix = QLabel()
+        self.fix.setObjectName("crashFix")
+        self.fix.setWordWrap(True)
+        self.fix.setTextFormat(Qt.TextFormat.PlainText)
+        self.fix.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        lay.addWidget(self.fix)
+        self.extra = QLabel()
+        self.extra.setObjectName("crashExtra")
+        self.extra.setWordWrap(True)
+        lay.addWidget(self.extra)
+        self.log_button = QPushButton("Show the log")
+        self.log_button.setObjectName("crashShowLog")
+        lay.addWidget(self.log_button, 0, Qt.AlignmentFlag.AlignLeft)
+        self.hide()
+
+    def show_problem(self, title: str, fix: str, extra: str = "", severe: bool = True) -> None:
+        bg, fg = ("#fde2e1", "#7d0d14") if severe else ("#fff4e5", "#6b4100")
+        self.setStyleSheet(f"QFrame#crashBanner {{ background: {bg}; border: 1px solid {fg}; border-radius: 4px; }}"
+                           f" QLabel {{ color: {fg}; }}")
+        self.title.setText(title)
+        self.fix.setText(fix)
+        self.extra.setText(extra)
+        self.extra.setVisible(bool(extra))
+        self.show()
+
+
+class DryRunDialog(QDialog):
+    def __init__(self, text: str, parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("Dry run: every command a start would run here")
+        self.resize(900, 520)
+        lay = QVBoxLayout(self)
+        self.text = QPlainTextEdit(text)
+        self.text.setObjectName("dryRunText")
+        self.text.setReadOnly(True)
+        self.text.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
+        self.text.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        lay.addWidget(self.text)
+        bb = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+        copy = bb.addButton("Copy", QDialogButtonBox.ButtonRole.ActionRole)
+        copy.setObjectName("dryRunCopy")
+        copy.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.text.toPlainText()))
+        bb.rejected.connect(self.reject)
+        lay.addWidget(bb)
 
 
 class EnginePanel(QWidget):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx
+        self.setObjectName("enginePanel")
+        self.sup = sv.Supervisor(ctx.settings, hardware=ctx.hardware)
+        ctx.supervisor = self.sup
+        self._state = sv.STOPPED
+        self._run_worker = None
+        self._stop_worker = None
+        self._status_busy = False
+        self._close_after_stop = None
+        self._shutting_down = False
+        self._stop_started: float | None = None
+        self._last_notes: list[str] = []
+        self._build()
+        self._build_actions()
+        ctx.requestStart.connect(self.start)
+        ctx.settingsChanged.connect(self._settings_changed)
+        ctx.hardwareChanged.connect(self._hardware_changed)
+        self.poll_timer = QTimer(self)
+        self.poll_timer.setInterval(POLL_MS)
+        self.poll_timer.timeout.connect(self._poll_status)
+        self.poll_timer.start()
+        self.clock = QTimer(self)
+        self.clock.setInterval(1000)
+        self.clock.timeout.connect(lambda: self._state == sv.READY and self._refresh_details())
+        self.clock.start()
+        self._render_state(sv.STOPPED, "")
+        QTimer.singleShot(0, self.reattach)
+
+    # -- layout ----------------------------------------------------------------------------------------------------
+    def _build(self) -> None:
         lay = QVBoxLayout(self)
-        label = QLabel("Engine controls (start, stop, readiness) arrive with the supervisor.")
-        label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        label.setWordWrap(True)
-        lay.addWidget(label)
+        lay.setContentsMargins(0, 4, 0, 0)
+        lay.setSpacing(6)
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Engine"))
+        self.engine_box = QComboBox()
+        self.engine_box.setObjectName("engineSelector")
+        for name, text in ENGINE_CHOICES:
+            self.engine_box.addItem(text, name)
+        self.engine_box.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        idx = self.engine_box.findData(self.ctx.settings.server_engine)
+        self.engine_box.setCurrentIndex(max(0, idx))
+        self.engine_box.currentIndexChanged.connect(self._engine_chosen)
+        row.addWidget(self.engine_box, 1)
+        lay.addLayout(row)
+        self.resolved = QLabel()
+        self.resolved.setObjectName("engineResolved")
+        self.resolved.setWordWrap(True)
+        self.resolved.setStyleSheet("color: palette(mid);")
+        lay.addWidget(self.resolved)
+
+        self.badge = QLabel()
+        self.badge.setObjectName("stateBadge")
+        self.badge.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.badge.setMinimumHeight(30)
+        f = self.badge.font()
+        f.setBold(True)
+        f.setPointSizeF(f.pointSizeF() * 1.15)
+        self.badge.setFont(f)
+        lay.addWidget(self.badge)
+
+        self.start_button = QPushButton("Start")
+        self.start_button.setObjectName("startStopButton")
+        self.start_button.setMinimumHeight(36)
+        self.start_button.clicked.connect(self.toggle)
+        lay.addWidget(self.start_button)
+
+        self.progress = QProgressBar()
+        self.progress.setObjectName("readyProgress")
+        self.progress.setTextVisible(True)
+        self.progress.hide()
+        lay.addWidget(self.progress)
+        self.phase = QLabel()
+        self.phase.setObjectName("readyPhase")
+        self.phase.setWordWrap(True)
+        self.phase.hide()
+        lay.addWidget(self.phase)
+
+        self.banner = CrashBanner()
+        self.banner.log_button.clicked.connect(lambda: self.ctx.requestTab.emit("Log"))
+        lay.addWidget(self.banner)
+
+        self.details = QLabel()
+        self.details.setObjectName("engineDetails")
+        self.details.setWordWrap(True)
+        self.details.setTextFormat(Qt.TextFormat.RichText)
+        self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        lay.addWidget(self.details)
+
+        self.auto_restart = QCheckBox("Restart after a crash")
+        self.auto_restart.setObjectName("autoRestart")
+        self.auto_restart.setToolTip("Restart the engine after a crash, waiting longer after each one, and give up "
+                                     f"after {self.sup.crash_limit} crashes within "
+                                     f"{self.sup.crash_window_s / 60:.0f} minutes (a crash loop)")
+        self.auto_restart.setChecked(bool(self.ctx.settings.auto_restart))
+        self.auto_restart.toggled.connect(self._auto_restart_toggled)
+        lay.addWidget(self.auto_restart)
+
+        self.dry_button = QPushButton("Dry run…")
+        self.dry_button.setObjectName("dryRunButton")
+        self.dry_button.setToolTip("Show every command a start would run on this machine (copyable)")
+        self.dry_button.clicked.connect(self.dry_run)
+        lay.addWidget(self.dry_button)
+
+        self.notes_toggle = QToolButton()
+        self.notes_toggle.setObjectName("engineNotesToggle")
+        self.notes_toggle.setText("Start details")
+        self.notes_toggle.setCheckable(True)
+        self.notes_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.notes_toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.notes_toggle.setAutoRaise(True)
+        self.notes_toggle.setToolTip("The plan, the NUMA binding probes and where the log is")
+        self.notes_toggle.toggled.connect(self._toggle_notes)
+        self.notes_toggle.hide()
+        lay.addWidget(self.notes_toggle)
+        self.notes = QLabel()
+        self.notes.setObjectName("engineNotes")
+        self.notes.setWordWrap(True)
+        self.notes.setStyleSheet("color: palette(mid); font-size: 90%;")
+        self.notes.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.notes.hide()
+        lay.addWidget(self.notes)
+        lay.addStretch(1)
+        self._update_resolved()
+
+    def _build_actions(self) -> None:
+        self.start_action = QAction("&Start engine", self)
+        self.start_action.setObjectName("actionStart")
+        self.start_action.setShortcut(QKeySequence("Ctrl+R"))
+        self.start_action.triggered.connect(self.start)
+        self.stop_action = QAction("S&top engine", self)
+        self.stop_action.setObjectName("actionStop")
+        self.stop_action.setShortcut(QKeySequence("Ctrl+."))
+        self.stop_action.triggered.connect(self.stop)
+        self.force_action = QAction("&Force stop (SIGKILL)", self)
+        self.force_action.setObjectName("actionForceStop")
+        self.force_action.triggered.connect(self.force_stop)
+        self.dry_action = QAction("&Dry run…", self)
+        self.dry_action.setObjectName("actionDryRun")
+        self.dry_action.triggered.connect(self.dry_run)
+        for a in (self.start_action, self.stop_action, self.force_action, self.dry_action):
+            self.addAction(a)
+
+    def actions_for_menu(self) -> list[QAction]:
+        return [self.start_action, self.stop_action, self.force_action, self.dry_action]
+
+    # -- helpers ----------------------------------------------------------------------------------------------------
+    def selected_engine(self) -> str:
+        return self.engine_box.currentData() or "auto"
+
+    def resolved_engine(self) -> str:
+        choice = self.selected_engine()
+        if choice != "auto":
+            return choice
+        return resolve_engine(self.ctx.settings, self.ctx.has_gpu)
+
+    def _update_resolved(self) -> None:
+        name = self.resolved_engine()
+        if self.selected_engine() == "auto":
+            why = "a GPU was found" if self.ctx.has_gpu else (
+                "no NVIDIA GPU here" if self.ctx.hardware is not None else "probing the hardware…")
+            self.resolved.setText(f"→ {ENGINE_WORDS.get(name, name)} ({why})")
+        elif name == "sim":
+            self.resolved.setText("Every figure it reports is simulated.")
+        else:
+            self.resolved.setText("")
+        self.resolved.setVisible(bool(self.resolved.text()))
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def is_running(self) -> bool:
+        return self._state in sv.RUNNING_STATES or self._run_worker is not None
+
+    # -- intents ----------------------------------------------------------------------------------------------------
+    def toggle(self) -> None:
+        if self._state == sv.STOPPING:
+            self.force_stop()
+        elif self.is_running():
+            self.stop()
+        else:
+            self.start()
+
+    def start(self) -> None:
+        if self.is_running() or self._stop_worker is not None:
+            return
+        self.banner.hide()
+        self._last_notes = []
+        self.notes.setText("")
+        self.notes_toggle.hide()
+        self.sup.settings = self.ctx.settings
+        self.sup.hardware = self.ctx.hardware
+        self.sup.auto_restart = self.auto_restart.isChecked()
+        engine = self.resolved_engine()
+        self._render_state(sv.STARTING, f"starting the {ENGINE_WORDS.get(engine, engine)}")
+        self._run_worker = run_generator(self.sup.run, engine, self.ctx.plan, on_event=self._on_event,
+                                         on_done=self._run_done, on_error=self._on_error,
+                                         on_finished=self._run_finished)
+
+    def stop(self) -> None:
+        if self._state == sv.STOPPING:
+            self.force_stop()
+            return
+        if self._stop_worker is not None:
+            return
+        if not self.is_running() and self._state not in (sv.CRASHED,):
+            return
+        self._stop_started = time.monotonic()
+        self._stop_worker = run_generator(self.sup.stop, on_event=self._on_event, on_error=self._on_error,
+                                          on_finished=self._stop_finished)
+
+    def force_stop(self) -> None:
+        if self._stop_worker is not None:
+            self.sup.request_force()
+            return
+        if not self.is_running():
+            return
+        self._stop_started = time.monotonic()
+        self._stop_worker = run_generator(self.sup.stop, True, on_event=self._on_event, on_error=self._on_error,
+                                          on_finished=self._stop_finished)
+
+    def reattach(self) -> None:
+        """Find an engine a previous panel or `dsv41 start` left running (pid + start time + health must match)
+        and supervise it; after a dead one, clean up and show how it ended."""
+        if self._run_worker is not None or self._shutting_down:
+            return
+        self.sup.settings = self.ctx.settings
+        self.sup.auto_restart = self.auto_restart.isChecked()
+        self._run_worker = run_generator(self.sup.watch, on_event=self._on_event, on_done=self._run_done,
+                                         on_error=self._on_error, on_finished=self._run_finished)
+
+    def dry_run(self) -> None:
+        self.sup.settings = self.ctx.settings
+        self.sup.hardware = self.ctx.hardware
+        self.dry_button.setEnabled(False)
+        self.ctx.statusMessage.emit("Preparing the dry run (probing the binding)…", 3000)
+        run_function(self.sup.dry_run, self.resolved_engine(), self.ctx.plan, on_done=self._show_dry_run,
+                     on_error=self._on_error, on_finished=lambda: self.dry_button.setEnabled(True))
+
+    def _show_dry_run(self, dr: sv.DryRun) -> None:
+        self.last_dry_run = DryRunDialog(dr.render(), self)
+        self.last_dry_run.setModal(False)
+        self.last_dry_run.show()
+
+    # -- events from the supervisor ----------------------------------------------------------------------------------
+    def _on_event(self, ev: Any) -> None:
+        k = getattr(ev, "kind", "")
+        if k == "log":
+            self.ctx.engineLog.emit(ev)
+            return
+        if k == "state":
+            self._render_state(ev.state, ev.message)
+            self.ctx.engineStateChanged.emit(ev)
+        elif k == "progress":
+            self._show_progress(ev)
+        elif k == "ready":
+            self.progress.hide()
+            self.phase.hide()
+            self.banner.hide()
+            self.ctx.set_ready(ev.base_url, self.ctx.settings.api_key)
+            self.ctx.statusMessage.emit(f"Engine ready at {ev.base_url}"
+                                        + (" (re-attached)" if ev.attached else f" after {fmt_s(ev.elapsed_s)}"),
+                                        6000)
+            self._refresh_details()
+        elif k == "crashed":
+            extra = ""
+            if ev.will_restart:
+                extra = f"Restarting in {ev.restart_in_s:.1f} s (crash {ev.crashes_in_window})."
+            self.banner.show_problem(ev.title, ev.fix, extra)
+            self._clear_ready()
+        elif k == "restarting":
+            self.phase.setText(f"Restarting in {ev.remaining_s:.1f} s (crash {ev.attempt})")
+            self.phase.show()
+        elif k == "gave_up":
+            self.banner.show_problem(self.banner.title.text() or "The engine keeps crashing", self.banner.fix.text(),
+                                     ev.message)
+        elif k == "failed":
+            extra = ("Last log lines:\n" + "\n".join(ev.log_tail[-8:])) if ev.log_tail else ""
+            self.banner.show_problem(ev.message, ev.fix, extra, severe=ev.cause not in ("port_in_use", "busy"))
+            self.progress.hide()
+            self.phase.hide()
+        elif k == "stopping":
+            left = max(0.0, ev.grace_s - ev.elapsed_s)
+            self.phase.setText(f"{ev.signal_name} sent {fmt_s(ev.elapsed_s)} ago; {ev.remaining} process(es) left"
+                               + (f" — SIGKILL in {fmt_s(left)} (or Force stop now)" if ev.signal_name == "SIGTERM"
+                                  else ""))
+            self.phase.show()
+        elif k == "stopped":
+            self.progress.hide()
+            self.phase.hide()
+            self.banner.hide()                        # a stop the user asked for ends the crash story
+            self.ctx.statusMessage.emit(ev.message, 5000)
+            self._clear_ready()
+        elif k == "attached":
+            self.ctx.statusMessage.emit(ev.message, 8000)
+            self.ctx.engineStateChanged.emit(ev)
+        elif k == "note":
+            self._add_note(ev.text, ev.level)
+
+    def _add_note(self, text: str, level: str) -> None:
+        self._last_notes = (self._last_notes + [("⚠ " if level == "warning" else "") + text.strip()])[-8:]
+        self.notes.setText("\n".join(self._last_notes))
+        self.notes_toggle.show()
+        if level == "warning":
+            self.ctx.statusMessage.emit(text, 8000)
+
+    def _toggle_notes(self, on: bool) -> None:
+        self.notes_toggle.setArrowType(Qt.ArrowType.DownArrow if on else Qt.ArrowType.RightArrow)
+        self.notes.setVisible(on)
+
+    def _show_progress(self, ev: sv.Progress) -> None:
+        if ev.fraction is not None:
+            self.progress.setRange(0, 1000)
+            self.progress.setValue(int(ev.fraction * 1000))
+            self.progress.setFormat(f"{ev.fraction * 100:.0f} %")
+        else:
+            self.progress.setRange(0, 0)          # busy: the engine does not say how far it is
+        self.progress.show()
+        eta = f" · about {fmt_s(ev.eta_s)} left" if ev.eta_s else ""
+        quiet = (f" · no output for {fmt_s(ev.last_output_age_s)}" if ev.last_output_age_s and
+                 ev.last_output_age_s > 30 else "")
+        self.phase.setText(f"{ev.phase}\n{fmt_s(ev.elapsed_s)} elapsed of up to {fmt_s(ev.timeout_s)}{eta}{quiet}")
+        self.phase.show()
+
+    def _clear_ready(self) -> None:
+        if self.ctx.base_url is not None:
+            self.ctx.set_ready(None, None)
+
+    def _run_done(self, st: sv.EngineStatus | None) -> None:
+        if st is not None:
+            self._render_state(st.state, st.message)
+
+    def _run_finished(self) -> None:
+        self._run_worker = None
+        if self._state in (sv.STOPPED, sv.CRASHED):
+            self._clear_ready()
+        self._render_state(self._state, "")
+
+    def _stop_finished(self) -> None:
+        self._stop_worker = None
+        self._stop_started = None
+        self._render_state(self._state, "")
+        if self._close_after_stop is not None and self._run_worker is None:
+            win, self._close_after_stop = self._close_after_stop, None
+            QTimer.singleShot(0, win.close)
+        elif self._close_after_stop is not None:
+            QTimer.singleShot(100, self._stop_finished)
+
+    def _on_error(self, exc: BaseException) -> None:
+        self.banner.show_problem("The panel hit an error while handling the engine",
+                                 f"{exc.__class__.__name__}: {exc}", "Details are in the terminal; `dsv41 status` "
+                                 "shows what runs.", severe=True)
+
+    # -- rendering --------------------------------------------------------------------------------------------------
+    def _render_state(self, state: str, message: str) -> None:
+        self._state = state
+        text, bg, fg = BADGE.get(state, (state, "#eee", "#333"))
+        self.badge.setText(text)
+        self.badge.setToolTip(message or text)
+        self.badge.setStyleSheet(f"QLabel#stateBadge {{ background: {bg}; color: {fg}; border-radius: 4px; "
+                                 "padding: 4px; }")
+        running = self.is_running()
+        stopping = state == sv.STOPPING or self._stop_worker is not None
+        if stopping:
+            self.start_button.setText("Force stop")
+            self.start_button.setToolTip("Kill the engine now (SIGKILL) instead of waiting for the grace period")
+        elif running:
+            self.start_button.setText("Stop")
+            self.start_button.setToolTip("Stop the engine: SIGTERM, a grace period, then SIGKILL (Ctrl+.)")
+        else:
+            self.start_button.setText("Start")
+            self.start_button.setToolTip("Start the engine (Ctrl+R)")
+        self.start_action.setEnabled(not running and not stopping)
+        self.stop_action.setEnabled(running and not stopping)
+        self.force_action.setEnabled(running or stopping)
+        self.engine_box.setEnabled(not running and not stopping)
+        if state in (sv.STOPPED, sv.CRASHED) and not running:
+            self.progress.hide()
+            if not stopping:
+                self.phase.hide()
+        self._refresh_details()
+
+    def _refresh_details(self) -> None:
+        st = self.sup.snapshot()
+        if st is None or self._state in (sv.STOPPED, sv.CRASHED):
+            if not self.details.text().startswith("<b>Port"):
+                self.details.setText("")
+                self.details.hide()
+            return
+        parts = [f"<b>{html.escape(st.label or st.engine or '')}</b>"]
+        up = f" · up {fmt_s(time.time() - st.started_at)}" if st.started_at and self._state == sv.READY else ""
+        parts.append(f"pid {st.pid or '?'} · port {st.port}{up}")
+        if st.ready_at:
+            parts.append(f"<code>{html.escape(st.base_url or '')}</code>")
+        if st.binding:
+            parts.append(f"binding: {html.escape(st.binding)}")
+        if st.binding_note and "one NUMA node" in st.binding_note:
+            parts.append("<i>one NUMA node here: binding cannot change speed</i>")
+        self.details.setToolTip(st.binding_note or "")
+        self.details.setText("<br>".join(parts))
+        self.details.show()
+
+    # -- settings / hardware -----------------------------------------------------------------------------------------
+    def _engine_chosen(self, _i: int) -> None:
+        name = self.selected_engine()
+        self._update_resolved()
+        if name != self.ctx.settings.server_engine and not self.ctx.loaded.env_locked("server_engine"):
+            try:
+                self.ctx.update_settings({"server_engine": name})
+            except Exception as exc:  # a settings file that cannot be written: say so, keep the choice
+                self.ctx.statusMessage.emit(f"Could not save the engine choice: {exc}", 6000)
+
+    def _auto_restart_toggled(self, on: bool) -> None:
+        self.sup.auto_restart = on
+        if bool(self.ctx.settings.auto_restart) != on and not self.ctx.loaded.env_locked("auto_restart"):
+            try:
+                self.ctx.update_settings({"auto_restart": on})
+            except Exception as exc:
+                self.ctx.statusMessage.emit(f"Could not save the auto-restart choice: {exc}", 6000)
+
+    def _settings_changed(self, loaded) -> None:
+        if not self.is_running():
+            self.sup.settings = loaded.settings
+        self.auto_restart.blockSignals(True)
+        self.auto_restart.setChecked(bool(loaded.settings.auto_restart))
+        self.auto_restart.blockSignals(False)
+        self.sup.auto_restart = bool(loaded.settings.auto_restart)
+        idx = self.engine_box.findData(loaded.settings.server_engine)
+        if idx >= 0 and idx != self.engine_box.currentIndex():
+            self.engine_box.blockSignals(True)
+            self.engine_box.setCurrentIndex(idx)
+            self.engine_box.blockSignals(False)
+        self._update_resolved()
+
+    def _hardware_changed(self, report) -> None:
+        if not self.is_running():
+            self.sup.hardware = report
+        self._update_resolved()
+
+    # -- engines started elsewhere ----------------------------------------------------------------------------------
+    def _poll_status(self) -> None:
+        """While idle, notice an engine started by `dsv41 start` (then attach) or a foreign one on the port."""
+        if self._status_busy or self.is_running() or self._stop_worker is not None or self._shutting_down:
+            return
+        self._status_busy = True
+        run_function(self.sup.status, on_done=self._polled,
+                     on_finished=lambda: setattr(self, "_status_busy", False))
+
+    def _polled(self, st: sv.EngineStatus) -> None:
+        if self.is_running() or self._shutting_down:
+            return
+        if st.owner == "panel" and st.running:
+            self.reattach()
+        elif st.external:
+            self.details.setText(f"<b>Port {self.ctx.settings.port} is taken</b> by something this panel did not "
+                                 f"start: {sv.describe_owner(st.external)}. It is shown, never stopped.")
+            self.details.show()
+        elif self.details.text().startswith("<b>Port"):
+            self.details.hide()
+
+    # -- closing -----------------------------------------------------------------------------------------------------
+    def ask_close_choice(self, win) -> str:
+        """"stop", "leave" or "cancel" (a dialog; tests replace this method)."""
+        box = QMessageBox(win)
+        box.setIcon(QMessageBox.Icon.Question)
+        box.setWindowTitle("The engine is running")
+        box.setText("The engine is still running. Stop it before closing?")
+        box.setInformativeText("Leave it running to keep serving (for example to `dsv41 chat`); the next start of "
+                               "the panel re-attaches to it.")
+        stop = box.addButton("Stop the engine", QMessageBox.ButtonRole.AcceptRole)
+        leave = box.addButton("Leave it running", QMessageBox.ButtonRole.DestructiveRole)
+        box.addButton(QMessageBox.StandardButton.Cancel)
+        box.setDefaultButton(stop)
+        box.exec()
+        clicked = box.clickedButton()
+        return "stop" if clicked is stop else "leave" if clicked is leave else "cancel"
+
+    def confirm_close(self, win) -> bool:
+        if self._close_after_stop is not None:
+            return False                              # still stopping: the window closes when it is done
+        if not self.is_running() and self._stop_worker is None:
+            return True
+        choice = self.ask_close_choice(win)
+        if choice == "leave":
+            self.sup.detach()
+            return True
+        if choice == "stop":
+            self._close_after_stop = win
+            self.ctx.statusMessage.emit("Stopping the engine before closing…", 0)
+            self.stop()
+            return False
+        return False
+
+    def shutdown(self) -> None:
+        self._shutting_down = True
+        self.poll_timer.stop()
+        self.clock.stop()
+        if self._run_worker is not None and self._state not in (sv.STOPPING,):
+            self.sup.detach()                         # stop watching; the engine keeps running

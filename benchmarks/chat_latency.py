@@ -69,8 +69,9 @@ def run_pane(app, sim, streams: int, tokens: int, naive: bool) -> dict:
 
     original = chat_pane.ConversationDoc.append
     if naive:
-        def append_naive(self, live, kind, text):
+        def append_naive(self, live, kind, text, t_arrival):
             if self.stream_start is not None:
+                self._pending.append((text, t_arrival))
                 self.rerender_tail(live)
         chat_pane.ConversationDoc.append = append_naive
     try:

@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import httpx  # noqa: E402
+
 from engine_manager import download as dl  # noqa: E402
 from engine_manager.hub import write_demo_shards  # noqa: E402
 
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=float, default=128, help="size of each of the seven files (MiB)")
     ap.add_argument("--jobs", type=int, default=4, help="parallel connections, same for curl and ours")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--link-mbps", type=float, default=1000,
+                    help="also compare over a paced link of this many Mbit/s in total (0: skip)")
     ap.add_argument("--dir", type=Path, help="work folder (default: a temp folder under /tmp)")
     a = ap.parse_args(argv)
     if not shutil.which("curl") or not shutil.which("sha256sum"):
@@ -93,25 +97,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hub {url} ({hub.pid}); {len(files)} files, {total / 1e6:.0f} MB; jobs {a.jobs}; "
               f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}", flush=True)
 
-        curl_t, ours_t = [], []
-        for r in range(a.rounds):
-            for who in ("curl", "ours") if r % 2 == 0 else ("ours", "curl"):
-                out = work / f"{who}-{r}"
-                dt = run_curl(url, names, out, a.jobs) if who == "curl" else run_ours(url, out, a.jobs)
-                (curl_t if who == "curl" else ours_t).append(dt)
-                print(f"  round {r + 1} {who:>4}: {dt:6.2f} s  {total / dt / 1e6:7.0f} MB/s", flush=True)
-                if who == "curl":
-                    for n, f in zip(names, files):
-                        assert (out / n).stat().st_size == f.stat().st_size
-                keep = out
-                if r < a.rounds - 1:
-                    shutil.rmtree(out, ignore_errors=True)
+        def rounds(label: str, n_rounds: int) -> tuple[list[float], list[float], Path]:
+            curl_t, ours_t = [], []
+            keep = work
+            for r in range(n_rounds):
+                for who in ("curl", "ours") if r % 2 == 0 else ("ours", "curl"):
+                    out = work / f"{label}-{who}-{r}"
+                    dt = run_curl(url, names, out, a.jobs) if who == "curl" else run_ours(url, out, a.jobs)
+                    (curl_t if who == "curl" else ours_t).append(dt)
+                    print(f"  {label} round {r + 1} {who:>4}: {dt:6.2f} s  {total / dt / 1e6:7.0f} MB/s", flush=True)
+                    if who == "curl":
+                        for n, f in zip(names, files):
+                            assert (out / n).stat().st_size == f.stat().st_size
+                    if keep != work and keep.exists():
+                        shutil.rmtree(keep, ignore_errors=True)
+                    keep = out
+            return curl_t, ours_t, keep
+
+        print("loopback, no limit (CPU-bound: hub, client and hashing share this machine's cores)", flush=True)
+        curl_t, ours_t, keep = rounds("open", a.rounds)
         dl_ratio = min(curl_t) / min(ours_t)
+        link_ratio = None
+        if a.link_mbps > 0:
+            per_conn = a.link_mbps * 1e6 / 8 / a.jobs
+            with httpx.Client() as c:
+                c.post(f"{url}/_hub/faults", json={"kind": "slow", "rate_bps": per_conn, "times": None})
+            print(f"a {a.link_mbps:g} Mbit/s link (the hub paces each of the {a.jobs} connections at "
+                  f"{per_conn / 1e6:.1f} MB/s)", flush=True)
+            lc, lo, keep2 = rounds("link", max(1, a.rounds - 1))
+            shutil.rmtree(keep2, ignore_errors=True)
+            link_ratio = min(lc) / min(lo)
+            with httpx.Client() as c:
+                c.delete(f"{url}/_hub/faults")
 
         # verification: the same seven files, page cache warm for both
-        target = work / f"ours-{a.rounds - 1}"
-        if not target.exists():
-            target = keep
+        target = keep
         paths = [target / n for n in names]
         for p in paths:
             p.read_bytes()
@@ -139,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"download:     curl best {min(curl_t):.2f} s ({total / min(curl_t) / 1e6:.0f} MB/s), ours best "
               f"{min(ours_t):.2f} s ({total / min(ours_t) / 1e6:.0f} MB/s, hashing + checkpoints + verify "
               f"included) → throughput ratio ours/curl = {dl_ratio:.2f} (goal ≥ 0.9)")
+        if link_ratio is not None:
+            print(f"download over a {a.link_mbps:g} Mbit/s link: throughput ratio ours/curl = {link_ratio:.2f} "
+                  "(goal ≥ 0.9)")
         print(f"verification: sha256sum best {min(sums_t):.2f} s, ours best {min(ver_t):.2f} s "
               f"→ speed ratio ours/sha256sum = {ver_ratio:.2f} (goal ≥ 0.9)")
         return 0

@@ -57,7 +57,7 @@ import psutil
 from . import paths
 from .atomic import atomic_write_json, ensure_private_dir
 from .engines import get_engine
-from .engines.base import Engine, FailureHint, LaunchSpec, LogEvent, mask_in
+from .engines.base import Engine, FailureHint, LaunchSpec, LogEvent
 from .numa import Binding, choose_binding
 
 # -- states ------------------------------------------------------------------------------------------------
@@ -250,6 +250,7 @@ class EngineStatus:
     last_failure: dict[str, Any] | None = None
     external: dict[str, Any] | None = None   # something the panel did not start, on the port
     key_matches: bool | None = None
+    binding_note: str | None = None      # e.g. one NUMA node: binding cannot change speed
     spec: LaunchSpec | None = None
 
     @property
@@ -394,7 +395,21 @@ def _alive(pid: int | None, ctime: float | None = None) -> bool:
 
 
 def group_members(pgid: int, since: float | None = None) -> list[psutil.Process]:
-    """Live (non-zombie) processes whose process group is ``pgid`` (started at/after ``since``)."""
+    """Live (non-zombie) processes whose process group is ``pgid`` (started at/after ``since``, the group
+    leader's start time).
+
+    Safe against a reused number: Linux never hands out a pid that is still some group's id, so while any member of
+    our old group lives, ``pgid`` cannot be a newer group. A *live* process with pid ``pgid`` that started at
+    another time than ``since`` therefore leads a different group: nothing is returned for it."""
+    if since is not None:
+        try:
+            leader = psutil.Process(pgid)
+            if abs(leader.create_time() - since) > 0.05:
+                return []
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+        except (psutil.Error, OSError):
+            return []
     out: list[psutil.Process] = []
     for p in psutil.process_iter(["create_time", "status"]):
         try:
@@ -504,6 +519,7 @@ class LogTail:
 
     def __init__(self, path: Path, offset: int | None = None):
         self.path = Path(path)
+        self._lock = threading.Lock()      # the owning generator and a stop() on another thread may both read
         self._f = None
         self._ino: int | None = None
         self._buf = b""
@@ -522,6 +538,10 @@ class LogTail:
         self._f, self._ino = f, st.st_ino
 
     def read(self) -> list[str]:
+        with self._lock:
+            return self._read()
+
+    def _read(self) -> list[str]:
         data = b""
         if self._f is None:
             self._open(0)
@@ -563,9 +583,10 @@ class LogTail:
         return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines]
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        with self._lock:
+            if self._f is not None:
+                self._f.close()
+                self._f = None
 
 
 def log_path() -> Path:
@@ -620,14 +641,20 @@ def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple
                          "hot experts in VRAM of the guides' 96 GB RTX PRO 6000 — on the replica layout of "
                          "DeepSeek-V4.1-Flash Q2_K.")
             return d, notes
+        has_gpu = bool(hardware is not None and getattr(hardware, "has_gpu", False))
+        if engine_name == "llamacpp" and not has_gpu:
+            notes.append("No GPU here: llama.cpp runs every layer on the CPU, so there is no placement to plan.")
+            return None, notes
         last = placement.load_last_plan()
-        if last and not (last.get("hardware") or {}).get("hypothetical"):
+        if last and not last.get("refused") and not (last.get("hardware") or {}).get("hypothetical"):
             made = last.get("created_at")
             when = time.strftime(" (made %Y-%m-%d %H:%M)", time.localtime(made)) if isinstance(made, (int, float)) \
                 else ""
             notes.append(f"Using the plan saved by the Placement tab / `dsv41 plan`{when}.")
             return last, notes
-        out = placement.make_plan(settings, placement.PlanRequest(host="this", save=True), hardware)
+        model = getattr(settings, "llamacpp_model", None) if engine_name == "llamacpp" else None
+        req = placement.PlanRequest(host="this", save=False, model_path=str(model) if model else None)
+        out = placement.make_plan(settings, req, hardware)
         notes.append(f"Planned for this machine from {out.model_source}.")
         return out.plan_dict, notes
     except Exception as exc:  # an unreadable model folder must not hide the engine's own, clearer error
@@ -655,6 +682,16 @@ class _Handle:
     attached: bool = False
     tail: LogTail | None = None
     recent: deque = field(default_factory=lambda: deque(maxlen=400))
+    argv_shown: list[str] | None = None      # masked, binding prefix included (from the state file when attached)
+    env_shown: dict[str, str] | None = None
+
+    def shown_argv(self) -> list[str]:
+        if self.argv_shown is not None:
+            return list(self.argv_shown)
+        return self.spec.masked_argv(self.binding.prefix if self.binding else [])
+
+    def shown_env(self) -> dict[str, str]:
+        return dict(self.env_shown) if self.env_shown is not None else self.spec.masked_env()
 
     def exited(self) -> bool:
         if self.popen is not None:
@@ -679,7 +716,10 @@ class DryRun:
     notes: list[str]
 
     def render(self) -> str:
-        out = [f"# dsv41 start --dry-run: {self.label or self.engine}{' (simulated)' if self.simulated else ''}"]
+        name = self.label or self.engine
+        if self.simulated and "simulated" not in name.lower():
+            name += " (simulated)"
+        out = [f"# dsv41 start --dry-run: {name}"]
         for n in self.notes:
             out.append(f"# {n}")
         for i, (title, cmd, note) in enumerate(self.steps, 1):
@@ -846,8 +886,7 @@ class Supervisor:
                 "keeper_pid": h.keeper_pid, "keeper_start_time": h.keeper_ctime, "pgid": h.pgid,
                 "host": h.spec.host, "port": h.spec.port, "base_url": h.spec.base_url,
                 "health_path": h.spec.health_path,
-                "argv": h.spec.masked_argv(h.binding.prefix if h.binding else []),
-                "env": h.spec.masked_env(), "files": dict(h.spec.files), "cwd": h.spec.cwd,
+                "argv": h.shown_argv(), "env": h.shown_env(), "files": dict(h.spec.files), "cwd": h.spec.cwd,
                 "binding": h.binding.to_dict() if h.binding else None,
                 "log_path": str(self.log_path), "exit_file": str(self.exit_path),
                 "started_at": h.started_at, "ready_at": h.ready_at,
@@ -953,9 +992,17 @@ class Supervisor:
                           f"{describe_owner(owner)}. The panel shows it but never stops it.")
         return st
 
+    def snapshot(self) -> EngineStatus | None:
+        """This supervisor's own engine, from memory (no I/O: safe on a GUI thread); None when it has none."""
+        with self._lock:
+            h, state, message = self._handle, self._state, self._message
+        return self._status_of(h, state, message) if h is not None else None
+
     def _status_from_record(self, rec: dict[str, Any], alive: bool) -> EngineStatus:
+        stopping = rec.get("state") == STOPPING or bool(rec.get("stop_requested"))
         st = EngineStatus(
-            state=(rec.get("state") if rec.get("state") in RUNNING_STATES else STARTING) if alive else CRASHED,
+            state=(rec.get("state") if rec.get("state") in RUNNING_STATES else STARTING) if alive
+            else (STOPPED if stopping else CRASHED),
             engine=rec.get("engine"), label=rec.get("label", ""), simulated=bool(rec.get("simulated")),
             pid=rec.get("pid"), pgid=rec.get("pgid"), keeper_pid=rec.get("keeper_pid"), port=rec.get("port"),
             base_url=rec.get("base_url"),
@@ -965,7 +1012,7 @@ class Supervisor:
             key_matches=(rec.get("key_fingerprint") == key_fingerprint(self.settings.api_key))
             if rec.get("key_fingerprint") else None,
         )
-        if not alive:
+        if not alive and not stopping:
             ex = self._read_exit_file(rec.get("keeper_pid"))
             st.message = "The engine started earlier is no longer running" + (f" ({ex.words()})." if ex else ".")
         return st
@@ -976,9 +1023,10 @@ class Supervisor:
             pid=h.engine_pid, pgid=h.pgid, keeper_pid=h.keeper_pid, port=h.spec.port, base_url=h.spec.base_url,
             binding=h.binding.summary() if h.binding else None, log_path=str(self.log_path),
             started_at=h.started_at, ready_at=h.ready_at,
-            argv=h.spec.masked_argv(h.binding.prefix if h.binding else []), owner="panel", message=message,
+            argv=h.shown_argv(), owner="panel", message=message,
             last_failure=self.last_failure.to_dict() if self.last_failure else None,
-            key_matches=(h.spec.api_key == self.settings.api_key) if self.settings.api_key else None, spec=h.spec)
+            key_matches=(h.spec.api_key == self.settings.api_key) if self.settings.api_key else None,
+            binding_note=h.binding.note if h.binding else None, spec=h.spec)
 
     def _health_ok_record(self, rec: dict[str, Any]) -> bool:
         try:
@@ -1125,7 +1173,8 @@ class Supervisor:
         binding = Binding.from_dict(rec["binding"]) if rec.get("binding") else None
         h = _Handle(eng, spec, binding, rec["keeper_pid"], rec["keeper_start_time"],
                     rec.get("pgid") or rec["keeper_pid"], rec.get("pid"), rec.get("pid_start_time"),
-                    rec.get("started_at") or time.time(), attached=True)
+                    rec.get("started_at") or time.time(), attached=True,
+                    argv_shown=list(rec.get("argv") or []), env_shown=dict(rec.get("env") or {}))
         h.recent.extend(read_log_tail(self.log_path, 64_000)[-200:])
         h.tail = LogTail(self.log_path, None)
         try:
@@ -1359,7 +1408,7 @@ class Supervisor:
             now = time.time()
             elapsed = now - h.started_at
             if now >= next_check and h.engine is not None:
-                next_check = now + 0.25
+                next_check = now + (0.1 if elapsed < 10 else 0.5)   # often at first, then every 0.5 s
                 try:
                     r = h.engine.readiness(client, h.spec)
                 except Exception:          # adapters map "refused" to loading; anything else: not yet
@@ -1577,6 +1626,11 @@ class Supervisor:
         self._mark_state_file(state=STOPPING, stop_requested={"by_pid": os.getpid(), "at": time.time()})
         yield from _emit(self._set_state(STOPPING, "stopping" + (" (SIGKILL)" if force else "")))
         forced, leftovers = yield from self._terminate(h, grace=0.0 if force else self.grace_s)
+        if h.tail is not None:                  # the engine's last words (and the keeper's exit line)
+            time.sleep(0.02)
+            batch = self._drain(h)
+            if batch is not None:
+                yield batch
         self._forget(h)
         self._write_state_file(None, STOPPED, engine=h.spec.engine, message="stopped")
         how = (" with SIGKILL" if force else " with SIGKILL after the grace period") if forced else ""
@@ -1664,11 +1718,13 @@ class Supervisor:
                 Supervisor._signal_all(h, tracked, signal.SIGCONT)
                 time.sleep(0.1)
             sigs = [sig, signal.SIGCONT]
+        ours = bool(group_members(h.pgid, h.keeper_ctime))    # never signal a group id someone else now holds
         for s in sigs:
-            try:
-                os.killpg(h.pgid, s)
-            except (ProcessLookupError, PermissionError):
-                pass
+            if ours:
+                try:
+                    os.killpg(h.pgid, s)
+                except (ProcessLookupError, PermissionError):
+                    pass
             for p in tracked.values():          # descendants that left the group (setsid) get it too
                 try:
                     if os.getpgid(p.pid) != h.pgid and p.is_running():

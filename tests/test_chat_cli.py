@@ -99,10 +99,15 @@ def test_chat_errors_in_plain_words(shared_sim, free_port):
     assert "wrong-key-0123456789" not in r.stderr + r.stdout
     r = dsv41("chat", "hello", env=env_for(port=free_port))
     assert r.returncode == 1 and "No engine answers" in r.stderr and "Start the engine" in r.stderr
-    r = dsv41("chat", "--reasoning-effort", "extreme", "hello", env=env_for(shared_sim))
-    assert r.returncode == 2 and "must be one of" in r.stderr
-    r = dsv41("chat", env=env_for(shared_sim), input="")
-    assert r.returncode == 2 and "nothing to send" in r.stderr
+
+
+def test_chat_refuses_bad_arguments(capsys):
+    rc, _, err = cli(capsys, "chat", "--reasoning-effort", "extreme", "hello")
+    assert rc == 2 and "must be one of" in err
+    rc, _, err = cli(capsys, "chat", "--max-tokens", "0", "hello")
+    assert rc == 2 and "--max-tokens must be 1 or more" in err
+    rc, _, err = cli(capsys, "chat", "   ")
+    assert rc == 2 and "nothing to send" in err
 
 
 def test_chat_interrupted_by_the_engine_dying_exits_1_and_keeps_the_start(start_sim):
@@ -133,30 +138,38 @@ def test_ctrl_c_stops_cleanly_and_saves(start_sim):
     assert a.status == hist.STATUS_STOPPED and (a.content or a.reasoning)
 
 
-def test_history_commands(shared_sim):
-    env = env_for(shared_sim)
-    assert dsv41("history", "list", env=env).stdout.startswith("No saved conversations")
-    assert dsv41("chat", "--max-tokens", "40", "Tell me about NUMA binding", env=env).returncode == 0
-    assert dsv41("chat", "--max-tokens", "40", "And the KV cache?", env=env).returncode == 0
-    r = dsv41("history", "list", env=env)
-    assert r.returncode == 0 and "Tell me about NUMA binding" in r.stdout and "And the KV cache?" in r.stdout
-    listed = json.loads(dsv41("history", "list", "--json", env=env).stdout)
+def cli(capsys, *args) -> tuple[int, str, str]:
+    """The same ``dsv41`` entry point, in this process (the history commands need no terminal of their own)."""
+    from engine_manager.cli import main
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_history_commands(shared_sim, capsys, monkeypatch):
+    monkeypatch.setenv("DSV41_PORT", str(shared_sim.port))
+    monkeypatch.setenv("DSV41_API_KEY", shared_sim.key)
+    assert cli(capsys, "history", "list")[1].startswith("No saved conversations")
+    assert cli(capsys, "chat", "--max-tokens", "40", "Tell me about NUMA binding")[0] == 0
+    assert cli(capsys, "chat", "--max-tokens", "40", "And the KV cache?")[0] == 0
+    rc, out, _ = cli(capsys, "history", "list")
+    assert rc == 0 and "Tell me about NUMA binding" in out and "And the KV cache?" in out
+    listed = json.loads(cli(capsys, "history", "list", "--json")[1])
     assert {c["id"] for c in listed} == {1, 2}
-    show = dsv41("history", "show", "1", env=env)
-    assert show.returncode == 0 and show.stdout.startswith("# Tell me about NUMA binding") and "## Assistant" in show.stdout
-    exp = dsv41("history", "export", "2", "--format", "json", env=env)
-    data = json.loads(exp.stdout)
+    rc, out, _ = cli(capsys, "history", "show", "1")
+    assert rc == 0 and out.startswith("# Tell me about NUMA binding") and "## Assistant" in out
+    data = json.loads(cli(capsys, "history", "export", "2", "--format", "json")[1])
     assert data["messages"][0]["content"] == "And the KV cache?"
-    search = dsv41("history", "search", "numa", env=env)
-    assert search.returncode == 0 and "Tell me about NUMA binding" in search.stdout
-    assert dsv41("history", "search", "nothing-like-this", env=env).returncode == 1
-    assert dsv41("history", "rename", "1", "NUMA notes", env=env).returncode == 0
-    assert "NUMA notes" in dsv41("history", "list", env=env).stdout
-    r = dsv41("history", "delete", "1", env=env, input="")
-    assert r.returncode == 2 and "--yes" in r.stderr
-    assert dsv41("history", "delete", "1", "--yes", env=env).returncode == 0
-    r = dsv41("history", "show", "1", env=env)
-    assert r.returncode == 2 and "no conversation 1" in r.stderr
+    rc, out, _ = cli(capsys, "history", "search", "numa")
+    assert rc == 0 and "Tell me about NUMA binding" in out
+    assert cli(capsys, "history", "search", "nothing-like-this")[0] == 1
+    assert cli(capsys, "history", "rename", "1", "NUMA notes")[0] == 0
+    assert "NUMA notes" in cli(capsys, "history", "list")[1]
+    rc, _, err = cli(capsys, "history", "delete", "1")
+    assert rc == 2 and "--yes" in err
+    assert cli(capsys, "history", "delete", "1", "--yes")[0] == 0
+    rc, _, err = cli(capsys, "history", "show", "1")
+    assert rc == 2 and "no conversation 1" in err
 
 
 def test_history_export_to_a_file(shared_sim, tmp_path):

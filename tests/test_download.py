@@ -504,3 +504,17 @@ def test_format_helpers():
     assert dl.fmt_bytes(264.5e9) == "264.5 GB" and dl.fmt_bytes(None) == "?"
     assert dl.fmt_eta(3725) == "1:02:05" and dl.fmt_eta(None) == "--:--"
     assert dl.shard_names()[2] == "DeepSeek-V4.1-Flash-Q2_K-00003-of-00007.gguf"
+
+
+def test_after_a_reboot_only_the_synced_part_is_kept(tmp_path):
+    """A checkpoint from another boot trusts only what fdatasync reached; one from this boot trusts its offset."""
+    job = dl._Job("f.gguf", 1000, "ab" * 32, tmp_path / "f.gguf", tmp_path / "st", lambda: ("", {}), pin={"c": 1})
+    job.state_dir.mkdir()
+    job.part.write_bytes(b"x" * 800)
+    state = {"sha256": job.sha256, "size": 1000, "pin": {"c": 1}, "offset": 800, "synced": 300}
+    job.ckpt.write_text(json.dumps(dict(state, boot_id=dl._boot_id())))
+    assert job.kept_offset() == 800
+    job.ckpt.write_text(json.dumps(dict(state, boot_id="another-boot")))
+    assert job.kept_offset() == 300
+    job.ckpt.write_text(json.dumps(dict(state, boot_id=dl._boot_id(), pin={"c": 2})))
+    assert job.kept_offset() == 0                  # another commit's partial is never continued

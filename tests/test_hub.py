@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
 from engine_manager.hub import Fault, LocalHub, parse_range, sha256_file, write_demo_shards

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import stat
-import subprocess
 import threading
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 
 from engine_manager import llamacpp_bin, tinymoe
 from engine_manager.engines import get_engine
-from engine_manager.engines.base import LaunchSpec, Sample
+from engine_manager.engines.base import LaunchSpec
 from engine_manager.engines.llamacpp import (
     LlamaPlacement, ModelNotFound, PlacementSummary, cpu_layers_rule, first_shard, parse_line, parse_prometheus,
     resolve_model, sample_from,
@@ -219,18 +218,62 @@ def test_placement_at_lv4_from_buffer_lines():
     assert slots[0].data == {"what": "slots", "n_slots": 2, "n_ctx_slot": 2048}     # -c 4096 over 2 slots
 
 
-def test_gpu_placement_lines_parse():
-    """Buffer lines in the form a CUDA build prints them (same format as the CPU captures, device CUDA0)."""
-    lines = ["0.01.2 I load_tensors: loading model tensors, this can take a while... (load_mode = mmap)",
-             "0.01.3 I load_tensors: offloading output layer to GPU",
-             "0.01.3 I load_tensors: offloaded 13/13 layers to GPU",
-             "0.01.4 I load_tensors:        CUDA0 model buffer size =  3648.61 MiB",
-             "0.01.4 I load_tensors:   CPU_Mapped model buffer size =  3609.00 MiB",
-             "0.01.5 I llama_kv_cache:      CUDA0 KV buffer size =   192.00 MiB"]
-    s = PlacementSummary().feed(lines)
+def test_cuda_placement_at_lv5_from_the_h200():
+    """Captured on an H200 with the CUDA build (cuda_capture_commands.txt): layers 0-5's experts overridden to
+    pinned host memory (CUDA_Host — host RAM, not the GPU), the rest and the KV cache on CUDA0."""
+    s = PlacementSummary().feed(cap_lines("cuda_lv5_placement.log"))
+    assert s.cpu_override_layers == set(range(6))
     assert s.offloaded == (13, 13) and s.on_gpu and s.gpu_buffers == ["CUDA0"]
-    assert s.model_gpu_mib() == pytest.approx(3648.61) and s.model_host_mib() == pytest.approx(3609.0)
-    assert s.expert_layers_on_gpu(range(12)) == list(range(12))
+    assert s.model_gpu_mib() == pytest.approx(3895.28)
+    assert s.model_host_mib() == pytest.approx(1838.62 + 1801.03)       # the mapped shards (load_mode = mmap)
+    assert s.kv_mib == {"CUDA0": 96.0} and s.compute_mib["CUDA_Host"] == pytest.approx(20.02)
+    assert s.expert_layers_on_gpu(range(12)) == list(range(6, 12))
+    assert s.breakdown["CUDA0"]["model_mib"] == 3895 and s.breakdown["CUDA0"]["total_mib"] == 143155
+    assert "layers 0–5" in s.text() and "No GPU buffer" not in s.text()
+
+
+def test_cuda_placement_at_lv4_with_pinned_host_buffers():
+    """The adapter's own command on the H200 (6 of 12 layers in RAM, -lm none): the buffer lines alone show the
+    split — 3,895 MiB on CUDA0, 3,457 MiB in pinned host memory — and llama.cpp's fitting kept the plan."""
+    lines = cap_lines("cuda_lv4_half_cpu_lm_none.log")
+    assert r"-ot 'blk\.(0|1|2|3|4|5)\.ffn_.*_exps\.=CPU' -lm none" in lines[0]
+    s = PlacementSummary().feed(lines)
+    assert s.model_mib == {"CUDA0": pytest.approx(3895.28), "CUDA_Host": pytest.approx(3457.07)}
+    assert s.model_gpu_mib() == pytest.approx(3895.28) and s.model_host_mib() == pytest.approx(3457.07)
+    assert s.load_mode == "none" and s.fit_ok is True and s.kv["k_type"] == "q8_0" and s.kv["seqs"] == 4
+    assert s.breakdown["Host"]["model_mib"] == 3457
+
+
+def test_cuda_oom_classified_over_the_generic_load_failure():
+    lines = cap_lines("cuda_fail_oom.log")
+    assert any("failed to create_context" in ln for ln in lines)       # the generic line is there too
+    hint = ENGINE.classify_failure(1, lines)
+    assert hint.cause == "cuda_oom" and "RAM" in hint.fix
+
+
+def test_load_mode(monkeypatch):
+    from engine_manager.engines.llamacpp import load_mode_for
+
+    monkeypatch.delenv("DSV41_LLAMACPP_LOAD_MODE", raising=False)
+    assert load_mode_for([0, 1], True) == "none"         # pinned host memory for RAM experts on a GPU build
+    assert load_mode_for([], True) is None and load_mode_for([0, 1], False) is None
+    assert load_mode_for([0, 1], None) is None
+    monkeypatch.setenv("DSV41_LLAMACPP_LOAD_MODE", "mmap")
+    assert load_mode_for([0, 1], True) == "mmap"
+
+
+def test_gpu_build_detected_from_its_libraries(tmp_path, tiny):
+    d = tmp_path / "cudabin"
+    d.mkdir()
+    (d / "llama-server").write_text("#!/bin/sh\n")
+    (d / "llama-server").chmod(0o755)
+    for lib in ("libggml-base.so.0.26.0", "libggml-cpu.so.0.26.0", "libggml-cuda.so.0.26.0"):
+        (d / lib).write_bytes(b"")
+    s = settings_for(DSV41_LLAMA_SERVER=d / "llama-server", DSV41_LLAMACPP_MODEL=tiny)
+    spec = ENGINE.build_launch(s, {"model": {"moe_layers": [0, 1, 2, 3]}, "llamacpp_cpu_layers": [0]}, tmp_path / "r")
+    assert spec.argv[spec.argv.index("-lm") + 1] == "none"
+    placed = json.loads(Path(spec.files["placement"]).read_text())
+    assert placed["gpu_backend"] is True and placed["hit_rate"] == pytest.approx(0.75)
 
 
 @pytest.mark.parametrize("log,cause", [

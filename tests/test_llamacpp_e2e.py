@@ -19,10 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine_manager import llamacpp_bin, tinymoe
+from engine_manager import chat, llamacpp_bin, placement, supervisor, tinymoe
 from engine_manager.engines import get_engine
 from engine_manager.engines.llamacpp import PlacementSummary
 from engine_manager.layout import read_layout
+from engine_manager.metrics import sources
 from engine_manager.settings import load_settings
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(240)]
@@ -34,11 +35,6 @@ except llamacpp_bin.LlamaServerNotFound as exc:
     BINARY, SKIP = None, str(exc)
 if SKIP:
     pytestmark.append(pytest.mark.skip(reason=f"llama-server is not installed: {SKIP}"))
-
-supervisor = pytest.importorskip("engine_manager.supervisor")
-chat = pytest.importorskip("engine_manager.chat")
-sources = pytest.importorskip("engine_manager.metrics.sources")
-placement = pytest.importorskip("engine_manager.placement")
 
 ENGINE = get_engine("llamacpp")
 
@@ -227,3 +223,57 @@ def test_port_conflict_is_explained(tiny, free_port):
     assert failed.kind == "failed" and failed.cause == "port_in_use"
     assert str(free_port) in failed.message and "DSV41_PORT" in failed.fix
     assert not any(e.kind == "ready" for e in run.events)
+
+
+@pytest.mark.gui
+def test_gui_runs_llamacpp(qtbot, tmp_path_factory, free_port, monkeypatch):
+    """The panel's window runs llama-server: plan set → Start → Ready → a chat answered in the chat pane → the
+    Monitor plots decode tok/s from /slots deltas → Stop. ``LLAMACPP_TEST_SHOT=path.png`` keeps a screenshot
+    (benchmarks/results/llamacpp_gui.png was taken so)."""
+    from app.context import AppContext
+    from app.main_window import MainWindow
+
+    # a model slow enough on the CPU build (~200 tok/s here) for the 4 Hz monitor to catch several readings
+    model = tinymoe.write_tinymoe(tmp_path_factory.mktemp("medium"), n_layer=8, n_embd=256, n_head=8, n_head_kv=4,
+                                  head_dim=32, n_expert=16, n_ff_exp=256, seed=7)
+    for k, v in {"DSV41_SERVER_ENGINE": "llamacpp", "DSV41_LLAMACPP_MODEL": str(model), "DSV41_PORT": str(free_port),
+                 "DSV41_NUMA": "off", "DSV41_METRICS_HZ": "4", "DSV41_DEFAULT_MAX_TOKENS": "500",
+                 "DSV41_CONTEXT_LENGTH": "2048", "DSV41_SLOTS": "1", "DSV41_AUTO_RESTART": "false"}.items():
+        monkeypatch.setenv(k, v)
+    ctx = AppContext(load_settings())
+    win = MainWindow(ctx)
+    qtbot.addWidget(win)
+    win.resize(1600, 1000)
+    win.show()
+    qtbot.waitExposed(win)
+    qtbot.waitUntil(lambda: ctx.hardware is not None, timeout=20_000)
+    qtbot.waitUntil(lambda: win.engine_panel._run_worker is None, timeout=10_000)
+    plan = make_plan(model, ctx.settings)
+    ctx.set_plan(plan)
+    samples = []
+    ctx.sampleArrived.connect(samples.append)
+    try:
+        with qtbot.waitSignal(ctx.engineReady, timeout=90_000):
+            win.engine_panel.start()
+        qtbot.waitUntil(lambda: win.chat_pane.engine_ready() and win.chat_pane.store is not None, timeout=20_000)
+        assert win.chat_pane.send("Tell me about mixtures of experts.")
+        qtbot.waitUntil(lambda: win.chat_pane.is_streaming(), timeout=10_000)
+        qtbot.waitUntil(lambda: not win.chat_pane.is_streaming(), timeout=120_000)
+        qtbot.waitUntil(lambda: any(s.decode_tok_s for s in samples if s.state == "generating"), timeout=10_000)
+        answer = win.chat_pane.document_text()
+        assert "mixtures of experts" in answer and len(answer) > 300
+        rates = [s.decode_tok_s for s in samples if s.decode_tok_s]
+        assert rates and all(r > 0 for r in rates)
+        assert any(s.hit_rate == 0.0 for s in samples)          # CPU-only llama-server: no layer on a GPU
+        win.tabs.setCurrentIndex(0)
+        qtbot.wait(1500)                                       # a couple of monitor redraws
+        shot = os.environ.get("LLAMACPP_TEST_SHOT")
+        if shot:
+            assert win.grab().save(shot)
+    finally:
+        if win.engine_panel.is_running():
+            with qtbot.waitSignal(ctx.engineStopped, timeout=60_000):
+                win.engine_panel.stop()
+        qtbot.waitUntil(lambda: win.engine_panel._run_worker is None and win.engine_panel._stop_worker is None,
+                        timeout=60_000)
+    assert supervisor.Supervisor(ctx.settings).status(check_health=False).state == "stopped"

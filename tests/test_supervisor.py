@@ -7,7 +7,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -405,11 +404,32 @@ def test_killed_panel_reattaches_to_its_live_engine(port):
     assert att.pid == pid and att.state == "ready"
     ready = run.wait_for(lambda e: e.kind == "ready")
     assert ready.attached and ready.pid == pid
+    rec = json.loads((paths.data_dir() / sv.STATE_FILE).read_text())
+    assert rec["pid"] == pid and rec["supervisor_pid"] == os.getpid()          # this panel supervises it now
+    assert sum(a.endswith("numactl") for a in rec["argv"]) == 1                 # the command is not garbled
     pgid = os.getpgid(pid)
     evs, st = drain(sup.stop())
     run.join()
     assert st.state == "stopped"
     assert_gone(pgid, port)
+
+
+def test_a_stop_from_another_dsv41_is_not_taken_for_a_crash(port):
+    """The panel watches; `dsv41 stop` (another process, another Supervisor) stops the engine: the panel reports
+    "stopped", does not classify a crash and does not restart."""
+    sup = make(auto_restart=True)
+    run = Runner(sup.run(sim_engine()))
+    ready = run.wait_for(lambda e: e.kind == "ready")
+    argv_before = json.loads((paths.data_dir() / sv.STATE_FILE).read_text())["argv"]
+    cp = subprocess.run([sys.executable, "-m", "engine_manager", "stop"], cwd=str(ROOT), capture_output=True,
+                        text=True, timeout=60)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    stopped = run.wait_for(lambda e: e.kind == "stopped", timeout=20)
+    assert "stopped by another dsv41" in stopped.message
+    result = run.join()
+    assert result.state == "stopped" and not kinds(run.events, "crashed")
+    assert not psutil.pid_exists(ready.pid) or psutil.Process(ready.pid).status() == psutil.STATUS_ZOMBIE
+    assert argv_before[0].endswith("numactl") and argv_before.count(argv_before[0]) == 1
 
 
 def test_killed_panel_with_dead_engine_is_cleaned_up(port):
@@ -434,17 +454,25 @@ def test_killed_panel_with_dead_engine_is_cleaned_up(port):
 
 
 def test_pid_reuse_is_not_mistaken_for_the_engine(port):
-    """A state file whose pid is alive but started at another time (a reused pid) is not re-attached."""
+    """A state file whose pid (and process group) now belongs to another process — same number, other start time —
+    is neither re-attached nor cleaned up: that process and its group are left alone."""
     sf = paths.data_dir() / sv.STATE_FILE
     sf.parent.mkdir(parents=True, exist_ok=True)
-    me = psutil.Process()
-    sf.write_text(json.dumps({"state": "ready", "engine": "sim", "keeper_pid": me.pid,
-                              "keeper_start_time": me.create_time() - 1000, "pid": me.pid,
-                              "pid_start_time": me.create_time() - 1000, "pgid": 999999, "port": port}))
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)          # leads its own group
+    oc = psutil.Process(other.pid).create_time()
+    sf.write_text(json.dumps({"state": "ready", "engine": "sim", "keeper_pid": other.pid,
+                              "keeper_start_time": oc - 1000, "pid": other.pid, "pid_start_time": oc - 1000,
+                              "pgid": other.pid, "port": port}))
     sup = make()
-    evs, st = drain(sup.watch())
-    assert not kinds(evs, "attached") and me.is_running()
-    assert st.state in ("crashed", "stopped")
+    try:
+        evs, st = drain(sup.watch())
+        assert not kinds(evs, "attached") and other.poll() is None       # not attached, not killed
+        assert st.state in ("crashed", "stopped")
+        evs, _ = drain(sup.stop())
+        assert other.poll() is None                                       # stop does not touch it either
+    finally:
+        other.kill()
+        other.wait()
 
 
 # -- many cycles ---------------------------------------------------------------------------------------------
@@ -482,7 +510,6 @@ def test_keeper_rotates_by_size_masks_the_key_and_records_the_signal(tmp_path):
     secret = "dsv41-" + "s3cret" * 5
     script = f"for i in $(seq 1 400); do echo \"line $i key={secret}\"; done; kill -9 $$"
     env = dict(os.environ, DSV41_KEEPER_MASK=secret)
-    tail = None
     cp = subprocess.run([sys.executable, "-I", "-S", str(sv.KEEPER), "--log", str(log), "--exit-file", str(exitf),
                          "--max-bytes", "4000", "--backups", "2", "--", "sh", "-c", script], env=env, timeout=30)
     assert cp.returncode == 128 + 9
@@ -495,7 +522,6 @@ def test_keeper_rotates_by_size_masks_the_key_and_records_the_signal(tmp_path):
     text = "".join(f.read_text() for f in reversed(files))
     assert secret not in text and "(masked)" in text
     assert "line 400" in text and "killed by signal 9" in text
-    del tail
 
 
 def test_log_tail_follows_across_rotations(tmp_path):

@@ -58,7 +58,8 @@ def _short(name: str) -> str:
 def _bar(frac: float, width: int) -> str:
     frac = min(1.0, max(0.0, frac))
     full = int(frac * width)
-    return "█" * full + ("▌" if frac * width - full >= 0.5 else "") + " " * (width - full - (1 if frac * width - full >= 0.5 else 0))
+    half = frac * width - full >= 0.5
+    return "█" * full + ("▌" if half else "") + " " * (width - full - (1 if half else 0))
 
 
 def _speed(bps: float | None) -> str:

@@ -123,6 +123,8 @@ class Printer:
         elif k == "note":
             self._line(("warning: " if ev.level == "warning" else "") + ev.text)
         elif k == "state":
+            if ev.state in ("ready", "stopped", "crashed"):
+                return                         # the ready / stopped / crashed event that follows says it better
             self._line(f"[{ev.state}] {ev.message}" if ev.message else f"[{ev.state}]")
         elif k == "ready":
             self._line(f"ready: {ev.base_url} ({'re-attached' if ev.attached else f'after {_fmt_s(ev.elapsed_s)}'})"
@@ -165,9 +167,9 @@ def _choose_engine(args, settings, hw, say) -> str:
         return {"mock": "sim"}.get(args.engine, args.engine)
     name = resolve_engine(settings, hw.has_gpu)
     if name == "sim" and not hw.has_gpu:
-        say(f"No NVIDIA GPU here ({hw.gpu_error}): starting the scripted engine (simulated) with the replica "
-            "layout of DeepSeek-V4.1-Flash. Every figure it reports is simulated. Choose another engine with "
-            "--engine or DSV41_SERVER_ENGINE.")
+        say(f"No NVIDIA GPU here ({hw.gpu_error}), so the engine is the scripted engine (simulated), with the "
+            "replica layout of DeepSeek-V4.1-Flash; every figure it reports is simulated. Choose another engine "
+            "with --engine or DSV41_SERVER_ENGINE.")
     return name
 
 
@@ -241,7 +243,10 @@ def run_status(args, ctx) -> int:
     if args.json:
         print(json.dumps(st.to_dict(), indent=2, default=str))
         return EXIT_OK
-    rows = [("state", st.state), ("engine", (st.label or st.engine or "—") + (" (simulated)" if st.simulated else "")),
+    name = st.label or st.engine or "—"
+    if st.simulated and "simulated" not in name.lower():
+        name += " (simulated)"
+    rows = [("state", st.state), ("engine", name),
             ("pid", st.pid), ("process group", st.pgid), ("port", st.port), ("base_url", st.base_url),
             ("binding", st.binding)]
     if st.started_at and st.running:
@@ -251,7 +256,7 @@ def run_status(args, ctx) -> int:
         print(f"{k:<14} {v if v not in (None, '') else '—'}")
     if st.key_matches is False:
         print("warning: the engine was started with another API key than the one in the settings now")
-    if st.message:
+    if st.message and st.message.strip(".").lower() != st.state:
         print(st.message)
     if st.last_failure:
         lf = st.last_failure

@@ -15,6 +15,9 @@ Captures:
   log_lv4.log / log_lv5_placement.log        start-up log at -lv 4, and the placement lines at -lv 5
   fail_*.log                                 logs of runs that fail: unknown buffer type, bad model file,
                                              port in use, unknown argument, KV type the model cannot take
+
+The ``cuda_*`` files come from the CUDA build on an H200, written by ``benchmarks/llamacpp_gpu.sh`` (its commands
+in ``cuda_capture_commands.txt``; ``cuda_lv4_half_cpu_lm_none.log`` is the adapter's own command from that run).
 """
 
 from __future__ import annotations

@@ -1,0 +1,178 @@
+"""The engine panel and the log view under a real X server (pytest-xvfb), driving the real scripted engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication
+
+from app.context import AppContext
+from app.engine_panel import EnginePanel
+from app.log_view import LogView
+from engine_manager import hardware
+from engine_manager import supervisor as sv
+from engine_manager.settings import load_settings
+from supervisor_helpers import listening, live_group, wait_until
+
+_HW = None
+
+
+def hw():
+    global _HW
+    if _HW is None:
+        _HW = hardware.probe(Path("/tmp"))
+    return _HW
+
+
+@pytest.fixture
+def port(monkeypatch, free_port):
+    monkeypatch.setenv("DSV41_PORT", str(free_port))
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0.3")
+    monkeypatch.setenv("DSV41_SERVER_ENGINE", "sim")
+    yield free_port
+    for _ in sv.Supervisor(load_settings().settings).stop(force=True):   # never leave an engine behind
+        pass
+
+
+def make_panel(qtbot) -> tuple[AppContext, EnginePanel, LogView]:
+    ctx = AppContext(load_settings(), hw())
+    panel = EnginePanel(ctx)
+    log = LogView(ctx)
+    qtbot.addWidget(panel)
+    qtbot.addWidget(log)
+    panel.sup.grace_s = 5.0
+    panel.sup.backoff_base_s = 0.1
+    panel.show()
+    qtbot.waitUntil(lambda: panel._run_worker is None, timeout=10_000)     # the start-up re-attach look
+    return ctx, panel, log
+
+
+def idle(panel) -> bool:
+    return panel._run_worker is None and panel._stop_worker is None
+
+
+def test_click_start_see_ready_click_stop_see_stopped(qtbot, port):
+    ctx, panel, log = make_panel(qtbot)
+    assert panel.badge.text() == "Stopped" and panel.start_button.text() == "Start"
+    states = []
+    ctx.engineStateChanged.connect(lambda ev: states.append(ev.state))
+    with qtbot.waitSignal(ctx.engineReady, timeout=30_000) as ready:
+        qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
+    assert ready.args == [f"http://127.0.0.1:{port}", ctx.settings.api_key]
+    assert ctx.base_url == f"http://127.0.0.1:{port}" and ctx.supervisor is panel.sup
+    qtbot.waitUntil(lambda: panel.badge.text() == "Ready", timeout=5_000)
+    assert panel.start_button.text() == "Stop" and not panel.engine_box.isEnabled()
+    assert "numactl" in panel.details.text() and str(port) in panel.details.text()
+    assert "starting" in states and "ready" in states
+    st = panel.sup.snapshot()
+    pid, pgid = st.pid, st.pgid
+    assert psutil.pid_exists(pid)
+    # the log view got the engine's lines live; search finds READY
+    qtbot.waitUntil(lambda: "READY" in log.text.toPlainText(), timeout=5_000)
+    log.search.setText("READY")
+    assert log.find_next() and log.text.textCursor().selectedText() == "READY"
+    assert "match" in log.matches.text()
+    log.copy_all()
+    assert "READY" in QApplication.clipboard().text()
+    with qtbot.waitSignal(ctx.engineStopped, timeout=30_000):
+        qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: panel.badge.text() == "Stopped" and idle(panel), timeout=30_000)
+    assert panel.start_button.text() == "Start" and ctx.base_url is None
+    assert "stopped" in states
+    assert wait_until(lambda: not live_group(pgid), timeout=5) and not listening(port)
+
+
+def test_crash_banner_says_cause_and_fix(qtbot, port, monkeypatch):
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0 --fail-at-load driver")
+    ctx, panel, _ = make_panel(qtbot)
+    panel.start()
+    qtbot.waitUntil(lambda: panel.banner.isVisible() and idle(panel), timeout=30_000)
+    assert "driver" in panel.banner.title.text().lower() and "580.65" in panel.banner.fix.text()
+    assert "Another try cannot fix" in panel.banner.extra.text()             # no pointless restart
+    assert panel.badge.text() == "Crashed" and panel.start_button.text() == "Start"
+
+
+def test_sigkill_shows_oom_banner_and_auto_restart_recovers(qtbot, port):
+    ctx, panel, _ = make_panel(qtbot)
+    assert panel.auto_restart.isChecked()
+    with qtbot.waitSignal(ctx.engineReady, timeout=30_000):
+        panel.start()
+    pid = panel.sup.snapshot().pid
+    os.kill(pid, signal.SIGKILL)
+    qtbot.waitUntil(lambda: panel.banner.isVisible(), timeout=5_000)
+    assert "out-of-memory killer" in panel.banner.title.text() and "journalctl" in panel.banner.fix.text()
+    qtbot.waitUntil(lambda: panel.badge.text() == "Ready" and panel.sup.snapshot() is not None
+                    and panel.sup.snapshot().pid != pid, timeout=30_000)
+    assert not panel.banner.isVisible()
+    panel.stop()
+    qtbot.waitUntil(lambda: panel.badge.text() == "Stopped" and idle(panel), timeout=30_000)
+
+
+def test_slow_start_shows_progress_with_phase_and_elapsed(qtbot, port, monkeypatch):
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 3")
+    ctx, panel, _ = make_panel(qtbot)
+    panel.start()
+    qtbot.waitUntil(lambda: panel.progress.isVisible() and "elapsed" in panel.phase.text()
+                    and "%" in panel.progress.format() and panel.progress.value() > 0, timeout=30_000)
+    assert "of up to 2 h" in panel.phase.text()
+    qtbot.waitUntil(lambda: panel.badge.text() == "Ready", timeout=30_000)
+    assert not panel.progress.isVisible()
+    panel.stop()
+    qtbot.waitUntil(lambda: panel.badge.text() == "Stopped" and idle(panel), timeout=30_000)
+
+
+def test_close_leave_running_then_a_new_panel_reattaches(qtbot, port):
+    ctx, panel, _ = make_panel(qtbot)
+    with qtbot.waitSignal(ctx.engineReady, timeout=30_000):
+        panel.start()
+    pid = panel.sup.snapshot().pid
+    panel.ask_close_choice = lambda win: "cancel"
+    assert panel.confirm_close(None) is False
+    panel.ask_close_choice = lambda win: "leave"
+    assert panel.confirm_close(None) is True
+    panel.shutdown()
+    qtbot.waitUntil(lambda: panel._run_worker is None, timeout=10_000)
+    assert psutil.pid_exists(pid)                                           # left running
+    ctx2 = AppContext(load_settings(), hw())
+    with qtbot.waitSignal(ctx2.engineReady, timeout=30_000):
+        panel2 = EnginePanel(ctx2)
+        qtbot.addWidget(panel2)
+    assert panel2.badge.text() == "Ready" and panel2.sup.snapshot().pid == pid
+    # closing with "stop" stops it and then closes the window
+    closed = []
+
+    class Win:
+        def close(self):
+            closed.append(True)
+
+    panel2.ask_close_choice = lambda win: "stop"
+    assert panel2.confirm_close(Win()) is False
+    qtbot.waitUntil(lambda: closed == [True], timeout=30_000)
+    assert panel2.badge.text() == "Stopped" and not listening(port)
+
+
+def test_dry_run_dialog_is_copyable_and_masks_the_key(qtbot, port):
+    ctx, panel, _ = make_panel(qtbot)
+    qtbot.mouseClick(panel.dry_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: getattr(panel, "last_dry_run", None) is not None, timeout=30_000)
+    text = panel.last_dry_run.text.toPlainText()
+    assert "engine_manager.sim" in text and "(masked)" in text and ctx.settings.api_key not in text
+    assert "--cpunodebind" in text or "taskset" in text
+    panel.last_dry_run.findChild(type(panel.start_button), "dryRunCopy").click()
+    assert QApplication.clipboard().text() == text
+    panel.last_dry_run.close()
+    assert not listening(port)
+
+
+def test_menu_actions_and_shortcuts(qtbot, port):
+    ctx, panel, _ = make_panel(qtbot)
+    acts = {a.objectName(): a for a in panel.actions_for_menu()}
+    assert set(acts) == {"actionStart", "actionStop", "actionForceStop", "actionDryRun"}
+    assert acts["actionStart"].shortcut().toString() == "Ctrl+R"
+    assert acts["actionStop"].shortcut().toString() == "Ctrl+."
+    assert acts["actionStart"].isEnabled() and not acts["actionStop"].isEnabled()
