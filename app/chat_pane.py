@@ -29,7 +29,7 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import (
     QAbstractItemView, QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout,
     QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox, QPlainTextEdit, QPushButton,
-    QSpinBox, QSplitter, QTextBrowser, QToolButton, QVBoxLayout, QWidget,
+    QSizePolicy, QSpinBox, QSplitter, QTextBrowser, QToolButton, QVBoxLayout, QWidget,
 )
 
 from superqt.utils import create_worker
@@ -84,7 +84,8 @@ class MarkdownRenderer:
                 f'border: 1px solid {t["code_border"]}; margin-top:4px; margin-bottom:4px">'
                 f'<tr><td><span style="color:{t["dim"]}">{lang or "code"}</span>&nbsp;&nbsp;'
                 f'<a href="{SCHEME}:copy-code/{key}">Copy code</a></td></tr>'
-                f'<tr><td><pre style="font-family:monospace; margin:0">{code}</pre></td></tr></table>\n')
+                f'<tr><td><pre style="font-family:monospace; margin:0; white-space:pre-wrap">{code}</pre></td></tr>'
+                f'</table>\n')
 
     def _image(self, tokens, idx, _options, _env) -> str:
         # Never load an image the model names (it could be any local file): show it as a link.
@@ -498,6 +499,8 @@ class ChatPane(QWidget):
         self.conv_list.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.conv_list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.conv_list.setUniformItemSizes(True)
+        self.conv_list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.conv_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.conv_list.setMinimumHeight(60)
         tl.addWidget(self.conv_list, 1)
 
@@ -509,6 +512,7 @@ class ChatPane(QWidget):
         self.title_label = QLabel()
         self.title_label.setObjectName("chatTitle")
         self.title_label.setTextFormat(Qt.TextFormat.PlainText)
+        self.title_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         f = self.title_label.font()
         f.setBold(True)
         self.title_label.setFont(f)
@@ -562,13 +566,20 @@ class ChatPane(QWidget):
         self.reproducible.setObjectName("chatReproducible")
         self.reproducible.setToolTip("strata_reproducible: the same answer whatever else is in the batch "
                                      "(slower)")
-        og.addWidget(QLabel("Max tokens"), 0, 0)
-        og.addWidget(self.max_tokens, 0, 1)
-        og.addWidget(QLabel("Temperature"), 0, 2)
-        og.addWidget(self.temperature, 0, 3)
-        og.addWidget(QLabel("Reasoning"), 1, 0)
-        og.addWidget(self.effort, 1, 1)
-        og.addWidget(self.reproducible, 1, 2, 1, 2)
+        # two narrow columns, so the pane stays usable at its minimum width (300 px)
+        self.max_tokens.setPrefix("max ")
+        self.temperature.setPrefix("temp ")
+        self.temperature.setSpecialValueText("temp: default")
+        self.effort.setItemText(0, "reasoning: default")
+        for i, e in enumerate(REASONING_EFFORTS, start=1):
+            self.effort.setItemText(i, f"reasoning: {e}")
+        og.addWidget(self.max_tokens, 0, 0)
+        og.addWidget(self.temperature, 0, 1)
+        og.addWidget(self.effort, 1, 0)
+        og.addWidget(self.reproducible, 1, 1)
+        for w in (self.max_tokens, self.temperature, self.effort):
+            w.setMinimumWidth(60)
+            w.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
         self.options_box.setVisible(False)
         bl.addWidget(self.options_box)
 
@@ -929,7 +940,9 @@ class ChatPane(QWidget):
         st = self._current
         if st is None:
             return
-        self.title_label.setText(st.title if st.id is not None else "New conversation (saved when you send)")
+        title = st.title if st.id is not None else "New conversation (saved when you send)"
+        self.title_label.setText(title)
+        self.title_label.setToolTip(title)
 
     def _on_item_changed(self, item: QListWidgetItem | None, _prev) -> None:
         if item is None:
@@ -1134,7 +1147,7 @@ class ChatPane(QWidget):
         if self.base_url:
             where = self.base_url.replace("http://", "")
             model = f" · {self.engine_model}" if self.engine_model else ""
-            sim = " (simulated engine)" if self.engine_simulated else ""
+            sim = " (simulated engine)" if self.engine_simulated and "simulated" not in model else ""
             self.engine_label.setText(f"Engine ready at {where}{model}{sim}")
             self.engine_label.setStyleSheet(f"color: {self._theme['dim']}")
             self.start_button.setVisible(False)

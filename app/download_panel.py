@@ -314,7 +314,7 @@ class DownloadPanel(QWidget):
         self._set_busy(True, "model")
         self.worker = run_generator(dl.download_model, self.ctx.settings, control=self.control,
                                     on_event=self._on_event, on_done=self._on_done, on_error=self._on_error,
-                                    on_finished=self._on_finished, _ignore_errors=True)
+                                    on_finished=self._on_finished)
 
     def start_engine(self) -> None:
         if self.worker is not None:
@@ -327,7 +327,7 @@ class DownloadPanel(QWidget):
         self._set_busy(True, "engine")
         self.worker = run_generator(dl.download_engine, self.ctx.settings, control=self.control,
                                     on_event=self._on_event, on_done=self._on_done, on_error=self._on_error,
-                                    on_finished=self._on_finished, _ignore_errors=True)
+                                    on_finished=self._on_finished)
 
     def pause(self) -> None:
         if self.control is not None and self.kind in ("model", "engine"):
@@ -371,7 +371,7 @@ class DownloadPanel(QWidget):
         self._set_busy(True, "verify")
         self.worker = run_generator(dl.verify_model_dir, self.ctx.settings, Path(folder), control=self.control,
                                     on_event=self._on_event, on_done=self._on_verified, on_error=self._on_error,
-                                    on_finished=self._on_finished, _ignore_errors=True)
+                                    on_finished=self._on_finished)
 
     def _open_folder(self) -> None:
         folder = getattr(self, "folder", None)

@@ -244,6 +244,9 @@ class CompareCard(QFrame):
                          "expert picks hit the GPU; NUMA binding took 1 user from ~53 to 63 tok/s.")
         self.setToolTip(self.base_tip)
         self.comparison: guides.Comparison | None = None
+        # a fixed height: text that changes length must not resize the plots below (that would redraw all six)
+        from PySide6.QtGui import QFontMetrics
+        self.setFixedHeight(QFontMetrics(small).lineSpacing() * 4 + 12)
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
         self.show_comparison(None)
 
@@ -483,6 +486,7 @@ class MonitorView(QWidget):
     tickShown = Signal(object)         # Tick, after the view drew it
 
     MAX_POINTS_PER_PIXEL = 2
+    STEP_INTERVAL_MS = 4       # between one plot's update and the next: room for Qt to paint the first alone
 
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
@@ -609,7 +613,7 @@ class MonitorView(QWidget):
         self._target: tuple[float, float, bool] | None = None
         self._step_timer = QTimer(self)
         self._step_timer.setSingleShot(True)
-        self._step_timer.setInterval(0)
+        self._step_timer.setInterval(self.STEP_INTERVAL_MS)
         self._step_timer.timeout.connect(self._redraw_step)
         self.plots["hit"].set_reference(None, "", "planner's prediction: unknown")
         self._hover_proxy = pg.SignalProxy(self.glw.scene().sigMouseMoved, rateLimit=30, slot=self._mouse_moved)

@@ -17,6 +17,7 @@ def run_generator(fn: Callable[..., Iterator[Any]], *args: Any,
                   **kwargs: Any) -> GeneratorWorker:
     """Start ``fn(*args, **kwargs)`` (a generator function) on a thread; each yielded event reaches
     ``on_event`` on the GUI thread. ``worker.quit()`` asks the generator to stop at its next yield."""
+    kwargs.setdefault("_ignore_errors", on_error is not None)  # handled by on_error: do not re-raise in the GUI
     worker = create_worker(fn, *args, _start_thread=False, **kwargs)
     _connect(worker, on_event, on_done, on_error, on_finished)
     worker.start()
@@ -29,6 +30,7 @@ def run_function(fn: Callable[..., Any], *args: Any,
                  on_finished: Callable[[], None] | None = None,
                  **kwargs: Any) -> FunctionWorker:
     """Run a blocking call (I/O, a probe) off the GUI thread; its return value reaches ``on_done``."""
+    kwargs.setdefault("_ignore_errors", on_error is not None)
     worker = create_worker(fn, *args, _start_thread=False, **kwargs)
     _connect(worker, None, on_done, on_error, on_finished)
     worker.start()
