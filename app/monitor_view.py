@@ -486,7 +486,7 @@ class MonitorView(QWidget):
     tickShown = Signal(object)         # Tick, after the view drew it
 
     MAX_POINTS_PER_PIXEL = 2
-    STEP_INTERVAL_MS = 4       # between one plot's update and the next: room for Qt to paint the first alone
+    STEP_INTERVAL_MS = 15       # between one plot's update and the next: room for Qt to paint the first alone
 
     def __init__(self, ctx, parent=None):
         super().__init__(parent)

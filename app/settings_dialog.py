@@ -20,7 +20,9 @@ GROUPS = {
     "Engine": ["server_engine", "host", "port", "api_key", "slots", "context_length", "kv_type", "cpu_numerics",
                "vram_reserve_mib", "gpu_index", "numa_binding", "auto_restart", "ready_timeout_s"],
     "Model and files": ["model_dir", "cache_dir", "model_repo", "model_revision", "engine_dir", "llama_server",
-                        "llamacpp_model", "hf_token"],
+                        "llamacpp_model", "engine_manifest", "hf_token"],
+    "llama.cpp": ["llamacpp_log_verbosity", "llamacpp_load_mode"],
+    "Scripted engine": ["sim_args"],
     "Chat and monitor": ["default_max_tokens", "metrics_hz"],
 }
 
@@ -140,7 +142,7 @@ class SettingsDialog(QDialog):
             lay.setContentsMargins(0, 0, 0, 0)
             lay.addWidget(w, 1)
             browse = QPushButton("Browse…")
-            is_file = name in {"llama_server", "llamacpp_model"}
+            is_file = name in {"llama_server", "llamacpp_model", "engine_manifest"}
             browse.clicked.connect(lambda: self._browse(w, is_file))
             lay.addWidget(browse)
             box.line_edit = w  # type: ignore[attr-defined]

@@ -347,13 +347,10 @@ def main(argv: list[str] | None = None) -> int:
             p = {**base, "llamacpp_cpu_layers": configs[name.split("@")[0]]}
         # "half_cpu@none": the same placement with llama-server's -lm (load mode) given through the adapter's knob
         mode = name.split("@")[1] if "@" in name else None
-        if mode:
-            os.environ["DSV41_LLAMACPP_LOAD_MODE"] = mode
-        else:
-            os.environ.pop("DSV41_LLAMACPP_LOAD_MODE", None)
+        cfg_settings = settings.model_copy(update={"llamacpp_load_mode": mode or "auto"})
         print(f"== {name}: experts of {len(p.get('llamacpp_cpu_layers') or [])}/{len(moe)} MoE layers in RAM",
               flush=True)
-        r = run_config(name.replace("@", "_lm_"), settings, p, home, args, nvml, logs_out)
+        r = run_config(name.replace("@", "_lm_"), cfg_settings, p, home, args, nvml, logs_out)
         r["load_mode"] = mode or "default (mmap)"
         result["runs"].append(r)
         d1 = r.get("decode_1") or {}

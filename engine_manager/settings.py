@@ -183,6 +183,30 @@ class Settings(BaseModel):
         description="First shard of the GGUF that llama-server loads (empty: the model folder's)",
         json_schema_extra={"env": "DSV41_LLAMACPP_MODEL", "allowed": "a .gguf file path, or empty"},
     )
+    llamacpp_log_verbosity: int = Field(
+        4,
+        ge=3,
+        le=5,
+        description="llama-server log verbosity: 4 shows buffer placement; 5 adds a line per overridden tensor "
+        "(and per token, and the prompts)",
+        json_schema_extra={"env": "DSV41_LLAMACPP_LOG_VERBOSITY", "allowed": "an integer from 3 to 5"},
+    )
+    llamacpp_load_mode: Literal["auto", "mmap", "none", "mlock"] = Field(
+        "auto",
+        description="How llama-server loads weights: auto (pinned RAM for RAM-resident experts on a GPU build), "
+        "mmap, none, mlock",
+        json_schema_extra={"env": "DSV41_LLAMACPP_LOAD_MODE", "allowed": "one of auto, mmap, none, mlock"},
+    )
+    engine_manifest: Path | None = Field(
+        None,
+        description="Engine release manifest (version, url, size, sha256) instead of the pinned one",
+        json_schema_extra={"env": "DSV41_ENGINE_MANIFEST", "allowed": "a .json file path, or empty"},
+    )
+    sim_args: str = Field(
+        "",
+        description="Extra flags for the scripted engine (fault switches, --speed, --skew; see dsv41 sim --help)",
+        json_schema_extra={"env": "DSV41_SIM_ARGS", "allowed": "command-line flags of `dsv41 sim`"},
+    )
     hf_token: str = Field(
         "",
         description="Hugging Face token for the download (HF_TOKEN in the environment also works)",
@@ -234,7 +258,14 @@ class Settings(BaseModel):
             raise ValueError("empty revision")
         return v
 
-    @field_validator("model_dir", "engine_dir", "llama_server", "llamacpp_model", mode="before")
+    @field_validator("sim_args")
+    @classmethod
+    def _sim_args(cls, v: str) -> str:
+        import shlex
+        shlex.split(v)  # unbalanced quotes are refused here, not when the engine starts
+        return v.strip()
+
+    @field_validator("model_dir", "engine_dir", "llama_server", "llamacpp_model", "engine_manifest", mode="before")
     @classmethod
     def _empty_path(cls, v: Any) -> Any:
         if v is None or (isinstance(v, str) and not v.strip()):

@@ -112,9 +112,11 @@ def test_plan_settings_win_over_panel_settings(tmp_path, fake_server, tiny):
     assert a[a.index("-np") + 1] == "4" and a[a.index("-c") + 1] == "4096" and a[a.index("-ctk") + 1] == "q4_0"
 
 
-def test_verbosity_opt_in(tmp_path, fake_server, tiny, monkeypatch):
-    monkeypatch.setenv("DSV41_LLAMACPP_LOG_VERBOSITY", "5")
+def test_verbosity_opt_in(tmp_path, fake_server, tiny):
     s = settings_for(DSV41_LLAMA_SERVER=fake_server, DSV41_LLAMACPP_MODEL=tiny)
+    a = ENGINE.build_launch(s, None, tmp_path).argv
+    assert a[a.index("-lv") + 1] == "4"
+    s = settings_for(DSV41_LLAMA_SERVER=fake_server, DSV41_LLAMACPP_MODEL=tiny, DSV41_LLAMACPP_LOG_VERBOSITY=5)
     a = ENGINE.build_launch(s, None, tmp_path).argv
     assert a[a.index("-lv") + 1] == "5"
 
@@ -251,15 +253,15 @@ def test_cuda_oom_classified_over_the_generic_load_failure():
     assert hint.cause == "cuda_oom" and "RAM" in hint.fix
 
 
-def test_load_mode(monkeypatch):
+def test_load_mode():
     from engine_manager.engines.llamacpp import load_mode_for
+    from engine_manager.settings import load_settings
 
-    monkeypatch.delenv("DSV41_LLAMACPP_LOAD_MODE", raising=False)
     assert load_mode_for([0, 1], True) == "none"         # pinned host memory for RAM experts on a GPU build
     assert load_mode_for([], True) is None and load_mode_for([0, 1], False) is None
     assert load_mode_for([0, 1], None) is None
-    monkeypatch.setenv("DSV41_LLAMACPP_LOAD_MODE", "mmap")
-    assert load_mode_for([0, 1], True) == "mmap"
+    mode = load_settings(env={"DSV41_LLAMACPP_LOAD_MODE": "mmap"}).settings.llamacpp_load_mode
+    assert load_mode_for([0, 1], True, mode) == "mmap"
 
 
 def test_gpu_build_detected_from_its_libraries(tmp_path, tiny):

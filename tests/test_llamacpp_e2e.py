@@ -118,8 +118,8 @@ class Running:
 
 
 def test_llamacpp_end_to_end(tiny, free_port, monkeypatch):
-    monkeypatch.setenv("DSV41_LLAMACPP_LOG_VERBOSITY", "5")      # per-tensor placement lines in the log
-    settings = make_settings(tiny, free_port)
+    # per-tensor placement lines in the log
+    settings = make_settings(tiny, free_port, DSV41_LLAMACPP_LOG_VERBOSITY="5")
     plan = make_plan(tiny, settings)
     cpu_layers = plan["llamacpp_cpu_layers"]
     # without routing data the planner keeps the first layers in RAM (as --n-cpu-moe does): a real choice

@@ -48,8 +48,6 @@ from typing import Any, Iterable
 from ..atomic import atomic_write_bytes
 from .base import Engine, FailureHint, LaunchSpec, LogEvent, LogPattern, Readiness, Sample
 
-VERBOSITY_ENV = "DSV41_LLAMACPP_LOG_VERBOSITY"
-LOAD_MODE_ENV = "DSV41_LLAMACPP_LOAD_MODE"          # auto (the engine decides) | mmap | none | mlock
 DEFAULT_VERBOSITY = 4
 KV_TYPES = {"int8": ("q8_0", "q8_0"), "q4_0": ("q4_0", "q4_0"), "k8v4": ("q8_0", "q4_0")}
 # device memory: CUDA0, ROCm0, Vulkan0, Metal, … (and CUDA_Split). CUDA_Host is *pinned host RAM*: on a CUDA build a
@@ -105,8 +103,9 @@ def resolve_model(settings: Any, plan: dict[str, Any] | None) -> Path:
                         "DSV41_MODEL_DIR to its folder), or make a plan for a model first (`dsv41 plan`).")
 
 
-def load_mode_for(cpu_layers: list[int], gpu_backend: bool | None) -> str | None:
-    """``-lm`` value, or None for llama.cpp's default (mmap). ``DSV41_LLAMACPP_LOAD_MODE`` overrides.
+def load_mode_for(cpu_layers: list[int], gpu_backend: bool | None, mode: str = "auto") -> str | None:
+    """``-lm`` value, or None for llama.cpp's default (mmap). ``mode`` is the ``llamacpp_load_mode`` setting
+    (``DSV41_LLAMACPP_LOAD_MODE``); anything but ``auto`` overrides.
 
     With expert layers kept in RAM on a GPU build, ``-lm none`` (llama.cpp's own advice: "tensor overrides to CPU
     are used with mmap enabled - consider using --load-mode none") puts them in pinned host memory (CUDA_Host)
@@ -114,7 +113,7 @@ def load_mode_for(cpu_layers: list[int], gpu_backend: bool | None) -> str | None
     prompt processing 1,190 → 5,249 tok/s (PCIe RX 8.2 → 31.7 GB/s mean while the GPU pulls those experts in),
     decode 120 → 127 tok/s, load 1.2 → 3.3 s. It is also what the planner's RAM model assumes (pinned experts).
     A CPU-only build gains nothing from it, so it keeps the default there."""
-    mode = os.environ.get(LOAD_MODE_ENV, "auto").strip().lower()
+    mode = (mode or "auto").strip().lower()
     if mode in ("mmap", "none", "mlock"):
         return mode
     if cpu_layers and gpu_backend:
@@ -494,11 +493,7 @@ class LlamaCppEngine(Engine):
         host = getattr(settings, "host", "127.0.0.1")
         port = int(getattr(settings, "port", 8090))
         reserve = int(getattr(settings, "vram_reserve_mib", 700))
-        try:
-            verbosity = int(os.environ.get(VERBOSITY_ENV, DEFAULT_VERBOSITY))
-        except ValueError:
-            verbosity = DEFAULT_VERBOSITY
-        verbosity = min(max(verbosity, 3), 5)
+        verbosity = min(max(int(getattr(settings, "llamacpp_log_verbosity", DEFAULT_VERBOSITY)), 3), 5)
 
         key_file = workdir / "llamacpp-api-key"
         atomic_write_bytes(key_file, (key + "\n").encode())
@@ -517,7 +512,8 @@ class LlamaCppEngine(Engine):
         rule = cpu_layers_rule(cpu_layers)
         if rule:
             argv += ["-ot", rule]
-        load_mode = load_mode_for(cpu_layers, placement.gpu_backend)
+        load_mode = load_mode_for(cpu_layers, placement.gpu_backend,
+                                  getattr(settings, "llamacpp_load_mode", "auto"))
         if load_mode:
             argv += ["-lm", load_mode]
         env = binary.env()

@@ -35,13 +35,17 @@ LABEL = "Scripted engine (SIMULATED — no GPU, modelled speeds)"
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def sim_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """PYTHONPATH with the panel's own package root first, and unbuffered output."""
+def sim_env(base: dict[str, str] | None = None, sim_args: str = "") -> dict[str, str]:
+    """PYTHONPATH with the panel's own package root first, unbuffered output, and the ``sim_args`` setting
+    (``DSV41_SIM_ARGS``: fault switches and other sim flags) for the process to read."""
     import os
 
     current = (base if base is not None else os.environ).get("PYTHONPATH", "")
     parts = [PACKAGE_ROOT] + [p for p in current.split(os.pathsep) if p and p != PACKAGE_ROOT]
-    return {"PYTHONPATH": os.pathsep.join(parts), "PYTHONUNBUFFERED": "1"}
+    env = {"PYTHONPATH": os.pathsep.join(parts), "PYTHONUNBUFFERED": "1"}
+    if sim_args:
+        env["DSV41_SIM_ARGS"] = sim_args
+    return env
 
 
 def sim_argv(plan_path: str | None, host: str, port: int, api_key: str, extra: list[str] | None = None) -> list[str]:
@@ -97,7 +101,8 @@ class SimEngine(Engine):
         argv = sim_argv(str(plan_path) if plan_path else None, settings.host, int(settings.port),
                         settings.api_key, extra)
         return LaunchSpec(engine=self.name, argv=argv, host=settings.host, port=int(settings.port),
-                          api_key=settings.api_key, env=sim_env(), cwd=str(workdir),
+                          api_key=settings.api_key, env=sim_env(sim_args=getattr(settings, "sim_args", "")),
+                          cwd=str(workdir),
                           files=files, simulated=True, label=self.label)
 
     def preflight(self, spec: LaunchSpec) -> list[str]:
