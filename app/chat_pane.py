@@ -348,10 +348,6 @@ class ConversationDoc:
                 self.probe(now - arrival)
         self._pending.clear()
 
-    def render_due(self) -> bool:
-        gap = max(RENDER_MIN_INTERVAL_S, RENDER_COST_FACTOR * self.last_render_s)
-        return time.perf_counter() - self.last_render_at >= gap
-
 
 @dataclass
 class Stream:

@@ -171,6 +171,8 @@ class EnginePanel(QWidget):
         for name, text in ENGINE_CHOICES:
             self.engine_box.addItem(text, name)
         self.engine_box.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.engine_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.engine_box.setMinimumContentsLength(12)
         idx = self.engine_box.findData(self.ctx.settings.server_engine)
         self.engine_box.setCurrentIndex(max(0, idx))
         self.engine_box.currentIndexChanged.connect(self._engine_chosen)
@@ -624,6 +626,10 @@ class EnginePanel(QWidget):
             self.stop()
             return False
         return False
+
+    def closeEvent(self, event) -> None:  # noqa: N802 - Qt's name; only when the panel is a window of its own
+        self.shutdown()
+        super().closeEvent(event)
 
     def shutdown(self) -> None:
         self._shutting_down = True

@@ -267,7 +267,9 @@ class CompareCard(QFrame):
         if c.simulated and c.verdict not in ("idle", "unknown"):
             word += " · sim."
         self.badge.setText(word)
-        self.badge.setStyleSheet(f"background: {bg}; color: {fg}; border-radius: 3px; padding: 1px 6px;")
+        style = f"background: {bg}; color: {fg}; border-radius: 3px; padding: 1px 6px;"
+        if self.badge.styleSheet() != style:          # re-styling costs a repolish: only on change
+            self.badge.setStyleSheet(style)
         users = "—" if c.users is None else str(c.users)
         kind = " <i>(interpolated)</i>" if c.guide_kind == "interpolated" else ""
         hr = "—" if c.hit_rate is None else f"{c.hit_rate * 100:.0f}%"
@@ -341,6 +343,7 @@ class _Plot:
             self.curves[s.column] = c
             self.series[s.column] = s
         self.legend_cols: set[str] = set(self.curves)
+        self.empty: dict[str, bool] = {}
         if spec.y_min is not None:
             it.vb.setLimits(yMin=spec.y_min - (spec.y_max or 1) * 0.05)
         # y ranges are set by set_data (sticky "nice" bounds), not re-fitted on every tick: an axis whose range
@@ -399,10 +402,15 @@ class _Plot:
             s = self.series[col]
             y = y.astype(np.float64) * s.scale if s.scale != 1.0 else y.astype(np.float64)
             self.data[col] = y
+            if not curve.isVisible():
+                continue
             if t.size == 0 or not np.isfinite(y).any():
-                curve.setData([], [])
+                if self.empty.get(col) is not True:        # already empty: nothing to redraw
+                    curve.setData([], [])
+                    self.empty[col] = True
             else:
                 curve.setData(t, y, connect="finite")
+                self.empty[col] = False
         if fit_y:
             self.fit_y(x_range)
 

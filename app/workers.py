@@ -6,7 +6,20 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
+from PySide6.QtCore import QThreadPool
 from superqt.utils import FunctionWorker, GeneratorWorker, create_worker
+
+# superqt starts workers on Qt's global pool, whose default size is the number of cores (2 on small machines).
+# Our workers are long-lived and I/O-bound (a streaming chat answer, a readiness wait, the metrics poller, a
+# download), so a pool that small lets two of them starve every other panel: seen with a third conversation
+# that did not start until another answer finished. They sleep on sockets, so many threads cost little.
+MIN_POOL_THREADS = 64
+
+
+def _ensure_pool() -> None:
+    pool = QThreadPool.globalInstance()
+    if pool.maxThreadCount() < MIN_POOL_THREADS:
+        pool.setMaxThreadCount(MIN_POOL_THREADS)
 
 
 def run_generator(fn: Callable[..., Iterator[Any]], *args: Any,
@@ -17,6 +30,7 @@ def run_generator(fn: Callable[..., Iterator[Any]], *args: Any,
                   **kwargs: Any) -> GeneratorWorker:
     """Start ``fn(*args, **kwargs)`` (a generator function) on a thread; each yielded event reaches
     ``on_event`` on the GUI thread. ``worker.quit()`` asks the generator to stop at its next yield."""
+    _ensure_pool()
     kwargs.setdefault("_ignore_errors", on_error is not None)  # handled by on_error: do not re-raise in the GUI
     worker = create_worker(fn, *args, _start_thread=False, **kwargs)
     _connect(worker, on_event, on_done, on_error, on_finished)
@@ -30,6 +44,7 @@ def run_function(fn: Callable[..., Any], *args: Any,
                  on_finished: Callable[[], None] | None = None,
                  **kwargs: Any) -> FunctionWorker:
     """Run a blocking call (I/O, a probe) off the GUI thread; its return value reaches ``on_done``."""
+    _ensure_pool()
     kwargs.setdefault("_ignore_errors", on_error is not None)
     worker = create_worker(fn, *args, _start_thread=False, **kwargs)
     _connect(worker, None, on_done, on_error, on_finished)

@@ -1,8 +1,9 @@
 """Chat pane rendering with 8 conversations streaming at once from the scripted engine (a real process).
 
-Measures, for every chunk, the time from its arrival (parsed off the socket on the stream's worker thread) to its
-text being in the conversation's QTextDocument (GUI thread): median, p99 and max, for the conversation on screen
-and for the 7 hidden ones. Goal (issue 7): median ≤ 10 ms.
+Measures, for every chunk of the conversation on screen, the time from its arrival (parsed off the socket on the
+stream's worker thread) to its text being in the conversation's QTextDocument (GUI thread): median, p99 and max.
+Goal (issue 7): median ≤ 10 ms. The 7 hidden conversations keep their chunks in the model (a document that is not
+shown still lays out every insert) and are drawn when shown; for them the figure is arrival → held by the pane.
 
 Side by side in one run, same engine, same load:
 
@@ -163,20 +164,25 @@ def main() -> int:
             allv = r["visible"] + r["hidden"]
             print(f"\n[{mode}] {r['tokens']} tokens in {r['wall_s']:.1f} s = {r['tokens'] / r['wall_s']:.0f} tok/s "
                   f"across all streams; answers: {', '.join(sorted(set(r['statuses'])))}")
-            print(f"  all chunks      {summary(allv)}")
-            print(f"  on screen       {summary(r['visible'])}")
-            print(f"  hidden (x{args.streams - 1})    {summary(r['hidden'])}")
+            print(f"  on screen, arrival -> in the document     {summary(r['visible'])}")
+            print(f"  hidden x{args.streams - 1}, arrival -> held (drawn when shown) {summary(r['hidden'])}")
+            print(f"  all chunks                                {summary(allv)}")
             print(f"  Markdown re-renders of the on-screen answer: {r['renders']}, "
                   f"mean {r['render_ms_mean']:.2f} ms each")
-        inc = results["incremental"]["visible"] + results["incremental"]["hidden"]
-        nai = results["naive"]["visible"] + results["naive"]["hidden"]
+        inc = results["incremental"]["visible"]
+        nai = results["naive"]["visible"]
         med_i, med_n = statistics.median(inc), statistics.median(nai)
-        print(f"\nnaive / incremental: median {med_n / med_i:.1f}x, p99 {pct(nai, .99) / pct(inc, .99):.1f}x")
+        inc_all = inc + results["incremental"]["hidden"]
+        nai_all = nai + results["naive"]["hidden"]
+        print(f"\nnaive / incremental, on screen: median {med_n / med_i:.1f}x, p99 {pct(nai, .99) / pct(inc, .99):.1f}x;"
+              f" all chunks: median {statistics.median(nai_all) / statistics.median(inc_all):.1f}x, "
+              f"p99 {pct(nai_all, .99) / pct(inc_all, .99):.1f}x")
         lib_us, split_us = sse_parse_cost()
         print(f"SSE parse + JSON per event: httpx-sse {lib_us:.1f} µs, bare split {split_us:.1f} µs "
               f"(ratio {lib_us / split_us:.1f}x; a token arrives every ~16 ms at 63 tok/s) -> httpx-sse kept")
         ok = med_i <= 10.0
-        print(f"goal median <= 10 ms: {'MET' if ok else 'NOT MET'} ({med_i:.2f} ms)")
+        print(f"goal median <= 10 ms (on screen, arrival -> in the document): {'MET' if ok else 'NOT MET'} "
+              f"({med_i:.2f} ms)")
         return 0 if ok else 1
     finally:
         sim.kill()

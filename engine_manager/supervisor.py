@@ -1156,10 +1156,14 @@ class Supervisor:
         if not rec or not rec.get("keeper_pid"):
             if rec and rec.get("state") == CRASHED and isinstance(rec.get("last_failure"), dict):
                 try:
-                    self.last_failure = Crashed(**{k: v for k, v in rec["last_failure"].items() if k != "kind"})
+                    crash = Crashed(**{k: v for k, v in rec["last_failure"].items() if k != "kind"})
                 except TypeError:
-                    self.last_failure = None
-                yield from _emit(self._set_state(CRASHED, rec.get("message", "")))
+                    crash = None
+                if crash is not None:               # what happened last time stays visible until the next start
+                    crash.will_restart, crash.restart_in_s = False, None
+                    self.last_failure = crash
+                    yield from _emit(self._set_state(CRASHED, rec.get("message", "")))
+                    yield crash
             return None
         ok = record_alive(rec)
         try:

@@ -451,6 +451,8 @@ def test_killed_panel_with_dead_engine_is_cleaned_up(port):
     # a later panel still shows what happened, and can start again
     st = make().status()
     assert st.state == "crashed" and st.last_failure["cause"] == "oom_killed"
+    evs, st = drain(make().watch())                    # a later panel shows the cause again
+    assert kinds(evs, "crashed")[0].cause == "oom_killed" and st.state == "crashed"
 
 
 def test_pid_reuse_is_not_mistaken_for_the_engine(port):

@@ -237,13 +237,22 @@ class HostSource(Source):
                 pass
         return None
 
+    TREE_EVERY_S = 5.0
+
     def _tree(self) -> list[psutil.Process]:
+        """The engine and its descendants. Finding descendants scans every process on the machine, so the list
+        is refreshed every ``TREE_EVERY_S`` seconds (and whenever the engine itself changed)."""
+        now = time.monotonic()
+        cached = getattr(self, "_tree_cache", None)
+        if cached is not None and now - cached[0] < self.TREE_EVERY_S and cached[1][0].is_running():
+            return cached[1]
         root = psutil.Process(self.pid)
         try:
             kids = root.children(recursive=True)
         except psutil.Error:
             kids = []
-        return [root, *kids]
+        self._tree_cache = (now, [root, *kids])
+        return self._tree_cache[1]
 
     def _prime_tree(self) -> None:
         if not self.pid:
