@@ -369,7 +369,7 @@ def classify_exit(engine: Engine | None, exit: ExitInfo, log_tail: list[str]) ->
     else:
         title = f"The engine exited unexpectedly ({what})."
     return FailureHint("unknown", title,
-                       f"The last lines of its log say:\n{last}\n\nFull log: {paths.logs_dir() / LOG_NAME}.")
+                       f"The last lines of its log say:\n{last}\n\nThe whole log: `dsv41 logs` or the Log tab.")
 
 
 # -- small process helpers ------------------------------------------------------------------------------------
@@ -784,6 +784,11 @@ class Supervisor:
         self.auto_restart = settings.auto_restart if auto_restart is None else auto_restart
         self.ready_timeout_s = float(ready_timeout_s if ready_timeout_s is not None else settings.ready_timeout_s)
         self.resolve_engine = engine_resolver
+        # where this supervisor keeps its files, fixed when it is made (an environment that changes later — a test's
+        # temporary dirs being undone — must not move a running engine's state file)
+        self.data_dir = paths.data_dir()
+        self.logs_dir = paths.logs_dir()
+        self.runs_dir = paths.runs_dir()
         self.last_failure: Crashed | None = None
         self._lock = threading.RLock()
         self._state = STOPPED
@@ -817,19 +822,19 @@ class Supervisor:
     # -- paths -----------------------------------------------------------------------------------------------
     @property
     def state_path(self) -> Path:
-        return paths.data_dir() / STATE_FILE
+        return self.data_dir / STATE_FILE
 
     @property
     def exit_path(self) -> Path:
-        return paths.data_dir() / EXIT_FILE
+        return self.data_dir / EXIT_FILE
 
     @property
     def lock_path(self) -> Path:
-        return paths.data_dir() / LOCK_FILE
+        return self.data_dir / LOCK_FILE
 
     @property
     def log_path(self) -> Path:
-        return paths.logs_dir() / LOG_NAME
+        return self.logs_dir / LOG_NAME
 
     @property
     def state(self) -> str:
@@ -1052,7 +1057,7 @@ class Supervisor:
             plan, pnotes = self._default_plan(eng.name)
             notes.extend(pnotes)
         b = self.binding(refresh=True)
-        workdir = paths.runs_dir() / eng.name
+        workdir = self.runs_dir / eng.name
         ensure_private_dir(workdir)
         spec = eng.build_launch(self.settings, plan, workdir)
         notes.extend(f"WARNING: {p}" for p in _preflight(eng, spec))
@@ -1241,10 +1246,10 @@ class Supervisor:
                                   "Re-plan on the Placement tab (or `dsv41 plan`) with settings this machine can "
                                   "hold, or use a machine that passes `dsv41 doctor`.")
             return "failed"
-        ensure_private_dir(paths.data_dir())
-        ensure_private_dir(paths.logs_dir())
+        ensure_private_dir(self.data_dir)
+        ensure_private_dir(self.logs_dir)
         h: _Handle | None = None
-        with open(self.lock_path, "a+") as lockf:
+        with os.fdopen(os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600), "r+") as lockf:
             try:
                 fcntl.flock(lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -1291,7 +1296,7 @@ class Supervisor:
         if not restart:
             for line in binding.describe():
                 yield Note(line)
-        workdir = paths.runs_dir() / eng.name
+        workdir = self.runs_dir / eng.name
         ensure_private_dir(workdir)
         try:
             spec = eng.build_launch(self.settings, plan, workdir)

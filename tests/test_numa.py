@@ -38,6 +38,8 @@ def probe_under_seccomp(deny: str, errno_name: str = "EPERM", env: dict | None =
     cmd = [sys.executable, "-m", "engine_manager.numa_seccomp_probe", "--deny", deny, "--errno", errno_name]
     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env,
                         cwd=str(Path(__file__).resolve().parents[1]))
+    if cp.returncode == 2 and "seccomp_load failed" in cp.stderr:
+        pytest.skip(f"this kernel or sandbox does not let a process install a seccomp filter: {cp.stderr.strip()}")
     assert cp.returncode == 0, cp.stderr
     return json.loads(cp.stdout)
 
