@@ -42,6 +42,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import httpx
 from httpx_sse import EventSource, SSEError
 
+from .errors import UserError
+
 REASONING_EFFORTS = ("none", "low", "medium", "high")   # "none": answer without thinking
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 # Our tok/s needs tokens spread over at least this long: a burst read in one go has no meaningful rate (None).
@@ -192,7 +194,7 @@ ChatEvent = StreamOpened | ReasoningDelta | ContentDelta | FinishReason | UsageI
 
 
 # ------------------------------------------------------------------------------------------------ errors
-class ChatError(Exception):
+class ChatError(UserError):
     """A chat request failed. ``str()`` is the message for a person; ``kind`` is for code:
 
     ``unreachable`` (nothing listens), ``bad_request`` (400), ``auth`` (401), ``busy`` (409), ``unavailable`` (503),
@@ -597,7 +599,12 @@ def run_turn(store, conversation_id: int | None, *, base_url: str, api_key: str 
     are in ``TurnEnded.error``), so a caller never has to catch. The answer is saved as it streams: at most every
     ``flush_interval_s`` seconds, and at the end.
     """
-    from .history import STATUS_COMPLETE, STATUS_ERROR, STATUS_INTERRUPTED, STATUS_STOPPED
+    from .history import (
+        STATUS_COMPLETE,
+        STATUS_ERROR,
+        STATUS_INTERRUPTED,
+        STATUS_STOPPED,
+    )
 
     options = options or ChatOptions()
     cancel = cancel or CancelToken()

@@ -70,6 +70,7 @@ from urllib.parse import urljoin, urlsplit
 
 from . import paths
 from .atomic import atomic_write_json, ensure_private_dir
+from .errors import UserError
 from .settings import Settings
 
 GB = 10**9
@@ -93,7 +94,7 @@ HTTP_SIZE_LIMIT = 50 * 1000**3      # huggingface_hub's http_get refuses single 
 # errors and events
 # ---------------------------------------------------------------------------------------------------------------
 
-class DownloadError(Exception):
+class DownloadError(UserError):
     """A download could not go on. ``str()`` is the message for the user with what to do."""
 
     def __init__(self, message: str, fix: str = ""):
@@ -947,7 +948,10 @@ def _fsync_dir(d: Path) -> None:
 
 def _hub_error(exc: BaseException, token: str | None) -> HubError:
     from huggingface_hub.errors import (
-        GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
     )
     text = _scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, token)
     if isinstance(exc, GatedRepoError):

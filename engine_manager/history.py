@@ -30,6 +30,7 @@ import psutil
 
 from . import paths
 from .atomic import ensure_private_dir, move_aside
+from .errors import UserError
 
 DB_NAME = "chat_history.sqlite3"
 SCHEMA_VERSION = 1
@@ -74,7 +75,7 @@ CREATE INDEX IF NOT EXISTS messages_streaming ON messages(status) WHERE status =
 """
 
 
-class HistoryError(Exception):
+class HistoryError(UserError):
     """The history store could not do what was asked; ``str()`` says why in plain words."""
 
 
@@ -473,7 +474,9 @@ def _status_note(m: Message) -> str:
     parts: list[str] = []
     if m.role == "assistant":
         stats = m.stats or {}
-        from .chat import StreamStats  # local: history does not need httpx unless it formats stats
+        from .chat import (
+            StreamStats,  # local: history does not need httpx unless it formats stats
+        )
         if stats:
             parts.append(StreamStats.from_dict(stats).summary())
         if m.status != STATUS_COMPLETE:

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import UserError
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -73,7 +75,7 @@ def _quant_sizes() -> dict[int, tuple[int, int, str]]:
 QUANT = _quant_sizes()
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """A model's headers could not be read. ``str()`` names the file, the problem and what to do."""
 
     def __init__(self, path: os.PathLike | str | None, problem: str, advice: str = ""):

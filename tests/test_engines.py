@@ -30,6 +30,7 @@ from engine_manager.engines.strata import (
     sample_from_prometheus,
     write_strp,
 )
+from engine_manager.errors import PlacementRefused
 from engine_manager.settings import load_settings
 
 DATA = Path(__file__).parent / "data"
@@ -113,7 +114,7 @@ def test_strata_uses_the_planners_profile_and_says_what_is_missing(settings, tmp
     # no plan at all: the engine sizes its cache itself
     args = json.loads(Path(STRATA.build_launch(settings, None, tmp_path / "r2").files["config"]).read_text())["args"]
     assert _flag(args, "--expert-cache") == ["auto"] and not _flag(args, "--expert-profile")
-    with pytest.raises(ValueError, match="refused"):
+    with pytest.raises(PlacementRefused, match="refused"):
         STRATA.build_launch(settings, _plan(refused="RAM too small"), tmp_path / "r3")
 
 

@@ -13,6 +13,7 @@ import sys
 from functools import cached_property
 
 from .. import __version__
+from ..errors import PlacementRefused, UserError
 from ..settings import LoadedSettings, SettingsError, load_settings
 
 # Order is the order of `dsv41 --help`.
@@ -68,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"dsv41: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except PlacementRefused as exc:
+        print(f"dsv41: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except UserError as exc:  # expected failures carry their own plain-words message and fix
+        print(f"dsv41: {exc}", file=sys.stderr)
+        return EXIT_FAIL
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -46,7 +46,16 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..atomic import atomic_write_bytes
-from .base import Engine, FailureHint, LaunchSpec, LogEvent, LogPattern, Readiness, Sample
+from ..errors import EngineSetupError
+from .base import (
+    Engine,
+    FailureHint,
+    LaunchSpec,
+    LogEvent,
+    LogPattern,
+    Readiness,
+    Sample,
+)
 
 DEFAULT_VERBOSITY = 4
 KV_TYPES = {"int8": ("q8_0", "q8_0"), "q4_0": ("q4_0", "q4_0"), "k8v4": ("q8_0", "q4_0")}
@@ -77,7 +86,7 @@ def first_shard(path: Path) -> Path:
     return path
 
 
-class ModelNotFound(RuntimeError):
+class ModelNotFound(EngineSetupError):
     pass
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_json
+from ..errors import PlacementRefused
 from .base import Engine, FailureHint, LaunchSpec, LogEvent, Readiness, Sample
 from .strata import (
     FAILURE_PATTERNS,
@@ -85,7 +86,7 @@ class SimEngine(Engine):
 
     def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
         if plan and plan.get("refused"):
-            raise ValueError(f"the plan was refused: {plan['refused']}")
+            raise PlacementRefused(f"The placement was refused: {plan['refused']}")
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         files: dict[str, str] = {}

@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_bytes, atomic_write_json
-from .base import Engine, FailureHint, LaunchSpec, LogEvent, LogPattern, Readiness, Sample
+from ..errors import PlacementRefused
+from .base import (
+    Engine,
+    FailureHint,
+    LaunchSpec,
+    LogEvent,
+    LogPattern,
+    Readiness,
+    Sample,
+)
 
 DEFAULT_RELEASE = "v0.1.0"                 # the guides' engine release (prebuilt for sm_120)
 CONFIG_NAME = "strata-config.json"
@@ -463,7 +472,7 @@ class StrataEngine(Engine):
 
     def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
         if plan and plan.get("refused"):
-            raise ValueError(f"the plan was refused: {plan['refused']}")
+            raise PlacementRefused(f"The placement was refused: {plan['refused']}")
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         edir = self.engine_dir(settings)

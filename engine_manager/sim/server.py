@@ -4,7 +4,7 @@
 Why the stdlib server: a stream costs one thread that sleeps on its request's queue between tokens; 8 streams at
 the modelled ~19 tok/s each are ~150 small writes a second, which a threaded server does at a few percent of
 one core (measured by ``benchmarks/sim_cpu.py``). An idle sim sleeps on a condition variable (no polling loop
-besides ``serve_forever``'s 0.5 s select timeout).
+besides ``serve_forever``'s 0.1 s select timeout, which bounds how long a stop waits).
 
 Time: every duration the sim reports (tok/s, prompt_ms, decode_ms, ...) is *modelled* time from the cost model.
 ``speed`` > 1 makes the process run that many times faster in wall time than modelled (for tests); it never
@@ -952,7 +952,7 @@ def serve(srv: SimHTTPServer, engine: Engine, opts: Options, stop: threading.Eve
     host, port = srv.server_address[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     log(f"READY {url} (simulated engine; model {MODEL_ID}; {opts.slots} slot(s))")
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.5}, name="sim-http", daemon=True)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, name="sim-http", daemon=True)
     t.start()
     stop.wait()
     log("shutting down (signal received)")
