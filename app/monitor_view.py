@@ -119,11 +119,11 @@ def _plot_specs() -> list[PlotSpec]:
 
 
 def nice_ceil(x: float) -> float:
-    """The smallest of 1, 2, 2.5, 5 × 10^k that is ≥ x (x > 0)."""
+    """The smallest of 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8 × 10^k that is ≥ x (x > 0)."""
     if x <= 0:
         return 1.0
     k = math.floor(math.log10(x))
-    for m in (1.0, 2.0, 2.5, 5.0, 10.0):
+    for m in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0):
         if m * 10**k >= x * (1 - 1e-12):
             return m * 10**k
     return 10.0 ** (k + 1)
@@ -250,6 +250,10 @@ class CompareCard(QFrame):
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
         self.show_comparison(None)
 
+    def _set_table(self, html: str) -> None:
+        if self.table.text() != html:          # a rich-text relayout costs ~15 ms: only when it changed
+            self.table.setText(html)
+
     def show_comparison(self, c: guides.Comparison | None) -> None:
         self.comparison = c
         if c is None:
@@ -275,7 +279,7 @@ class CompareCard(QFrame):
         hr = "—" if c.hit_rate is None else f"{c.hit_rate * 100:.0f}%"
         host = "this host" + (" <span style='color:#8a5a00'>(simulated)</span>" if c.simulated else "")
         td = "<td style='padding-right:12px'>"
-        self.table.setText(
+        self._set_table(
             "<table cellspacing=0 cellpadding=0>"
             f"<tr>{td}</td>{td}<b>users</b></td>{td}<b>decode, total</b></td>{td}<b>per user</b></td>"
             f"<td><b>GPU hit rate</b></td></tr>"
@@ -283,9 +287,10 @@ class CompareCard(QFrame):
             f"{td}{fmt_value(c.measured_each_tok_s, '{:.1f}', 'tok/s')}</td><td>{hr}</td></tr>"
             f"<tr>{td}<b>guides</b>{kind}</td>{td}{users}</td>{td}{fmt_value(c.guide_tok_s, '{:.2f}', 'tok/s')}</td>"
             f"{td}{fmt_value(c.guide_each_tok_s, '{:.1f}', 'tok/s')}</td><td>~90%</td></tr></table>")
-        shown = [c.headline] + [h for h in c.hints if not h.startswith("Simulated")][:1]
-        self.hints.setText(" ".join(shown))
-        self.hints.setToolTip("\n\n".join(c.hints))
+        shown = " ".join([c.headline] + [h for h in c.hints if not h.startswith("Simulated")][:1])
+        if self.hints.text() != shown:
+            self.hints.setText(shown)
+            self.hints.setToolTip("\n\n".join(c.hints))
         self.setToolTip("\n\n".join([c.headline, *c.hints, self.base_tip]))
 
 
@@ -302,7 +307,9 @@ class _Plot:
         it.setLabel("left", spec.unit)
         it.getAxis("left").enableAutoSIPrefix(False)
         it.setLabel("bottom", "time")
-        it.showGrid(x=True, y=True, alpha=0.25)
+        # horizontal grid lines only: the time axis redraws as the window advances, and with vertical grid
+        # lines its cached picture would span the whole plot (measured ~30 ms per plot on a software X server)
+        it.showGrid(x=False, y=True, alpha=0.25)
         it.setClipToView(True)
         it.setDownsampling(auto=True, mode="peak")
         it.setMenuEnabled(True)
@@ -493,7 +500,9 @@ class MonitorView(QWidget):
     hubStarted = Signal(object)        # MetricsHub
     tickShown = Signal(object)         # Tick, after the view drew it
 
-    MAX_POINTS_PER_PIXEL = 2
+    MAX_POINTS_PER_PIXEL = 1   # min/max per 2-px bucket: peaks survive; a jagged 1,100-point path costs ~3 ms
+    CARDS_HZ = 4.0
+    COMPARE_EVERY_S = 1.0      # the guides card compares 10-s means: redoing its rich text faster buys nothing
     BATCH_BELOW_HZ = 2.0       # at or below this rate all plots are drawn in one pass
     STEP_INTERVAL_MS = 15       # between one plot's update and the next: room for Qt to paint the first alone
 
@@ -759,7 +768,10 @@ class MonitorView(QWidget):
     def _on_tick(self, tick: M.Tick) -> None:
         self.last_tick = tick
         self.ctx.sampleArrived.emit(tick.to_sample())
-        self.update_cards(tick)
+        # the cards at most CARDS_HZ (numbers changing faster cannot be read; each change relays them out)
+        if abs(tick.t - getattr(self, "_cards_at", -1e18)) >= 1.0 / self.CARDS_HZ - 0.01:
+            self._cards_at = tick.t
+            self.update_cards(tick)
         self.schedule_redraw()
         counts = tick.notes.get("routing_counts")
         if counts is not None:
@@ -875,6 +887,8 @@ class MonitorView(QWidget):
             x1 = math.ceil((now + 1e-6) / step) * step
             x0 = x1 - self.window_s
             if span[0] > x0:                      # a run younger than the window fills the plot
+                step = nice_ceil(max(10.0, now - span[0]) / 30.0)
+                x1 = math.ceil((now + 1e-6) / step) * step
                 x0 = min(span[0], x1 - 10.0)
         else:                                     # everything: from the first sample, in "nice" steps
             step = nice_ceil(max(60.0, now - span[0]) / 30.0)
@@ -1011,7 +1025,9 @@ class MonitorView(QWidget):
         self.cards["engine"].show_value(fmt_value(None if rss is None else rss / GiB, "{:.2f}", "GiB"),
                                         f"CPU {fmt_value(ecpu, '{:.0f}', '%')} of a core",
                                         False, why("host") or str(tick.notes.get("engine_process", "")))
-        self._update_compare(tick)
+        if abs(tick.t - getattr(self, "_compared_at", -1e18)) >= self.COMPARE_EVERY_S - 0.01:
+            self._compared_at = tick.t
+            self._update_compare(tick)
         self._update_status()
 
     def _state_text(self, tick: M.Tick) -> str:
@@ -1128,14 +1144,17 @@ def _make_hub(info: dict[str, Any], hz: float, plan: dict | None, old_store: M.R
     if spec is not None and getattr(spec, "base_url", None) != info["base_url"]:
         spec = None
     info["numa_bound"] = M.binding_bound(info.get("binding"))
-    plan_path = getattr(sup, "plan_path", None)
-    if plan is None and plan_path is not None and status is not None and getattr(status, "pid", None):
-        try:                                   # the plan the supervisor started this engine with
-            import json
-            plan = json.loads(Path(plan_path).read_text())
-            info["plan"] = plan
-        except (OSError, ValueError):
-            pass
+    if plan is None:
+        # the plan the engine was started with: the launch spec's generated plan file
+        files = getattr(spec, "files", None) or getattr(status, "files", None) or {}
+        plan_file = files.get("plan") if isinstance(files, dict) else None
+        if plan_file:
+            try:
+                import json
+                plan = json.loads(Path(plan_file).read_text())
+                info["plan"] = plan
+            except (OSError, ValueError):
+                pass
     store = M.RingStore(M.COLUMN_NAMES, hz=hz)
     hub = M.build_hub(engine, info["base_url"], info["api_key"], spec=spec, pid=info.get("pid"),
                       binding=info.get("binding"), log_path=info.get("log_path"),

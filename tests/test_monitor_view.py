@@ -193,10 +193,12 @@ def test_windows_pause_scroll_back_and_hover(qtbot, view):
     view.feed(tick_at(now, decode_tok_s=61.0, slots_busy=1.0, hit_rate=0.9), store)
     for i, want in ((0, 60), (1, 600), (2, 3600), (3, 7200)):
         view.set_window_index(i)
+        qtbot.waitUntil(lambda: not view.redraw_pending(), timeout=3000)
         x0, x1 = x_range(view)
         assert x1 - x0 == pytest.approx(want, rel=0.05), (i, x1 - x0)
         assert x1 >= now - 1
     view.set_window_index(1)
+    qtbot.waitUntil(lambda: not view.redraw_pending(), timeout=3000)
     y = curve_y(view, "tok", "decode_tok_s")
     assert 0 < y.size <= 2 * view.glw.width()
     # drag the plot to the right: looks back in time, pauses the live follow
@@ -227,6 +229,7 @@ def test_windows_pause_scroll_back_and_hover(qtbot, view):
     # Live ▶ resumes, showing the newest data
     qtbot.mouseClick(view.live_btn, Qt.MouseButton.LeftButton)
     assert not view.paused
+    qtbot.waitUntil(lambda: not view.redraw_pending(), timeout=3000)
     assert x_range(view)[1] >= now + 0.5
     assert np.nanmax(curve_y(view, "tok", "decode_tok_s")) == 500.0
 
