@@ -16,10 +16,24 @@ from typing import Any
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QFontDatabase, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
-    QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFrame, QHBoxLayout, QLabel, QMessageBox, QPlainTextEdit,
-    QProgressBar, QPushButton, QSizePolicy, QToolButton, QVBoxLayout, QWidget,
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QMessageBox,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QSizePolicy,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
 )
 
+from engine_manager import fmt
 from engine_manager import supervisor as sv
 from engine_manager.settings import resolve_engine
 
@@ -44,17 +58,7 @@ BADGE = {  # state: (text, background, foreground)
 POLL_MS = 3000
 
 
-def fmt_s(s: float | None) -> str:
-    if s is None:
-        return "—"
-    s = max(0.0, float(s))
-    if s < 60:
-        return f"{s:.1f} s"
-    m, sec = divmod(int(s), 60)
-    if m < 60:
-        return f"{m} min {sec:02d} s"
-    h, m = divmod(m, 60)
-    return f"{h} h {m:02d} min"
+fmt_s = fmt.duration
 
 
 class CrashBanner(QFrame):

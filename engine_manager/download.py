@@ -68,7 +68,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 from urllib.parse import urljoin, urlsplit
 
-from . import paths
+from . import fmt, paths
 from .atomic import atomic_write_json, ensure_private_dir
 from .errors import UserError
 from .settings import Settings
@@ -291,23 +291,8 @@ class _Restart(Exception):
 # small helpers
 # ---------------------------------------------------------------------------------------------------------------
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "?"
-    n = float(n)
-    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_eta(s: float | None) -> str:
-    if s is None:
-        return "--:--"
-    s = int(max(0, s))
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m:02d}:{sec:02d}"
+fmt_bytes = fmt.bytes_si
+fmt_eta = fmt.clock
 
 
 def hf_token(settings: Settings | None) -> str | None:

@@ -23,6 +23,8 @@ from typing import Any
 
 import psutil
 
+from . import fmt
+
 SYSFS = Path("/sys")
 
 
@@ -43,16 +45,7 @@ def parse_cpulist(text: str) -> list[int]:
 
 def format_cpulist(cpus: list[int]) -> str:
     """Inverse of :func:`parse_cpulist`: ``[0,1,2,3,8]`` → ``"0-3,8"``."""
-    out: list[str] = []
-    s = sorted(set(cpus))
-    i = 0
-    while i < len(s):
-        j = i
-        while j + 1 < len(s) and s[j + 1] == s[j] + 1:
-            j += 1
-        out.append(str(s[i]) if i == j else f"{s[i]}-{s[j]}")
-        i = j + 1
-    return ",".join(out)
+    return fmt.ranges(cpus, dash="-", sep=",", empty="")
 
 
 def sysfs_bus_id(nvml_bus_id: str) -> str:

@@ -16,7 +16,8 @@ import json
 import sys
 import time
 
-from .. import hardware, supervisor as sv
+from .. import fmt, hardware
+from .. import supervisor as sv
 from ..engines import ENGINE_NAMES
 from ..numa import choose_binding
 from ..settings import resolve_engine
@@ -71,15 +72,7 @@ def register(sub) -> None:
 
 # -- rendering ---------------------------------------------------------------------------------------------
 
-def _fmt_s(s: float) -> str:
-    s = max(0.0, s)
-    if s < 60:
-        return f"{s:.1f} s"
-    m, sec = divmod(int(s), 60)
-    if m < 60:
-        return f"{m} min {sec:02d} s"
-    h, m = divmod(m, 60)
-    return f"{h} h {m:02d} min"
+_fmt_s = fmt.duration
 
 
 class Printer:

@@ -14,8 +14,8 @@ import json
 import re
 import sys
 
+from .. import fmt, placement
 from .. import hardware as hw
-from .. import placement
 from ..layout import KIND_LABELS, LayoutError, read_layout
 from ..routing import RoutingError, load_usage
 
@@ -140,15 +140,7 @@ def _gb(n: int) -> str:
     return f"{n / GB:8.1f} GB ({n / GiB:6.1f} GiB)"
 
 
-def _ranges(xs: list[int]) -> str:
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}–{xs[j]}")
-        i = j + 1
-    return ", ".join(out) or "none"
+_ranges = fmt.ranges
 
 
 def render(p: placement.Plan, what: str | None = None) -> str:

@@ -45,6 +45,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
+from .. import fmt
 from ..atomic import atomic_write_bytes
 from ..errors import EngineSetupError
 from .base import (
@@ -401,15 +402,7 @@ class PlacementSummary:
 
 
 def _ranges(xs: Iterable[int]) -> str:
-    xs = sorted(set(xs))
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}–{xs[j]}")
-        i = j + 1
-    return ", ".join(out)
+    return fmt.ranges(xs, empty="")
 
 
 # -- Prometheus text -------------------------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""How numbers read in the CLI and the GUI: durations, byte counts, ETAs and integer ranges."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def duration(s: float | None) -> str:
+    """``42.3 s``, ``3 min 07 s``, ``2 h 05 min``; ``—`` when unknown."""
+    if s is None:
+        return "—"
+    s = max(0.0, float(s))
+    if s < 60:
+        return f"{s:.1f} s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{m} min {sec:02d} s"
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min"
+
+
+def clock(s: float | None) -> str:
+    """An ETA as ``mm:ss`` or ``h:mm:ss``; ``--:--`` when unknown."""
+    if s is None:
+        return "--:--"
+    s = int(max(0, s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m:02d}:{sec:02d}"
+
+
+def bytes_si(n: float | None) -> str:
+    """``1.2 GB`` (powers of 1000, as download sizes and disks are quoted); ``?`` when unknown."""
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def ranges(xs: Iterable[int], dash: str = "–", sep: str = ", ", empty: str = "none") -> str:
+    """``[0, 1, 2, 3, 8, 10, 11]`` → ``0–3, 8, 10–11`` (sorted, duplicates dropped)."""
+    s = sorted(set(xs))
+    out: list[str] = []
+    i = 0
+    while i < len(s):
+        j = i
+        while j + 1 < len(s) and s[j + 1] == s[j] + 1:
+            j += 1
+        out.append(str(s[i]) if i == j else f"{s[i]}{dash}{s[j]}")
+        i = j + 1
+    return sep.join(out) if out else empty
