@@ -50,6 +50,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .tinymoe import bytes_to_unicode
+
 GB = 10**9
 GiB = 1 << 30
 MiB = 1 << 20
@@ -203,16 +205,9 @@ def tensor_list(spec: ReplicaSpec, engram_rows: int | None = None) -> list[tuple
 # -- the tokenizer (synthetic, of the real size) ---------------------------------------------------------------
 
 def _byte_chars() -> list[str]:
-    """GPT-2's byte → printable character map (the byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
+    """GPT-2's byte → printable character map (the byte-level BPE alphabet), in byte order."""
+    b2u = bytes_to_unicode()
+    return [b2u[b] for b in range(256)]
 
 
 _LETTERS = "etaoinshrdlucmfwypvbgkqjxz"

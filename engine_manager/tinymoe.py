@@ -82,7 +82,7 @@ PRESETS: dict[str, TinyMoeConfig] = {
 
 
 # -- the tokenizer ------------------------------------------------------------------------------------------------
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character map."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -97,7 +97,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def vocabulary() -> tuple[list[str], list[int], list[str], list[bool]]:
     """(tokens, token types, merges, printable-mask). Byte tokens in byte order, then merges, then specials."""
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     u2b = {u: b for b, u in b2u.items()}
     tokens = [b2u[b] for b in range(256)]
     for a, b in MERGES:
