@@ -15,18 +15,28 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QThreadPool, QTimer, Qt, Signal
-from PySide6.QtGui import QAction, QColor, QFont, QKeySequence
+from PySide6.QtCore import QPointF, Qt, QThreadPool, QTimer, Signal
+from PySide6.QtGui import QAction, QFont, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
-    QButtonGroup, QComboBox, QFileDialog, QFrame, QGraphicsItem, QGridLayout, QHBoxLayout, QLabel, QPushButton,
+    QButtonGroup,
+    QComboBox,
+    QFileDialog,
+    QFrame,
+    QGraphicsItem,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
     QSizePolicy,
-    QToolButton, QVBoxLayout, QWidget,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
 )
 
 from engine_manager import metrics as M
@@ -225,11 +235,26 @@ class CompareCard(QFrame):
         lay.addLayout(left)
         small = self.font()
         small.setPointSizeF(max(7.0, small.pointSizeF() * 0.9))
-        self.table = QLabel("")
+        # plain labels in a grid, not a rich-text table: a rich-text relayout on every change cost ~5 ms
+        self.table = QWidget()
         self.table.setObjectName("compareTable")
-        self.table.setTextFormat(Qt.TextFormat.RichText)
-        self.table.setFont(small)
-        self.table.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        grid = QGridLayout(self.table)
+        grid.setContentsMargins(0, 0, 0, 0)
+        grid.setHorizontalSpacing(12)
+        grid.setVerticalSpacing(0)
+        bold = QFont(small)
+        bold.setBold(True)
+        self.cells: dict[tuple[int, int], QLabel] = {}
+        for r in range(3):
+            for col in range(5):
+                cell = QLabel("")
+                cell.setFont(bold if r == 0 or col == 0 else small)
+                grid.addWidget(cell, r, col, Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
+                self.cells[(r, col)] = cell
+        for col, text in enumerate(("", "users", "decode, total", "per user", "GPU hit rate")):
+            self.cells[(0, col)].setText(text)
+        self.cells[(2, 4)].setText("~90%")
+        grid.setRowStretch(3, 1)
         lay.addWidget(self.table)
         self.hints = QLabel("")
         self.hints.setObjectName("compareHints")
@@ -250,16 +275,20 @@ class CompareCard(QFrame):
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
         self.show_comparison(None)
 
-    def _set_table(self, html: str) -> None:
-        if self.table.text() != html:          # a rich-text relayout costs ~15 ms: only when it changed
-            self.table.setText(html)
+    def _cell(self, r: int, col: int, text: str) -> None:
+        cell = self.cells[(r, col)]
+        if cell.text() != text:
+            cell.setText(text)
+
+    def table_text(self) -> str:
+        return "\n".join(" | ".join(self.cells[(r, c)].text() for c in range(5)) for r in range(3))
 
     def show_comparison(self, c: guides.Comparison | None) -> None:
         self.comparison = c
         if c is None:
             self.badge.setText("")
             self.badge.setStyleSheet("")
-            self.table.setText("")
+            self.table.hide()
             self.hints.setText("Start the engine to compare this host with the published figures: 63.11 tok/s "
                                "at 1 user, 127.58 total at 4, 152.53 total at 8; ~9 in 10 expert picks on the GPU.")
             return
@@ -275,18 +304,15 @@ class CompareCard(QFrame):
         if self.badge.styleSheet() != style:          # re-styling costs a repolish: only on change
             self.badge.setStyleSheet(style)
         users = "—" if c.users is None else str(c.users)
-        kind = " <i>(interpolated)</i>" if c.guide_kind == "interpolated" else ""
-        hr = "—" if c.hit_rate is None else f"{c.hit_rate * 100:.0f}%"
-        host = "this host" + (" <span style='color:#8a5a00'>(simulated)</span>" if c.simulated else "")
-        td = "<td style='padding-right:12px'>"
-        self._set_table(
-            "<table cellspacing=0 cellpadding=0>"
-            f"<tr>{td}</td>{td}<b>users</b></td>{td}<b>decode, total</b></td>{td}<b>per user</b></td>"
-            f"<td><b>GPU hit rate</b></td></tr>"
-            f"<tr>{td}<b>{host}</b></td>{td}{users}</td>{td}{fmt_value(c.measured_tok_s, '{:.1f}', 'tok/s')}</td>"
-            f"{td}{fmt_value(c.measured_each_tok_s, '{:.1f}', 'tok/s')}</td><td>{hr}</td></tr>"
-            f"<tr>{td}<b>guides</b>{kind}</td>{td}{users}</td>{td}{fmt_value(c.guide_tok_s, '{:.2f}', 'tok/s')}</td>"
-            f"{td}{fmt_value(c.guide_each_tok_s, '{:.1f}', 'tok/s')}</td><td>~90%</td></tr></table>")
+        self._cell(1, 0, "this host (simulated)" if c.simulated else "this host")
+        self._cell(2, 0, "guides (interpolated)" if c.guide_kind == "interpolated" else "guides")
+        for r, (tot, each, hr) in ((1, (c.measured_tok_s, c.measured_each_tok_s, c.hit_rate)),
+                                   (2, (c.guide_tok_s, c.guide_each_tok_s, None))):
+            self._cell(r, 1, users)
+            self._cell(r, 2, fmt_value(tot, "{:.2f}" if r == 2 else "{:.1f}", "tok/s"))
+            self._cell(r, 3, fmt_value(each, "{:.1f}", "tok/s"))
+        self._cell(1, 4, "—" if c.hit_rate is None else f"{c.hit_rate * 100:.0f}%")
+        self.table.show()
         shown = " ".join([c.headline] + [h for h in c.hints if not h.startswith("Simulated")][:1])
         if self.hints.text() != shown:
             self.hints.setText(shown)
@@ -313,6 +339,7 @@ class _Plot:
         it.setClipToView(True)
         it.setDownsampling(auto=True, mode="peak")
         it.setMenuEnabled(True)
+        it.hideButtons()              # the auto-range "A" would fight the sticky y ranges set below
         for name in ("left", "bottom", "right"):
             ax = it.getAxis(name)
             ax.setPen(pg.mkPen("#444"))
@@ -366,11 +393,15 @@ class _Plot:
         self.cursor.setZValue(50)
         self.cursor.hide()
         it.addItem(self.cursor, ignoreBounds=True)
-        self.readout = pg.TextItem("", anchor=(1, 0), color="#222", fill=pg.mkBrush(255, 255, 255, 220),
+        self.readout = pg.TextItem("", anchor=(0, 1), color="#222", fill=pg.mkBrush(255, 255, 255, 230),
                                    border=pg.mkPen("#bbb"))
-        self.readout.setZValue(110)
+        # a child of the view box itself (not of its data group), so it stays above the legend
+        self.readout.setParentItem(it.vb)
+        self.readout.setZValue(200)
+        f = QFont()
+        f.setPointSizeF(8.0)
+        self.readout.setFont(f)
         self.readout.hide()
-        it.addItem(self.readout, ignoreBounds=True)
         self.ref_line: pg.InfiniteLine | None = None
         self.note = pg.TextItem("", anchor=(0, 1), color="#8a5a00")
         self.note.setZValue(90)
@@ -458,7 +489,7 @@ class _Plot:
         if self.ref_line is None:
             self.ref_line = pg.InfiniteLine(angle=0, movable=False,
                                             pen=pg.mkPen("#e6550d", style=Qt.PenStyle.DashDotLine),
-                                            label=label, labelOpts={"position": 0.08, "color": "#e6550d",
+                                            label=label, labelOpts={"position": 0.55, "color": "#e6550d",
                                                                     "fill": (255, 255, 255, 200)})
             self.item.addItem(self.ref_line, ignoreBounds=False)
         self.ref_line.setValue(value)
@@ -481,14 +512,19 @@ class _Plot:
         t = float(self.data_t[i])
         lines = [time.strftime("%H:%M:%S", time.localtime(t))]
         for col, y in self.data.items():
+            if not self.curves[col].isVisible():
+                continue
             s = self.series[col]
             v = float(y[i]) if i < y.size else float("nan")
             lines.append(f"{s.name}: {fmt_value(v, s.fmt, s.unit)}")
         self.cursor.setPos(t)
         self.cursor.show()
         self.readout.setText("\n".join(lines))
+        # beside the cursor, at the bottom (the legend is at the top), on whichever side has room
         (x0, x1), (y0, y1) = self.item.vb.viewRange()
-        self.readout.setPos(x1, y1)
+        right_half = t > (x0 + x1) / 2
+        self.readout.setAnchor((1.03, 1) if right_half else (-0.03, 1))
+        self.readout.setPos(self.item.vb.mapFromView(QPointF(t, y0)))
         self.readout.show()
 
 
@@ -565,7 +601,10 @@ class MonitorView(QWidget):
         self.pause_btn.setCheckable(True)
         self.pause_btn.setToolTip("Freeze the plots to read or scroll back (Space); collecting and recording go on")
         self.pause_btn.toggled.connect(self.set_paused)
-        self.pause_btn.setShortcut(QKeySequence(Qt.Key.Key_Space))
+        # Space pauses while the Monitor has the focus (a window-wide Space would eat the chat's spaces)
+        self._space = QShortcut(QKeySequence(Qt.Key.Key_Space), self)
+        self._space.setContext(Qt.ShortcutContext.WidgetWithChildrenShortcut)
+        self._space.activated.connect(self.pause_btn.toggle)
         bar.addWidget(self.pause_btn)
         self.live_btn = QPushButton("Live ▶")
         self.live_btn.setObjectName("liveButton")
@@ -647,9 +686,15 @@ class MonitorView(QWidget):
         return [act]
 
     # -- engine lifecycle -------------------------------------------------------------------------------------
+    CONTINUE_PLOT_S = 600.0    # an engine back at the same address within this (a restart) continues the plots
+
     def on_engine_ready(self, base_url: str, api_key: str) -> None:
-        if self.hub is not None and self.engine_info.get("base_url") == base_url and not self.hub.stopped:
-            return
+        """A (re)started engine: a new hub, since its pid, binding or log may differ. Back at the same address
+        soon after the last tick (a crash and restart, a rate change), the plots continue across the gap."""
+        last = self.last_tick
+        if getattr(self, "_carry", None) is None and self.store is not None and last is not None \
+                and self.engine_info.get("base_url") == base_url and time.time() - last.t < self.CONTINUE_PLOT_S:
+            self._carry = self.store
         self._stop_hub()
         self._generation += 1
         gen = self._generation
@@ -813,7 +858,7 @@ class MonitorView(QWidget):
         if not self._redraw_timer.isActive():
             self._redraw_timer.start()
 
-    def showEvent(self, ev) -> None:  # noqa: N802 - Qt's name
+    def showEvent(self, ev) -> None:
         super().showEvent(ev)
         if self._dirty:
             self._dirty = False
@@ -886,12 +931,12 @@ class MonitorView(QWidget):
             step = max(1.0, self.window_s / 30.0)
             x1 = math.ceil((now + 1e-6) / step) * step
             x0 = x1 - self.window_s
-            if span[0] > x0:                      # a run younger than the window fills the plot
-                step = nice_ceil(max(10.0, now - span[0]) / 30.0)
+            if span[0] > x0:                      # a run younger than the window fills the plot, with up to
+                step = nice_ceil(max(30.0, now - span[0]) / 6.0)   # 1/6 of room to grow before it steps on
                 x1 = math.ceil((now + 1e-6) / step) * step
                 x0 = min(span[0], x1 - 10.0)
         else:                                     # everything: from the first sample, in "nice" steps
-            step = nice_ceil(max(60.0, now - span[0]) / 30.0)
+            step = nice_ceil(max(60.0, now - span[0]) / 10.0)
             x1 = math.ceil((now + 1e-6) / step) * step
             x0 = span[0]
         self._draw_range(x0, x1, follow=True)
@@ -954,7 +999,7 @@ class MonitorView(QWidget):
         for p in self.plots.values():
             p.hover(x)
 
-    def leaveEvent(self, ev) -> None:  # noqa: N802 - Qt's name
+    def leaveEvent(self, ev) -> None:
         super().leaveEvent(ev)
         for p in self.plots.values():
             p.hover(None)
@@ -1131,6 +1176,9 @@ def _make_hub(info: dict[str, Any], hz: float, plan: dict | None, old_store: M.R
             status = sup.status()
         except Exception:
             status = None
+    st_url = getattr(status, "base_url", None) if not isinstance(status, dict) else status.get("base_url")
+    if status is not None and st_url and st_url.rstrip("/") != info["base_url"].rstrip("/"):
+        status = None                         # the supervisor knows another engine than the one that is ready
     if status is not None:
         for key in ("engine", "pid", "binding", "log_path", "spec", "argv"):
             val = getattr(status, key, None) if not isinstance(status, dict) else status.get(key)

@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
+import numpy as np
+import psutil
 
 
 def parse() -> argparse.Namespace:
@@ -42,6 +42,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--phase-seconds", type=float, default=10.0, help="length of each on/off speed phase")
     p.add_argument("--pairs", type=int, default=3, help="off/on pairs at 1 Hz (default 3)")
     p.add_argument("--users", type=int, default=4, help="concurrent streaming chats (default 4)")
+    p.add_argument("--part", choices=("all", "stall", "engine"), default="all",
+                   help="run one part in this process (all: each part in a fresh process, one after the other)")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() once the view is built (what the app could do: a full collection of the "
                         "main window's ~120,000 objects takes ~90 ms)")
@@ -50,31 +52,46 @@ def parse() -> argparse.Namespace:
 
 def main() -> int:
     args = parse()
+    if args.part == "all":
+        # each part in a fresh process, so what one leaves behind (objects, threads) does not bill the other
+        base = [sys.executable, __file__, *[a for a in sys.argv[1:] if not a.startswith("--part")]]
+        print(f"host: {psutil.cpu_count()} CPUs, load average "
+              f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+        rc = 0
+        for part in ("stall", "engine"):
+            rc |= subprocess.call([*base, "--part", part])
+        print(f"\nload average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        return rc
     tmp = Path(tempfile.mkdtemp(prefix="dsv41-guiload-"))
     os.environ["DSV41_CONFIG_DIR"] = str(tmp / "config")
     os.environ["DSV41_DATA_DIR"] = str(tmp / "data")
     for k in [k for k in os.environ if k.startswith("DSV41_") and k not in ("DSV41_CONFIG_DIR", "DSV41_DATA_DIR")]:
         del os.environ[k]
 
-    from PySide6.QtCore import QElapsedTimer, QEventLoop, Qt, QTimer
+    from PySide6.QtCore import QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
-
-    from app.context import AppContext
-    from app.monitor_view import MonitorView
-    from engine_manager import metrics as M
-    from engine_manager.engines import get_engine
-    from engine_manager.settings import load_settings
-    from engine_manager.sim.launch import SimProcess
 
     def wait(ms: float) -> None:
         loop = QEventLoop()
         QTimer.singleShot(int(ms), loop.quit)
         loop.exec()
 
-    print(f"host: {psutil.cpu_count()} CPUs, load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"Qt platform {app.platformName()}")
+    print(f"[part {args.part}] Qt platform {app.platformName()}", flush=True)
+
+    if args.part == "stall":
+        return part_stall(args, app, wait)
+    return part_engine(args, app, wait)
+
+
+def part_stall(args, app, wait) -> int:
+    from PySide6.QtCore import QElapsedTimer, Qt, QTimer
+
+    from app.context import AppContext
+    from app.monitor_view import MonitorView
+    from engine_manager import metrics as M
+    from engine_manager.settings import load_settings
 
     # -- 1. stall --------------------------------------------------------------------------------------------------
     ctx = AppContext(load_settings())
@@ -191,8 +208,19 @@ def main() -> int:
     view.shutdown()
     view.close()
     view.deleteLater()
-    del store
+    view.store = None
     wait(200)
+
+    return 0
+
+
+def part_engine(args, app, wait) -> int:
+    from app.context import AppContext
+    from app.monitor_view import MonitorView
+    from engine_manager import metrics as M
+    from engine_manager.engines import get_engine
+    from engine_manager.settings import load_settings
+    from engine_manager.sim.launch import SimProcess
 
     # -- 2 and 3: a real scripted engine -------------------------------------------------------------------------
     sim = SimProcess(["--slots", str(max(1, args.users))]).start()
@@ -315,7 +343,6 @@ def main() -> int:
                 pass
             load.wait(5)
         sim.stop()
-    print(f"\nload average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 

@@ -110,7 +110,9 @@ def main() -> int:
             for _ev in sup.stop():
                 pass
         print(f"engine stopped in {time.monotonic() - t0:.1f} s", flush=True)
-        app.quit()
+        # let the workers whose generators just ended report back, then leave; exit(), not quit(): quit() first
+        # asks the window to close (and the engine panel to confirm)
+        QTimer.singleShot(800, lambda: app.exit(0))
 
     ctx.engineReady.connect(on_ready)
     QTimer.singleShot(500, ctx.requestStart.emit)

@@ -12,7 +12,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from PySide6.QtCore import QEvent, QPoint, QPointF, Qt
+from PySide6.QtCore import QEvent, QPointF, Qt
 from PySide6.QtGui import QMouseEvent
 from PySide6.QtWidgets import QApplication
 
@@ -135,7 +135,7 @@ def test_plots_and_cards_follow_a_running_scripted_engine(qtbot, ctx, view, sim,
         assert not np.isfinite(curve_y(view, "util", "gpu_util_pct")).any()   # a gap, never a zero line
     assert "simulated" in view.status.text() and "recording to" in view.status.text()
     assert view.compare.comparison is not None and view.compare.comparison.simulated
-    assert "guides" in view.compare.table.text()
+    assert "guides" in view.compare.table_text()
     assert samples and samples[-1].simulated and "panel" in samples[-1].extra
     # the rate follows the setting: a new hub at 2 Hz, the plotted history kept
     rows_before = len(view.store)
@@ -195,7 +195,10 @@ def test_windows_pause_scroll_back_and_hover(qtbot, view):
         view.set_window_index(i)
         qtbot.waitUntil(lambda: not view.redraw_pending(), timeout=3000)
         x0, x1 = x_range(view)
-        assert x1 - x0 == pytest.approx(want, rel=0.05), (i, x1 - x0)
+        if i < 3:
+            assert x1 - x0 == pytest.approx(want, rel=0.01), (i, x1 - x0)
+        else:                       # everything, its right edge up to a tenth ahead (it advances in steps)
+            assert want * 0.99 <= x1 - x0 <= want * 1.12, (i, x1 - x0)
         assert x1 >= now - 1
     view.set_window_index(1)
     qtbot.waitUntil(lambda: not view.redraw_pending(), timeout=3000)
@@ -248,7 +251,7 @@ def test_cards_missing_reference_line_and_guides_card(qtbot, ctx, view):
     push(now + 100, decode_tok_s=127.0, slots_busy=4.0, hit_rate=0.9)
     c = view.compare.comparison
     assert c.users == 4 and c.guide_tok_s == 127.58 and c.verdict == "as_published"
-    assert "127.58" in view.compare.table.text() and view.compare.badge.text() == "as published"
+    assert "127.58" in view.compare.table_text() and view.compare.badge.text() == "as published"
     view.engine_info["numa_bound"] = False
     push(now + 200, decode_tok_s=53.0, slots_busy=1.0, hit_rate=0.9)
     assert view.compare.comparison.verdict == "below"
@@ -269,4 +272,13 @@ def test_file_menu_has_the_export_action(qtbot, ctx):
     acts = [a for a in win.menuBar().actions()[0].menu().actions() if a.objectName() == "actionExportMetrics"]
     assert len(acts) == 1 and acts[0].shortcut().toString() == "Ctrl+E"
     assert "Export metrics CSV" in acts[0].text().replace("&", "")
+    # observed routing counts reach the Placement view's heatmap
+    counts = np.zeros((43, 384))
+    counts[3:, :6] = 10.0
+    tick = tick_at(time.time(), decode_tok_s=1.0)
+    tick.notes["routing_counts"] = counts
+    win.monitor_view.feed(tick, M.RingStore(M.COLUMN_NAMES))
+    if hasattr(win.placement_view, "update_observed"):
+        assert win.placement_view.observed is not None and win.placement_view.observed.sum() == counts.sum()
+    assert win.monitor_view.routing_counts is counts
     win.monitor_view.shutdown()

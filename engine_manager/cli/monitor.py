@@ -92,7 +92,7 @@ def tick_json(tick: M.Tick) -> dict[str, Any]:
 
 class _CsvOut:
     def __init__(self, path: Path):
-        self.f: TextIO = open(path, "w", encoding="utf-8", newline="")  # noqa: SIM115 - closed in close()
+        self.f: TextIO = open(path, "w", encoding="utf-8", newline="")
         self.f.write(",".join(("t", "time", *M.COLUMN_NAMES)) + "\n")
 
     def write(self, tick: M.Tick) -> None:

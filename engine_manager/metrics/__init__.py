@@ -23,10 +23,27 @@ from ..hardware import parse_cpulist
 from .columns import ALL_COLUMNS, BY_NAME, COLUMN_NAMES, MAX_SLOTS, SLOT_COLUMNS, Column
 from .guides import Comparison, compare, guide_figures
 from .hub import MetricsHub, Tick, derive
-from .record import (Recorder, export_csv, list_runs, load_into, metrics_runs_dir, open_run, read_recording,
-                     prune_runs)
-from .sources import (EngineSource, HostSource, LogSwapSource, NvmlSource, Reading, RoutingSource, Source, spec_for,
-                      trace_path_from_argv)
+from .record import (
+    Recorder,
+    export_csv,
+    list_runs,
+    load_into,
+    metrics_runs_dir,
+    open_run,
+    prune_runs,
+    read_recording,
+)
+from .sources import (
+    EngineSource,
+    HostSource,
+    LogSwapSource,
+    NvmlSource,
+    Reading,
+    RoutingSource,
+    Source,
+    spec_for,
+    trace_path_from_argv,
+)
 from .store import RingStore, peak_reduce
 
 __all__ = [

@@ -377,7 +377,7 @@ class LogSwapSource(Source):
     # -- file tail ------------------------------------------------------------------------------------------
     def _open(self, at_end: bool) -> None:
         try:
-            f = open(self.log_path, "rb")  # noqa: SIM115 - kept open while tailing
+            f = open(self.log_path, "rb")
         except OSError:
             self._f = None
             return
