@@ -14,6 +14,7 @@ when shown. ``benchmarks/chat_latency.py`` measures chunk arrival → text in th
 from __future__ import annotations
 
 import html
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,25 +23,61 @@ from typing import Any, Callable
 
 import shiboken6
 from markdown_it import MarkdownIt
-from PySide6.QtCore import Qt, QThreadPool, QTimer, QUrl, Signal
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (
-    QDesktopServices, QFont, QGuiApplication, QKeySequence, QPalette, QShortcut, QTextCursor, QTextDocument,
+    QDesktopServices,
+    QFont,
+    QGuiApplication,
+    QKeySequence,
+    QPalette,
+    QShortcut,
+    QTextCursor,
+    QTextDocument,
 )
 from PySide6.QtWidgets import (
-    QAbstractItemView, QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout,
-    QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox, QPlainTextEdit, QPushButton,
-    QSizePolicy, QSpinBox, QSplitter, QTextBrowser, QToolButton, QVBoxLayout, QWidget,
+    QAbstractItemView,
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFrame,
+    QGridLayout,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMenu,
+    QMessageBox,
+    QPlainTextEdit,
+    QPushButton,
+    QSizePolicy,
+    QSpinBox,
+    QSplitter,
+    QTextBrowser,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
 )
-
-from superqt.utils import create_worker
 
 from engine_manager import history as hist
 from engine_manager import uistate
 from engine_manager.chat import (
-    MIN_RATE_SPAN_S, REASONING_EFFORTS, CancelToken, ChatClient, ChatOptions, ContentDelta, ReasoningDelta, StreamStats, TurnEnded,
-    TurnStarted, run_turn,
+    MIN_RATE_SPAN_S,
+    REASONING_EFFORTS,
+    CancelToken,
+    ChatClient,
+    ChatOptions,
+    ContentDelta,
+    ReasoningDelta,
+    StreamStats,
+    TurnEnded,
+    TurnStarted,
+    run_turn,
 )
 
+from .workers import run_function, run_generator
 
 RENDER_MIN_INTERVAL_S = 0.3        # the streaming message's Markdown re-render, at most this often …
 RENDER_COST_FACTOR = 20.0          # … and never more often than 20× its own last cost
@@ -453,11 +490,7 @@ class ChatPane(QWidget):
         self.on_delta_rendered: Callable[[float, bool], None] | None = None
         self._shutting_down = False
 
-        # The app.workers idiom (superqt thread workers), on the pane's own pool: each streaming answer holds a
-        # thread for its whole length, and the global pool has one thread per core (2 on a small machine), so
-        # eight streams there would starve every other panel's workers, and theirs would delay ours.
-        self._pool = QThreadPool(self)
-        self._pool.setMaxThreadCount(16)
+        # live workers (app.workers), kept referenced until they finish
         self._workers: set = set()
 
         self._build()
@@ -690,8 +723,8 @@ class ChatPane(QWidget):
     def _spawn(self, fn: Callable[..., Any], *args: Any, on_event: Callable | None = None,
                on_done: Callable | None = None, on_error: Callable | None = None,
                on_finished: Callable | None = None, **kwargs: Any):
-        """``app.workers.run_generator`` / ``run_function``, started on the pane's pool. Results that arrive after
-        the pane was shut down or deleted are dropped."""
+        """``app.workers.run_generator`` / ``run_function``. Results that arrive after the pane was shut down or
+        deleted are dropped."""
         def guard(cb: Callable | None) -> Callable | None:
             if cb is None:
                 return None
@@ -701,17 +734,21 @@ class ChatPane(QWidget):
                     cb(*a)
             return call
 
-        worker = create_worker(fn, *args, _start_thread=False, **kwargs)
-        if on_event is not None and hasattr(worker, "yielded"):
-            worker.yielded.connect(guard(on_event))
-        if on_done is not None:
-            worker.returned.connect(guard(on_done))
-        worker.errored.connect(guard(on_error or self._report_error))
-        if on_finished is not None:
-            worker.finished.connect(guard(on_finished))
+        holder: list = []
+
+        def finished() -> None:
+            if holder:
+                self._workers.discard(holder[0])
+            if on_finished is not None:
+                guard(on_finished)()
+
+        common = dict(on_done=guard(on_done), on_error=guard(on_error or self._report_error), on_finished=finished)
+        if inspect.isgeneratorfunction(fn):
+            worker = run_generator(fn, *args, on_event=guard(on_event), **common, **kwargs)
+        else:
+            worker = run_function(fn, *args, **common, **kwargs)
+        holder.append(worker)
         self._workers.add(worker)
-        worker.finished.connect(lambda w=worker: self._workers.discard(w))
-        self._pool.start(worker)
         return worker
 
     def _probe_on_screen(self, seconds: float) -> None:
@@ -1219,7 +1256,7 @@ class ChatPane(QWidget):
         self._edit_id = message_id
         self.composer.setPlainText(st.messages[idx].content)
         self.composer.moveCursor(QTextCursor.MoveOperation.End)
-        self.edit_label.setText(f"Editing your earlier message: sending replaces it"
+        self.edit_label.setText("Editing your earlier message: sending replaces it"
                                 + (f" and the {after} message(s) after it." if after else "."))
         self.edit_banner.setVisible(True)
         self.composer.setFocus()
@@ -1358,7 +1395,6 @@ class ChatPane(QWidget):
         st.view.rerender_tail(stream.live)
 
     def _on_ended(self, stream: Stream, ev: TurnEnded) -> None:
-        st = stream.conv
         live = stream.live
         if live is not None:
             live.content_parts = [ev.content]

@@ -156,8 +156,11 @@ class DownloadPanel(QWidget):
         for b in (self.download_btn, self.pause_btn, self.resume_btn, self.cancel_btn):
             btns.addWidget(b)
         btns.addStretch(1)
+        ml.addLayout(btns)
+        btns = QHBoxLayout()
         btns.addWidget(self.folder_btn)
         btns.addWidget(self.open_btn)
+        btns.addStretch(1)
         ml.addLayout(btns)
         lay.addWidget(model_box, 1)
 

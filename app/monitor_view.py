@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QPointF, Qt, QThreadPool, QTimer, Signal
+from PySide6.QtCore import QPointF, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QFont, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QButtonGroup,
@@ -51,17 +51,6 @@ WINDOWS: tuple[tuple[str, float | None], ...] = (("1 min", 60.0), ("10 min", 600
 RATES = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 DASH = Qt.PenStyle.DashLine
 SLOT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
-MIN_POOL_THREADS = 8
-
-
-def _ensure_pool() -> None:
-    """The monitor keeps one worker of the global pool busy for as long as an engine runs; on a 2-core machine
-    the pool has only 2 threads, which would leave one for every other short job. Raise the cap (only ever
-    up)."""
-    pool = QThreadPool.globalInstance()
-    if pool.maxThreadCount() < MIN_POOL_THREADS:
-        pool.setMaxThreadCount(MIN_POOL_THREADS)
-
 
 # -- what the plots show --------------------------------------------------------------------------------------
 @dataclass
@@ -545,7 +534,6 @@ class MonitorView(QWidget):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx
-        _ensure_pool()
         self.hub: M.MetricsHub | None = None
         self.store: M.RingStore | None = None
         self.worker = None

@@ -85,7 +85,7 @@ def test_geometry_and_splitter_survive_restart(qtbot):
     qtbot.addWidget(win)
     win.show()
     qtbot.waitExposed(win)
-    win.resize(1100, 700)
+    win.resize(1200, 760)
     win.splitter.setSizes([300, 500, 300])
     sizes = win.splitter.sizes()
     win.close()
@@ -93,6 +93,6 @@ def test_geometry_and_splitter_survive_restart(qtbot):
     qtbot.addWidget(win2)
     win2.show()
     qtbot.waitExposed(win2)
-    assert (win2.width(), win2.height()) == (1100, 700)
+    assert (win2.width(), win2.height()) == (1200, 760)
     assert win2.splitter.sizes() == sizes
     win2.close()

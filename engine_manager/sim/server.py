@@ -572,7 +572,7 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def _health(self) -> None:
-        o, lay = self.server.opts, self.server.layout
+        o = self.server.opts
         self._json(200, {"status": "ok", "loaded": True, "model": MODEL_ID, "max_context": o.max_context,
                          "service": SERVICE, "simulated": True})
 
