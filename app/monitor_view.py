@@ -721,7 +721,7 @@ class MonitorView(QWidget):
         self.worker = run_generator(hub.iter_ticks, on_event=self._on_tick,
                                     on_error=lambda exc: self.status.setText(f"Monitor stopped: {exc}"))
         self.hubStarted.emit(hub)
-        self._apply_plan(self.ctx.plan if self.ctx.plan is not None else info.get("plan"))
+        self._apply_plan(info.get("plan") if info.get("plan") is not None else self.ctx.plan)
         self.schedule_redraw()
 
     def on_engine_stopped(self) -> None:
@@ -782,7 +782,8 @@ class MonitorView(QWidget):
             self.on_engine_ready(info["base_url"], info["api_key"])
 
     def _on_plan(self, plan) -> None:
-        self._apply_plan(plan)
+        if self.engine_info.get("plan") is None:   # a running engine keeps the prediction of the plan it runs
+            self._apply_plan(plan)
 
     def _apply_plan(self, plan) -> None:
         engine = self.engine_info.get("engine") or ""
@@ -1168,6 +1169,9 @@ def _make_hub(info: dict[str, Any], hz: float, plan: dict | None, old_store: M.R
     if status is not None and st_url and st_url.rstrip("/") != info["base_url"].rstrip("/"):
         status = None                         # the supervisor knows another engine than the one that is ready
     if status is not None:
+        running_plan = status.plan() if hasattr(status, "plan") else None
+        if running_plan is not None:
+            info["plan"] = running_plan          # the plan the engine runs with: its prediction is the reference
         for key in ("engine", "pid", "binding", "log_path", "spec", "argv"):
             val = getattr(status, key, None) if not isinstance(status, dict) else status.get(key)
             if val is not None:

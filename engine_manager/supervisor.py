@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -251,7 +252,18 @@ class EngineStatus:
     external: dict[str, Any] | None = None   # something the panel did not start, on the port
     key_matches: bool | None = None
     binding_note: str | None = None      # e.g. one NUMA node: binding cannot change speed
+    plan_path: str | None = None         # the plan the engine was started with (JSON), when it had one
     spec: LaunchSpec | None = None
+
+    def plan(self) -> dict[str, Any] | None:
+        """The plan the engine runs with, read from ``plan_path`` (None when there is none or it is unreadable)."""
+        if not self.plan_path:
+            return None
+        try:
+            d = json.loads(Path(self.plan_path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return d if isinstance(d, dict) else None
 
     @property
     def running(self) -> bool:
@@ -635,11 +647,20 @@ def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple
         return None, notes
     try:
         if engine_name == "sim":
-            p = placement.plan(placement.default_sim_layout(), placement.reference_hardware(), None, settings)
+            from .sim.offload import expected_frequencies
+
+            layout = placement.default_sim_layout()
+            # The scripted engine's routing distribution is the truth of its simulated world, so the plan ranks
+            # by it and its predicted hit rate is the expected one for that distribution (labelled simulated).
+            pi = expected_frequencies(len(layout.moe_layers), layout.n_experts, layout.n_experts_used)
+            p = placement.plan(layout, placement.reference_hardware(), pi, settings)
             d = p.to_dict()
+            d["usage_note"] = "the scripted engine's own routing distribution (simulated)"
+            rate = d.get("predicted_hit_rate")
             notes.append(f"The scripted engine (simulated) runs the reference placement — {d.get('hot_experts'):,} "
                          "hot experts in VRAM of the guides' 96 GB RTX PRO 6000 — on the replica layout of "
-                         "DeepSeek-V4.1-Flash Q2_K.")
+                         "DeepSeek-V4.1-Flash Q2_K" + (f"; predicted hit rate {rate:.1%} from its routing "
+                                                       "distribution." if rate is not None else "."))
             return d, notes
         has_gpu = bool(hardware is not None and getattr(hardware, "has_gpu", False))
         if engine_name == "llamacpp" and not has_gpu:
@@ -1016,6 +1037,7 @@ class Supervisor:
             ready_at=rec.get("ready_at"), argv=list(rec.get("argv") or []), owner="panel",
             key_matches=(rec.get("key_fingerprint") == key_fingerprint(self.settings.api_key))
             if rec.get("key_fingerprint") else None,
+            plan_path=(rec.get("files") or {}).get("plan"),
         )
         if not alive and not stopping:
             ex = self._read_exit_file(rec.get("keeper_pid"))
@@ -1031,7 +1053,7 @@ class Supervisor:
             argv=h.shown_argv(), owner="panel", message=message,
             last_failure=self.last_failure.to_dict() if self.last_failure else None,
             key_matches=(h.spec.api_key == self.settings.api_key) if self.settings.api_key else None,
-            binding_note=h.binding.note if h.binding else None, spec=h.spec)
+            binding_note=h.binding.note if h.binding else None, plan_path=h.spec.files.get("plan"), spec=h.spec)
 
     def _health_ok_record(self, rec: dict[str, Any]) -> bool:
         try:

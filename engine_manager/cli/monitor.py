@@ -123,7 +123,8 @@ def run(args, ctx) -> int:
     hub = M.build_hub(engine, base_url, settings.api_key, spec=getattr(st, "spec", None),
                       pid=getattr(st, "pid", None), binding=getattr(st, "binding", None),
                       log_path=getattr(st, "log_path", None) or None, gpu_index=settings.gpu_index, hz=hz,
-                      record=False, argv=getattr(st, "argv", None))
+                      record=False, argv=getattr(st, "argv", None),
+                      plan=st.plan() if st is not None and hasattr(st, "plan") else None)
     csv_out = _CsvOut(Path(args.csv)) if args.csv else None
     deadline = time.monotonic() + args.seconds if args.seconds else None
     printed = 0

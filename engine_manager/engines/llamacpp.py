@@ -525,9 +525,13 @@ class LlamaCppEngine(Engine):
         n_moe = len(moe_layers)
         where = (f"{len(cpu_layers)}/{n_moe} MoE layers' experts in RAM" if n_moe
                  else f"{len(cpu_layers)} expert layer(s) in RAM")
+        files = {"api_key": str(key_file), "placement": str(placement_file), "model": str(model)}
+        if plan:
+            plan_file = workdir / "plan.json"
+            atomic_write_bytes(plan_file, json.dumps(plan, indent=1, default=str).encode())
+            files["plan"] = str(plan_file)
         return LaunchSpec(engine=self.name, argv=argv, host=host, port=port, api_key=key, env=env,
-                          cwd=str(workdir), health_path="/health",
-                          files={"api_key": str(key_file), "placement": str(placement_file), "model": str(model)},
+                          cwd=str(workdir), health_path="/health", files=files,
                           simulated=False, label=f"llama.cpp · {model.name} · {where}")
 
     # ---- readiness ----
