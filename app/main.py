@@ -62,10 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loaded = load_settings()
     except SettingsError as exc:
-        box = QMessageBox(QMessageBox.Icon.Critical, "dsv41 panel: a setting is not valid", str(exc))
-        box.setInformativeText("Fix it (the environment variable or the settings file) and start the panel again.")
-        box.exec()
-        print(f"dsv41-panel: {exc}", file=sys.stderr)
+        print(f"dsv41-panel: {exc}", file=sys.stderr, flush=True)
+        # on a virtual screen or in automation nobody can click the box away: the message above is the answer
+        if not (os.environ.get("DSV41_UNDER_XVFB") or args.screenshot or args.quit_after is not None):
+            box = QMessageBox(QMessageBox.Icon.Critical, "dsv41 panel: a setting is not valid", str(exc))
+            box.setInformativeText("Fix it (the environment variable or the settings file) and start the panel "
+                                   "again. `dsv41 settings list` shows every setting and what it allows.")
+            box.exec()
         return 2
 
     from .context import AppContext

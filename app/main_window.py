@@ -8,14 +8,21 @@ import base64
 from PySide6.QtCore import QByteArray, Qt
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
-    QDialog, QDialogButtonBox, QFrame, QLabel, QMainWindow, QMessageBox, QPlainTextEdit, QSplitter, QTabWidget,
-    QVBoxLayout, QWidget,
+    QFrame,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QSplitter,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
 )
 
-from engine_manager import __version__, doctor, hardware, uistate
+from engine_manager import __version__, hardware, uistate
 
-from .chat_pane import ChatPane
 from . import first_run
+from .chat_pane import ChatPane
+from .doctor_view import DoctorDialog
 from .download_panel import DownloadPanel
 from .engine_panel import EnginePanel
 from .log_view import LogView
@@ -168,20 +175,7 @@ class MainWindow(QMainWindow):
         if report is None:
             self.ctx.statusMessage.emit("Still probing the hardware; try again in a moment.", 4000)
             return
-        vs = doctor.verdicts(report, self.ctx.settings)
-        dlg = QDialog(self)
-        dlg.setWindowTitle("This machine against DeepSeek-V4.1-Flash's needs")
-        lay = QVBoxLayout(dlg)
-        text = QPlainTextEdit(doctor.render_text(report, vs))
-        text.setReadOnly(True)
-        text.setObjectName("doctorText")
-        text.setMinimumSize(760, 380)
-        lay.addWidget(text)
-        bb = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
-        bb.rejected.connect(dlg.reject)
-        bb.accepted.connect(dlg.accept)
-        lay.addWidget(bb)
-        dlg.exec()
+        DoctorDialog(report, self.ctx.settings, self).exec()
 
     def about(self) -> None:
         QMessageBox.about(

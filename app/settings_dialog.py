@@ -69,7 +69,7 @@ class SettingsDialog(QDialog):
                     tip += f"\n\nLocked: set by {field_env(name)} in the environment."
                 editor.setToolTip(tip)
                 self.editors[name] = editor
-                label = QLabel(name.replace("_", " "))
+                label = QLabel(info.title or name.replace("_", " "))
                 label.setToolTip(tip)
                 form.addRow(label, editor)
             form_box.addLayout(form)
@@ -81,7 +81,8 @@ class SettingsDialog(QDialog):
         self.error_label.setWordWrap(True)
         self.error_label.setStyleSheet("color: #c0392b;")
         outer.addWidget(self.error_label)
-        note = QLabel(f"Saved to {loaded.path} (mode 0600; the last 5 versions are kept in backups/).")
+        note = QLabel(f"Settings live in {loaded.path} (mode 0600; the last 5 versions are kept in backups/). "
+                      "Values set in the environment win and are shown locked.")
         note.setStyleSheet("color: gray;")
         note.setWordWrap(True)
         outer.addWidget(note)

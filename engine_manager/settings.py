@@ -49,16 +49,19 @@ class Settings(BaseModel):
     # -- the variables the deepseek-one-gpu guides name --------------------------------------------------
     model_dir: Path | None = Field(
         None,
+        title="Model folder",
         description="Folder that already holds the model's seven GGUF shards (skips the download)",
         json_schema_extra={"env": "DSV41_MODEL_DIR", "allowed": "a folder path, or empty"},
     )
     cache_dir: Path = Field(
         Path("~/.cache/deepseek-one-gpu"),
+        title="Cache folder",
         description="Where downloaded model shards and engine releases are kept",
         json_schema_extra={"env": "DSV41_CACHE_DIR", "allowed": "a folder path"},
     )
     default_max_tokens: int = Field(
         4096,
+        title="Default max tokens",
         ge=1,
         le=1_048_576,
         description="max_tokens of a chat request unless the request says otherwise",
@@ -66,6 +69,7 @@ class Settings(BaseModel):
     )
     server_engine: EngineName = Field(
         "auto",
+        title="Engine",
         description="Which engine to run: strata (deepseek-one-gpu), llamacpp (stock llama-server), "
         "sim (the scripted engine; 'mock' is accepted), auto (strata with an NVIDIA GPU, else sim)",
         json_schema_extra={
@@ -76,11 +80,13 @@ class Settings(BaseModel):
     # -- the engine's server ----------------------------------------------------------------------------
     host: str = Field(
         "127.0.0.1",
+        title="Host (loopback)",
         description="Address the engine listens on (loopback only)",
         json_schema_extra={"env": "DSV41_HOST", "allowed": "a loopback address such as 127.0.0.1 or ::1"},
     )
     port: int = Field(
         8090,
+        title="Port",
         ge=1024,
         le=65535,
         description="TCP port of the engine's HTTP server",
@@ -88,6 +94,7 @@ class Settings(BaseModel):
     )
     api_key: str = Field(
         "",
+        title="API key",
         description="API key the engine requires (generated on first run; shown masked)",
         json_schema_extra={
             "env": "DSV41_API_KEY",
@@ -97,6 +104,7 @@ class Settings(BaseModel):
     )
     slots: int = Field(
         1,
+        title="Slots (users)",
         ge=1,
         le=8,
         description="Concurrent requests the engine serves (batch slots)",
@@ -104,6 +112,7 @@ class Settings(BaseModel):
     )
     context_length: int = Field(
         32768,
+        title="Context per slot (tokens)",
         ge=512,
         le=1_048_576,
         description="Maximum context per slot, in tokens",
@@ -111,16 +120,19 @@ class Settings(BaseModel):
     )
     kv_type: Literal["int8", "q4_0", "k8v4"] = Field(
         "int8",
+        title="KV cache type",
         description="KV cache type",
         json_schema_extra={"env": "DSV41_KV_TYPE", "allowed": "one of int8, q4_0, k8v4"},
     )
     cpu_numerics: Literal["fork", "gpu"] = Field(
         "fork",
+        title="CPU expert numerics",
         description="CPU expert numerics: fork (fast) or gpu (bit-identical batched answers, ~26% slower)",
         json_schema_extra={"env": "DSV41_CPU_NUMERICS", "allowed": "one of fork, gpu"},
     )
     vram_reserve_mib: int = Field(
         700,
+        title="VRAM reserve (MiB)",
         ge=0,
         le=65536,
         description="VRAM kept free for CUDA's own use, in MiB",
@@ -128,6 +140,7 @@ class Settings(BaseModel):
     )
     ready_timeout_s: int = Field(
         7200,
+        title="Readiness timeout (s)",
         ge=5,
         le=172_800,
         description="How long to wait for the engine to become ready, in seconds",
@@ -135,6 +148,7 @@ class Settings(BaseModel):
     )
     gpu_index: int = Field(
         0,
+        title="GPU index",
         ge=0,
         le=63,
         description="Which GPU (NVML index) the engine uses",
@@ -142,16 +156,19 @@ class Settings(BaseModel):
     )
     numa_binding: Literal["auto", "off"] = Field(
         "auto",
+        title="NUMA binding",
         description="Bind the engine to the GPU's NUMA node (auto) or not (off)",
         json_schema_extra={"env": "DSV41_NUMA", "allowed": "one of auto, off"},
     )
     auto_restart: bool = Field(
         True,
+        title="Restart after a crash",
         description="Restart the engine after a crash (with backoff, up to a crash-loop limit)",
         json_schema_extra={"env": "DSV41_AUTO_RESTART", "allowed": "true or false"},
     )
     metrics_hz: float = Field(
         1.0,
+        title="Monitor rate (Hz)",
         ge=0.25,
         le=10.0,
         description="How often the monitor polls, in Hz",
@@ -160,31 +177,37 @@ class Settings(BaseModel):
     # -- the model and the engine binaries -------------------------------------------------------------
     model_repo: str = Field(
         DEFAULT_MODEL_REPO,
+        title="Model repository",
         description="Hugging Face repository of the GGUF shards",
         json_schema_extra={"env": "DSV41_MODEL_REPO", "allowed": "owner/name"},
     )
     model_revision: str = Field(
         default_factory=_manifest_revision,
+        title="Model revision",
         description="Revision (commit) of the repository to download",
         json_schema_extra={"env": "DSV41_MODEL_REVISION", "allowed": "a branch, tag or 40-hex commit"},
     )
     engine_dir: Path | None = Field(
         None,
+        title="Strata engine folder",
         description="Folder of the unpacked Strata engine release (empty: the one downloaded into the cache)",
         json_schema_extra={"env": "DSV41_ENGINE_DIR", "allowed": "a folder path, or empty"},
     )
     llama_server: Path | None = Field(
         None,
+        title="llama-server binary",
         description="Path of a llama-server binary (empty: the one from the [llamacpp] extra)",
         json_schema_extra={"env": "DSV41_LLAMA_SERVER", "allowed": "a file path, or empty"},
     )
     llamacpp_model: Path | None = Field(
         None,
+        title="GGUF for llama-server",
         description="First shard of the GGUF that llama-server loads (empty: the model folder's)",
         json_schema_extra={"env": "DSV41_LLAMACPP_MODEL", "allowed": "a .gguf file path, or empty"},
     )
     llamacpp_log_verbosity: int = Field(
         4,
+        title="llama-server log level",
         ge=3,
         le=5,
         description="llama-server log verbosity: 4 shows buffer placement; 5 adds a line per overridden tensor "
@@ -193,22 +216,26 @@ class Settings(BaseModel):
     )
     llamacpp_load_mode: Literal["auto", "mmap", "none", "mlock"] = Field(
         "auto",
+        title="llama-server load mode",
         description="How llama-server loads weights: auto (pinned RAM for RAM-resident experts on a GPU build), "
         "mmap, none, mlock",
         json_schema_extra={"env": "DSV41_LLAMACPP_LOAD_MODE", "allowed": "one of auto, mmap, none, mlock"},
     )
     engine_manifest: Path | None = Field(
         None,
+        title="Engine release manifest",
         description="Engine release manifest (version, url, size, sha256) instead of the pinned one",
         json_schema_extra={"env": "DSV41_ENGINE_MANIFEST", "allowed": "a .json file path, or empty"},
     )
     sim_args: str = Field(
         "",
+        title="Scripted engine flags",
         description="Extra flags for the scripted engine (fault switches, --speed, --skew; see dsv41 sim --help)",
         json_schema_extra={"env": "DSV41_SIM_ARGS", "allowed": "command-line flags of `dsv41 sim`"},
     )
     hf_token: str = Field(
         "",
+        title="Hugging Face token",
         description="Hugging Face token for the download (HF_TOKEN in the environment also works)",
         json_schema_extra={"env": "DSV41_HF_TOKEN", "allowed": "a Hugging Face token, or empty", "secret": True},
     )
@@ -316,15 +343,32 @@ ENV_TO_FIELD = {field_env(n): n for n in Settings.model_fields}
 class SettingsError(ValueError):
     """A setting's value was refused. ``str()`` is the message for the user."""
 
-    def __init__(self, setting: str, value: Any, allowed: str, source: str, env: str | None = None):
+    def __init__(self, setting: str, value: Any, allowed: str, source: str, env: str | None = None,
+                 path: Path | None = None):
         self.setting, self.value, self.allowed, self.source, self.env = setting, value, allowed, source, env
-        where = {"env": "in the environment", "file": f"in {paths.settings_file()}"}.get(source, source)
-        label = env if source == "env" and env else setting
         shown = mask_secret(str(value)) if _is_secret(setting) else value
-        super().__init__(
-            f"{label}={shown!s} is not allowed: {setting} must be {allowed} (set {where}). "
-            f"Fix or remove it and try again."
-        )
+        if source == "unknown":
+            super().__init__(f"There is no setting named {setting!r}. {allowed}")
+            return
+        if source == "env":
+            head, tail = f"{env or setting}={shown!s}", f"It is set in the environment: fix or unset {env} and try again."
+        elif source == "file":
+            head, tail = f"{setting}={shown!s}", f"It is set in {path or paths.settings_file()}: fix or remove it there."
+        else:  # a value being saved (the settings dialog, `dsv41 settings set`): nothing was written
+            head, tail = f"{setting}={shown!s}", "Nothing was saved."
+        super().__init__(f"{head} is not allowed: {setting} must be {allowed}. {tail}")
+
+
+def unknown_setting(name: str, value: Any = None) -> SettingsError:
+    """The error for a name that is not a setting, with the closest names and where to see them all."""
+    import difflib
+
+    names = list(Settings.model_fields)
+    by_env = {field_env(n).lower(): n for n in names}
+    close = difflib.get_close_matches(name.lower(), names + list(by_env), n=3, cutoff=0.5)
+    close = list(dict.fromkeys(by_env.get(c, c) for c in close))
+    hint = f"Did you mean {' or '.join(close)}? " if close else ""
+    return SettingsError(name, value, hint + "`dsv41 settings list` shows every setting.", "unknown")
 
 
 def _is_secret(name: str) -> bool:
@@ -347,14 +391,14 @@ class LoadedSettings:
         return self.sources.get(name) == "env"
 
 
-def _check_one(name: str, value: Any, source: Source) -> Any:
+def _check_one(name: str, value: Any, source: str, path: Path | None = None) -> Any:
     """Validate one value on its own, so the error names exactly this setting."""
     try:
         validated = Settings.model_validate({name: value})
         return getattr(validated, name)
     except ValidationError as exc:
         env = field_env(name) if name in Settings.model_fields else None
-        raise SettingsError(name, value, field_allowed(name), source, env) from exc
+        raise SettingsError(name, value, field_allowed(name), source, env, path) from exc
 
 
 def _coerce_env(name: str, raw: str) -> Any:
@@ -396,7 +440,7 @@ def load_settings(env: Mapping[str, str] | None = None, path: Path | None = None
     values: dict[str, Any] = {}
     sources: dict[str, Source] = {}
     for name, value in file_values.items():
-        values[name] = _check_one(name, value, "file")
+        values[name] = _check_one(name, value, "file", path)
         sources[name] = "file"
     for env_name, name in ENV_TO_FIELD.items():
         if env_name in env:
@@ -422,8 +466,8 @@ def save_settings(loaded: LoadedSettings, updates: Mapping[str, Any],
     merged = dict(loaded.file_values)
     for name, value in updates.items():
         if name not in Settings.model_fields:
-            raise SettingsError(name, value, "one of the known settings", "the settings dialog")
-        checked = _check_one(name, value, "file")
+            raise unknown_setting(name, value)
+        checked = _check_one(name, value, "input")
         merged[name] = str(checked) if isinstance(checked, Path) else checked
     for k in [k for k, v in merged.items() if v is None]:
         merged.pop(k)

@@ -49,3 +49,18 @@ make_venv() {
     .venv/bin/python -m pip install -q --upgrade pip
   fi
 }
+
+# pip install -e '.[EXTRAS]' unless this exact pyproject.toml (and Python) was installed with those extras
+# before: the install is editable, so code changes need no reinstall, only dependency changes do.
+install_project() {
+  local spec="$1" stamp key label="dsv41-panel${1#.}"
+  key="$(cat pyproject.toml; .venv/bin/python -VV; echo "$spec")"
+  stamp=".venv/.dsv41-installed-$(printf '%s' "$spec" | tr -c 'a-z0-9' '_')"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(printf '%s' "$key" | sha256sum | cut -d' ' -f1)" ]; then
+    echo ">> $label is installed in .venv (pyproject.toml unchanged)"
+    return 0
+  fi
+  echo ">> installing $label into .venv"
+  .venv/bin/python -m pip install -q -e "$spec"
+  printf '%s' "$key" | sha256sum | cut -d' ' -f1 > "$stamp"
+}

@@ -135,3 +135,32 @@ def test_resolve_engine_auto():
     assert resolve_engine(s, has_gpu=False) == "sim"
     assert resolve_engine(s, has_gpu=True) == "strata"
     assert resolve_engine(Settings(server_engine="llamacpp"), has_gpu=False) == "llamacpp"
+
+
+def test_a_value_being_saved_is_refused_without_blaming_the_file():
+    loaded = load_settings()
+    with pytest.raises(SettingsError) as ei:
+        save_settings(loaded, {"slots": 9})
+    msg = str(ei.value)
+    assert "Nothing was saved" in msg and str(loaded.path) not in msg
+
+
+def test_unknown_setting_names_the_closest():
+    with pytest.raises(SettingsError) as ei:
+        save_settings(load_settings(), {"max_tokens": 100})
+    msg = str(ei.value)
+    assert "no setting named 'max_tokens'" in msg and "default_max_tokens" in msg and "dsv41 settings list" in msg
+
+
+def test_settings_path_and_list_work_while_a_value_is_refused():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DSV41_DEFAULT_MAX_TOKENS="-5")
+    for args, expect in ((["path"], "settings.json"), (["list"], "DSV41_DEFAULT_MAX_TOKENS")):
+        r = subprocess.run([sys.executable, "-m", "engine_manager", "settings", *args], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and expect in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "engine_manager", "settings", "show"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "DSV41_DEFAULT_MAX_TOKENS" in r.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from .. import paths
 from ..settings import Settings, field_allowed, field_env, save_settings
 
 
@@ -33,15 +34,18 @@ def _field_name(name: str) -> str:
 
 def run(args, ctx) -> int:
     action = args.action or "show"
-    loaded = ctx.loaded
+    # `path` and `list` work without loading the settings, so they help even when a bad value is refused
     if action == "path":
-        print(loaded.path)
+        print(paths.settings_file())
         return 0
     if action == "list":
+        w1 = max(len(n) for n in Settings.model_fields)
+        w2 = max(len(field_env(n)) for n in Settings.model_fields)
         for n, info in Settings.model_fields.items():
-            print(f"{n:<20} {field_env(n):<26} {field_allowed(n)}")
-            print(f"{'':<20} {info.description}")
+            print(f"{n:<{w1}}  {field_env(n):<{w2}}  {field_allowed(n)}")
+            print(f"{'':<{w1}}  {info.title}: {info.description}")
         return 0
+    loaded = ctx.loaded
     if action == "set":
         name = _field_name(args.name)
         new = save_settings(loaded, {name: args.value})
@@ -53,8 +57,9 @@ def run(args, ctx) -> int:
     if getattr(args, "json", False):
         print(json.dumps({"settings": masked, "sources": loaded.sources, "path": str(loaded.path)}, indent=2))
         return 0
+    w = max(len(n) for n in masked)
     for n, v in masked.items():
         src = loaded.sources[n]
-        print(f"{n:<20} {str(v):<40} [{src}{': ' + field_env(n) if src == 'env' else ''}]")
+        print(f"{n:<{w}}  {str(v):<40} [{src}{': ' + field_env(n) if src == 'env' else ''}]")
     print(f"\nfile: {loaded.path}")
     return 0
