@@ -60,6 +60,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+from superqt import QElidingLabel
 
 from engine_manager import history as hist
 from engine_manager import uistate
@@ -74,11 +75,13 @@ from engine_manager.chat import (
     StreamStats,
     TurnEnded,
     TurnStarted,
+    check_target,
     run_turn,
 )
 
 from .workers import run_function, run_generator
 
+EMPTY_LIST_HINT = "No conversations yet.\nAsk something below; it is kept here."
 RENDER_MIN_INTERVAL_S = 0.3        # the streaming message's Markdown re-render, at most this often …
 RENDER_COST_FACTOR = 20.0          # … and never more often than 20× its own last cost
 SCHEME = "dsv41"
@@ -397,6 +400,9 @@ class Stream:
     worker: Any = None
     mode: str = "send"
     text: str | None = None
+    edit_id: int | None = None
+    user_id: int | None = None               # the question as stored, once the engine accepted the request
+    created: bool = False                    # this turn created the conversation
     t_start: float = field(default_factory=time.perf_counter)
 
 
@@ -538,8 +544,9 @@ class ChatPane(QWidget):
         bl = QVBoxLayout(bottom)
         bl.setContentsMargins(0, 0, 0, 0)
         bl.setSpacing(4)
-        self.title_label = QLabel()
+        self.title_label = QElidingLabel()           # a long title ends in "…" instead of being cut off
         self.title_label.setObjectName("chatTitle")
+        self.title_label.setElideMode(Qt.TextElideMode.ElideRight)
         self.title_label.setTextFormat(Qt.TextFormat.PlainText)
         self.title_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         f = self.title_label.font()
@@ -811,10 +818,20 @@ class ChatPane(QWidget):
             if state is not None:
                 state.title = c.title
             self.conv_list.addItem(self._make_item(c.id, c.title, c.updated_at, c.message_count, c.last_status))
+        if not convs:
+            self.conv_list.addItem(self._hint_item(EMPTY_LIST_HINT))
         self.conv_list.blockSignals(False)
         if keep is not None:
             self._select_item(keep)
         self.conversationsChanged.emit()
+
+    def _hint_item(self, text: str) -> QListWidgetItem:
+        """A grey line in the list that cannot be selected (an empty list says what will appear there)."""
+        item = QListWidgetItem(text)
+        item.setFlags(Qt.ItemFlag.NoItemFlags)
+        item.setForeground(self.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text))
+        item.setToolTip(text)
+        return item
 
     def _make_item(self, cid: int, title: str, updated: float, count: int, status: str | None) -> QListWidgetItem:
         item = QListWidgetItem()
@@ -901,9 +918,7 @@ class ChatPane(QWidget):
             item.setToolTip(h.snippet)
             self.conv_list.addItem(item)
         if not hits:
-            item = QListWidgetItem(f"Nothing contains “{text}”.")
-            item.setFlags(Qt.ItemFlag.NoItemFlags)
-            self.conv_list.addItem(item)
+            self.conv_list.addItem(self._hint_item(f"Nothing contains “{text}”."))
         self.conv_list.blockSignals(False)
 
     # -- conversations --------------------------------------------------------------------------------------
@@ -1269,7 +1284,7 @@ class ChatPane(QWidget):
     def _start_turn(self, st: ConvState, *, mode: str, text: str | None = None, edit_id: int | None = None) -> None:
         token = CancelToken()
         done = threading.Event()
-        stream = Stream(st, token, done, mode=mode, text=text)
+        stream = Stream(st, token, done, mode=mode, text=text, edit_id=edit_id)
         st.stream = stream
         self._streams.append(stream)
         opts = self.options()
@@ -1283,8 +1298,12 @@ class ChatPane(QWidget):
             if st is self._current:
                 self._scroll_to_end()
 
+        settings = self.ctx.settings
+
         def turn(**kw):
             try:
+                # is the engine at that address the one the panel started? (never send the key to another)
+                check_target(settings, kw["base_url"], kw["api_key"])
                 yield from run_turn(**kw)
             finally:
                 done.set()
@@ -1366,6 +1385,8 @@ class ChatPane(QWidget):
     def _on_started(self, stream: Stream, ev: TurnStarted) -> None:
         st = stream.conv
         new = st.id is None
+        stream.created = new
+        stream.user_id = ev.user_message_id
         st.id = ev.conversation_id
         self._convs[st.id] = st
         st.loaded = True
@@ -1395,6 +1416,13 @@ class ChatPane(QWidget):
         st.view.rerender_tail(stream.live)
 
     def _on_ended(self, stream: Stream, ev: TurnEnded) -> None:
+        if not ev.saved:
+            # refused before an answer began (no engine, 401, 409 …): the history is as it was; so is the pane
+            self._not_sent(stream, ev.error or "", stopped=ev.status == hist.STATUS_STOPPED)
+            if ev.error_kind in ("unreachable", "unavailable"):
+                self.ctx.statusMessage.emit(ev.error or "", 8000)
+            self.streamFinished.emit(ev.conversation_id if ev.conversation_id is not None else -1, ev.status)
+            return
         live = stream.live
         if live is not None:
             live.content_parts = [ev.content]
@@ -1408,14 +1436,42 @@ class ChatPane(QWidget):
         self.streamFinished.emit(ev.conversation_id, ev.status)
 
     def _on_turn_error(self, stream: Stream, exc: BaseException) -> None:
-        # run_turn failed before streaming (e.g. nothing to regenerate, a history error): undo the optimistic view
-        st = stream.conv
-        st.messages = [lm for lm in st.messages if lm.msg.id != -1]
-        self._finish_stream(stream)
-        if stream.mode in ("send", "edit") and stream.text and not self.composer.toPlainText().strip():
-            self.composer.setPlainText(stream.text)
-        self.live_label.setText(f"Not sent: {exc}")
+        # refused before anything was sent (not the panel's engine on the port, nothing to regenerate, a history
+        # error): undo the optimistic view
+        self._not_sent(stream, str(exc))
         self.ctx.statusMessage.emit(f"Chat: {exc}", 8000)
+
+    def _not_sent(self, stream: Stream, why: str, stopped: bool = False) -> None:
+        """The turn left nothing in the history: take its question (and, if the engine had accepted the request,
+        the conversation it created) back out of the pane and put the text back in the composer."""
+        st = stream.conv
+        drop = {-1, stream.user_id, stream.live.msg.id if stream.live is not None else None} - {None}
+        if stream.mode != "send":
+            drop = {-1}
+        st.messages = [lm for lm in st.messages if lm.msg.id not in drop]
+        stream.live = None
+        if stream.created and st.id is not None:          # the conversation it created was deleted again
+            self._convs.pop(st.id, None)
+            st.id = None
+            st.title = hist.DEFAULT_TITLE
+            st.messages = []
+        self._finish_stream(stream)
+        if st.id is None:
+            self.reload_list()
+        back = False
+        if stream.mode in ("send", "edit") and stream.text and not self.composer.toPlainText().strip() \
+                and st is self._current:
+            if stream.mode == "edit" and stream.edit_id is not None:
+                self.start_edit(stream.edit_id)
+            self.composer.setPlainText(stream.text)
+            self.composer.moveCursor(QTextCursor.MoveOperation.End)
+            back = True
+        again = " Your message is back in the box: press Enter to send it again." if back else ""
+        if stopped:
+            self.live_label.setText(f"Not sent: stopped before the engine answered.{again}")
+        else:
+            self.live_label.setText(f"Not sent: {why.rstrip()}{again}")
+        self._show_title()
 
     def _finish_stream(self, stream: Stream) -> None:
         st = stream.conv

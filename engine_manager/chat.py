@@ -25,9 +25,13 @@ The SSE framing is parsed by ``httpx-sse`` (a well-kept parser; it handles comme
 ``: keep-alive``, multi-line data and CRLF). Parsing costs a few microseconds per event, measured by
 ``benchmarks/chat_latency.py`` (far below a token's ~16 ms at 63 tok/s), so there is no reason to hand-write one.
 
-:func:`run_turn` is one chat turn recorded into :mod:`engine_manager.history`: it stores the user's message, streams
-the answer, saves the partial answer as it arrives (throttled, so a killed process loses at most about half a
-second) and marks how it ended. The CLI and the GUI both drive it.
+:func:`run_turn` is one chat turn recorded into :mod:`engine_manager.history`: once the engine accepted the request
+it stores the user's message, streams the answer, saves the partial answer as it arrives (throttled, so a killed
+process loses at most about half a second) and marks how it ended; a request refused before that leaves the
+history as it was. The CLI and the GUI both drive it.
+
+:func:`engine_target` / :func:`check_target` decide, from the supervisor's status, whether the engine at an address
+is the one the panel started before a request (and the API key) is sent there.
 """
 
 from __future__ import annotations
@@ -197,14 +201,17 @@ ChatEvent = StreamOpened | ReasoningDelta | ContentDelta | FinishReason | UsageI
 class ChatError(UserError):
     """A chat request failed. ``str()`` is the message for a person; ``kind`` is for code:
 
-    ``unreachable`` (nothing listens), ``bad_request`` (400), ``auth`` (401), ``busy`` (409), ``unavailable`` (503),
-    ``http`` (another status), ``stream_error`` (an error frame mid-stream), ``connection_lost``, ``engine_died``,
-    ``stalled`` (read timeout), ``protocol`` (not an event stream / not JSON).
+    ``unreachable`` (nothing listens), ``bad_request`` (400), ``auth`` (401), ``busy`` (409), ``unavailable`` (503,
+    or the panel's engine is still starting), ``http`` (another status), ``stream_error`` (an error frame
+    mid-stream), ``connection_lost``, ``engine_died``, ``stalled`` (read timeout), ``protocol`` (not an event stream
+    / not JSON); before sending (:func:`check_target`): ``not_ours`` (a program the panel did not start holds the
+    port), ``key_mismatch`` (the panel's engine runs with another key).
     """
 
     def __init__(self, kind: str, message: str, *, status: int | None = None, engine_message: str | None = None):
         super().__init__(message)
         self.kind, self.status, self.engine_message = kind, status, engine_message
+        self.stats: StreamStats | None = None      # set by ChatClient.stream: what arrived before it failed
 
     @property
     def message(self) -> str:
@@ -235,6 +242,12 @@ def http_error(status: int, body_text: str, base_url: str) -> ChatError:
         payload = body_text
     msg = _engine_message(payload)
     said = f" The engine said: {msg.rstrip('.')}." if msg else ""
+    head = (body_text or "").lstrip()[:200].lower()
+    if head.startswith(("<!doctype html", "<html", "<head", "<body")):
+        # a web page (a plain web server, a proxy): its markup says nothing a person needs here
+        msg = None
+        said = (f" It answered with a web page, not with an engine's JSON: is {base_url} really the engine's "
+                f"address? Check what listens there (`dsv41 status`).")
     if status == 400:
         text = (f"The engine refused the request (HTTP 400).{said} Check the request options (max tokens must fit "
                 f"the context; tool calls are not supported) and try again.")
@@ -376,7 +389,7 @@ class ChatClient:
         return ChatError(
             "unreachable",
             f"No engine answers at {self.base_url} ({exc.__class__.__name__}). Start the engine (Start in the panel, "
-            f"or `dsv41 engine start`) and wait until it says ready.",
+            f"or `dsv41 start`) and wait until it says ready.",
         )
 
     def _broken(self, exc: BaseException, got_any: bool) -> ChatError:
@@ -385,10 +398,10 @@ class ChatClient:
         if not alive:
             return ChatError("engine_died",
                              f"The engine stopped {where} (its port {self.base_url} no longer answers). What arrived "
-                             f"is kept; look at the engine's log for why, start it again, then press Regenerate.")
+                             f"is kept; look at the engine's log for why, then start it again.")
         return ChatError("connection_lost",
                          f"The connection to the engine was lost {where} ({exc.__class__.__name__}: {exc}). What "
-                         f"arrived is kept; press Regenerate to ask again.")
+                         f"arrived is kept; ask again.")
 
     def request_body(self, messages: Sequence[Mapping[str, Any]], options: ChatOptions | None = None) -> dict:
         body: dict[str, Any] = {"messages": [dict(m) for m in messages], "stream": True,
@@ -463,7 +476,7 @@ class ChatClient:
                             raise ChatError(
                                 "stream_error",
                                 f"The engine reported an error {'while answering' if got_any else 'before answering'}:"
-                                f" {msg}. What arrived is kept; press Regenerate to try again.",
+                                f" {msg}. What arrived is kept.",
                                 engine_message=msg)
                         for choice in chunk.get("choices") or ():
                             delta = choice.get("delta") or {}
@@ -530,23 +543,38 @@ class ChatClient:
                         "stalled",
                         f"The engine sent nothing for {self.read_timeout_s:.0f} s "
                         f"{'while answering' if got_any else 'before answering'}; it may be stuck. What arrived is "
-                        f"kept; look at the engine's state and log, then press Regenerate.") from exc
+                        f"kept; look at the engine's state and log.") from exc
             except httpx.TransportError as exc:
                 if cancel.cancelled:
                     stats.cancelled = True
                 else:
                     raise self._broken(exc, got_any) from exc
+        except ChatError as err:
+            # what arrived before the stream broke: the engine's usage never comes then, so the tokens are counted
+            # here (one delta is one token for llama-server, Strata and the scripted engine), or taken from the
+            # last timings seen when they say more
+            err.stats = self._final_stats(stats, t0, t_first, t_last, n_chunks, broken=True)
+            raise
         finally:
             cancel.remove(on_cancel)
         if cancel.cancelled:
             stats.cancelled = True
-        end = time.perf_counter()
-        stats.duration_s = end - t0
+        yield StreamDone(self._final_stats(stats, t0, t_first, t_last, n_chunks))
+
+    @staticmethod
+    def _final_stats(stats: StreamStats, t0: float, t_first: float | None, t_last: float | None, n_chunks: int,
+                     broken: bool = False) -> StreamStats:
+        stats.duration_s = time.perf_counter() - t0
         if n_chunks >= 2 and t_first is not None and t_last is not None and t_last - t_first >= MIN_RATE_SPAN_S:
             stats.tok_s = (n_chunks - 1) / (t_last - t_first)
         if stats.completion_tokens is None:
-            stats.completion_tokens = n_chunks if not stats.cancelled else None
-        yield StreamDone(stats)
+            if broken:
+                seen = (stats.timings or {}).get("predicted_n")
+                seen = seen if isinstance(seen, int) and not isinstance(seen, bool) else 0
+                stats.completion_tokens = max(n_chunks, seen)
+            else:
+                stats.completion_tokens = n_chunks if not stats.cancelled else None
+        return stats
 
     def complete(self, messages: Sequence[Mapping[str, Any]], options: ChatOptions | None = None,
                  cancel: CancelToken | None = None) -> tuple[str, str, StreamStats]:
@@ -564,9 +592,129 @@ class ChatClient:
         return "".join(content), "".join(reasoning), stats
 
 
+# ------------------------------------------------------------------------------------------------ which engine
+@dataclass(frozen=True)
+class EngineTarget:
+    """Where a chat goes: the address, the key sent there, and where the address came from (in words)."""
+
+    base_url: str
+    api_key: str | None
+    where: str
+    explicit: bool = False                   # named by the user (``dsv41 chat --url``): no ownership check
+
+
+def engine_status(settings):
+    """``Supervisor(settings).status()``: the engine the panel started (from its state file, pid and start time
+    verified), or what else holds the settings' port. None when it cannot be read (a broken state file)."""
+    try:
+        from .supervisor import Supervisor
+        return Supervisor(settings).status()
+    except Exception:  # noqa: BLE001 - no status is "unknown", decided by the caller
+        return None
+
+
+def _port_of(base_url: str) -> int | None:
+    try:
+        url = httpx.URL(base_url)
+    except (httpx.InvalidURL, TypeError, ValueError):
+        return None
+    if url.port is not None:
+        return url.port
+    return {"http": 80, "https": 443}.get(url.scheme)
+
+
+def _same_url(a: str | None, b: str | None) -> bool:
+    return bool(a and b) and a.rstrip("/") == b.rstrip("/")
+
+
+def scripted_by_hand(owner: dict[str, Any] | None) -> bool:
+    """Is the program on the port the scripted engine run with ``dsv41 sim`` (or ``python -m engine_manager.sim``)
+    by this same user? That one was given the settings' key by ``dsv41 sim`` itself, so chatting with it sends
+    the key nowhere new."""
+    if not owner or not owner.get("pid"):
+        return False
+    try:
+        import getpass
+        me = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name: do not guess
+        return False
+    if owner.get("user") != me:
+        return False
+    argv = [str(a) for a in owner.get("cmdline") or []]
+    if any(a == "engine_manager.sim" or a.endswith("/engine_manager/sim/__main__.py") for a in argv):
+        return True
+    for i, a in enumerate(argv[:-1]):
+        if (a == "engine_manager" or a.rsplit("/", 1)[-1] == "dsv41") and argv[i + 1] == "sim":
+            return True
+    return False
+
+
+def check_target(settings, base_url: str, api_key: str | None, *, status=None) -> None:
+    """Refuse (:class:`ChatError`) to send a chat, and with it the API key, to ``base_url`` when the supervisor's
+    status says the port is held by a program the panel did not start (kind ``not_ours``), or that the engine the
+    panel started there runs with another key than the one that would be sent (``key_mismatch``). Silent when
+    nothing says so (nothing listens: the request itself then says "No engine answers")."""
+    st = status if status is not None else engine_status(settings)
+    if st is None:
+        return
+    if st.owner == "panel" and _same_url(st.base_url, base_url):
+        if st.key_matches is False and api_key and api_key == settings.api_key:
+            raise ChatError(
+                "key_mismatch",
+                f"The engine the panel started (pid {st.pid}, {st.base_url}) runs with another API key than the one "
+                f"in the settings now (api_key / DSV41_API_KEY), so it would refuse this one. Restart it so it "
+                f"takes the current key (`dsv41 stop`, then `dsv41 start`; or Stop and Start in the panel), or put "
+                f"the old key back.")
+        return
+    ext = st.external
+    port = _port_of(base_url)
+    if ext is not None and port is not None and port == settings.port and not scripted_by_hand(ext):
+        from .supervisor import describe_owner, suggest_port
+        free = suggest_port(settings.host, settings.port)
+        raise ChatError(
+            "not_ours",
+            f"Port {port} is held by {describe_owner(ext)}, not by an engine this panel started, so nothing was "
+            f"sent there: not your question, not your API key. Stop that program, or give the panel another port "
+            f"(`dsv41 settings set port {free or 'N'}`{', free now' if free else ''}; or Settings in the panel) "
+            f"and start the engine there (`dsv41 start`, or Start in the panel).")
+
+
+def engine_target(settings, url: str | None = None, *, status=None) -> EngineTarget:
+    """The engine ``dsv41 chat`` talks to, checked with :func:`check_target` before anything is sent:
+
+    - ``url`` (``--url``): exactly that address, with the settings' key: the user named it;
+    - the engine the panel started, when it is ready (its address from the state file, which survives a change
+      of the port setting); still starting, or stopping: :class:`ChatError` ``unavailable``, nothing sent;
+    - else the settings' host and port (an engine run with ``dsv41 sim``; or nothing, and the request says so).
+    """
+    if url:
+        return EngineTarget(url.rstrip("/"), settings.api_key, "--url", explicit=True)
+    st = status if status is not None else engine_status(settings)
+    if st is not None and st.owner == "panel" and st.running and st.base_url:
+        name = st.label or st.engine or "engine"
+        if st.state != "ready":
+            doing = "is stopping" if st.state == "stopping" else f"is {st.state}, not ready yet"
+            raise ChatError(
+                "unavailable",
+                f"The {name} the panel started {doing}{f' ({st.message})' if st.message else ''}, so nothing was "
+                f"sent. Wait until `dsv41 status` says ready, then ask again"
+                + (" (or start it again with `dsv41 start`)." if st.state == "stopping" else "."))
+        check_target(settings, st.base_url, settings.api_key, status=st)
+        where = f"the engine the panel started, {name}" + (" (simulated)" if st.simulated and
+                                                           "simul" not in name.lower() else "")
+        return EngineTarget(st.base_url, settings.api_key, where)
+    check_target(settings, settings.base_url, settings.api_key, status=st)
+    where = "the settings (host, port, api_key)"
+    if st is not None and st.external is not None and scripted_by_hand(st.external):
+        where = f"the scripted engine run with `dsv41 sim` (pid {st.external.get('pid')})"
+    return EngineTarget(settings.base_url, settings.api_key, where)
+
+
 # ------------------------------------------------------------------------------------------------ one turn
 @dataclass(frozen=True)
 class TurnStarted:
+    """The engine accepted the request (HTTP 200, an event stream): the turn is in the history now."""
+
     conversation_id: int
     assistant_message_id: int
     user_message_id: int | None
@@ -575,14 +723,49 @@ class TurnStarted:
 
 @dataclass(frozen=True)
 class TurnEnded:
-    conversation_id: int
-    assistant_message_id: int
+    conversation_id: int | None             # None: the turn would have created it, and nothing was kept
+    assistant_message_id: int | None        # None when nothing was kept
     status: str                             # history status: complete, stopped, interrupted, error
     error: str | None
     error_kind: str | None
     stats: StreamStats
     content: str
     reasoning: str
+    saved: bool = True                      # False: the history is as it was before the turn (see run_turn)
+
+
+def _plan_context(store, conversation_id: int | None, mode: str, user_text: str | None,
+                  edit_message_id: int | None) -> list[dict[str, str]]:
+    """The messages a turn sends, read without changing the history; raises ValueError / HistoryError when the
+    turn cannot be asked at all."""
+    if mode == "send":
+        if not user_text or not user_text.strip():
+            raise ValueError("nothing to send: the message is empty")
+        if conversation_id is not None:
+            store.get_conversation(conversation_id)         # HistoryError (in plain words) when it is gone
+        prior = store.context_messages(conversation_id) if conversation_id is not None else []
+        return [*prior, {"role": "user", "content": user_text}]
+    if conversation_id is None:
+        raise ValueError(f"{mode} needs a saved conversation")
+    msgs = store.get_conversation(conversation_id).messages
+    if mode == "regenerate":
+        last_user = next((m for m in reversed(msgs) if m.role == "user"), None)
+        if last_user is None:
+            raise ValueError("nothing to regenerate: the conversation has no message of yours")
+        store.refuse_if_streaming(conversation_id, after=last_user.id)
+        return store.context_messages(conversation_id, through_id=last_user.id)
+    if mode == "edit":
+        if edit_message_id is None or not user_text or not user_text.strip():
+            raise ValueError("edit needs the message and its new text")
+        target = next((m for m in msgs if m.id == edit_message_id), None)
+        if target is None:
+            raise ValueError(f"message {edit_message_id} is not in conversation {conversation_id}")
+        if target.role != "user":
+            raise ValueError("only your own messages can be edited and sent again")
+        store.refuse_if_streaming(conversation_id, after=edit_message_id)
+        before = store.context_messages(conversation_id, through_id=edit_message_id)[:-1]
+        return [*before, {"role": "user", "content": user_text}]
+    raise ValueError(f"unknown mode {mode!r}")
 
 
 def run_turn(store, conversation_id: int | None, *, base_url: str, api_key: str | None,
@@ -591,13 +774,22 @@ def run_turn(store, conversation_id: int | None, *, base_url: str, api_key: str 
              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, flush_interval_s: float = 0.5,
              engine_alive: Callable[[], bool] | None = None, system_prompt: str | None = None,
              ) -> Iterator[TurnStarted | ChatEvent | TurnEnded]:
-    """One chat turn, recorded. ``mode``: ``send`` (append ``user_text``), ``regenerate`` (drop the answers after
-    the last user message and ask again) or ``edit`` (replace message ``edit_message_id`` with ``user_text``, drop
-    what followed it, ask again). ``conversation_id=None`` creates a conversation.
+    """One chat turn, recorded. ``mode``: ``send`` (append ``user_text``), ``regenerate`` (replace the answers
+    after the last user message) or ``edit`` (replace message ``edit_message_id`` with ``user_text`` and what
+    followed it). ``conversation_id=None`` creates a conversation.
 
-    Yields :class:`TurnStarted`, then the stream's events, then :class:`TurnEnded` — always, also on errors (which
-    are in ``TurnEnded.error``), so a caller never has to catch. The answer is saved as it streams: at most every
-    ``flush_interval_s`` seconds, and at the end.
+    Nothing is written until the engine has accepted the request (HTTP 200 with an event stream): a request that
+    fails before that (nothing listens, 401, 409, 503, 400 …) leaves the history exactly as it was (no new
+    conversation, no question, no earlier answer dropped) and ends with ``TurnEnded(saved=False)`` — the caller
+    still has the question (the pane puts it back in the composer; the CLI has it on its command line). Once
+    accepted, the writes happen (conversation, question, the dropped answers of regenerate / edit) and
+    :class:`TurnStarted` is yielded; the answer is then saved as it streams (at most every ``flush_interval_s``
+    seconds, and at the end). A new question whose answer then fails before a single token arrived is taken back
+    out again (the conversation too, when this turn created it): ``saved=False`` as well.
+
+    Yields the stream's events, :class:`TurnStarted` right after :class:`StreamOpened`, and :class:`TurnEnded`
+    last — always, also on errors (``TurnEnded.error``), so a caller never has to catch a :class:`ChatError`.
+    Raises ValueError / ``HistoryError`` before anything is sent when the turn cannot be asked at all.
     """
     from .history import (
         STATUS_COMPLETE,
@@ -608,43 +800,51 @@ def run_turn(store, conversation_id: int | None, *, base_url: str, api_key: str 
 
     options = options or ChatOptions()
     cancel = cancel or CancelToken()
-    if conversation_id is None:
-        conversation_id = store.create_conversation(options=options.to_dict())
-    user_id = None
-    if mode == "send":
-        if not user_text or not user_text.strip():
-            raise ValueError("nothing to send: the message is empty")
-        user_id = store.add_message(conversation_id, "user", user_text)
-    elif mode == "regenerate":
-        user_id = store.drop_trailing_answers(conversation_id)
-        if user_id is None:
-            raise ValueError("nothing to regenerate: the conversation has no message of yours")
-    elif mode == "edit":
-        if edit_message_id is None or not user_text or not user_text.strip():
-            raise ValueError("edit needs the message and its new text")
-        store.edit_message(conversation_id, edit_message_id, user_text)
-        user_id = edit_message_id
-    else:
-        raise ValueError(f"unknown mode {mode!r}")
-    store.set_conversation_options(conversation_id, options.to_dict())
-    context = store.context_messages(conversation_id)
+    context = _plan_context(store, conversation_id, mode, user_text, edit_message_id)
     if system_prompt:
         context = [{"role": "system", "content": system_prompt}, *context]
-    recorder = store.begin_answer(conversation_id, options=options.to_dict(), model=model)
-    yield TurnStarted(conversation_id, recorder.message_id, user_id, store.messages(conversation_id))
+
+    created = False
+    user_id: int | None = None
+    recorder = None
+    n_reasoning = n_content = 0          # deltas seen: the token count if the stream ends without stats
+
+    def accept() -> TurnStarted:
+        nonlocal conversation_id, created, user_id, recorder
+        if conversation_id is None:
+            conversation_id = store.create_conversation(options=options.to_dict())
+            created = True
+        if mode == "send":
+            user_id = store.add_message(conversation_id, "user", user_text)
+        elif mode == "regenerate":
+            user_id = store.drop_trailing_answers(conversation_id)
+        else:
+            store.edit_message(conversation_id, edit_message_id, user_text)
+            user_id = edit_message_id
+        store.set_conversation_options(conversation_id, options.to_dict())
+        recorder = store.begin_answer(conversation_id, options=options.to_dict(), model=model)
+        return TurnStarted(conversation_id, recorder.message_id, user_id, store.messages(conversation_id))
 
     stats = StreamStats()
     status, error, error_kind = STATUS_COMPLETE, None, None
     client = ChatClient(base_url, api_key, model=model, read_timeout_s=read_timeout_s, engine_alive=engine_alive)
+    events = client.stream(context, options, cancel)
     try:
-        for ev in client.stream(context, options, cancel):
+        for ev in events:
+            if isinstance(ev, StreamOpened):
+                started = accept()
+                yield started
+                yield ev
+                continue
             if isinstance(ev, ContentDelta):
+                n_content += 1
                 recorder.add_content(ev.text)
             elif isinstance(ev, ReasoningDelta):
+                n_reasoning += 1
                 recorder.add_reasoning(ev.text)
             elif isinstance(ev, StreamDone):
                 stats = ev.stats
-            if recorder.due(flush_interval_s):
+            if recorder is not None and recorder.due(flush_interval_s):
                 recorder.flush()
             yield ev
         if stats.cancelled:
@@ -655,16 +855,45 @@ def run_turn(store, conversation_id: int | None, *, base_url: str, api_key: str 
             error_kind = "cancelled"
     except ChatError as exc:
         error, error_kind = str(exc), exc.kind
-        status = STATUS_INTERRUPTED if recorder.has_text else STATUS_ERROR
+        stats = exc.stats or stats
+        status = STATUS_INTERRUPTED if recorder is not None and recorder.has_text else STATUS_ERROR
     except GeneratorExit:
-        recorder.finish(STATUS_INTERRUPTED, stats.to_dict(), "The answer's reader went away.")
-        client.close()
+        if recorder is not None:
+            recorder.finish(STATUS_INTERRUPTED, StreamStats(reasoning_chunks=n_reasoning, content_chunks=n_content,
+                                                            completion_tokens=n_reasoning + n_content).to_dict(),
+                            "The answer's reader went away.")
         raise
+    except UserError as exc:     # e.g. the history refused the writes (another program streams an answer there)
+        error, error_kind = str(exc), "refused"
+        status = STATUS_INTERRUPTED if recorder is not None and recorder.has_text else STATUS_ERROR
     except Exception as exc:  # noqa: BLE001 - anything else still ends the turn and is recorded
         error, error_kind = f"{exc.__class__.__name__}: {exc}", "internal"
-        status = STATUS_INTERRUPTED if recorder.has_text else STATUS_ERROR
+        status = STATUS_INTERRUPTED if recorder is not None and recorder.has_text else STATUS_ERROR
     finally:
+        events.close()
         client.close()
+    if stats.reasoning_chunks + stats.content_chunks < n_reasoning + n_content:
+        stats.reasoning_chunks, stats.content_chunks = n_reasoning, n_content
+    if recorder is None:
+        # refused before the engine accepted it: nothing was written (or the writes failed half-way: undone)
+        if created:
+            try:
+                store.delete(conversation_id)
+            except UserError:
+                pass
+            conversation_id = None
+        yield TurnEnded(conversation_id, None, status, error, error_kind, stats, "", "", saved=False)
+        return
+    if mode == "send" and status in (STATUS_ERROR, STATUS_STOPPED) and not recorder.has_text:
+        # accepted, then failed (or stopped) before one token arrived: take the question back out
+        recorder.finish(status, stats.to_dict(), error)
+        if created:
+            store.delete(conversation_id)
+            conversation_id = None
+        else:
+            store.delete_messages(conversation_id, [m for m in (user_id, recorder.message_id) if m is not None])
+        yield TurnEnded(conversation_id, None, status, error, error_kind, stats, "", "", saved=False)
+        return
     recorder.finish(status, stats.to_dict(), error)
     yield TurnEnded(conversation_id, recorder.message_id, status, error, error_kind, stats, recorder.content,
                     recorder.reasoning)

@@ -12,7 +12,9 @@ start time; whoever opens the store later and finds such a row whose writer is g
 
 Statuses of a message: ``complete``; ``streaming`` (being written now); ``stopped`` (the user pressed Stop);
 ``interrupted`` (the stream broke: engine died, connection lost, error frame mid-answer, panel closed or killed);
-``error`` (the request failed before any token, e.g. HTTP 401).
+``error`` (the engine accepted a regenerate / edit, then failed before any token). A request the engine refuses
+(nothing listens, HTTP 401 / 409 / 503 …) is never written at all, and a new question whose answer fails before
+its first token is taken back out (:func:`engine_manager.chat.run_turn`), so failures leave no empty conversations.
 """
 
 from __future__ import annotations
@@ -354,6 +356,26 @@ class HistoryStore:
             conn.execute("DELETE FROM messages WHERE conversation_id = ? AND id > ?", (int(cid), int(mid)))
             conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, int(cid)))
 
+    def refuse_if_streaming(self, cid: int, after: int = 0) -> None:
+        """Raise :class:`HistoryError` if an answer after message ``after`` is still being written by a live
+        process (a regenerate or edit would delete it under its writer)."""
+        with self.connect() as conn:
+            self._check_conversation(conn, cid)
+            self._refuse_if_streaming(conn, cid, after=after)
+
+    def delete_messages(self, cid: int, ids: list[int]) -> None:
+        """Delete these messages of conversation ``cid`` (a question taken back when its answer never began)."""
+        if not ids:
+            return
+        with self.transaction() as conn:
+            self._check_conversation(conn, cid)
+            conn.executemany("DELETE FROM messages WHERE conversation_id = ? AND id = ?",
+                             [(int(cid), int(m)) for m in ids])
+            last = conn.execute("SELECT MAX(updated_at) AS t FROM messages WHERE conversation_id = ?",
+                                (int(cid),)).fetchone()["t"]
+            if last is not None:
+                conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (last, int(cid)))
+
     def _refuse_if_streaming(self, conn: sqlite3.Connection, cid: int, after: int = 0) -> None:
         rows = conn.execute("SELECT writer_pid, writer_started FROM messages WHERE conversation_id = ? AND id > ? "
                             "AND status = ?", (int(cid), int(after), STATUS_STREAMING)).fetchall()
@@ -374,11 +396,13 @@ class HistoryStore:
             conn.execute("DELETE FROM messages WHERE conversation_id = ? AND id > ?", (int(cid), int(last_user)))
             return int(last_user)
 
-    def context_messages(self, cid: int) -> list[dict[str, str]]:
+    def context_messages(self, cid: int, through_id: int | None = None) -> list[dict[str, str]]:
         """The conversation as OpenAI ``messages``: user and assistant texts (an answer's reasoning is not sent
-        back; answers that produced no text are left out)."""
+        back; answers that produced no text are left out); with ``through_id``, only up to that message."""
         out: list[dict[str, str]] = []
         for m in self.messages(cid):
+            if through_id is not None and m.id > through_id:
+                break
             if m.role == "assistant" and not m.content.strip():
                 continue
             out.append({"role": m.role, "content": m.content})

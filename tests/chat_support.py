@@ -109,3 +109,91 @@ def shared_sim():
             sim.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             sim.kill()
+
+
+# ------------------------------------------------------------------------------------------------ other programs
+@dataclass
+class ForeignServer:
+    """A program the panel did not start, holding a port: Python's own ``http.server`` as a real process (it
+    answers GET with a directory listing and POST with an HTML 501 page, and logs every request it gets)."""
+
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def requests(self) -> list[str]:
+        """The request lines it logged (``"POST /v1/chat/completions HTTP/1.1" 501 -`` …)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return [ln for ln in text.splitlines() if '"' in ln and ("GET " in ln or "POST " in ln)]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+
+def launch_foreign(port: int, log_dir: Path) -> ForeignServer:
+    import socket
+    log_path = log_dir / f"foreign-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=log_dir, env=_env(),
+                                start_new_session=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return ForeignServer(proc, port, log_path)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise RuntimeError("http.server did not start: " + log_path.read_text(errors="replace"))
+
+
+@pytest.fixture
+def foreign_server(tmp_path):
+    started: list[ForeignServer] = []
+
+    def start(port: int) -> ForeignServer:
+        srv = launch_foreign(port, tmp_path)
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.kill()
+
+
+@pytest.fixture
+def panel_sim(monkeypatch, free_port):
+    """The scripted engine started the way the panel starts it: by the supervisor (behind its keeper, state file in
+    this test's data dir) on the settings' port, with the settings' generated key. Yields its EngineStatus; it is
+    stopped at the end."""
+    from engine_manager.engines import get_engine
+    from engine_manager.settings import load_settings
+    from engine_manager.supervisor import Supervisor
+
+    monkeypatch.setenv("DSV41_PORT", str(free_port))
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0 --speed 10")
+    sup = Supervisor(load_settings().settings)
+    st = None
+    gen = sup.run(get_engine("sim"), watch=False)
+    try:
+        while True:
+            next(gen)
+    except StopIteration as stop:
+        st = stop.value
+    try:
+        assert st is not None and st.state == "ready", st
+        yield st
+    finally:
+        for _ in Supervisor(load_settings().settings).stop(force=True):
+            pass

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from chat_support import shared_sim, start_sim  # noqa: F401 - fixtures
+from chat_support import foreign_server, panel_sim, shared_sim, start_sim  # noqa: F401 - fixtures
 
 from engine_manager import history as hist
 from engine_manager.chat import (
@@ -177,12 +177,14 @@ def test_engine_killed_mid_stream_is_engine_died(start_sim, fault):
     assert 1 <= len(seen) <= 10
     assert ei.value.kind == "engine_died"
     assert "stopped while answering" in str(ei.value)
+    assert ei.value.stats is not None and ei.value.stats.completion_tokens == len(seen)      # m6
 
 
 def test_nothing_listening_is_unreachable(free_port):
     with ChatClient(f"http://127.0.0.1:{free_port}", "k" * 20) as c, pytest.raises(ChatError) as ei:
         list(c.stream(Q))
     assert ei.value.kind == "unreachable" and "Start the engine" in str(ei.value)
+    assert "`dsv41 start`" in str(ei.value) and "engine start" not in str(ei.value)     # m2: the real command
 
 
 def test_silent_engine_is_reported_as_stalled(start_sim):
@@ -377,14 +379,77 @@ def test_engine_killed_mid_stream_saves_and_marks_interrupted(start_sim, shared_
     assert "".join(ref["content"]).startswith(m.content)
 
 
-def test_run_turn_401_is_an_error_message_kept_with_the_question(shared_sim):
+def test_a_refused_request_leaves_the_history_as_it_was(shared_sim, free_port):
+    """m13: 401 / nothing listening / 409 before any answer: no "[error]" conversation is left behind, an existing
+    conversation keeps its messages, and a failed regenerate does not drop the answer it would replace."""
     store = hist.HistoryStore()
-    evs = list(run_turn(store, None, base_url=shared_sim.base_url, api_key="wrong-key-0123456789",
-                        user_text="hello"))
+    for _ in range(2):
+        evs = list(run_turn(store, None, base_url=shared_sim.base_url, api_key="wrong-key-0123456789",
+                            user_text="hello"))
+        assert not any(isinstance(e, TurnStarted) for e in evs)
+        ended = evs[-1]
+        assert ended.status == hist.STATUS_ERROR and ended.error_kind == "auth" and "401" in ended.error
+        assert ended.saved is False and ended.conversation_id is None and ended.assistant_message_id is None
+        evs = list(run_turn(store, None, base_url=f"http://127.0.0.1:{free_port}", api_key="k" * 20,
+                            user_text="hello"))
+        assert evs[-1].error_kind == "unreachable" and evs[-1].saved is False
+    assert store.list_conversations() == []
+    # an existing conversation: nothing added, and a failed regenerate keeps the old answer
+    cid = _turn(store, shared_sim, options=ChatOptions(max_tokens=20))[-1].conversation_id
+    before = [(m.id, m.content, m.status) for m in store.messages(cid)]
+    for kw in (dict(user_text="a follow-up"), dict(mode="regenerate"),
+               dict(mode="edit", edit_message_id=before[0][0], user_text="changed")):
+        ended = list(run_turn(store, cid, base_url=f"http://127.0.0.1:{free_port}", api_key="k" * 20, **kw))[-1]
+        assert ended.saved is False and ended.conversation_id == cid and ended.error_kind == "unreachable"
+        assert [(m.id, m.content, m.status) for m in store.messages(cid)] == before
+    assert [c.id for c in store.list_conversations()] == [cid]
+
+
+def test_accepted_then_failed_before_a_token_takes_the_question_back():
+    """m13, the other half: the engine answered 200 and then an error frame before any token: the conversation
+    this turn created is gone again (nothing arrived that could be kept)."""
+    frame = _frame({"error": {"message": "context too long", "type": "invalid_request_error"}})
+    store = hist.HistoryStore()
+    srv = RawServer(SSE_HEAD, [frame])
+    try:
+        evs = list(run_turn(store, None, base_url=srv.url, api_key="k" * 20, user_text="a very long question"))
+    finally:
+        srv.stop()
+    assert any(isinstance(e, TurnStarted) for e in evs)        # it was accepted (and saved while it streamed) …
     ended = evs[-1]
-    assert ended.status == hist.STATUS_ERROR and ended.error_kind == "auth"
-    msgs = store.messages(ended.conversation_id)
-    assert msgs[0].content == "hello" and msgs[1].status == hist.STATUS_ERROR and "401" in msgs[1].error
+    assert ended.error_kind == "stream_error" and "context too long" in ended.error
+    assert ended.saved is False and ended.conversation_id is None
+    assert store.list_conversations() == []                     # … and taken back out
+    # in an existing conversation only the new question goes
+    cid = store.create_conversation()
+    store.add_message(cid, "user", "earlier")
+    srv = RawServer(SSE_HEAD, [frame])
+    try:
+        ended = list(run_turn(store, cid, base_url=srv.url, api_key="k" * 20, user_text="new one"))[-1]
+    finally:
+        srv.stop()
+    assert ended.saved is False and ended.conversation_id == cid
+    assert [m.content for m in store.messages(cid)] == ["earlier"]
+
+
+def test_interrupted_answer_counts_the_tokens_that_arrived(start_sim):
+    """m6: no usage comes when the stream breaks; the tokens that did arrive are counted (one per delta) and
+    stored, instead of 0."""
+    sim = start_sim("--sigkill-after-tokens", "40")
+    store = hist.HistoryStore()
+    deltas = 0
+    for ev in run_turn(store, None, base_url=sim.base_url, api_key=sim.key, user_text="Explain expert offload",
+                       options=ChatOptions(max_tokens=400)):
+        if isinstance(ev, (ContentDelta, ReasoningDelta)):
+            deltas += 1
+        ended = ev
+    assert ended.status == hist.STATUS_INTERRUPTED and deltas > 0
+    assert ended.stats.completion_tokens == deltas == ended.stats.tokens
+    assert ended.stats.duration_s and ended.stats.ttft_s is not None
+    m = store.message(ended.assistant_message_id)
+    assert m.stats["completion_tokens"] == deltas
+    assert f"{deltas} tokens" in store.export_markdown(ended.conversation_id)
+    assert "Regenerate" not in m.error                          # the stored words fit the CLI and the pane
 
 
 def test_regenerate_and_edit_replace_what_followed(shared_sim):
@@ -404,3 +469,66 @@ def test_regenerate_and_edit_replace_what_followed(shared_sim):
     msgs = store.messages(cid)
     assert [m.role for m in msgs] == ["user", "assistant"] and msgs[0].content == "Explain the KV cache"
     assert edit[-1].status == hist.STATUS_COMPLETE and "KV cache" in msgs[1].content
+
+
+# ------------------------------------------------------------------------------------------------ which engine (m3)
+def _status(settings):
+    from engine_manager.supervisor import Supervisor
+    return Supervisor(settings).status()
+
+
+def test_a_program_the_panel_did_not_start_gets_no_request_and_no_key(foreign_server, free_port, monkeypatch):
+    from engine_manager.chat import check_target, engine_target
+    from engine_manager.settings import load_settings
+    monkeypatch.setenv("DSV41_PORT", str(free_port))
+    srv = foreign_server(free_port)
+    settings = load_settings().settings
+    st = _status(settings)
+    assert st.external and st.external["pid"] == srv.proc.pid          # what the supervisor's status says …
+    with pytest.raises(ChatError) as ei:
+        engine_target(settings)
+    msg = str(ei.value)
+    assert ei.value.kind == "not_ours" and f"pid {srv.proc.pid}" in msg and "http.server" in msg
+    assert "not by an engine this panel started" in msg and "API key" in msg and "dsv41 settings set port" in msg
+    assert settings.api_key not in msg
+    with pytest.raises(ChatError):
+        check_target(settings, srv.base_url, settings.api_key)     # the pane's check, same answer
+    assert srv.requests() == []                                     # … and nothing was sent there
+    # named explicitly (--url), it is the user's call: the request goes, and its HTML 501 is not dumped
+    t = engine_target(settings, srv.base_url)
+    assert t.explicit and t.base_url == srv.base_url
+    with ChatClient(t.base_url, t.api_key) as c, pytest.raises(ChatError) as ei:
+        list(c.stream(Q))
+    assert ei.value.status == 501 and "web page" in str(ei.value) and "<" not in str(ei.value)
+    assert any("POST /v1/chat/completions" in ln for ln in srv.requests())
+
+
+def test_the_panels_engine_is_the_target_and_a_changed_key_is_caught_before_sending(panel_sim, monkeypatch):
+    from engine_manager.chat import engine_target
+    from engine_manager.settings import load_settings
+    settings = load_settings().settings
+    t = engine_target(settings)
+    assert t.base_url == panel_sim.base_url and t.api_key == settings.api_key and "the panel started" in t.where
+    assert "simulated" in t.where.lower()
+    ended = list(run_turn(hist.HistoryStore(), None, base_url=t.base_url, api_key=t.api_key, user_text="hi",
+                          options=ChatOptions(max_tokens=10)))[-1]
+    assert ended.status == hist.STATUS_COMPLETE
+    monkeypatch.setenv("DSV41_API_KEY", "another-key-0123456789abcdef")
+    changed = load_settings().settings
+    with pytest.raises(ChatError) as ei:
+        engine_target(changed)
+    assert ei.value.kind == "key_mismatch" and "dsv41 stop" in str(ei.value)
+    assert "another-key" not in str(ei.value)
+
+
+def test_the_scripted_engine_run_by_hand_is_allowed(start_sim, monkeypatch):
+    """``dsv41 sim`` (the scripted engine by hand, with the settings' key) is meant for the panel's chat: it holds
+    the port, but it is ours."""
+    from engine_manager.chat import engine_target
+    from engine_manager.settings import load_settings
+    sim = start_sim()
+    monkeypatch.setenv("DSV41_PORT", str(sim.port))
+    settings = load_settings().settings
+    assert _status(settings).external is not None
+    t = engine_target(settings)
+    assert t.base_url == sim.base_url and "dsv41 sim" in t.where

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from chat_support import ROOT, shared_sim, start_sim  # noqa: F401 - fixtures
+from chat_support import ROOT, foreign_server, panel_sim, shared_sim, start_sim  # noqa: F401 - fixtures
 
 from engine_manager import history as hist
 
@@ -89,16 +89,57 @@ def test_chat_continues_a_conversation_and_reads_stdin(shared_sim):
     assert [m.role for m in msgs] == ["user", "assistant", "user", "assistant"]
     assert msgs[2].content == "a follow-up from stdin\n"
     r = dsv41("chat", "--conversation", "99", "x", env=env)
-    assert r.returncode == 2 and "no conversation 99" in r.stderr
+    assert r.returncode == 1 and "no conversation 99" in r.stderr
 
 
-def test_chat_errors_in_plain_words(shared_sim, free_port):
+def test_chat_errors_in_plain_words_and_leave_no_error_conversations(shared_sim, free_port):
     r = dsv41("chat", "hello", env=env_for(shared_sim, key="wrong-key-0123456789"))
     assert r.returncode == 1
     assert "refused the API key (HTTP 401)" in r.stderr and "DSV41_API_KEY" in r.stderr
     assert "wrong-key-0123456789" not in r.stderr + r.stdout
+    assert "Nothing was saved" in r.stderr and "run the same command again" in r.stderr
     r = dsv41("chat", "hello", env=env_for(port=free_port))
     assert r.returncode == 1 and "No engine answers" in r.stderr and "Start the engine" in r.stderr
+    assert "`dsv41 start`" in r.stderr and "engine start" not in r.stderr          # m2
+    # m13: two failed chats, no "[error]" conversation
+    r = dsv41("history", "list", env=env_for())
+    assert r.returncode == 0 and r.stdout.startswith("No saved conversations"), r.stdout
+    # a saved conversation keeps exactly what it had when a follow-up fails
+    assert dsv41("chat", "--max-tokens", "10", "first", env=env_for(shared_sim)).returncode == 0
+    r = dsv41("chat", "--conversation", "1", "second", env=env_for(port=free_port))
+    assert r.returncode == 1 and "Nothing was saved" in r.stderr
+    assert [m.content for m in hist.HistoryStore().messages(1)][0] == "first"
+    assert len(hist.HistoryStore().messages(1)) == 2
+
+
+def test_chat_refuses_a_program_the_panel_did_not_start(foreign_server, free_port):
+    """m3: something else holds the settings' port: refused in plain words, exit 1, and it gets nothing — no
+    request, so no API key. --url still reaches it when the user names it."""
+    srv = foreign_server(free_port)
+    env = env_for(port=free_port)
+    env["DSV41_API_KEY"] = "secret-key-0123456789abcdef"
+    r = dsv41("chat", "hello", env=env)
+    assert r.returncode == 1, r.stderr
+    assert f"Port {free_port} is held by pid {srv.proc.pid}" in r.stderr and "http.server" in r.stderr
+    assert "not by an engine this panel started" in r.stderr and "not your API key" in r.stderr
+    assert "dsv41 settings set port" in r.stderr and f"--url http://127.0.0.1:{free_port}" in r.stderr
+    assert "secret-key-0123456789abcdef" not in r.stderr + r.stdout
+    assert srv.requests() == []
+    assert hist.HistoryStore().list_conversations() == []
+    r = dsv41("chat", "--url", srv.base_url, "hello", env=env)
+    assert r.returncode == 1 and "HTTP 501" in r.stderr and "web page" in r.stderr
+    assert "<html" not in r.stderr.lower() and "Nothing was saved" in r.stderr
+    assert any("POST /v1/chat/completions" in ln for ln in srv.requests())
+    r = dsv41("chat", "--url", "localhost:8080", "hello", env=env)
+    assert r.returncode == 2 and "--url must be" in r.stderr
+
+
+def test_chat_talks_to_the_engine_the_panel_started(panel_sim):
+    env = env_for()                   # the settings' own key, saved when the panel started the engine
+    r = dsv41("chat", "--max-tokens", "30", "hello there", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "saved as conversation 1" in r.stderr
+    assert hist.HistoryStore().messages(1)[1].status == hist.STATUS_COMPLETE
 
 
 def test_chat_refuses_bad_arguments(capsys):
@@ -117,6 +158,13 @@ def test_chat_interrupted_by_the_engine_dying_exits_1_and_keeps_the_start(start_
     assert "stopped while answering" in r.stderr and "partial answer is saved" in r.stderr
     a = hist.HistoryStore().messages(1)[1]
     assert a.status == hist.STATUS_INTERRUPTED and (a.reasoning or a.content)
+    # m6: the tokens that arrived, not 0; and what to do in a terminal (no Regenerate button here)
+    n = a.stats["completion_tokens"]
+    assert 0 < n <= 15 and f"[{n} tokens arrived" in r.stderr
+    assert "run the same command again, or `dsv41 chat --conversation 1" in r.stderr
+    assert "Regenerate" not in r.stderr
+    show = dsv41("history", "show", "1", env=env_for())
+    assert f"_{n} tokens" in show.stdout and "interrupted" in show.stdout
 
 
 def test_ctrl_c_stops_cleanly_and_saves(start_sim):
@@ -166,10 +214,60 @@ def test_history_commands(shared_sim, capsys, monkeypatch):
     assert cli(capsys, "history", "rename", "1", "NUMA notes")[0] == 0
     assert "NUMA notes" in cli(capsys, "history", "list")[1]
     rc, _, err = cli(capsys, "history", "delete", "1")
-    assert rc == 2 and "--yes" in err
+    assert rc == 2 and "not a terminal" in err and "add --yes" in err     # nobody to ask: refused, kept
+    assert len(hist.HistoryStore().list_conversations()) == 2
     assert cli(capsys, "history", "delete", "1", "--yes")[0] == 0
     rc, _, err = cli(capsys, "history", "show", "1")
-    assert rc == 2 and "no conversation 1" in err
+    assert rc == 1 and "no conversation 1" in err                         # p10: a failure, not a usage error
+    rc, _, err = cli(capsys, "history", "rename", "2", "  ")
+    assert rc == 2 and "empty" in err
+
+
+def _delete_on_a_terminal(cid: int, answer: bytes) -> tuple[int, str]:
+    """``dsv41 history delete ID`` with a terminal on standard input; answers the prompt with ``answer``."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "engine_manager", "history", "delete", str(cid)],
+                            env=env_for(), cwd=ROOT, stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    data = b""
+    deadline = time.monotonic() + 30
+    answered = False
+    try:
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([master], [], [], 0.2)
+            if r:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                data += chunk
+                if not answered and b"[y/N]" in data:
+                    os.write(master, answer)
+                    answered = True
+            elif proc.poll() is not None:
+                break
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    return proc.returncode, data.decode("utf-8", "replace")
+
+
+def test_history_delete_asks_on_a_terminal():
+    """p10: without --yes, on a terminal, it asks y/N (and keeps the conversation unless told yes)."""
+    store = hist.HistoryStore()
+    cid = store.create_conversation("keep me?")
+    store.add_message(cid, "user", "hello")
+    rc, text = _delete_on_a_terminal(cid, b"n\n")
+    assert "Delete conversation 1 'keep me?' (1 messages)? This cannot be undone. [y/N]" in text
+    assert rc == 1 and "kept conversation 1" in text
+    assert [c.id for c in store.list_conversations()] == [cid]
+    rc, text = _delete_on_a_terminal(cid, b"y\n")
+    assert rc == 0 and "deleted conversation 1" in text
+    assert store.list_conversations() == []
 
 
 def test_history_export_to_a_file(shared_sim, tmp_path):

@@ -10,11 +10,12 @@ import textwrap
 import time
 
 import pytest
-from chat_support import ROOT, shared_sim, start_sim  # noqa: F401 - fixtures
+from chat_support import ROOT, foreign_server, shared_sim, start_sim  # noqa: F401 - fixtures
 from PySide6.QtCore import Qt, QUrl
 from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QLabel
 
-from app.chat_pane import ChatPane, MarkdownRenderer, _theme
+from app.chat_pane import EMPTY_LIST_HINT, ChatPane, MarkdownRenderer, _theme
 from app.context import AppContext
 from engine_manager import history as hist
 from engine_manager.settings import load_settings
@@ -40,6 +41,12 @@ def pane(qtbot, ctx):
 
 def doc(p: ChatPane) -> str:
     return p.document_text()
+
+
+def listed(p: ChatPane) -> list:
+    """The conversations in the list (not the grey hint lines)."""
+    items = [p.conv_list.item(i) for i in range(p.conv_list.count())]
+    return [it for it in items if isinstance(it.data(Qt.ItemDataRole.UserRole), int)]
 
 
 def test_type_send_stream_reasoning_and_stop(qtbot, pane, ctx, start_sim):
@@ -74,7 +81,7 @@ def test_type_send_stream_reasoning_and_stop(qtbot, pane, ctx, start_sim):
     # the reasoning block opens on click
     pane._on_anchor(QUrl(f"dsv41:toggle-reasoning/{m[1].id}"))
     assert "▾ Reasoning" in doc(pane) and "The user asks about" in doc(pane)
-    qtbot.waitUntil(lambda: pane.conv_list.count() == 1, timeout=5000)
+    qtbot.waitUntil(lambda: len(listed(pane)) == 1, timeout=5000)
     assert pane.conv_list.item(0).text().startswith("Explain expert offload")
 
 
@@ -117,7 +124,7 @@ def test_several_conversations_stream_at_once(qtbot, pane, ctx, start_sim):
     other = next(c.id for c in convs if c.id != pane.current_conversation_id())
     pane.open_conversation(other)
     assert pane.store.messages(other)[1].content.split()[0] in doc(pane)
-    qtbot.waitUntil(lambda: pane.conv_list.count() == 3, timeout=5000)
+    qtbot.waitUntil(lambda: len(listed(pane)) == 3, timeout=5000)
 
 
 def test_regenerate_and_edit_and_resend(qtbot, pane, ctx, shared_sim):
@@ -174,7 +181,7 @@ def test_code_blocks_copy_and_markdown_is_safe(qtbot, pane):
     store.add_message(cid, "assistant", "Run this:\n\n```python\nprint('hi')\n```\n\n<b>raw</b> and "
                       "![x](https://example.com/x.png) and ![y](file:///etc/passwd) and **bold**", reasoning="some thinking")
     pane.reload_list()
-    qtbot.waitUntil(lambda: pane.conv_list.count() == 1, timeout=5000)
+    qtbot.waitUntil(lambda: len(listed(pane)) == 1, timeout=5000)
     pane.conv_list.setCurrentRow(0)
     qtbot.waitUntil(lambda: "Run this:" in doc(pane), timeout=5000)
     text = doc(pane)
@@ -196,16 +203,16 @@ def test_conversation_list_rename_search_delete(qtbot, pane):
     b = store.create_conversation()
     store.add_message(b, "user", "about the KV cache")
     pane.reload_list()
-    qtbot.waitUntil(lambda: pane.conv_list.count() == 2, timeout=5000)
+    qtbot.waitUntil(lambda: len(listed(pane)) == 2, timeout=5000)
     pane.rename_conversation(a, "NUMA notes")
     qtbot.waitUntil(lambda: store.get_conversation(a).title == "NUMA notes", timeout=5000)
     pane.search_edit.setText("kv cache")
-    qtbot.waitUntil(lambda: pane.conv_list.count() == 1 and "KV cache" in pane.conv_list.item(0).text(),
+    qtbot.waitUntil(lambda: len(listed(pane)) == 1 and "KV cache" in pane.conv_list.item(0).text(),
                     timeout=5000)
     pane.search_edit.setText("")
-    qtbot.waitUntil(lambda: pane.conv_list.count() == 2, timeout=5000)
+    qtbot.waitUntil(lambda: len(listed(pane)) == 2, timeout=5000)
     pane.delete_conversation(b, confirm=False)
-    qtbot.waitUntil(lambda: pane.conv_list.count() == 1, timeout=5000)
+    qtbot.waitUntil(lambda: len(listed(pane)) == 1, timeout=5000)
     assert [c.id for c in store.list_conversations()] == [a]
 
 
@@ -271,7 +278,7 @@ def test_panel_killed_mid_stream_history_intact_on_restart(qtbot, start_sim):
     ctx = AppContext(load_settings())
     p = ChatPane(ctx)
     qtbot.addWidget(p)
-    qtbot.waitUntil(lambda: p.store is not None and p.conv_list.count() == 1, timeout=10000)
+    qtbot.waitUntil(lambda: p.store is not None and len(listed(p)) == 1, timeout=10000)
     assert p.store.recovered == 1
     assert p.conv_list.item(0).text().startswith("⚠")
     p.conv_list.setCurrentRow(0)
@@ -297,3 +304,80 @@ def test_pane_state_survives_a_restart(qtbot, ctx):
     qtbot.waitUntil(lambda: again.current_conversation_id() == cid and "remember this" in doc(again), timeout=10000)
     assert again.options_toggle.isChecked() and again.options_box.isVisibleTo(again)
     again.shutdown()
+
+
+def _send_and_wait_refusal(qtbot, p: ChatPane, text: str) -> None:
+    p.composer.setPlainText(text)
+    qtbot.keyClick(p.composer, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: p.streaming_count() == 0 and p.live_label.text().startswith("Not sent"), timeout=20000)
+
+
+def test_a_refused_request_leaves_no_conversation_and_gives_the_text_back(qtbot, pane, ctx, shared_sim, free_port):
+    """m13: nothing listening, or a wrong key (401): no "[error]" conversation, the question back in the composer;
+    a follow-up that fails leaves its conversation as it was."""
+    ctx.set_ready(f"http://127.0.0.1:{free_port}", "k" * 24)
+    _send_and_wait_refusal(qtbot, pane, "Explain expert offload")
+    assert "No engine answers" in pane.live_label.text() and "back in the box" in pane.live_label.text()
+    assert pane.composer.toPlainText() == "Explain expert offload"
+    assert pane.current_conversation_id() is None and "Explain expert offload" not in doc(pane)
+    ctx.set_ready(shared_sim.base_url, "wrong-key-0123456789")
+    _send_and_wait_refusal(qtbot, pane, "Explain expert offload")
+    assert "HTTP 401" in pane.live_label.text() and pane.composer.toPlainText() == "Explain expert offload"
+    assert pane.store.list_conversations() == []
+    qtbot.waitUntil(lambda: pane.conv_list.count() == 1 and pane.conv_list.item(0).text() == EMPTY_LIST_HINT,
+                    timeout=5000)
+    # now it works: the text still in the box is sent as it is
+    ctx.set_ready(shared_sim.base_url, shared_sim.key)
+    qtbot.keyClick(pane.composer, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: pane.streaming_count() == 0 and pane.current_conversation_id() is not None,
+                    timeout=30000)
+    cid = pane.current_conversation_id()
+    before = [m.id for m in pane.store.messages(cid)]
+    assert len(before) == 2
+    ctx.set_ready(f"http://127.0.0.1:{free_port}", "k" * 24)
+    _send_and_wait_refusal(qtbot, pane, "a follow-up")
+    assert [m.id for m in pane.store.messages(cid)] == before and pane.current_conversation_id() == cid
+    assert "a follow-up" not in doc(pane) and pane.composer.toPlainText() == "a follow-up"
+    assert [c.id for c in pane.store.list_conversations()] == [cid]
+
+
+def test_a_program_the_panel_did_not_start_gets_nothing_from_the_pane(qtbot, monkeypatch, foreign_server, free_port):
+    """m3: the address the pane was given is held by another program (the supervisor's status says so): refused
+    before anything is sent, the question kept in the composer."""
+    monkeypatch.setenv("DSV41_PORT", str(free_port))
+    srv = foreign_server(free_port)
+    ctx = AppContext(load_settings())
+    p = ChatPane(ctx)
+    qtbot.addWidget(p)
+    p.show()
+    qtbot.waitUntil(lambda: p.store is not None, timeout=10000)
+    ctx.set_ready(srv.base_url, ctx.settings.api_key)
+    _send_and_wait_refusal(qtbot, p, "hello")
+    text = p.live_label.text()
+    assert f"pid {srv.proc.pid}" in text and "not by an engine this panel started" in text
+    assert p.composer.toPlainText() == "hello" and p.store.list_conversations() == []
+    assert [ln for ln in srv.requests() if "/v1/chat" in ln] == []
+    p.shutdown()
+
+
+def test_empty_list_hint_and_long_titles_end_in_an_ellipsis(qtbot, pane):
+    """p1: an empty conversation list says what will appear there; p4: a long title is elided with "…"."""
+    qtbot.waitUntil(lambda: pane.conv_list.count() == 1, timeout=5000)
+    hint = pane.conv_list.item(0)
+    assert hint.text() == EMPTY_LIST_HINT and hint.flags() == Qt.ItemFlag.NoItemFlags
+    assert listed(pane) == []
+    pane.conv_list.setCurrentRow(0)
+    assert pane.current_conversation_id() is None
+    long = "Question 3: explain NUMA binding and PCIe swaps in detail, with numbers for every step please"
+    cid = pane.store.create_conversation()
+    pane.store.add_message(cid, "user", long)
+    pane.reload_list()
+    qtbot.waitUntil(lambda: len(listed(pane)) == 1 and pane.conv_list.count() == 1, timeout=5000)
+    pane.open_conversation(cid)
+    qtbot.waitUntil(lambda: pane.title_label.text() == hist.title_from(long), timeout=5000)
+    pane.resize(320, 700)
+    qtbot.waitUntil(lambda: QLabel.text(pane.title_label).endswith("…"), timeout=5000)   # what is painted
+    shown = QLabel.text(pane.title_label)
+    assert hist.title_from(long).startswith(shown[:-1])
+    assert pane.title_label.fontMetrics().horizontalAdvance(shown) <= pane.title_label.width()
+    assert pane.title_label.toolTip() == hist.title_from(long)

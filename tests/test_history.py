@@ -81,6 +81,28 @@ def test_context_leaves_out_reasoning_and_empty_answers():
                    {"role": "user", "content": "q2"}, {"role": "user", "content": "q3"}]
 
 
+def test_context_up_to_a_message_and_taking_a_question_back():
+    """What run_turn needs to send a regenerate / edit without changing the history first, and to take a question
+    back out when its answer never began."""
+    store = hist.HistoryStore()
+    cid = _conv(store, ("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2"))
+    ids = [m.id for m in store.messages(cid)]
+    assert store.context_messages(cid, through_id=ids[2]) == [
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    assert len(store.context_messages(cid)) == 4
+    store.delete_messages(cid, [ids[2], ids[3]])
+    assert [m.content for m in store.messages(cid)] == ["q1", "a1"]
+    assert store.get_conversation(cid).updated_at == store.messages(cid)[-1].updated_at
+    with pytest.raises(hist.HistoryError, match="no conversation"):
+        store.delete_messages(999, [1])
+    # an answer another live process is writing cannot be replaced
+    rec = store.begin_answer(cid)
+    with pytest.raises(hist.HistoryError, match="still streaming"):
+        store.refuse_if_streaming(cid, after=ids[0])
+    rec.finish(hist.STATUS_COMPLETE, None)
+    store.refuse_if_streaming(cid, after=ids[0])
+
+
 def test_edit_and_regenerate_truncate():
     store = hist.HistoryStore()
     cid = _conv(store, ("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2"))

@@ -1,8 +1,11 @@
 """``dsv41 chat`` (one turn with the running engine, streamed to the terminal) and ``dsv41 history`` (the saved
 conversations: list, show, export, search, rename, delete).
 
-The engine's address: the supervisor's state (when an engine it started is ready), else the settings' host, port
-and api_key. Every turn is saved in the chat history as it streams, like the panel's chat pane does.
+The engine's address: the engine the panel started (from the supervisor's state, when it is ready), else the
+settings' host, port and api_key; ``--url`` names another one. Before anything is sent, the supervisor's status must
+not say that a program the panel did not start holds the port (then: refused, exit 1, nothing sent, the API key
+included). Every turn is saved in the chat history as it streams, like the panel's chat pane does; a request the
+engine refuses before answering (nothing listens, 401, 409 …) saves nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import time
 from pathlib import Path
 
 from .. import history as hist
-from ..chat import REASONING_EFFORTS, CancelToken, ChatOptions, ContentDelta, ReasoningDelta, TurnEnded
-from ..chat import run_turn
+from ..chat import REASONING_EFFORTS, CancelToken, ChatError, ChatOptions, ContentDelta, ReasoningDelta, TurnEnded
+from ..chat import engine_target, run_turn
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -38,6 +41,9 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default: the engine's)")
     p.add_argument("--conversation", type=int, metavar="ID", help="continue this saved conversation")
     p.add_argument("--system", metavar="TEXT", help="a system prompt for this turn (not saved)")
+    p.add_argument("--url", metavar="URL",
+                   help="talk to the engine at this address (e.g. http://127.0.0.1:8080: one you started by hand) "
+                        "instead of the one the panel started; the settings' api_key is sent to it")
     p.add_argument("--no-reasoning", action="store_true", help="do not print the model's reasoning")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="give up when the engine sends nothing for this many seconds (default 120)")
@@ -70,24 +76,26 @@ def register(sub) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ engine address
-def engine_address(settings) -> tuple[str, str, str]:
-    """``(base_url, api_key, where)``: the engine the supervisor started, when it is ready; else the settings'
-    host, port and api_key (an engine started by hand, or by another tool)."""
+def engine_address(settings, url: str | None = None) -> tuple[str, str, str]:
+    """``(base_url, api_key, where)`` of the engine to talk to (:func:`engine_manager.chat.engine_target`); raises
+    :class:`ChatError` when the port is held by a program the panel did not start, or its engine is not ready."""
+    t = engine_target(settings, url)
+    return t.base_url, t.api_key, t.where
+
+
+def _valid_url(url: str) -> bool:
     try:
-        from ..supervisor import Supervisor
-    except ImportError:          # pragma: no cover - the supervisor ships with the panel
-        Supervisor = None
-    if Supervisor is not None:
-        try:
-            st = Supervisor(settings).status()
-        except Exception:  # noqa: BLE001 - a broken state file must not stop a chat; fall back to the settings
-            st = None
-        if st is not None and st.state == "ready" and st.base_url:
-            label = f"the {st.label or st.engine or 'engine'} the panel started"
-            if st.simulated:
-                label += " (simulated)"
-            return st.base_url, settings.api_key, label
-    return settings.base_url, settings.api_key, "the settings (host, port, api_key)"
+        import httpx
+        u = httpx.URL(url)
+    except Exception:  # noqa: BLE001 - any parse failure is a bad --url
+        return False
+    return u.scheme in ("http", "https") and bool(u.host)
+
+
+def _arrived(stats) -> str:
+    """``212 tokens arrived · 61.8 tok/s · first token 0.40 s``: an answer that did not finish."""
+    first, _, rest = stats.summary().partition(" · ")
+    return f"{first} arrived" + (f" · {rest}" if rest else "")
 
 
 def _read_text(args) -> str | None:
@@ -112,9 +120,12 @@ def run(args, ctx) -> int:
     if args.reasoning_effort is not None and args.reasoning_effort not in REASONING_EFFORTS:
         print(f"dsv41 chat: --reasoning-effort must be one of {', '.join(REASONING_EFFORTS)}.", file=sys.stderr)
         return 2
+    if args.url is not None and not _valid_url(args.url):
+        print(f"dsv41 chat: --url must be an http:// address such as http://127.0.0.1:8080 (got {args.url!r}).",
+              file=sys.stderr)
+        return 2
     options = ChatOptions(max_tokens=max_tokens, temperature=args.temperature,
                           reasoning_effort=args.reasoning_effort, reproducible=args.reproducible)
-    base_url, key, where = engine_address(settings)
     store = hist.HistoryStore()
     for n in store.notices:
         print(f"note: {n}", file=sys.stderr)
@@ -123,7 +134,15 @@ def run(args, ctx) -> int:
             store.get_conversation(args.conversation)
         except hist.HistoryError as exc:
             print(f"dsv41 chat: {exc}", file=sys.stderr)
-            return 2
+            return 1
+    try:
+        base_url, key, where = engine_address(settings, args.url)
+    except ChatError as exc:
+        print(f"dsv41 chat: {exc}", file=sys.stderr)
+        if exc.kind == "not_ours":
+            print(f"  To talk to that program anyway (it is then sent your API key): "
+                  f"dsv41 chat --url {settings.base_url} \"…\"", file=sys.stderr)
+        return 1
 
     out = open(os.devnull, "w") if args.json else sys.stdout     # --json: only the JSON on stdout
     tty = out.isatty()
@@ -181,22 +200,38 @@ def run(args, ctx) -> int:
     stats = ended.stats
     err = sys.stderr
     conv = ended.conversation_id
-    if ended.status == hist.STATUS_COMPLETE:
+    again = ("run the same command again" if conv is None or args.conversation == conv else
+             f"run the same command again, or `dsv41 chat --conversation {conv} \"…\"` to continue")
+    if not ended.saved:
+        if ended.status == hist.STATUS_STOPPED:
+            print("[stopped before the engine answered; nothing was saved]", file=err)
+        else:
+            print(f"dsv41 chat: {ended.error}", file=err)
+            if ended.error_kind in ("unreachable", "auth"):
+                print(f"  (engine address from {where}: {base_url})", file=err)
+            print(f"  Nothing was saved in the history; {again} once that is fixed.", file=err)
+    elif ended.status == hist.STATUS_COMPLETE:
         line = stats.summary()
         if stats.finish_reason == "length":
             line += f" · stopped at --max-tokens {max_tokens}: raise it for a longer answer"
         print(f"[{line} · saved as conversation {conv}; continue with --conversation {conv}]", file=err)
     elif ended.status == hist.STATUS_STOPPED:
-        print(f"[stopped: {stats.summary()} · the partial answer is saved in conversation {conv}]", file=err)
+        print(f"[stopped: {_arrived(stats)} · the partial answer is saved in conversation {conv}; "
+              f"continue with --conversation {conv}]", file=err)
     else:
         print(f"dsv41 chat: {ended.error}", file=err)
         if ended.error_kind in ("unreachable", "auth"):
             print(f"  (engine address from {where}: {base_url})", file=err)
         if ended.content or ended.reasoning:
-            print(f"  [{stats.summary()} · the partial answer is saved in conversation {conv}]", file=err)
+            print(f"  [{_arrived(stats)} · the partial answer is saved in conversation {conv}; "
+                  f"{again}]", file=err)
+        else:
+            print(f"  [the question is saved in conversation {conv}; {again}]", file=err)
     if args.json:
-        msg = store.message(ended.assistant_message_id)
-        json.dump({"conversation_id": conv, "message": msg.to_dict()}, sys.stdout, indent=2, default=str)
+        msg = store.message(ended.assistant_message_id) if ended.assistant_message_id is not None else None
+        json.dump({"conversation_id": conv, "message": msg.to_dict() if msg else None,
+                   "status": ended.status, "error": ended.error, "saved": ended.saved},
+                  sys.stdout, indent=2, default=str)
         print()
     if ended.status == hist.STATUS_COMPLETE:
         return 0
@@ -258,24 +293,32 @@ def run_history(args, ctx) -> int:
                 print(f"{h.conversation_id:>5}  {h.title}\n       {who} {h.snippet}")
             return 0
         if cmd == "rename":
+            if not args.title.strip():
+                print("dsv41 history rename: the new title is empty.", file=sys.stderr)
+                return 2
             store.rename(args.id, args.title)
             print(f"conversation {args.id} is now {args.title.strip()!r}")
             return 0
         if cmd == "delete":
             conv = store.get_conversation(args.id)
             if not args.yes:
+                what = f"conversation {conv.id} {conv.title!r} ({conv.message_count} messages)"
                 if sys.stdin is None or not sys.stdin.isatty():
-                    print("dsv41 history delete: add --yes to delete without asking.", file=sys.stderr)
+                    print(f"dsv41 history delete: standard input is not a terminal, so there is no one to ask; "
+                          f"to delete {what}, add --yes.", file=sys.stderr)
                     return 2
-                answer = input(f"Delete conversation {conv.id} {conv.title!r} ({conv.message_count} messages)? "
-                               f"[y/N] ")
+                try:
+                    answer = input(f"Delete {what}? This cannot be undone. [y/N] ")
+                except (EOFError, KeyboardInterrupt):
+                    answer = ""
+                    print()
                 if answer.strip().lower() not in ("y", "yes"):
-                    print("kept")
+                    print(f"kept conversation {conv.id}")
                     return 1
             store.delete(args.id)
             print(f"deleted conversation {args.id}")
             return 0
-    except hist.HistoryError as exc:
+    except hist.HistoryError as exc:        # e.g. no such conversation: the command failed (usage errors exit 2)
         print(f"dsv41 history: {exc}", file=sys.stderr)
-        return 2
+        return 1
     return 2
