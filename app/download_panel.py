@@ -2,12 +2,19 @@
 pause / resume / cancel, the engine release, and "use a folder that already has the shards".
 
 All work runs in ``engine_manager.download`` generators on a worker (``app.workers.run_generator``); this widget
-only renders their events and forwards the user's intents (``DownloadControl``)."""
+only renders their events and forwards the user's intents (``DownloadControl``).
+
+Closing the window mid-download (``shutdown()``): the download is cancelled (partial files keep their checkpoints;
+the cancel also aborts connections that wait for bytes), and the panel waits — at most ``SHUTDOWN_WAIT_S`` — for the
+generator to end, so no worker is left emitting signals while Python tears the Qt objects down. Every slot is a
+no-op once the panel is closing, so a late signal changes nothing."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QKeySequence, QShortcut
@@ -25,8 +32,23 @@ STATE_WORDS = {
     "queued": "queued", "downloading": "downloading", "paused": "paused", "retrying": "retrying…",
     "verifying": "verifying sha256", "verified": "verified", "present": "verified", "failed": "failed",
     "missing": "not downloaded", "partial": "partly downloaded", "stopped": "stopped (resumable)",
-    "checking": "checking", "bad": "damaged: will be fetched again",
+    "checking": "checking", "bad": "damaged: will be fetched again", "unverified": "on disk, not verified yet",
 }
+# the widest text each fixed-width column shows (sizes, speeds and ETAs as engine_manager.fmt writes them), so
+# the columns keep one width whatever state the rows are in
+COLUMN_SAMPLES = {0: "✓", 1: "shard 00001-of-00007", 3: "999.9 MB", 4: "999.9 MB/s", 5: "111:06:40"}
+SHUTDOWN_WAIT_S = 5.0       # how long closing the window waits for a download to stop (it takes ~0.2 s here)
+
+
+def _tracked(fn: Callable[..., Iterator[Any]], stopped: threading.Event) -> Callable[..., Iterator[Any]]:
+    """``fn`` as a generator function that sets ``stopped`` when it ends (however it ends)."""
+    def run(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        try:
+            return (yield from fn(*args, **kwargs))
+        finally:
+            stopped.set()
+    run.__name__ = getattr(fn, "__name__", "run")
+    return run
 
 
 def _short(name: str) -> str:
@@ -56,13 +78,30 @@ class ErrorBox(QFrame):
         self.fix.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         lay.addWidget(self.message)
         lay.addWidget(self.fix)
+        row = QHBoxLayout()
+        self.action = QPushButton()
+        self.action.setObjectName("downloadErrorAction")
+        self.action.hide()
+        self.action.clicked.connect(self._act)
+        row.addWidget(self.action)
+        row.addStretch(1)
+        lay.addLayout(row)
+        self._action_fn: Callable[[], None] | None = None
         self.hide()
 
-    def show_error(self, message: str, fix: str = "") -> None:
+    def show_error(self, message: str, fix: str = "", action: tuple[str, Callable[[], None]] | None = None) -> None:
         self.message.setText(f"<b>{_esc(message)}</b>")
         self.fix.setText(f"What to do: {_esc(fix)}" if fix else "")
         self.fix.setVisible(bool(fix))
+        self._action_fn = action[1] if action else None
+        self.action.setText(action[0] if action else "")
+        self.action.setVisible(action is not None)
         self.show()
+
+    def _act(self) -> None:
+        fn = self._action_fn
+        if fn is not None:
+            fn()
 
 
 def _esc(s: str) -> str:
@@ -85,6 +124,8 @@ class DownloadPanel(QWidget):
         self.rows: dict[str, int] = {}
         self.bars: dict[str, QProgressBar] = {}
         self.last_progress: dl.Progress | None = None
+        self._closing = False
+        self._stopped = threading.Event()
         self._build()
         ctx.settingsChanged.connect(lambda _l: self.refresh())
         self.refresh()
@@ -110,7 +151,13 @@ class DownloadPanel(QWidget):
         self.table.setSelectionMode(QTableWidget.SelectionMode.NoSelection)
         self.table.setFocusPolicy(Qt.FocusPolicy.NoFocus)
         hh = self.table.horizontalHeader()
-        hh.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        fm = self.table.fontMetrics()
+        hfm = hh.fontMetrics()
+        samples = dict(COLUMN_SAMPLES)
+        samples[6] = max(STATE_WORDS.values(), key=fm.horizontalAdvance)
+        for c, sample in samples.items():
+            hh.setSectionResizeMode(c, QHeaderView.ResizeMode.Fixed)
+            hh.resizeSection(c, max(fm.horizontalAdvance(sample), hfm.horizontalAdvance(COLS[c])) + 18)
         hh.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
         self.table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
         ml.addWidget(self.table, 1)
@@ -122,6 +169,9 @@ class DownloadPanel(QWidget):
         self.total_bar.setFormat("%p%")
         self.total_label = QLabel("—")
         self.total_label.setObjectName("totalLabel")
+        self.total_label.setMinimumWidth(self.total_label.fontMetrics().horizontalAdvance(
+            "999.9 GB of 999.9 GB · 999.9 MB/s · ETA 111:06:40"))
+        self.total_label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         tot.addWidget(QLabel("Total"))
         tot.addWidget(self.total_bar, 1)
         tot.addWidget(self.total_label)
@@ -147,7 +197,7 @@ class DownloadPanel(QWidget):
         self.folder_btn.setObjectName("useFolderButton")
         self.open_btn = QPushButton("&Open folder")
         self.open_btn.setObjectName("openFolderButton")
-        self.download_btn.clicked.connect(self.start_model)
+        self.download_btn.clicked.connect(lambda: self.start_model())
         self.pause_btn.clicked.connect(self.pause)
         self.resume_btn.clicked.connect(self.resume)
         self.cancel_btn.clicked.connect(self.cancel)
@@ -191,7 +241,7 @@ class DownloadPanel(QWidget):
 
     # -- state on disk (cheap: no network, no hashing) --------------------------------------------------------------
     def refresh(self) -> None:
-        if self.worker is not None:
+        if self.worker is not None or self._closing:
             return
         run_function(self._read_local, on_done=self._show_local)
 
@@ -208,7 +258,7 @@ class DownloadPanel(QWidget):
         return out
 
     def _show_local(self, info: dict[str, Any]) -> None:
-        if self.worker is not None:
+        if self.worker is not None or self._closing:
             return
         st: dl.LocalStatus = info["status"]
         self.folder = st.folder
@@ -218,17 +268,25 @@ class DownloadPanel(QWidget):
         names = dl.shard_names()
         self._ensure_rows(names)
         for n in names:
+            size = st.sizes.get(n)
             if n in st.present:
-                self._set_row(n, 1.0 if st.verified else None, None, None, None,
-                              "verified" if st.verified else "present")
+                self._set_row(n, 1.0, size, None, None, "verified" if st.verified else "unverified")
+            elif st.kept.get(n):
+                # a partial file a resume keeps: its share, not "0% not downloaded"
+                self._set_row(n, st.kept[n] / size if size else None, size, None, None, "partial")
             else:
-                self._set_row(n, 0.0, None, None, None, "missing")
+                self._set_row(n, 0.0, size, None, None, "missing")
+        total = sum(st.sizes.values()) if len(st.sizes) == len(names) else 0
+        have = sum(st.sizes.get(n, 0) for n in st.present) + st.partial_bytes
+        if total:
+            self.total_bar.setValue(int(have / total * 1000))
+            self.total_label.setText(f"{dl.fmt_bytes(have)} of {dl.fmt_bytes(total)} on disk")
         if st.verified:
             self.status.setText("All seven shards are here and verified. Nothing to download.")
             self.total_bar.setValue(1000)
         elif st.present or st.partial_bytes:
             self.status.setText(f"{len(st.present)} of 7 shards present, {dl.fmt_bytes(st.partial_bytes)} of partial "
-                                "files kept: Download resumes them.")
+                                f"files kept ({len(st.kept)} shard(s) partly downloaded): Download resumes them.")
         else:
             self.status.setText("The model is not downloaded yet: 264.5 GB in seven files. Or use a folder that "
                                 "already has them.")
@@ -274,7 +332,11 @@ class DownloadPanel(QWidget):
         tick.setToolTip("sha256 verified" if ok else "")
         bar = self.bars[name]
         if frac is None:
-            bar.setRange(0, 0) if state == "verifying" else bar.setValue(0)
+            if state == "verifying":
+                bar.setRange(0, 0)
+            else:
+                bar.setRange(0, 1000)
+                bar.setValue(0)
         else:
             bar.setRange(0, 1000)
             bar.setValue(int(frac * 1000))
@@ -308,19 +370,26 @@ class DownloadPanel(QWidget):
     def busy(self) -> bool:
         return self.worker is not None
 
-    def start_model(self) -> None:
-        if self.worker is not None:
+    def _run(self, fn: Callable[..., Iterator[Any]], *args: Any, on_done: Callable[[Any], None],
+             **kwargs: Any) -> None:
+        self._stopped = threading.Event()
+        self.worker = run_generator(_tracked(fn, self._stopped), *args, control=self.control,
+                                    on_event=self._on_event, on_done=on_done, on_error=self._on_error,
+                                    on_finished=self._on_finished, **kwargs)
+
+    def start_model(self, repin: bool = False) -> None:
+        """Download the missing shards; ``repin``: pin what the revision is now (the pinned commit is gone)."""
+        if self.worker is not None or self._closing:
             return
         self.error.hide()
         self.control = dl.DownloadControl()
-        self.status.setText("Resolving the model's files on the hub…")
+        self.status.setText("Re-pinning: resolving the revision on the hub again…" if repin else
+                            "Checking the model folder…")
         self._set_busy(True, "model")
-        self.worker = run_generator(dl.download_model, self.ctx.settings, control=self.control,
-                                    on_event=self._on_event, on_done=self._on_done, on_error=self._on_error,
-                                    on_finished=self._on_finished)
+        self._run(dl.download_model, self.ctx.settings, on_done=self._on_done, **({"repin": True} if repin else {}))
 
     def start_engine(self) -> None:
-        if self.worker is not None:
+        if self.worker is not None or self._closing:
             return
         self.error.hide()
         self.control = dl.DownloadControl()
@@ -328,9 +397,7 @@ class DownloadPanel(QWidget):
         self.engine_bar.setValue(0)
         self.engine_label.setText("Downloading the engine release…")
         self._set_busy(True, "engine")
-        self.worker = run_generator(dl.download_engine, self.ctx.settings, control=self.control,
-                                    on_event=self._on_event, on_done=self._on_done, on_error=self._on_error,
-                                    on_finished=self._on_finished)
+        self._run(dl.download_engine, self.ctx.settings, on_done=self._on_done)
 
     def pause(self) -> None:
         if self.control is not None and self.kind in ("model", "engine"):
@@ -364,7 +431,7 @@ class DownloadPanel(QWidget):
 
     def use_folder(self, folder: Path) -> None:
         """Verify ``folder`` (sha256 against the hub, split metadata) and, if complete, make it model_dir."""
-        if self.worker is not None:
+        if self.worker is not None or self._closing:
             return
         self.error.hide()
         self.control = dl.DownloadControl()
@@ -372,9 +439,7 @@ class DownloadPanel(QWidget):
         self.status.setText(f"Checking {folder}: every shard's sha256 against the hub (this reads all 264.5 GB "
                             "once; it is remembered afterwards)…")
         self._set_busy(True, "verify")
-        self.worker = run_generator(dl.verify_model_dir, self.ctx.settings, Path(folder), control=self.control,
-                                    on_event=self._on_event, on_done=self._on_verified, on_error=self._on_error,
-                                    on_finished=self._on_finished)
+        self._run(dl.verify_model_dir, self.ctx.settings, Path(folder), on_done=self._on_verified)
 
     def _open_folder(self) -> None:
         folder = getattr(self, "folder", None)
@@ -385,6 +450,8 @@ class DownloadPanel(QWidget):
 
     # -- events ----------------------------------------------------------------------------------------------------
     def _on_event(self, ev: Any) -> None:
+        if self._closing:
+            return
         if isinstance(ev, dl.Progress):
             self.last_progress = ev
             if self.kind == "engine":
@@ -452,6 +519,8 @@ class DownloadPanel(QWidget):
         pass
 
     def _on_verified(self, problems: Any) -> None:
+        if self._closing:
+            return
         folder = getattr(self, "_pending_folder", None)
         if problems == ["cancelled"]:
             self.status.setText("Check cancelled.")
@@ -473,15 +542,22 @@ class DownloadPanel(QWidget):
         self.modelFinished.emit(dl.Finished(Path(folder), [Path(folder) / n for n in dl.shard_names()], 0, 0.0))
 
     def _on_error(self, exc: BaseException) -> None:
+        if self._closing:
+            return
         if isinstance(exc, dl.DownloadError):
             msg, fix = exc.message, exc.fix
         else:
             msg, fix = f"{type(exc).__name__}: {exc}", "This is a bug in the panel; the log has the details."
-        self.error.show_error(msg, fix)
+        action = None
+        if isinstance(exc, dl.PinnedCommitGone):
+            action = (f"Re-pin to “{exc.revision}” now", lambda: self.start_model(repin=True))
+        self.error.show_error(msg, fix, action)
         self.status.setText("Stopped by an error; partial files are kept.")
         self.errorRaised.emit(msg, fix)
 
     def _on_finished(self) -> None:
+        if self._closing:
+            return
         self.worker = None
         self.control = None
         was = self.kind
@@ -492,7 +568,7 @@ class DownloadPanel(QWidget):
 
     def _engine_only(self, info: dict[str, Any]) -> None:
         """After a run: refresh the engine line (the shard rows keep the run's final states)."""
-        if self.worker is not None:
+        if self.worker is not None or self._closing:
             return
         if info["engine"]:
             version, where, size = info["engine"]
@@ -501,13 +577,30 @@ class DownloadPanel(QWidget):
                                           "</code>")
             self.engine_btn.setEnabled(where is None)
 
-    def shutdown(self) -> None:
-        """Window closing: stop cleanly (partial files keep their checkpoints)."""
-        if self.control is not None:
-            self.control.cancel()
-        if self.worker is not None:
+    def shutdown(self, wait_s: float = SHUTDOWN_WAIT_S) -> bool:
+        """Window closing: cancel the download (partial files keep their checkpoints; a later Download resumes
+        them) and wait up to ``wait_s`` for its generator to end, so no worker thread is left emitting signals
+        while the application tears its objects down. From here on every slot of this panel is a no-op, so a
+        signal that still arrives changes nothing. Returns True when the worker stopped in time."""
+        self._closing = True
+        worker, control = self.worker, self.control
+        if control is not None:
+            control.cancel()
+        if worker is None:
+            return True
+        stopped = self._stopped.wait(wait_s)
+        if stopped:
+            # the generator has returned; the worker emits its last signals right after (microseconds)
+            deadline = time.monotonic() + 0.5
+            while getattr(worker, "is_running", False) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        else:
             try:
-                self.worker.quit()
+                worker.quit()        # stuck in a call that cannot be interrupted: stop at its next event
             except RuntimeError:
                 pass
+        self.worker = None
+        self.control = None
+        self.status.setText("Stopped for closing; partial files are kept and the next Download resumes them.")
+        return stopped
 

@@ -16,7 +16,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QKeySequence, QPainter, QPen
 from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QPushButton,
-                               QSizePolicy, QSplitter, QToolTip, QVBoxLayout, QWidget)
+                               QSizePolicy, QSplitter, QStackedWidget, QToolTip, QVBoxLayout, QWidget)
 
 from engine_manager import placement
 from engine_manager import uistate
@@ -67,6 +67,11 @@ class BudgetBar(QWidget):
         total = sum(int(t["bytes"]) for t in self.terms)
         scale_to = max(self.budget, total, 1)
         p.fillRect(r, self.palette().base())
+        if not self.terms:                   # no plan yet: an empty bar, not a stray 0-wide outline
+            p.setPen(QPen(self.palette().placeholderText().color(), 1))
+            p.drawText(r, Qt.AlignmentFlag.AlignCenter, "no plan yet")
+            p.end()
+            return
         x = float(r.left())
         self._rects = []
         for i, t in enumerate(self.terms):
@@ -104,6 +109,7 @@ class PlacementView(QWidget):
         self.observed: np.ndarray | None = None
         self.usage_paths: list[str] = []
         self._worker = None
+        self._closing = False
         self._grid: dict[str, Any] = {}
 
         lay = QVBoxLayout(self)
@@ -124,21 +130,31 @@ class PlacementView(QWidget):
                                  "reference host — not this machine", Qt.ItemDataRole.ToolTipRole)
         self.host.addItem("another host…", "custom")
         self.host.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        self.host.setMinimumContentsLength(10)
+        self.host.setMinimumContentsLength(24)
         self.host.currentIndexChanged.connect(self._host_changed)
         row.addWidget(self.host)
+        # Both sizes in GiB, as `dsv41 plan --vram-gib/--ram-gib` take them, so the same number gives the same plan
+        # here and there; the RAM's GB figure (how RAM is sold) is shown beside it.
         self.vram = QDoubleSpinBox()
         self.vram.setRange(1, 4096)
-        self.vram.setDecimals(1)
+        self.vram.setDecimals(2)
         self.vram.setSuffix(" GiB VRAM")
+        self.vram.setToolTip("The GPU's memory in GiB (as `dsv41 plan --vram-gib` takes it); the guides' card has "
+                             "97,887 MiB = 95.59 GiB")
         self.vram.setValue(placement.REFERENCE_VRAM_MIB / 1024)
         self.ram = QDoubleSpinBox()
         self.ram.setRange(1, 65536)
-        self.ram.setDecimals(0)
-        self.ram.setSuffix(" GB RAM")
-        self.ram.setValue(placement.REFERENCE_RAM_BYTES / GB)
+        self.ram.setDecimals(1)
+        self.ram.setSuffix(" GiB RAM")
+        self.ram.setToolTip("The host's RAM in GiB (as `dsv41 plan --ram-gib` takes it); 280 GB = 260.8 GiB")
+        self.ram.setValue(placement.REFERENCE_RAM_BYTES / GiB)
+        self.ram_gb = QLabel()
+        self.ram_gb.setObjectName("ramInGB")
+        self.ram.valueChanged.connect(self._ram_units)
+        self._ram_units()
         row.addWidget(self.vram)
         row.addWidget(self.ram)
+        row.addWidget(self.ram_gb)
         row.addStretch(1)
         lay.addLayout(row)
         row = QHBoxLayout()
@@ -162,6 +178,13 @@ class PlacementView(QWidget):
         self.summary.setFrameShape(QFrame.Shape.StyledPanel)
         self.summary.setMargin(6)
         lay.addWidget(self.summary)
+        self.saved_note = QLabel()
+        self.saved_note.setObjectName("planSavedNote")
+        self.saved_note.setWordWrap(True)
+        self.saved_note.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.saved_note.setStyleSheet("QLabel { color: #555; }")
+        self.saved_note.hide()
+        lay.addWidget(self.saved_note)
 
         # -- budget bars --------------------------------------------------------------------------------------------
         self.vram_title = QLabel("VRAM")
@@ -198,7 +221,12 @@ class PlacementView(QWidget):
         self.image = pg.ImageItem()
         self.heat.addItem(self.image)
         self.heat.scene().sigMouseMoved.connect(self._hover)
-        ll.addWidget(self.heat, 1)
+        self.heat_stack = QStackedWidget()
+        self.heat_empty = _empty_label("No plan yet: the layer × expert map appears here once you press Plan "
+                                       "(Ctrl+Shift+P) — which experts live in VRAM, which in RAM.")
+        self.heat_stack.addWidget(self.heat_empty)
+        self.heat_stack.addWidget(self.heat)
+        ll.addWidget(self.heat_stack, 1)
         self.hover = QLabel("Orange: in VRAM (hot); teal: in RAM (cold); brighter = routed more often. Hover for a "
                            "layer's expert: bytes, placement, frequency.")
         self.hover.setWordWrap(True)
@@ -219,9 +247,20 @@ class PlacementView(QWidget):
         self.cov_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#f28e2b", style=Qt.PenStyle.DashLine))
         self.cov.addItem(self.cov_line)
         self.cov_line.hide()
-        self.cov_text = pg.TextItem("", anchor=(0, 0), color="#888")
-        self.cov.addItem(self.cov_text)
-        rl.addWidget(self.cov, 1)
+        # the "no routing data" note is a wrapped label above the plot, not text inside it (it was cut at the
+        # plot's edge in a narrow column)
+        self.cov_text = QLabel("")
+        self.cov_text.setObjectName("coverageNote")
+        self.cov_text.setWordWrap(True)
+        self.cov_text.setStyleSheet("QLabel { color: #666; }")
+        self.cov_text.hide()
+        rl.addWidget(self.cov_text)
+        self.cov_stack = QStackedWidget()
+        self.cov_empty = _empty_label("No plan yet: the coverage curve (expected hit rate against experts in VRAM) "
+                                      "appears here once a plan is made from real routing data.")
+        self.cov_stack.addWidget(self.cov_empty)
+        self.cov_stack.addWidget(self.cov)
+        rl.addWidget(self.cov_stack, 1)
         self.llama = QLabel()
         self.llama.setWordWrap(True)
         rl.addWidget(self.llama)
@@ -236,7 +275,7 @@ class PlacementView(QWidget):
         if ctx.plan:
             self.show_plan(ctx.plan)
         else:
-            saved = placement.load_last_plan()
+            saved = placement.load_shown_plan()
             if saved:
                 self.show_plan(saved, saved=True)
 
@@ -249,15 +288,18 @@ class PlacementView(QWidget):
                 self.host.setCurrentIndex(i)
             elif not getattr(self.ctx, "has_gpu", False):
                 self.host.setCurrentIndex(self.host.findData("reference"))
-            for w, k in ((self.vram, "vram_gib"), (self.ram, "ram_gb")):
-                if isinstance(st.get(k), (int, float)):
-                    w.setValue(float(st[k]))
+            if isinstance(st.get("vram_gib"), (int, float)):
+                self.vram.setValue(float(st["vram_gib"]))
+            if isinstance(st.get("ram_gib"), (int, float)):
+                self.ram.setValue(float(st["ram_gib"]))
+            elif isinstance(st.get("ram_gb"), (int, float)):       # saved by a version that took GB here
+                self.ram.setValue(float(st["ram_gb"]) * GB / GiB)
             self.usage_paths = [str(x) for x in st.get("usage") or [] if isinstance(x, str)]
 
     def _persist(self) -> None:
         try:
             uistate.save({"placement_view": {"host": self.host.currentData(), "vram_gib": self.vram.value(),
-                                             "ram_gb": self.ram.value(), "usage": self.usage_paths}})
+                                             "ram_gib": self.ram.value(), "usage": self.usage_paths}})
         except OSError:
             pass
 
@@ -265,6 +307,10 @@ class PlacementView(QWidget):
         custom = self.host.currentData() == "custom"
         self.vram.setVisible(custom)
         self.ram.setVisible(custom)
+        self.ram_gb.setVisible(custom)
+
+    def _ram_units(self) -> None:
+        self.ram_gb.setText(f"= {self.ram.value() * GiB / GB:,.1f} GB")
 
     def _pick_usage(self) -> None:
         dlg = QFileDialog(self, "Routing data: traces, frequency tables, Strata profiles")
@@ -296,7 +342,7 @@ class PlacementView(QWidget):
     def request(self) -> placement.PlanRequest:
         host = self.host.currentData()
         return placement.PlanRequest(host=host, vram_bytes=int(self.vram.value() * GiB) if host == "custom" else None,
-                                     ram_bytes=int(self.ram.value() * GB) if host == "custom" else None,
+                                     ram_bytes=int(self.ram.value() * GiB) if host == "custom" else None,
                                      usage_paths=tuple(self.usage_paths))
 
     def start_plan(self) -> None:
@@ -312,21 +358,29 @@ class PlacementView(QWidget):
                                             on_finished=self._on_finished)
 
     def _on_done(self, outcome: placement.PlanOutcome) -> None:
+        if self._closing:            # a plan that finished while the window closed: it is saved, nothing to draw
+            return
         self.ctx.set_plan(outcome.plan_dict)           # → planChanged → show_plan
         if self.plan is not outcome.plan_dict:
             self.show_plan(outcome.plan_dict)
         self.planMade.emit(outcome.plan_dict)
-        msg = "Plan refused: " + outcome.plan_dict["refused"] if outcome.plan_dict.get("refused") else \
+        msg = "Plan refused" if outcome.plan_dict.get("refused") else \
             f"Planned: {outcome.plan_dict['hot_experts']:,} experts in VRAM"
+        self.saved_note.setText(_esc(outcome.saved_note))
+        self.saved_note.setVisible(bool(outcome.saved_note))
         try:
-            self.ctx.statusMessage.emit(msg, 8000)
+            self.ctx.statusMessage.emit(f"{msg}. {outcome.saved_note}" if outcome.saved_note else msg, 10000)
         except (AttributeError, RuntimeError):
             pass
 
     def _on_error(self, exc: BaseException) -> None:
+        if self._closing:
+            return
         self.summary.setText(f"<b>Could not plan:</b> {_esc(str(exc))}")
 
     def _on_finished(self) -> None:
+        if self._closing:
+            return
         self._worker = None
         self.plan_button.setEnabled(True)
         self.plan_button.setText("&Plan")
@@ -336,6 +390,7 @@ class PlacementView(QWidget):
             self.show_plan(plan_dict)
 
     def shutdown(self) -> None:
+        self._closing = True
         w = self._worker
         if w is not None:
             try:
@@ -351,15 +406,21 @@ class PlacementView(QWidget):
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d.get("created_at") or time.time()))
         head = (f"{_esc(m.get('name', '?'))} ({m.get('total_bytes', 0) / GB:.1f} GB) on "
                 f"{_esc(hw.get('label', '?'))}" + (" — <i>saved plan from " + when + "</i>" if saved else ""))
+        self.saved_note.hide()
+        if saved:
+            why = placement.why_not_startable(d)
+            self.saved_note.setText(_esc(f"Not the plan `dsv41 start` uses: {why}.") if why else
+                                    _esc(f"The plan `dsv41 start` uses ({placement.last_plan_path()})."))
+            self.saved_note.setVisible(True)
         if m.get("source", "").startswith("the header-faithful replica"):
             head += "<br><i>No model found: sizes come from the header-faithful replica.</i>"
         if d.get("refused"):
             parts = []
+            host = "the host" if hw.get("hypothetical") else "this host"
             for sf in d.get("shortfalls") or []:
                 if sf["resource"] == "ram":
-                    parts.append(f"RAM: needs {sf['needed_bytes'] / GB:.1f} GB, this host has "
-                                 f"{sf['available_bytes'] / GB:.1f} GB — <b>{sf['missing_bytes'] / GB:.1f} GB "
-                                 f"missing</b>")
+                    parts.append(f"RAM: needs {_both(sf['needed_bytes'])}, {host} has {_both(sf['available_bytes'])}"
+                                 f" — <b>{_both(sf['missing_bytes'])} missing</b>")
                 elif sf["resource"] == "vram":
                     parts.append(f"VRAM: needs {sf['needed_bytes'] / GiB:.1f} GiB before any expert, the GPU has "
                                  f"{sf['available_bytes'] / GiB:.1f} GiB — <b>{sf['missing_bytes'] / GiB:.1f} GiB "
@@ -392,6 +453,7 @@ class PlacementView(QWidget):
         self.ram_legend.setText(_legend(r.get("terms") or [], "GB"))
         self._build_grid(d)
         self._redraw_heatmap()
+        self.cov_stack.setCurrentWidget(self.cov)
         self._draw_coverage(d)
         lh = d.get("llamacpp_predicted_hit_rate")
         cpu = d.get("llamacpp_cpu_layers") or []
@@ -425,7 +487,12 @@ class PlacementView(QWidget):
         g = self._grid
         if not g or not g["layers"]:
             self.image.clear()
+            self.heat_empty.setText("No plan yet: the layer × expert map appears here once you press Plan "
+                                    "(Ctrl+Shift+P)." if not g else
+                                    "This model has no routed experts: nothing to place, every weight goes to the GPU.")
+            self.heat_stack.setCurrentWidget(self.heat_empty)
             return
+        self.heat_stack.setCurrentWidget(self.heat)
         mode = self.mode.currentData()
         hot = g["hot_rank"] >= 0
         if mode == "frequency" and g["freq"] is not None:
@@ -493,15 +560,17 @@ class PlacementView(QWidget):
             self.cov_line.setValue(d.get("hot_experts", 0))
             self.cov_line.show()
             self.cov_text.setText("")
+            self.cov_text.hide()
         else:
             self.cov_curve.setData([], [])
             self.cov_point.setData([], [])
             self.cov_line.setValue(d.get("hot_experts", 0))
             self.cov_line.show()
             self.cov.setXRange(0, max(1, d.get("total_experts", 1)))
-            self.cov_text.setText("No routing data: the curve needs real frequencies.\n"
-                                  "Hit rate unknown until the engine has seen traffic.")
-            self.cov_text.setPos(0, 95)
+            self.cov_text.setText(f"No routing data: the curve needs real frequencies, so the hit rate is unknown "
+                                  f"until the engine has seen traffic. The dashed line marks the "
+                                  f"{d.get('hot_experts', 0):,} experts planned for VRAM.")
+            self.cov_text.show()
 
     # -- observed routing (fed by the monitor) -------------------------------------------------------------------
     def update_observed(self, counts) -> None:
@@ -527,6 +596,23 @@ class PlacementView(QWidget):
                                "hot set")
         if self.mode.currentData() == "observed":
             self._redraw_heatmap()
+
+
+def _empty_label(text: str) -> QLabel:
+    """What an empty plot area says instead of showing bare axes."""
+    lab = QLabel(text)
+    lab.setObjectName("emptyState")
+    lab.setWordWrap(True)
+    lab.setAlignment(Qt.AlignmentFlag.AlignCenter)
+    lab.setMargin(24)
+    lab.setFrameShape(QFrame.Shape.StyledPanel)
+    lab.setStyleSheet("QLabel#emptyState { color: #666; }")
+    return lab
+
+
+def _both(n: float) -> str:
+    """RAM in GB (how it is sold) with GiB beside it (what the spin box and `--ram-gib` take)."""
+    return f"{n / GB:.1f} GB ({n / GiB:.1f} GiB)"
 
 
 def _esc(s: str) -> str:

@@ -38,7 +38,14 @@ The pinned revision. ``resources/manifests/model.json`` says ``revision: "main"`
 the build machines, so no commit could be pinned there). The first resolve turns the requested revision into the
 commit sha the hub answered and writes it into the download state (``.dsv41-download/state.json`` in the model
 folder); every later resume of that folder asks for that commit, so a repository that moves on mid-download can
-never mix shards of two commits. Changing ``DSV41_MODEL_REVISION`` starts a new pin.
+never mix shards of two commits. Changing ``DSV41_MODEL_REVISION`` starts a new pin. If the hub no longer has the
+pinned commit (a rewritten repository), :class:`PinnedCommitGone` names it and says how to re-pin:
+``download_model(..., repin=True)`` (``dsv41 download --repin``, the Downloads tab's Re-pin button) resolves the
+revision again; verified shards whose sha256 is unchanged are kept, partial files of the old commit start over.
+
+A folder whose seven shards are all present, verified before (unchanged since) and agree in their split metadata
+needs nothing from the hub: ``download_model`` says so and finishes without a network request (unless
+``verify="full"`` or ``repin``), so a complete model works offline.
 
 A set is complete only when all seven files verified (sha256 = the hub's LFS oid) and their GGUF split keys
 (``split.no``, ``split.count``, ``split.tensors.count``, read with :func:`engine_manager.layout.read_shard_header`)
@@ -127,6 +134,23 @@ class VerificationError(DownloadError):
 
 class ArchiveError(DownloadError):
     """The engine release archive was refused (checksum, unsafe paths, missing executables)."""
+
+
+class PinnedCommitGone(HubError):
+    """The commit this model folder was pinned to is no longer on the hub (the repository was rewritten)."""
+
+    def __init__(self, repo: str, commit: str, revision: str, pinned_at: float | None, folder: Path):
+        self.repo, self.commit, self.revision, self.pinned_at, self.folder = repo, commit, revision, pinned_at, folder
+        when = time.strftime(" on %Y-%m-%d", time.localtime(pinned_at)) if isinstance(pinned_at, (int, float)) \
+            else ""
+        super().__init__(
+            f"The hub no longer has commit {commit} of {repo}: the first download into {folder} pinned that commit "
+            f"(resolved from '{revision}'{when}) so that every shard comes from one commit, and the repository has "
+            "since been rewritten.",
+            f"Re-pin to what '{revision}' is now: run `dsv41 download --repin` (or press Re-pin in the Downloads "
+            "tab). Shards already verified are kept if their sha256 is unchanged; partial files of the old commit "
+            "start over. To pin another revision instead, set DSV41_MODEL_REVISION to a branch, tag or commit the "
+            "hub has.")
 
 
 @dataclass
@@ -251,6 +275,9 @@ class DownloadControl:
         self._running = threading.Event()
         self._running.set()
         self._cancel = threading.Event()
+        self._hooks: dict[int, Callable[[], None]] = {}
+        self._hooks_lock = threading.Lock()
+        self._next_hook = 0
 
     def pause(self) -> None:
         self._running.clear()
@@ -259,8 +286,34 @@ class DownloadControl:
         self._running.set()
 
     def cancel(self) -> None:
+        """Stop soon: also aborts the connections that are waiting for bytes (a stalled server would otherwise
+        hold a worker until its read timeout), so a cancel — and closing the panel — takes well under a second."""
         self._cancel.set()
         self._running.set()
+        with self._hooks_lock:
+            hooks = list(self._hooks.values())
+        for fn in hooks:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a hook must not stop the others
+                pass
+
+    def on_cancel(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn`` (from the cancelling thread) when cancelled — at once if already; returns the remover."""
+        with self._hooks_lock:
+            key = self._next_hook
+            self._next_hook += 1
+            self._hooks[key] = fn
+        if self._cancel.is_set():
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                pass
+
+        def remove() -> None:
+            with self._hooks_lock:
+                self._hooks.pop(key, None)
+        return remove
 
     @property
     def paused(self) -> bool:
@@ -489,16 +542,31 @@ class _HTTPStatus(Exception):
         super().__init__(f"HTTP {status} {reason}".strip())
 
 
-def _ranged_get(url: str, headers: dict[str, str], offset: int, timeout: float
+def _abort_connection(conn: http.client.HTTPConnection) -> None:
+    """From another thread: make a blocked read on ``conn`` return now (shutdown, not close, is thread-safe)."""
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _ranged_get(url: str, headers: dict[str, str], offset: int, timeout: float,
+                on_connection: Callable[[http.client.HTTPConnection], None] | None = None
                 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, int]:
     """GET ``url`` from byte ``offset``; follows redirects (dropping Authorization when the host changes).
-    Returns the connection, the response (2xx) and the offset the body starts at."""
+    Returns the connection, the response (2xx) and the offset the body starts at. ``on_connection`` sees each
+    connection once it is open (so a cancel can abort it)."""
     hdrs = dict(headers)
     hdrs["Accept-Encoding"] = "identity"
     if offset > 0:
         hdrs["Range"] = f"bytes={offset}-"
     for _ in range(10):
         conn, target = _connection(url, timeout)
+        if on_connection is not None:
+            conn.connect()
+            on_connection(conn)
         conn.request("GET", target, headers=hdrs)
         resp = conn.getresponse()
         if resp.status in (301, 302, 303, 307, 308) and resp.getheader("Location"):
@@ -779,9 +847,14 @@ class _Fetcher:
             job.state = "downloading"
             progress_at_start = offset
             conn = None
+            unhook: list[Callable[[], None]] = []
+
+            def opened(c: http.client.HTTPConnection, unhook: list[Callable[[], None]] = unhook) -> None:
+                unhook.append(self.control.on_cancel(lambda: _abort_connection(c)))
+
             try:
                 url, headers = job.locate()
-                conn, resp, start = _ranged_get(url, headers, offset, self.stall_timeout_s)
+                conn, resp, start = _ranged_get(url, headers, offset, self.stall_timeout_s, opened)
                 if start != offset:
                     raise _Restart()     # the server ignored the Range: start over from byte 0
                 length = resp.getheader("Content-Length")
@@ -811,6 +884,9 @@ class _Fetcher:
             except DownloadError:
                 raise
             except Exception as exc:  # noqa: BLE001 - network trouble of any kind: retry with backoff
+                if self.control.cancelled:   # the cancel aborted the connection: a stop, not a network error
+                    self._checkpoint(job, fd, job.done, durable=True)
+                    raise _Stop() from None
                 from huggingface_hub.errors import HfHubHTTPError
                 if isinstance(exc, HfHubHTTPError) and exc.response is not None and \
                         exc.response.status_code in (401, 403, 404):
@@ -821,6 +897,8 @@ class _Fetcher:
                     reason = _scrub(f"{type(exc).__name__}: {exc}", self.token)
                 tries = self._retry(job, tries, reason, job.done > progress_at_start)
             finally:
+                for u in unhook:
+                    u()
                 if conn is not None:
                     conn.close()
             if job.done > job.ckpt_at or job.synced < job.done:
@@ -877,6 +955,8 @@ class _Fetcher:
                     window_bytes += filled
                 elif owned:
                     hasher.pool.put(buf)
+            if control.cancelled:
+                raise _Stop()        # (a cancel also shuts the socket down, so the read above returned at once)
             if not filled:
                 break                # the server closed the connection
             if job.done - job.ckpt_at >= self.checkpoint_bytes:
@@ -980,11 +1060,18 @@ def _load_state(target: Path) -> dict[str, Any]:
         return {}
 
 
-def resolve_model(settings: Settings, target_dir: Path | None = None, *, endpoint: str | None = None,
-                  token: str | None = None, retries: int = 3) -> Resolved:
-    """Resolve the model's files at the pinned commit (or pin one): names, sizes and LFS sha256.
+def _revision_missing(exc: BaseException) -> bool:
+    from huggingface_hub.errors import RevisionNotFoundError
+    return isinstance(exc, RevisionNotFoundError)
 
-    Raises :class:`HubError` with the fix when the hub refuses or cannot be reached."""
+
+def resolve_model(settings: Settings, target_dir: Path | None = None, *, endpoint: str | None = None,
+                  token: str | None = None, retries: int = 3, repin: bool = False) -> Resolved:
+    """Resolve the model's files at the pinned commit (or pin one): names, sizes and LFS sha256. ``repin``
+    ignores the folder's pinned commit and resolves the requested revision again.
+
+    Raises :class:`HubError` with the fix when the hub refuses or cannot be reached, and
+    :class:`PinnedCommitGone` when the hub no longer has the pinned commit."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -993,7 +1080,8 @@ def resolve_model(settings: Settings, target_dir: Path | None = None, *, endpoin
     token = token if token is not None else hf_token(settings)
     repo, requested = settings.model_repo, settings.model_revision
     state = _load_state(target)
-    pinned = bool(state.get("commit")) and state.get("repo") == repo and state.get("revision") == requested
+    pinned = (not repin and bool(state.get("commit")) and state.get("repo") == repo
+              and state.get("revision") == requested)
     rev = state["commit"] if pinned else requested
     api = HfApi(endpoint=endpoint, token=token if token else False)
     names = shard_names()
@@ -1004,6 +1092,8 @@ def resolve_model(settings: Settings, target_dir: Path | None = None, *, endpoin
             break
         except HfHubHTTPError as exc:
             code = exc.response.status_code if exc.response is not None else 0
+            if pinned and _revision_missing(exc):
+                raise PinnedCommitGone(repo, rev, requested, state.get("pinned_at"), target) from None
             if code < 500 and code not in (408, 429) or attempt == retries - 1:
                 raise _hub_error(exc, token) from None
         except Exception as exc:  # noqa: BLE001 - transport errors of httpx2
@@ -1262,16 +1352,43 @@ def check_existing(files: list[RemoteFile], folder: Path, *, verify: str = "quic
     return result
 
 
+def complete_offline(settings: Settings, folder: Path) -> tuple[list[RemoteFile], str | None] | None:
+    """The shards of ``folder`` if it needs nothing from the hub: all seven present, each verified before and
+    unchanged since (size + mtime, against the sha256 the folder's pinned state lists), their split metadata
+    agreeing, and the pin (when there is one) for the repository and revision the settings ask for. Returns
+    ``(files, pinned commit or None)``, or None when the hub has to be asked."""
+    state = _load_state(folder)
+    names = shard_names()
+    if state.get("commit") and (state.get("repo") != settings.model_repo
+                                or state.get("revision") != settings.model_revision):
+        return None                  # the settings ask for another repository or revision: resolve it
+    listed = {f.get("name"): f for f in state.get("files") or [] if isinstance(f, dict)}
+    recs = _load_records()
+    files: list[RemoteFile] = []
+    for n in names:
+        p = folder / n
+        rec = recs.get(str(p.resolve())) if p.is_file() else None
+        sha = (listed.get(n) or {}).get("sha256") or (rec or {}).get("sha256")
+        if not rec or not sha or not known_verified(p, sha):
+            return None
+        files.append(RemoteFile(n, int(rec["size"]), str(sha)))
+    if split_problems([folder / f.name for f in files]):
+        return None
+    return files, state.get("commit")
+
+
 def download_model(settings: Settings, *, target_dir: Path | None = None, jobs: int = DEFAULT_JOBS,
                    control: DownloadControl | None = None, endpoint: str | None = None, token: str | None = None,
-                   verify: str = "quick", checkpoint_bytes: int = CHECKPOINT_BYTES,
+                   verify: str = "quick", repin: bool = False, checkpoint_bytes: int = CHECKPOINT_BYTES,
                    stall_timeout_s: float = STALL_TIMEOUT_S, min_speed_bps: float = MIN_SPEED_BPS,
                    max_tries: int = MAX_TRIES_WITHOUT_PROGRESS, backoff_s: tuple[float, ...] = BACKOFF_S,
                    reserve_bytes: int = RESERVE_BYTES, progress_interval_s: float = 0.25) -> Iterator[Any]:
     """Make the model folder hold the seven verified shards; yield events (see the module docstring).
 
     The folder is ``target_dir``, else ``settings.model_dir`` (a complete verified set there means nothing is
-    downloaded; an incomplete one is completed in place), else ``<cache_dir>/models/<owner>--<name>``.
+    downloaded; an incomplete one is completed in place), else ``<cache_dir>/models/<owner>--<name>``. A complete
+    verified set finishes without asking the hub (so it works offline) unless ``verify="full"`` or ``repin``.
+    ``repin`` resolves the requested revision again instead of the folder's pinned commit.
     Raises :class:`DownloadError` (its subclasses say what went wrong) with the fix."""
     control = control or DownloadControl()
     t0 = time.monotonic()
@@ -1280,8 +1397,24 @@ def download_model(settings: Settings, *, target_dir: Path | None = None, jobs: 
     target = Path(target_dir).expanduser() if target_dir else _default_target(settings)
     if target_dir is None and settings.model_dir:
         yield Notice(f"Using the model folder {target} (DSV41_MODEL_DIR / model_dir).")
-    res = resolve_model(settings, target, endpoint=endpoint, token=token)
+    if verify != "full" and not repin:
+        local = complete_offline(settings, target)
+        if local is not None:
+            files, commit = local
+            at = f" at the pinned commit {commit[:12]}" if commit else ""
+            yield Notice(f"All {len(files)} shards are present and verified in {target}{at} (sha256 checked "
+                         "before, unchanged since); nothing to download, the hub was not asked (`dsv41 download "
+                         "--verify` re-hashes them against it).")
+            for f in files:
+                yield FileVerified(f.name, target / f.name, f.sha256, False)
+            yield Finished(target, [target / f.name for f in files], 0, time.monotonic() - t0, commit, "model")
+            return target
+    old_commit = _load_state(target).get("commit")
+    res = resolve_model(settings, target, endpoint=endpoint, token=token, repin=repin)
     yield res
+    if repin and old_commit and old_commit != res.commit:
+        yield Notice(f"Re-pinned {res.repo} from commit {old_commit[:12]} to {res.commit[:12]} ('{res.revision}' "
+                     "now); verified shards with an unchanged sha256 are kept.")
     for f in res.files:
         if f.size > HTTP_SIZE_LIMIT:
             yield Notice(f"{f.name} is {fmt_bytes(f.size)}, over huggingface_hub's 50 GB plain-HTTP limit; it is "
@@ -1313,7 +1446,9 @@ def download_model(settings: Settings, *, target_dir: Path | None = None, jobs: 
     ensure_private_dir(state_dir)
     atomic_write_json(_state_path(target), {
         "schema": 1, "repo": res.repo, "revision": res.revision, "commit": res.commit, "endpoint": endpoint,
-        "files": [f.__dict__ for f in res.files], "pinned_at": _load_state(target).get("pinned_at", time.time())})
+        "files": [f.__dict__ for f in res.files],
+        "pinned_at": (_load_state(target).get("pinned_at", time.time()) if _load_state(target).get("commit") ==
+                      res.commit else time.time())})
     for f in pending:
         if existing.get(f.name) is False:
             bad = target / f.name
@@ -1377,26 +1512,39 @@ class LocalStatus:
     present: list[str]
     missing: list[str]
     verified: bool                   # all present and known-verified since their last change
-    partial_bytes: int
+    partial_bytes: int               # bytes of partial files a resume keeps (their last checkpoint)
     commit: str | None
+    sizes: dict[str, int] = field(default_factory=dict)       # name → size, from the pinned state (if any)
+    kept: dict[str, int] = field(default_factory=dict)        # name → bytes a resume keeps, for missing shards
+    pinned_at: float | None = None
 
 
 def local_status(settings: Settings, target_dir: Path | None = None) -> LocalStatus:
     folder = Path(target_dir).expanduser() if target_dir else _default_target(settings)
     state = _load_state(folder)
-    expected = {f["name"]: f.get("sha256") for f in state.get("files", [])} if state.get("files") else {}
+    listed = {f["name"]: f for f in state.get("files", []) if isinstance(f, dict) and "name" in f}
+    expected = {n: f.get("sha256") for n, f in listed.items()}
+    sizes = {n: int(f["size"]) for n, f in listed.items() if isinstance(f.get("size"), int)}
     names = shard_names()
     present = [n for n in names if (folder / n).is_file()]
     missing = [n for n in names if n not in present]
     verified = not missing and all(known_verified(folder / n, expected.get(n)) for n in names)
-    partial = 0
+    kept: dict[str, int] = {}
+    pin = {"repo": state.get("repo"), "commit": state.get("commit")}
     for n in missing:
-        j = _Job(n, 0, expected.get(n) or "", folder / n, folder / STATE_DIR, lambda: ("", {}))
-        try:
-            partial += j.part.stat().st_size
-        except OSError:
-            pass
-    return LocalStatus(folder, present, missing, verified, partial, state.get("commit"))
+        j = _Job(n, sizes.get(n, 0), expected.get(n) or "", folder / n, folder / STATE_DIR, lambda: ("", {}),
+                 pin=pin)
+        if n in sizes and expected.get(n):
+            k = j.kept_offset()      # what a resume really keeps: the checkpoint, not bytes written after it
+        else:
+            try:
+                k = j.part.stat().st_size
+            except OSError:
+                k = 0
+        if k:
+            kept[n] = k
+    return LocalStatus(folder, present, missing, verified, sum(kept.values()), state.get("commit"), sizes, kept,
+                       state.get("pinned_at"))
 
 
 def model_present(settings: Settings) -> bool:

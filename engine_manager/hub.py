@@ -162,6 +162,16 @@ class HubRepo:
         self.refs["main"] = sha
         return sha
 
+    def drop_commit(self, sha: str) -> None:
+        """Forget commit ``sha`` (as a force-push that rewrote history does): it no longer resolves. The branch
+        that pointed at it moves to another commit, a new one if there is none."""
+        self.commits.pop(sha, None)
+        if not self.commits:
+            self.commits[secrets.token_hex(20)] = {}
+        for ref, target in list(self.refs.items()):
+            if target == sha:
+                self.refs[ref] = next(iter(self.commits))
+
     def resolve(self, revision: str) -> str | None:
         if revision in self.refs:
             return self.refs[revision]

@@ -521,8 +521,8 @@ def plan(layout: ModelLayout, hardware: HardwareReport | None, usage: Usage | Fr
     if ram.total_bytes > ram_total:
         shortfalls.append(Shortfall("ram", ram.total_bytes, ram_total, ram_terms))
         reasons.append(f"RAM cannot hold the minimum layout: it needs {ram.total_bytes / GB:.1f} GB "
-                       f"({ram.total_bytes / GiB:.1f} GiB), the host has {ram_total / GB:.1f} GB — "
-                       f"{(ram.total_bytes - ram_total) / GB:.1f} GB short. Add RAM, or use the engine's low-RAM mode "
+                       f"({ram.total_bytes / GiB:.1f} GiB), the host has {ram_total / GB:.1f} GB "
+                       f"({ram_total / GiB:.1f} GiB) — {(ram.total_bytes - ram_total) / GB:.1f} GB short. Add RAM, or use the engine's low-RAM mode "
                        "(--mmap-experts: experts read from disk, much slower)")
     refused = "; ".join(reasons) if reasons else None
 
@@ -588,9 +588,10 @@ def _mask(flat: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
 def _hardware_label(hw: HardwareReport, gpu: GpuInfo | None, hyp: bool) -> str:
     ram = hw.host.ram_total_bytes
     g = f"{gpu.name} ({gpu.vram_total_bytes / MiB:,.0f} MiB)" if gpu else "no GPU"
+    r = f"{ram / GB:.0f} GB ({ram / GiB:.0f} GiB) RAM"     # both units: the CLI's sizes are GiB, RAM is sold in GB
     if hyp:
-        return f"hypothetical host: {g}, {ram / GB:.0f} GB RAM"
-    return f"this host ({hw.host.hostname}): {g}, {ram / GB:.0f} GB RAM"
+        return f"hypothetical host: {g}, {r}"
+    return f"this host ({hw.host.hostname}): {g}, {r}"
 
 
 # -- where the model is, the replica for the scripted engine, saved plans -------------------------------------------
@@ -657,21 +658,107 @@ def plans_dir() -> Path:
     return paths.data_dir() / "plans"
 
 
+LAST_PLAN_NAME = "last-plan"        # the plan `dsv41 start` (supervisor.default_plan) uses: this machine, not refused
+OTHER_PLAN_NAME = "other-plan"      # the last refused or hypothetical plan: shown again by the Placement tab only
+
+
+def last_plan_path() -> Path:
+    return plans_dir() / f"{LAST_PLAN_NAME}.json"
+
+
+def other_plan_path() -> Path:
+    return plans_dir() / f"{OTHER_PLAN_NAME}.json"
+
+
+def why_not_startable(plan: "Plan | dict[str, Any]") -> str | None:
+    """Why a plan must not become the last plan that ``dsv41 start`` uses, or None when it may. The same rule as
+    ``supervisor.default_plan``: a refused plan, or one made for a hypothetical host (``--vram-gib``/``--ram-gib``,
+    the guides' workstation), never starts an engine on this machine."""
+    if isinstance(plan, Plan):
+        refused, hyp = plan.refused, plan.hypothetical
+    else:
+        refused, hyp = plan.get("refused"), (plan.get("hardware") or {}).get("hypothetical")
+    if refused:
+        return "it was refused"
+    if hyp:
+        return "it is for a hypothetical host, not this machine"
+    return None
+
+
 def save_plan(plan_dict: dict[str, Any], path: os.PathLike | str | None = None) -> Path:
     """Write a plan's JSON atomically (default: ``<data dir>/plans/last-plan.json``)."""
-    p = Path(path) if path else plans_dir() / "last-plan.json"
+    p = Path(path) if path else last_plan_path()
     atomic_write_json(p, plan_dict)
     return p
 
 
-def load_last_plan() -> dict[str, Any] | None:
+def _load_plan_file(p: Path) -> dict[str, Any] | None:
     import json
-    p = plans_dir() / "last-plan.json"
     try:
         d = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return d if isinstance(d, dict) and d.get("schema") == SCHEMA else None
+
+
+def load_last_plan() -> dict[str, Any] | None:
+    return _load_plan_file(last_plan_path())
+
+
+def load_shown_plan() -> dict[str, Any] | None:
+    """The newest of the last plan and the last refused / hypothetical one: what the Placement tab shows again
+    after a restart (``dsv41 start`` only ever uses :func:`load_last_plan`)."""
+    cands = [d for d in (_load_plan_file(last_plan_path()), _load_plan_file(other_plan_path())) if d]
+    if not cands:
+        return None
+    return max(cands, key=lambda d: d.get("created_at") or 0)
+
+
+@dataclass
+class StoredPlan:
+    """Where :func:`store_plan` put a plan. ``startable``: it is now the last plan ``dsv41 start`` uses;
+    otherwise ``reason`` says why not (and the last plan, if any, is unchanged)."""
+    plan_dict: dict[str, Any]
+    path: Path | None
+    strp_path: Path | None
+    startable: bool
+    reason: str | None
+
+    def describe(self) -> str:
+        """One line for the user: where it went and whether ``dsv41 start`` will use it."""
+        prof = f" (+ Strata profile {self.strp_path})" if self.strp_path else ""
+        if self.path is None:
+            last = last_plan_path()
+            return ("Not saved (--no-save): " + (f"`dsv41 start` keeps using {last}." if last.exists() else
+                                                 "`dsv41 start` plans for this machine itself."))
+        if self.startable:
+            return f"Saved as the plan `dsv41 start` uses: {self.path}{prof}"
+        last = last_plan_path()
+        keep = f"the last plan ({last}) is unchanged" if last.exists() else \
+            "`dsv41 start` plans for this machine itself"
+        return (f"Saved to {self.path}{prof} for the Placement tab, not as the plan `dsv41 start` uses: "
+                f"{self.reason}; {keep}.")
+
+
+def store_plan(p: "Plan", *, save: bool = True, strp_path: os.PathLike | str | None = None,
+               source: str | None = None) -> StoredPlan:
+    """Write the Strata profile and the plan's JSON where they belong and return the plan dict.
+
+    A plan this machine can start (not refused, not hypothetical) becomes the last plan
+    (``plans/last-plan.json`` + ``last-plan.strp``) that ``dsv41 start`` uses; a refused or hypothetical one goes to
+    ``plans/other-plan.json`` (+ ``.strp``) so it never replaces the plan an engine would start with. ``strp_path``
+    writes the profile there instead of beside the JSON; ``save=False`` writes no JSON (and no profile unless
+    ``strp_path`` is given). ``source`` is recorded as ``model.source``."""
+    reason = why_not_startable(p)
+    base = LAST_PLAN_NAME if reason is None else OTHER_PLAN_NAME
+    strp = Path(strp_path) if strp_path is not None else (plans_dir() / f"{base}.strp" if save else None)
+    if strp is not None and p.refused is None and p.moe_layers:
+        p.write_strp(strp)
+    d = p.to_dict()
+    if source:
+        d["model"]["source"] = source
+    path = save_plan(d, plans_dir() / f"{base}.json") if save else None
+    return StoredPlan(d, path, p.strp_path, reason is None and path is not None, reason)
 
 
 @dataclass
@@ -692,12 +779,14 @@ class PlanOutcome:
     plan_dict: dict[str, Any]
     model_source: str
     saved_to: Path | None = None
+    startable: bool = False          # saved as the last plan, the one `dsv41 start` uses
+    saved_note: str = ""             # where it was saved, in words (StoredPlan.describe)
 
 
 def make_plan(settings: Any, request: PlanRequest, hardware: HardwareReport | None = None) -> PlanOutcome:
     """Find the model (``model_path``, the settings' model folder or download cache, else the replica), pick the
-    host, read the routing data, plan, write the STRP profile and the JSON into ``<data dir>/plans``. Blocking:
-    the GUI runs it on a worker thread."""
+    host, read the routing data, plan, and (``request.save``) store it with :func:`store_plan`: the last plan when
+    this machine can start it, else the Placement tab's other plan. Blocking: the GUI runs it on a worker thread."""
     from . import hardware as hwmod
     from .routing import load_usage
     if request.model_path:
@@ -719,10 +808,9 @@ def make_plan(settings: Any, request: PlanRequest, hardware: HardwareReport | No
     else:
         hw = hardware or hwmod.probe(getattr(settings, "cache_path", None))
     usage = load_usage(list(request.usage_paths), layout.n_layers, layout.n_experts) if request.usage_paths else None
-    strp = plans_dir() / "last-plan.strp" if request.save else None
-    p = plan(layout, hw, usage, settings, strp_path=strp)
-    d = p.to_dict()
-    d["model"]["source"] = ("the header-faithful replica (no model found; sizes from the replica)"
-                            if source == "replica" else source)
-    saved = save_plan(d) if request.save else None
-    return PlanOutcome(p, d, source, saved)
+    p = plan(layout, hw, usage, settings)
+    stored = store_plan(p, save=request.save,
+                        source=("the header-faithful replica (no model found; sizes from the replica)"
+                                if source == "replica" else source))
+    return PlanOutcome(p, stored.plan_dict, source, stored.path, stored.startable,
+                       stored.describe() if request.save else "")

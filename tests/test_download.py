@@ -91,10 +91,11 @@ def test_full_download_then_nothing_to_do(hub, shards):
 
     hub.reset_stats()
     again = _run(dl.download_model(s, endpoint=hub.url, **FAST))
-    assert _of(again, dl.Resolved)[0].pinned
-    assert hub.bytes_sent() == 0                       # nothing fetched: every file known-verified
+    assert not _of(again, dl.Resolved) and hub.stats()["requests"] == []   # complete and verified: no hub needed
     assert [e.downloaded for e in _of(again, dl.FileVerified)] == [False] * 7
-    assert isinstance(again[-1], dl.Finished) and again[-1].fetched_bytes == 0
+    assert isinstance(again[-1], dl.Finished) and again[-1].fetched_bytes == 0 and again[-1].commit == res.commit
+    full = _run(dl.download_model(s, endpoint=hub.url, verify="full", **FAST))
+    assert _of(full, dl.Resolved)[0].pinned and hub.bytes_sent() == 0      # --verify re-hashes against the hub
 
 
 def test_model_dir_with_a_complete_set_downloads_nothing(hub, shards, tmp_path, monkeypatch):
@@ -518,3 +519,135 @@ def test_after_a_reboot_only_the_synced_part_is_kept(tmp_path):
     assert job.kept_offset() == 300
     job.ckpt.write_text(json.dumps(dict(state, boot_id=dl._boot_id(), pin={"c": 2})))
     assert job.kept_offset() == 0                  # another commit's partial is never continued
+
+
+# -- a complete model offline; the pinned commit gone; cancel during a stall (m7, m8) ---------------------------------
+
+def test_a_complete_verified_model_needs_no_network(hub, shards, free_port, capsys, monkeypatch):
+    s = _settings()
+    first = _run(dl.download_model(s, endpoint=hub.url, **FAST))
+    commit = _of(first, dl.Resolved)[0].commit
+    dead = f"http://127.0.0.1:{free_port}"                 # nothing listens there: no network
+    events = _run(dl.download_model(s, endpoint=dead, **FAST))
+    assert isinstance(events[-1], dl.Finished) and events[-1].fetched_bytes == 0
+    assert len(_of(events, dl.FileVerified)) == 7
+    note = " ".join(e.text for e in _of(events, dl.Notice))
+    assert "All 7 shards are present and verified" in note and commit[:12] in note and "not asked" in note
+
+    from engine_manager.cli import main
+    monkeypatch.setenv("HF_ENDPOINT", dead)
+    assert main(["download"]) == 0
+    out = capsys.readouterr().out
+    assert "All 7 shards are present and verified" in out and "all 7 shards verified" in out
+
+    # a shard changed on disk since its verification: the hub is needed again (and is unreachable here)
+    p = dl.default_model_dir(s) / shards[2].name
+    os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 10**9))
+    with pytest.raises(dl.HubError) as ei:
+        _run(dl.download_model(s, endpoint=dead, **FAST))
+    assert "Could not reach the hub" in ei.value.message
+    # another revision asked for: resolved on the hub, never answered from the old pin
+    monkeypatch.setenv("DSV41_MODEL_REVISION", "v2")
+    os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns))
+    assert dl.complete_offline(_settings(), dl.default_model_dir(s)) is None
+
+
+def _cancel_after(gen, control, nbytes):
+    events = []
+    for ev in gen:
+        events.append(ev)
+        if isinstance(ev, dl.Progress) and ev.done_bytes > nbytes:
+            control.cancel()
+    return events
+
+
+def test_pinned_commit_gone_names_it_and_repin_fixes_it(hub, shards, tmp_path, capsys, monkeypatch):
+    s = _settings()
+    hub.add_fault(kind="slow", rate_bps=400_000, times=None)
+    control = dl.DownloadControl()
+    events = _cancel_after(dl.download_model(s, endpoint=hub.url, jobs=2, control=control,
+                                             checkpoint_bytes=64 * 1024, **FAST), control, 200_000)
+    assert isinstance(events[-1], dl.Stopped)
+    old = _of(events, dl.Resolved)[0].commit
+    hub.clear_faults()
+    repo = hub.repo(REPO)
+    new = repo.new_commit()
+    other = write_demo_shards(tmp_path / "other", bytes_per_shard=SHARD, seed=7)
+    for o in other[:3]:                                   # three shards changed, four the same
+        repo.add_file(o.name, o)
+    repo.drop_commit(old)                                 # a force-push: the pinned commit is gone
+
+    with pytest.raises(dl.PinnedCommitGone) as ei:
+        _run(dl.download_model(s, endpoint=hub.url, **FAST))
+    err = ei.value
+    assert old in err.message and "no longer has" in err.message and "'main'" in err.message
+    assert "dsv41 download --repin" in err.fix and "DSV41_MODEL_REVISION" in err.fix
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    from engine_manager.cli import main
+    assert main(["download", "--model"]) == 1
+    cli_err = capsys.readouterr().err
+    assert old in cli_err and "--repin" in cli_err
+
+    events = _run(dl.download_model(s, endpoint=hub.url, repin=True, **FAST))
+    res = _of(events, dl.Resolved)[0]
+    assert res.commit == new and not res.pinned
+    assert any("Re-pinned" in e.text and old[:12] in e.text for e in _of(events, dl.Notice))
+    assert isinstance(events[-1], dl.Finished) and events[-1].commit == new
+    _assert_complete(dl.default_model_dir(s), list(other[:3]) + list(shards[3:]))
+    assert dl.local_status(s).commit == new
+
+
+def test_repin_keeps_verified_shards_whose_sha256_is_unchanged(hub, shards, tmp_path):
+    s = _settings()
+    _run(dl.download_model(s, endpoint=hub.url, **FAST))
+    repo = hub.repo(REPO)
+    repo.new_commit()
+    o = write_demo_shards(tmp_path / "other", bytes_per_shard=SHARD, seed=9)[0]
+    repo.add_file(o.name, o)
+    hub.reset_stats()
+    events = _run(dl.download_model(s, endpoint=hub.url, repin=True, **FAST))
+    assert [e.name for e in _of(events, dl.FileVerified) if e.downloaded] == [o.name]
+    assert hub.bytes_sent() == o.stat().st_size                # only the changed shard was fetched
+
+
+def test_cancel_aborts_a_stalled_connection_and_local_status_counts_kept_bytes(hub, shards):
+    """A cancel must not wait for the stall timeout: the panel's shutdown relies on a prompt stop (m7)."""
+    import threading
+    s = _settings()
+    hub.add_fault(kind="stall", at=200 * 1024, seconds=3600, times=None)
+    control = dl.DownloadControl()
+    gen = dl.download_model(s, endpoint=hub.url, jobs=2, control=control, checkpoint_bytes=64 * 1024,
+                            stall_timeout_s=600, **FAST)
+    events: list = []
+    done = threading.Event()
+
+    def consume():
+        try:
+            for ev in gen:
+                events.append(ev)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:                 # both connections sit in the stall
+            prog = [e for e in events if isinstance(e, dl.Progress)]
+            # reads never cross a 64 KiB checkpoint: 192 KiB are written, the next 8 KiB wait in the buffer
+            if prog and sum(f.done_bytes >= 192 * 1024 and f.state == "downloading" for f in prog[-1].files) == 2:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the stall was never reached")
+        time.sleep(0.3)
+        control.cancel()
+        assert done.wait(20), "cancel waited for the 600 s stall timeout"
+    finally:
+        control.cancel()
+        t.join(30)
+    assert isinstance(events[-1], dl.Stopped) and not _of(events, dl.Retrying)
+    st = dl.local_status(s)
+    # the stop wrote what had arrived (200 KiB, where the server stalled) and checkpointed it
+    assert not st.verified and len(st.kept) == 2 and set(st.kept.values()) == {200 * 1024}
+    assert st.partial_bytes == sum(st.kept.values()) and st.sizes == {p.name: p.stat().st_size for p in shards}

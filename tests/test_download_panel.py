@@ -165,3 +165,140 @@ def test_main_window_shows_getting_started_on_first_launch(qtbot, ctx):
     win.first_run_dialog.reject()
     assert uistate.load().get("first_run_dismissed") is True
     win.close()
+
+
+# -- closing mid-download (m7), rows after a restart (p8), the pinned commit gone (m8) --------------------------------
+
+def _start_and_wait_for_bytes(panel, hub, qtbot, nbytes=100_000):
+    hub.add_fault(kind="slow", rate_bps=250_000, times=None)
+    panel.start_model()
+    qtbot.waitUntil(lambda: panel.last_progress is not None and panel.last_progress.done_bytes > nbytes,
+                    timeout=20000)
+
+
+def test_shutdown_stops_the_download_and_late_signals_are_harmless(panel, hub, qtbot):
+    _start_and_wait_for_bytes(panel, hub, qtbot)
+    worker = panel.worker
+    assert panel.shutdown() is True                        # stopped within the wait, not left running
+    assert panel.worker is None and not worker.is_running
+    sent = hub.bytes_sent()
+    st = dl.local_status(panel.ctx.settings)
+    assert st.partial_bytes > 0 and not st.verified        # partial files kept for the next Download
+    text = panel.status.text()
+    qtbot.wait(600)
+    assert hub.bytes_sent() == sent                        # nothing flows after the window closed
+    # a signal that arrives late reaches a panel that ignores it: no new work, no change on screen
+    panel._on_event(dl.Progress([], 1, 2, None, None, 0.0))
+    panel._on_event(dl.Stopped(1, 2, st.folder))
+    panel._on_error(dl.DownloadError("late", "late"))
+    panel._on_finished()
+    panel.start_model()
+    assert panel.status.text() == text and not panel.error.isVisible() and panel.worker is None
+
+
+def test_closing_the_window_mid_download_prints_no_qt_errors(hub, tmp_path):
+    """The QA repro of m7 in a real process: closing the main window during a download used to print
+    'Error calling Python override of QRunnable::run() … Signal source has been deleted'."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "close.py"
+    script.write_text(
+        "import sys, time\n"
+        "from PySide6.QtCore import QTimer\n"
+        "from PySide6.QtWidgets import QApplication\n"
+        "app = QApplication([sys.argv[0]])\n"
+        "from app.context import AppContext\n"
+        "from app.main_window import MainWindow\n"
+        "from engine_manager.settings import load_settings\n"
+        "win = MainWindow(AppContext(load_settings())); win.show()\n"
+        "dp = win.download_panel\n"
+        "def go():\n"
+        "    for w in QApplication.topLevelWidgets():\n"
+        "        if w.isVisible() and type(w).__name__ == 'FirstRunDialog': w.close()\n"
+        "    dp.start_model(); QTimer.singleShot(200, wait)\n"
+        "def wait():\n"
+        "    p = dp.last_progress\n"
+        "    if p is None or p.done_bytes < 100000: QTimer.singleShot(100, wait); return\n"
+        "    print('closing at', p.done_bytes, flush=True); win.close(); app.quit()\n"
+        "QTimer.singleShot(500, go)\n"
+        "QTimer.singleShot(60000, app.quit)\n"
+        "app.exec()\n"
+        "print('exited', flush=True)\n")
+    hub.add_fault(kind="slow", rate_bps=250_000, times=None)
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, HF_ENDPOINT=hub.url, PYTHONPATH=str(root), PYTHONWARNINGS="always")
+    p = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=120)
+    out = p.stdout + p.stderr
+    assert "closing at" in p.stdout and "exited" in p.stdout, out
+    assert "Signal source has been deleted" not in out and "Error calling Python override" not in out, out
+    assert "RuntimeError" not in out, out
+    st = dl.local_status(load_settings().settings)
+    assert st.partial_bytes > 0                           # partial files kept
+
+
+def test_rows_after_a_restart_show_the_partial_files(panel, hub, ctx, qtbot):
+    from app.download_panel import DownloadPanel
+    _start_and_wait_for_bytes(panel, hub, qtbot, 300_000)
+    panel.cancel()
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=15000)
+    st = dl.local_status(ctx.settings)
+    assert st.kept and st.partial_bytes == sum(st.kept.values())
+    again = DownloadPanel(ctx)                              # the panel after a restart
+    qtbot.addWidget(again)
+    again.resize(1000, 600)
+    again.show()
+    qtbot.waitUntil(lambda: again.table.rowCount() == 7 and "partial" in again.status.text(), timeout=5000)
+    try:
+        for n in dl.shard_names():
+            if n in st.kept:
+                assert again.shard_state(n) == "partly downloaded"
+                assert again.bars[n].value() == int(st.kept[n] / st.sizes[n] * 1000) > 0
+                assert again.table.item(again.rows[n], 3).text() == dl.fmt_bytes(st.sizes[n])
+            else:
+                assert again.shard_state(n) == "not downloaded" and again.bars[n].value() == 0
+        assert dl.fmt_bytes(st.partial_bytes) in again.status.text()
+        assert again.total_bar.value() == int(st.partial_bytes / sum(st.sizes.values()) * 1000)
+    finally:
+        again.shutdown()
+
+
+def test_column_widths_stay_put_between_states(panel, hub, qtbot):
+    hh = panel.table.horizontalHeader()
+    def widths():
+        return [hh.sectionSize(c) for c in (0, 1, 3, 4, 5, 6)]
+    qtbot.waitUntil(lambda: panel.table.rowCount() == 7, timeout=5000)
+    before = widths()
+    label_w = panel.total_label.width()
+    _start_and_wait_for_bytes(panel, hub, qtbot)
+    qtbot.waitUntil(lambda: bool(panel.last_progress.speed_bps), timeout=5000)
+    assert widths() == before
+    panel.pause()
+    qtbot.waitUntil(lambda: any(panel.shard_state(n) == "paused" for n in dl.shard_names()), timeout=5000)
+    assert widths() == before and panel.total_label.width() == label_w
+    fm = panel.table.fontMetrics()
+    assert hh.sectionSize(6) >= fm.horizontalAdvance("damaged: will be fetched again")
+
+
+def test_pinned_commit_gone_offers_to_repin(panel, hub, tmp_path, qtbot):
+    _start_and_wait_for_bytes(panel, hub, qtbot)
+    panel.cancel()
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=15000)
+    hub.clear_faults()
+    repo = hub.repo(REPO)
+    old = repo.head
+    new = repo.new_commit()
+    repo.drop_commit(old)
+    errors = []
+    panel.errorRaised.connect(lambda m, f: errors.append(m))
+    panel.start_model()
+    qtbot.waitUntil(lambda: bool(errors) and panel.worker is None, timeout=20000)
+    assert old in panel.error.message.text() and "--repin" in panel.error.fix.text()
+    assert panel.error.action.isVisible() and "Re-pin" in panel.error.action.text()
+    done = []
+    panel.modelFinished.connect(done.append)
+    qtbot.mouseClick(panel.error.action, qtbot_left())
+    qtbot.waitUntil(lambda: bool(done), timeout=30000)
+    assert done[0].commit == new and panel.verified_count() == 7 and not panel.error.isVisible()
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=10000)

@@ -222,12 +222,54 @@ def test_default_sim_layout_generates_once_into_the_data_dir(isolated_dirs):
     assert disk_usage_bytes(list(d.iterdir())) < 16 * MiB
 
 
-def test_make_plan_saves_the_plan_and_profile(isolated_dirs):
+def _workstation():
+    """A HardwareReport of a real-looking GPU host (not the hypothetical reference): what `dsv41 start` plans for."""
+    from dataclasses import replace
+    hw = P.reference_hardware()
+    return replace(hw, gpus=[replace(hw.gpus[0], uuid="GPU-5a1e0000-test")],
+                   host=replace(hw.host, hostname="workstation"))
+
+
+def test_make_plan_keeps_hypothetical_plans_out_of_the_last_plan(isolated_dirs):
     out = P.make_plan(Settings(), P.PlanRequest(host="reference"))
     assert out.model_source == "replica"
-    assert out.saved_to == P.plans_dir() / "last-plan.json"
-    assert P.load_last_plan()["hot_experts"] == out.plan.n_hot
+    # the guides' workstation is hypothetical: shown again by the Placement tab, never what `dsv41 start` uses
+    assert out.saved_to == P.other_plan_path() and not out.startable
+    assert P.load_last_plan() is None and P.load_shown_plan()["hot_experts"] == out.plan.n_hot
+    assert "not as the plan `dsv41 start` uses" in out.saved_note and "hypothetical" in out.saved_note
     assert read_strp(out.plan_dict["strp_path"]).slots == out.plan.n_hot
+    assert out.plan_dict["strp_path"].endswith("other-plan.strp")
     custom = P.make_plan(Settings(), P.PlanRequest(host="custom", vram_bytes=48 * GiB, ram_bytes=512 * GB,
                                                    save=False))
     assert custom.plan.n_hot < out.plan.n_hot and custom.saved_to is None
+
+
+def test_only_a_startable_plan_becomes_the_plan_start_uses(isolated_dirs):
+    """M2: the saved last plan is the one supervisor.default_plan starts with; a refused or hypothetical plan made
+    afterwards must not replace it (nor its Strata profile)."""
+    from engine_manager.supervisor import default_plan
+    ws = _workstation()
+    assert not P.is_hypothetical(ws)
+    good = P.make_plan(Settings(), P.PlanRequest(host="this"), ws)
+    assert good.startable and good.saved_to == P.last_plan_path() and "`dsv41 start` uses" in good.saved_note
+    strp = P.plans_dir() / "last-plan.strp"
+    assert good.plan_dict["strp_path"] == str(strp) and read_strp(strp).slots == good.plan.n_hot
+    profile = strp.read_bytes()
+    d, notes = default_plan("strata", Settings(), ws)
+    assert d["created_at"] == good.plan_dict["created_at"] and any("saved" in n for n in notes)
+
+    hyp = P.make_plan(Settings(), P.PlanRequest(host="custom", vram_bytes=48 * GiB, ram_bytes=512 * GB), ws)
+    refused = P.make_plan(Settings(), P.PlanRequest(host="custom", ram_bytes=100 * GB), ws)
+    assert refused.plan.refused and not refused.startable and "refused" in refused.saved_note
+    assert hyp.saved_to == refused.saved_to == P.other_plan_path()
+    assert P.load_last_plan()["created_at"] == good.plan_dict["created_at"]
+    assert strp.read_bytes() == profile                             # the profile the saved plan names is intact
+    assert P.load_shown_plan()["created_at"] == refused.plan_dict["created_at"]   # the tab shows the newest
+    d, _ = default_plan("strata", Settings(), ws)
+    assert d["created_at"] == good.plan_dict["created_at"]
+
+
+def test_hardware_label_gives_ram_in_both_units(lay):
+    p = P.plan(lay, P.hypothetical_hardware(None, None, 192 * GiB), None, None)
+    assert "206 GB (192 GiB) RAM" in p.hardware_label
+    assert "206.2 GB (192.0 GiB)" in p.refused

@@ -50,7 +50,8 @@ def test_renders_a_plan(view, lay):
     cell = view.describe_cell(0, 0)
     assert "layer 3" in cell and "expert 0" in cell and "12.22 MiB" in cell and "VRAM" in cell
     assert "RAM (cold)" in view.describe_cell(39, 383) and "frequency unknown" in view.describe_cell(39, 383)
-    assert "No routing data" in view.cov_text.toPlainText()
+    assert "No routing data" in view.cov_text.text() and view.cov_text.isVisibleTo(view)
+    assert view.cov_text.wordWrap()                          # a label that wraps, not text cut at the plot's edge
     assert "37.5%" in view.llama.text()
 
 
@@ -59,7 +60,7 @@ def test_refusal_in_plain_words(view, lay):
     view.show_plan(d)
     t = view.summary.text()
     missing = d["shortfalls"][0]["missing_bytes"] / GB
-    assert "cannot hold the model" in t and f"{missing:.1f} GB missing" in t
+    assert "cannot hold the model" in t and f"{missing:.1f} GB (" in t and "GiB) missing" in t
     assert "short" in view.ram_title.text()
 
 
@@ -91,15 +92,54 @@ def test_plan_button_runs_on_a_worker_and_sets_the_plan(view, qtbot):
     d = blocker.args[0]
     assert d["hot_experts"] > 0 and view.ctx.plan is d
     qtbot.waitUntil(lambda: view.plan_button.isEnabled(), timeout=10_000)
-    assert P.load_last_plan()["hot_experts"] == d["hot_experts"]
+    # the guides' workstation is hypothetical: shown again after a restart, never the plan `dsv41 start` uses
+    assert P.load_last_plan() is None and P.load_shown_plan()["hot_experts"] == d["hot_experts"]
+    assert "not as the plan `dsv41 start` uses" in view.saved_note.text() and view.saved_note.isVisibleTo(view)
 
 
 def test_custom_host_refused_shows_missing(view, qtbot):
     view.host.setCurrentIndex(view.host.findData("custom"))
     assert view.vram.isVisibleTo(view)
-    view.vram.setValue(96)
+    view.vram.setValue(95.59)
+    view.ram.setValue(192)
+    assert view.ram.suffix().strip() == "GiB RAM" and "206.2 GB" in view.ram_gb.text()
+    with qtbot.waitSignal(view.ctx.planChanged, timeout=60_000) as blocker:
+        view.plan_button.click()
+    d = blocker.args[0]
+    assert d["refused"] and d["hardware"]["ram_bytes"] == 192 * GiB
+    qtbot.waitUntil(lambda: "GiB) missing" in view.summary.text(), timeout=5_000)
+
+
+def test_empty_state_before_any_plan(view):
+    """p1: before a plan the heatmap and coverage say so in words instead of black plots with axes -500..500."""
+    assert view.plan is None
+    assert view.heat_stack.currentWidget() is view.heat_empty and "No plan yet" in view.heat_empty.text()
+    assert view.cov_stack.currentWidget() is view.cov_empty and "No plan yet" in view.cov_empty.text()
+    assert not view.heat.isVisibleTo(view) and not view.cov.isVisibleTo(view)
+
+
+def test_gui_and_cli_give_the_same_shortfall_for_the_same_number(view, qtbot, capsys):
+    """p9: 192 in the spin box and `dsv41 plan --ram-gib 192` are the same size, so the same shortfall."""
+    import json
+    from engine_manager.cli import main
+    view.host.setCurrentIndex(view.host.findData("custom"))
+    view.vram.setValue(95.59)
     view.ram.setValue(192)
     with qtbot.waitSignal(view.ctx.planChanged, timeout=60_000) as blocker:
         view.plan_button.click()
-    assert blocker.args[0]["refused"]
-    qtbot.waitUntil(lambda: "GB missing" in view.summary.text(), timeout=5_000)
+    gui = blocker.args[0]["shortfalls"][0]
+    rc = main(["plan", "--replica", "--vram-gib", "95.59", "--ram-gib", "192", "--json", "--no-save"])
+    cli = json.loads(capsys.readouterr().out)["shortfalls"][0]
+    assert rc == 3 and gui["resource"] == cli["resource"] == "ram"
+    assert gui["available_bytes"] == cli["available_bytes"] == 192 * GiB
+    assert gui["missing_bytes"] == cli["missing_bytes"]
+
+
+def test_old_ram_in_gb_state_is_converted(qtbot):
+    from engine_manager import uistate
+    from app.context import AppContext
+    from app.placement_view import PlacementView
+    uistate.save({"placement_view": {"host": "custom", "vram_gib": 48.0, "ram_gb": 192}})
+    v = PlacementView(AppContext(load_settings()))
+    qtbot.addWidget(v)
+    assert v.ram.value() == pytest.approx(192 * GB / GiB, abs=0.05) and v.vram.value() == pytest.approx(48.0)

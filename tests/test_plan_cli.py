@@ -76,7 +76,7 @@ def test_human_output_itemises_terms(model, capsys):
 def test_192_gb_refused_exit_3(model, capsys):
     rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "97887MiB", "--ram-gib", "192GB")
     assert rc == 3
-    assert "REFUSED" in out and "GB missing" in out
+    assert "REFUSED" in out and "GiB) missing" in out
     rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "97887MiB", "--ram-gib", "192GB", "--json")
     d = json.loads(out)
     assert rc == 3 and d["refused"] and d["shortfalls"][0]["resource"] == "ram"
@@ -153,3 +153,68 @@ def test_replica_flag_and_a_real_subprocess(tmp_path):
     d = json.loads(p.stdout)
     assert d["model"]["source"].startswith("the header-faithful replica")
     assert abs(d["hot_experts"] - 5825) <= 175
+
+
+# -- where the plan is saved (M2), what "free" says when over budget (p11), units (p9) --------------------------------
+
+@pytest.fixture
+def workstation(monkeypatch):
+    """This machine seen as a GPU workstation (the guides' card and RAM, not marked hypothetical), so `dsv41 plan`
+    without --vram-gib/--ram-gib makes a plan `dsv41 start` would use."""
+    from engine_manager import hardware, placement
+    hw = placement.reference_hardware()
+    hw = replace(hw, gpus=[replace(hw.gpus[0], uuid="GPU-5a1e0000-test")], host=replace(hw.host, hostname="ws"))
+    monkeypatch.setattr(hardware, "probe", lambda *a, **k: hw)
+    return hw
+
+
+def test_plan_is_saved_as_the_plan_start_uses(model, capsys, tmp_path, workstation):
+    from engine_manager import placement
+    from engine_manager.settings import load_settings
+    from engine_manager.supervisor import default_plan
+    rng = np.random.default_rng(3)
+    recs = [(int(b), rng.choice(384, 6, replace=False).tolist(), [1 / 6] * 6) for b in range(3, 43) for _ in range(40)]
+    trace = write_trace(tmp_path / "trace.bin", recs)
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--usage", str(trace))
+    assert rc == 0
+    last = placement.last_plan_path()
+    strp = last.with_suffix(".strp")
+    assert f"Saved as the plan `dsv41 start` uses: {last}" in out and str(strp) in out
+    saved = json.loads(last.read_text())
+    assert saved["usage"]["sources"] and saved["predicted_hit_rate"] is not None
+    assert read_strp(strp).slots == saved["hot_experts"] and saved["strp_path"] == str(strp)
+    d, _ = default_plan("strata", load_settings().settings, workstation)
+    assert d["created_at"] == saved["created_at"]                  # what `dsv41 start` would start with
+
+    # a hypothetical host and a refused plan are shown, not saved over it
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "48")
+    assert rc == 0 and "not as the plan `dsv41 start` uses" in out and "hypothetical" in out
+    assert f"the last plan ({last}) is unchanged" in out
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--ram-gib", "100")
+    assert rc == 3 and "it was refused" in out
+    assert json.loads(last.read_text())["created_at"] == saved["created_at"]
+    assert read_strp(strp).slots == saved["hot_experts"]
+
+    # --no-save: a dry look writes nothing; --json keeps stdout pure JSON (the note goes to stderr)
+    other = placement.other_plan_path()
+    before = (last.stat().st_mtime_ns, other.stat().st_mtime_ns)
+    rc, out, err = _run(capsys, "--model-dir", str(model), "--no-save", "--json")
+    assert rc == 0 and json.loads(out)["hardware"]["hypothetical"] is False
+    assert "Not saved (--no-save)" in err and str(last) in err
+    assert (last.stat().st_mtime_ns, other.stat().st_mtime_ns) == before
+
+
+def test_vram_over_budget_is_not_a_negative_free(model, capsys):
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "23", "--ram-gib", "1TB", "--no-save")
+    assert rc == 3
+    total = next(ln for ln in out.splitlines() if ln.strip().startswith("total"))
+    assert "free -" not in out and "OVER BUDGET by 3," in total and "MiB" in total
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "97887MiB", "--ram-gib", "280GB", "--no-save")
+    total = next(ln for ln in out.splitlines() if ln.strip().startswith("total"))
+    assert rc == 0 and "free 0." in total                        # within budget: still "free"
+
+
+def test_ram_shortfall_in_both_units(model, capsys):
+    """p9: --ram-gib is GiB; the shortfall names GB and GiB so it reads the same as the Placement tab."""
+    rc, out, _ = _run(capsys, "--model-dir", str(model), "--vram-gib", "97887MiB", "--ram-gib", "192", "--no-save")
+    assert rc == 3 and "has 206.2 GB (192.0 GiB)" in out and "192 GiB) RAM" in out

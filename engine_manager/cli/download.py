@@ -1,7 +1,11 @@
 """``dsv41 download [--model] [--engine] [--dir DIR] [--jobs N]``: fetch the seven model shards and the engine
 release, resumable and verified, with a terminal progress bar (per file and in total, speed, ETA).
 
-Ctrl+C stops cleanly: every partial file keeps its checkpoint, and running the command again resumes it."""
+Ctrl+C stops cleanly: every partial file keeps its checkpoint, and running the command again resumes it.
+
+A complete, verified model needs no network: the command says the seven shards are present and verified and exits
+0 without asking the hub. ``--repin`` resolves the revision again when the commit the folder was pinned to is gone
+from the hub (the error says so)."""
 
 from __future__ import annotations
 
@@ -31,7 +35,11 @@ def register(sub) -> None:
     p.add_argument("--jobs", type=int, default=dl.DEFAULT_JOBS, metavar="N",
                    help=f"files downloaded in parallel, one connection each (default {dl.DEFAULT_JOBS})")
     p.add_argument("--verify", action="store_true",
-                   help="re-hash files already on disk even if they were verified before")
+                   help="re-hash files already on disk even if they were verified before (asks the hub)")
+    p.add_argument("--repin", action="store_true",
+                   help="forget the commit this model folder was pinned to and pin what DSV41_MODEL_REVISION "
+                        "(default 'main') is now; shards with an unchanged sha256 stay verified, partial files of "
+                        "the old commit start over. Use it when the hub no longer has the pinned commit")
     p.add_argument("--engine-manifest", type=Path, metavar="FILE",
                    help="engine release manifest (JSON: version, url, size, sha256, executables) instead of "
                         "resources/manifests/engine.json")
@@ -205,7 +213,8 @@ def run(args, ctx) -> int:
     try:
         if want_model:
             last = _drive(dl.download_model(settings, target_dir=args.dir, jobs=args.jobs, control=control,
-                                            verify="full" if args.verify else "quick", **common), r)
+                                            verify="full" if args.verify else "quick", repin=args.repin,
+                                            **common), r)
             if isinstance(last, dl.Finished):
                 where = last.target_dir
                 fetched = f"{dl.fmt_bytes(last.fetched_bytes)} fetched" if last.fetched_bytes else "nothing fetched"

@@ -3,6 +3,11 @@
 Exit 0 with a plan, 3 when the host is refused, 1 when there is no model to plan (or its headers are unreadable),
 2 for bad arguments or an unreadable usage file.
 
+The plan is saved as the Placement tab saves it (``placement.store_plan``): a plan for this machine that is not
+refused becomes ``<data dir>/plans/last-plan.json`` (+ ``last-plan.strp``), the plan ``dsv41 start`` uses; a refused
+or hypothetical one (``--vram-gib``/``--ram-gib``) goes to ``plans/other-plan.json`` and never replaces it.
+``--no-save`` is a dry look: nothing is written but ``--out``/``--strp``. The output says where it went.
+
 Where the model comes from: ``--model-dir DIR``; else ``--replica`` (the header-faithful sparse replica, generated
 once into the data dir); else the settings' ``model_dir`` or the download cache. With none of them it says there is
 no model and how to get one, and exits 1.
@@ -62,7 +67,11 @@ def register(sub) -> None:
     p.add_argument("--kv-type", choices=["int8", "q4_0", "k8v4"], help="KV cache type (default: the setting)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", metavar="FILE", help="also write the plan's JSON to FILE")
-    p.add_argument("--strp", metavar="FILE", help="write the Strata expert profile (STRP) in the plan's order")
+    p.add_argument("--strp", metavar="FILE", help="write the Strata expert profile (STRP) in the plan's order "
+                                                  "(default: beside the saved plan)")
+    p.add_argument("--no-save", action="store_true",
+                   help="a dry look: do not save the plan (by default a plan for this machine that is not refused "
+                        "becomes <data dir>/plans/last-plan.json, the plan `dsv41 start` uses)")
     p.set_defaults(func=run)
 
 
@@ -109,31 +118,50 @@ def run(args, ctx) -> int:
         print(f"dsv41 plan: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        p = placement.plan(layout, hardware, usage, ps, strp_path=args.strp)
+        p = placement.plan(layout, hardware, usage, ps)
     except ValueError as exc:
         print(f"dsv41 plan: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    d = p.to_dict()
-    if what:
-        d["model"]["source"] = what
-    if args.out:
-        placement.save_plan(d, args.out)
+    try:
+        stored = placement.store_plan(p, save=not args.no_save, strp_path=args.strp, source=what)
+        d = stored.plan_dict
+        if args.out:
+            placement.save_plan(d, args.out)
+    except OSError as exc:
+        print(f"dsv41 plan: could not write the plan: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    # with --json, stdout carries only the JSON: the notes go to stderr
+    notes = sys.stderr if args.json else sys.stdout
     if args.json:
         json.dump(d, sys.stdout, indent=1)
         print()
     else:
         print(render(p, what))
-        if args.strp and p.strp_path:
-            print(f"\nWrote the Strata profile to {p.strp_path}")
-        elif args.strp:
-            print("\nNo Strata profile written: the plan was refused.")
-        if args.out:
-            print(f"Wrote the plan to {args.out}")
+        print()
+    if args.strp and p.strp_path:
+        print(f"Wrote the Strata profile to {p.strp_path}", file=notes)
+    elif args.strp:
+        print("No Strata profile written: the plan was refused.", file=notes)
+    if args.out:
+        print(f"Wrote the plan to {args.out}", file=notes)
+    print(stored.describe(), file=notes)
     return EXIT_REFUSED if p.refused else EXIT_OK
 
 
 def _g(n: int) -> str:
     return f"{n / GiB:9.2f} GiB"
+
+
+def _both(n: int) -> str:
+    """RAM in GB (how it is sold) with GiB beside it (what --ram-gib takes)."""
+    return f"{n / GB:.1f} GB ({n / GiB:.1f} GiB)"
+
+
+def _left(free_bytes: int) -> str:
+    """What is left of a VRAM budget: free, or how far the terms are over it (never a negative "free")."""
+    if free_bytes >= 0:
+        return f"free {free_bytes / MiB:,.1f} MiB"
+    return f"OVER BUDGET by {-free_bytes / MiB:,.1f} MiB ({-free_bytes / GiB:.2f} GiB)"
 
 
 def _gb(n: int) -> str:
@@ -154,11 +182,14 @@ def render(p: placement.Plan, what: str | None = None) -> str:
     kinds = lay.bytes_by_kind()
     L.append("Model: " + ", ".join(f"{KIND_LABELS[k]} {v / GiB:.1f} GiB" for k, v in kinds.items() if v))
     L.append("")
-    L.append(f"VRAM  budget {p.vram.budget_bytes / GiB:.2f} GiB ({p.vram.budget_bytes / MiB:,.0f} MiB)")
+    if p.gpu_name is None:
+        L.append("VRAM  budget: no GPU (the terms below are what a GPU would need to hold)")
+    else:
+        L.append(f"VRAM  budget {p.vram.budget_bytes / GiB:.2f} GiB ({p.vram.budget_bytes / MiB:,.0f} MiB)")
     w = max(len(t.name) for t in p.vram.terms + p.ram.terms)
     for t in p.vram.terms:
         L.append(f"  {t.name:<{w}} {_g(t.bytes)}   {t.note}")
-    L.append(f"  {'total':<{w}} {_g(p.vram.total_bytes)}   free {p.vram.free_bytes / MiB:,.1f} MiB")
+    L.append(f"  {'total':<{w}} {_g(p.vram.total_bytes)}   " + _left(p.vram.free_bytes))
     L.append(f"RAM   budget {p.ram.budget_bytes / GB:.1f} GB ({p.ram.budget_bytes / GiB:.1f} GiB)")
     for t in p.ram.terms:
         L.append(f"  {t.name:<{w}} {_gb(t.bytes)}   {t.note}")
@@ -176,8 +207,8 @@ def render(p: placement.Plan, what: str | None = None) -> str:
                          f"{sf.available_bytes / GiB:.1f} GiB → {sf.missing_bytes / GiB:.1f} GiB "
                          f"({sf.missing_bytes / GB:.1f} GB) missing")
             else:
-                L.append(f"  RAM: needs {sf.needed_bytes / GB:.1f} GB, has {sf.available_bytes / GB:.1f} GB → "
-                         f"{sf.missing_bytes / GB:.1f} GB missing")
+                L.append(f"  RAM: needs {_both(sf.needed_bytes)}, has {_both(sf.available_bytes)} → "
+                         f"{_both(sf.missing_bytes)} missing")
         L.append(f"  {p.refused}.")
         return "\n".join(L)
     L.append(f"Hot set: {p.n_hot:,} of {p.total_experts:,} experts in VRAM ({p.hot_expert_bytes / GiB:.1f} GiB); "
