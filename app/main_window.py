@@ -214,7 +214,8 @@ class MainWindow(QMainWindow):
         if confirm is not None and not confirm(self):
             event.ignore()
             return
-        for w in (self.chat_pane, self.monitor_view, self.download_panel, self.engine_panel):
+        for w in (self.chat_pane, self.monitor_view, self.download_panel, self.placement_view, self.log_view,
+                  self.engine_panel):
             shutdown = getattr(w, "shutdown", None)
             if shutdown is not None:
                 shutdown()

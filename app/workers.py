@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from PySide6.QtCore import QThreadPool
-from superqt.utils import FunctionWorker, GeneratorWorker, create_worker
+from PySide6.QtCore import QCoreApplication, QThreadPool
+from superqt.utils import FunctionWorker, GeneratorWorker, WorkerBase, create_worker
 
 # superqt starts workers on Qt's global pool, whose default size is the number of cores (2 on small machines).
 # Our workers are long-lived and I/O-bound (a streaming chat answer, a readiness wait, the metrics poller, a
@@ -16,10 +16,30 @@ from superqt.utils import FunctionWorker, GeneratorWorker, create_worker
 MIN_POOL_THREADS = 64
 
 
+QUIT_WAIT_MS = 3000
+_quit_hooked = False
+
+
 def _ensure_pool() -> None:
+    global _quit_hooked
     pool = QThreadPool.globalInstance()
     if pool.maxThreadCount() < MIN_POOL_THREADS:
         pool.setMaxThreadCount(MIN_POOL_THREADS)
+    app = QCoreApplication.instance()
+    if app is not None and not _quit_hooked:
+        app.aboutToQuit.connect(stop_all)
+        _quit_hooked = True
+
+
+def stop_all(wait_ms: int = QUIT_WAIT_MS) -> bool:
+    """Ask every running worker to stop (generators stop at their next yield) and wait up to ``wait_ms`` for the
+    pool: called when the application quits, so no worker emits into widgets that are being deleted. Returns
+    whether every worker finished in time (a blocking call that does not yield may outlast the wait)."""
+    try:
+        WorkerBase.await_workers(wait_ms)
+    except RuntimeError:
+        return False
+    return True
 
 
 def run_generator(fn: Callable[..., Iterator[Any]], *args: Any,
