@@ -10,6 +10,7 @@ On start-up it re-attaches to an engine a previous panel (or ``dsv41 start``) le
 from __future__ import annotations
 
 import html
+import re
 import time
 from typing import Any
 
@@ -101,7 +102,8 @@ class CrashBanner(QFrame):
         lay.addWidget(self.log_button, 0, Qt.AlignmentFlag.AlignLeft)
         self.hide()
 
-    def show_problem(self, title: str, fix: str, extra: str = "", severe: bool = True) -> None:
+    def show_problem(self, title: str, fix: str, extra: str = "", severe: bool = True,
+                     show_log: bool = True) -> None:
         bg, fg = ("#fde2e1", "#7d0d14") if severe else ("#fff4e5", "#6b4100")
         self.setStyleSheet(f"QFrame#crashBanner {{ background: {bg}; border: 1px solid {fg}; border-radius: 4px; }}"
                            f" QLabel {{ color: {fg}; }}")
@@ -109,6 +111,7 @@ class CrashBanner(QFrame):
         self.fix.setText(fix)
         self.extra.setText(extra)
         self.extra.setVisible(bool(extra))
+        self.log_button.setVisible(show_log)       # (a refusal before any start has nothing in the log)
         self.show()
 
 
@@ -147,6 +150,8 @@ class EnginePanel(QWidget):
         self._shutting_down = False
         self._stop_started: float | None = None
         self._last_notes: list[str] = []
+        self._emitted_state = sv.STOPPED        # the state the rest of the window was last told (status bar …)
+        self._refused_cause: str | None = None  # a start refused because another engine runs: keep saying why
         self._build()
         self._build_actions()
         ctx.requestStart.connect(self.start)
@@ -325,6 +330,7 @@ class EnginePanel(QWidget):
         if self.is_running() or self._stop_worker is not None:
             return
         self.banner.hide()
+        self._refused_cause = None
         self._last_notes = []
         self.notes.setText("")
         self.notes_toggle.hide()
@@ -338,6 +344,7 @@ class EnginePanel(QWidget):
                                          on_finished=self._run_finished)
 
     def stop(self) -> None:
+        self._refused_cause = None
         if self._state == sv.STOPPING:
             self.force_stop()
             return
@@ -389,14 +396,14 @@ class EnginePanel(QWidget):
             self.ctx.engineLog.emit(ev)
             return
         if k == "state":
-            self._render_state(ev.state, ev.message)
-            self.ctx.engineStateChanged.emit(ev)
+            self._render_state(ev.state, ev.message, ev)
         elif k == "progress":
             self._show_progress(ev)
         elif k == "ready":
             self.progress.hide()
             self.phase.hide()
-            self.banner.hide()
+            if not (ev.attached and self._refused_cause == "engine_running"):
+                self.banner.hide()              # (a refused start's reason stays: it names the engine now shown)
             self.ctx.set_ready(ev.base_url, self.ctx.settings.api_key)
             self.ctx.statusMessage.emit(f"Engine ready at {ev.base_url}"
                                         + (" (re-attached)" if ev.attached else f" after {fmt_s(ev.elapsed_s)}"),
@@ -405,18 +412,25 @@ class EnginePanel(QWidget):
         elif k == "crashed":
             extra = ""
             if ev.will_restart:
-                extra = f"Restarting in {ev.restart_in_s:.1f} s (crash {ev.crashes_in_window})."
-            self.banner.show_problem(ev.title, ev.fix, extra)
+                # the countdown itself is one line (the phase line above the banner), fed by the supervisor's
+                # Restarting events: the banner says what happens, not a second, drifting number
+                extra = (f"The panel restarts it automatically (crash {ev.crashes_in_window}; it gives up after "
+                         f"{self.sup.crash_limit} within {self.sup.crash_window_s / 60:.0f} min).")
+                self._show_restart_countdown(ev.restart_in_s or 0.0, ev.crashes_in_window)
+            self.banner.show_problem(ev.title, self._gui_fix(ev.cause, ev.fix), extra)
             self._clear_ready()
         elif k == "restarting":
-            self.phase.setText(f"Restarting in {ev.remaining_s:.1f} s (crash {ev.attempt})")
-            self.phase.show()
+            self._show_restart_countdown(ev.remaining_s, ev.attempt)
         elif k == "gave_up":
             self.banner.show_problem(self.banner.title.text() or "The engine keeps crashing", self.banner.fix.text(),
                                      ev.message)
         elif k == "failed":
             extra = ("Last log lines:\n" + "\n".join(ev.log_tail[-8:])) if ev.log_tail else ""
-            self.banner.show_problem(ev.message, ev.fix, extra, severe=ev.cause not in ("port_in_use", "busy"))
+            if ev.cause == "engine_running":
+                self._refused_cause = ev.cause
+            self.banner.show_problem(ev.message, self._gui_fix(ev.cause, ev.fix), extra,
+                                     severe=ev.cause not in ("port_in_use", "busy", "engine_running"),
+                                     show_log=ev.cause not in ("port_in_use", "busy", "engine_running"))
             self.progress.hide()
             self.phase.hide()
         elif k == "stopping":
@@ -433,6 +447,7 @@ class EnginePanel(QWidget):
             self._clear_ready()
         elif k == "attached":
             self.ctx.statusMessage.emit(ev.message, 8000)
+            self._emitted_state = ev.state
             self.ctx.engineStateChanged.emit(ev)
         elif k == "note":
             self._add_note(ev.text, ev.level)
@@ -447,6 +462,30 @@ class EnginePanel(QWidget):
     def _toggle_notes(self, on: bool) -> None:
         self.notes_toggle.setArrowType(Qt.ArrowType.DownArrow if on else Qt.ArrowType.RightArrow)
         self.notes.setVisible(on)
+
+    def _show_restart_countdown(self, remaining_s: float, attempt: int) -> None:
+        self.progress.hide()
+        self.phase.setText(f"Restarting in {remaining_s:.1f} s (crash {attempt})")
+        self.phase.show()
+
+    def _gui_fix(self, cause: str, fix: str) -> str:
+        """The supervisor's fix, worded for the window: a port is changed in File ▸ Settings…, a running engine
+        is stopped with the Stop button."""
+        if cause == "engine_running":
+            return (f"Press Stop above (it stops the engine that runs; `dsv41 stop` does the same in a terminal), "
+                    f"then Start {ENGINE_WORDS.get(self.resolved_engine(), 'the engine')}. Only one engine runs at "
+                    "a time; starting the same engine again re-attaches to it.")
+        if cause != "port_in_use":
+            return fix
+        m = re.search(r"settings set port (\d+)", fix)
+        alt = f" ({m.group(1)} is free now)" if m else ""
+        if self.ctx.loaded.env_locked("port"):
+            where = (f"DSV41_PORT is set in the environment, so change it there{alt} and restart the panel "
+                     "(File ▸ Settings… shows it locked).")
+        else:
+            where = f"choose another port in File ▸ Settings… → Port{alt}, then Start again."
+        cli = f" From a terminal: `dsv41 settings set port {m.group(1) if m else '<N>'}`."
+        return f"Stop that program (`ss -ltnp` shows it), or {where}{cli}"
 
     def _show_progress(self, ev: sv.Progress) -> None:
         if ev.fraction is not None:
@@ -475,6 +514,8 @@ class EnginePanel(QWidget):
         if self._state in (sv.STOPPED, sv.CRASHED):
             self._clear_ready()
         self._render_state(self._state, "")
+        if self._refused_cause == "engine_running" and not self._shutting_down:
+            QTimer.singleShot(0, self.reattach)     # show (and offer to stop) the engine that runs
 
     def _stop_finished(self) -> None:
         self._stop_worker = None
@@ -492,8 +533,15 @@ class EnginePanel(QWidget):
                                  "shows what runs.", severe=True)
 
     # -- rendering --------------------------------------------------------------------------------------------------
-    def _render_state(self, state: str, message: str) -> None:
+    def _render_state(self, state: str, message: str, ev: Any = None) -> None:
+        """Show ``state`` on the badge and buttons, and tell the rest of the window (``ctx.engineStateChanged``:
+        the status bar, the chat pane) whenever what the badge shows changes — the supervisor's own event when
+        there is one, else a StateChanged made here — so they never disagree with the badge."""
+        prev = self._state
         self._state = state
+        if ev is not None or state != self._emitted_state:
+            self._emitted_state = state
+            self.ctx.engineStateChanged.emit(ev if ev is not None else sv.StateChanged(state, prev, message))
         text, bg, fg = BADGE.get(state, (state, "#eee", "#333"))
         self.badge.setText(text)
         self.badge.setToolTip(message or text)
@@ -593,7 +641,8 @@ class EnginePanel(QWidget):
             self.reattach()
         elif st.external:
             self.details.setText(f"<b>Port {self.ctx.settings.port} is taken</b> by something this panel did not "
-                                 f"start: {sv.describe_owner(st.external)}. It is shown, never stopped.")
+                                 f"start: {html.escape(sv.describe_owner(st.external))}. It is shown, never "
+                                 "stopped; to start an engine, choose another port in File ▸ Settings… → Port.")
             self.details.show()
         elif self.details.text().startswith("<b>Port"):
             self.details.hide()

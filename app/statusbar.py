@@ -1,4 +1,7 @@
-"""Status bar widgets: engine state, RAM, CPU and GPU, refreshed every 2 s off the GUI thread."""
+"""Status bar widgets: engine state, RAM, CPU and GPU, refreshed every 2 s off the GUI thread.
+
+The engine label follows ``ctx.engineStateChanged`` — the events the engine panel's badge is drawn from (the panel
+emits one whenever its badge changes) — and uses the badge's words, so the two never disagree."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from PySide6.QtWidgets import QLabel, QStatusBar
 
 from engine_manager import sysstat
 
+from .engine_panel import BADGE
 from .workers import run_function
 
 GiB = 1024**3
@@ -16,7 +20,8 @@ class LiveStatusBar(QStatusBar):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx
-        self.engine_label = QLabel("engine: stopped")
+        self.engine_label = QLabel(self.engine_text("stopped"))
+        self.engine_label.setObjectName("statusEngine")
         self.ram_label = QLabel("RAM –")
         self.cpu_label = QLabel("CPU –")
         self.gpu_label = QLabel("GPU –")
@@ -32,9 +37,15 @@ class LiveStatusBar(QStatusBar):
         ctx.engineStateChanged.connect(self._on_state)
         QTimer.singleShot(0, self.refresh)
 
+    @staticmethod
+    def engine_text(state: str) -> str:
+        words = BADGE.get(state, (state,))[0]
+        return f"engine: {words[:1].lower() + words[1:]}"
+
     def _on_state(self, ev) -> None:
-        state = getattr(ev, "state", ev)
-        self.engine_label.setText(f"engine: {state}")
+        state = str(getattr(ev, "state", ev))
+        self.engine_label.setText(self.engine_text(state))
+        self.engine_label.setToolTip(getattr(ev, "message", "") or "")
 
     def refresh(self) -> None:
         if self._busy:

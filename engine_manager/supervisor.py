@@ -7,6 +7,9 @@ The lifecycle::
                   ▼          ▼
                crashed ─► restarting ─► starting …   (auto-restart, exponential backoff, crash-loop limit)
 
+- **one engine at a time**: starting the engine that already runs (started by a panel or ``dsv41 start``)
+  re-attaches to it; starting *another* engine while one runs is refused (``engine_running``: what runs, on which
+  port, and how to stop it) — never attached to as if it were the one asked for.
 - **start**: refuses when the port is taken ("port N is in use by <process>" and what to do), probes the NUMA
   binding (:mod:`engine_manager.numa`), builds the engine's command (:mod:`engine_manager.engines`), and starts it
   behind a *keeper* (:mod:`engine_manager.keeper`) as the leader of a new session and process group. The keeper
@@ -26,7 +29,10 @@ The lifecycle::
   ready vs still starting) or cleans up after a dead one and says how it ended. An engine the panel did not start
   (something else answering on the port) is shown but never stopped.
 - **dry run**: every command start would run on this machine (binding probes, port check, the keeper and engine
-  command line, environment with the key masked, readiness check, stop).
+  command line, environment with the key masked, readiness check, stop) — also under a refused plan, with the
+  refusal at the top; a port held by the panel's own engine is named as such.
+- **status** of an engine that died while no panel watched is classified by the same code as the clean-up
+  (:meth:`Supervisor.explain_dead`): cause and fix, not just the signal.
 
 Everything long is a generator yielding typed events (dataclasses below): the CLI prints them, the GUI turns them
 into signals through ``app.workers``, tests assert on them. Thread model: one generator (``run``/``watch``) owns
@@ -45,6 +51,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections import deque
@@ -74,6 +81,15 @@ LOCK_FILE = "engine.lock"
 LOG_NAME = "engine.log"
 STATE_SCHEMA = 1
 KEEPER = Path(__file__).with_name("keeper.py")
+
+#: how the messages name each engine
+ENGINE_WORDS = {"sim": "the scripted engine (simulated)", "strata": "Strata", "llamacpp": "llama.cpp"}
+
+
+def engine_words(name: str | None, capital: bool = False) -> str:
+    w = ENGINE_WORDS.get(name or "", name or "an engine")
+    return w[:1].upper() + w[1:] if capital else w
+
 
 #: causes that another try cannot fix by itself: no auto-restart for these
 PERMANENT_CAUSES = {"port_in_use", "driver_too_old", "placement_refused", "bad_arguments", "bad_engine_flag",
@@ -498,7 +514,9 @@ def describe_owner(info: dict[str, Any] | None) -> str:
         return "another program (the system does not say which)"
     if not info.get("pid"):
         return ("a process of another user (run `sudo ss -ltnp` to see which)")
-    cmd = " ".join(info.get("cmdline") or [])[:160]
+    cmd = " ".join(info.get("cmdline") or [])
+    if len(cmd) > 160:                  # cut between words (never inside a masked key), and say it was cut
+        cmd = cmd[:160].rsplit(" ", 1)[0] + " …"
     return f"pid {info['pid']} ({info.get('name', '?')}{': ' + cmd if cmd else ''})"
 
 
@@ -630,6 +648,17 @@ def read_log_tail(path: Path | None = None, max_bytes: int = 2_000_000) -> list[
     return lines
 
 
+def running_conflict(rec: dict[str, Any], wanted: str) -> tuple[str, str]:
+    """(message, fix) for a start of ``wanted`` while the engine in the state file ``rec`` (another one) runs."""
+    running = engine_words(rec.get("engine"), True)
+    where = f"on port {rec.get('port')}" + (f" ({rec['base_url']})" if rec.get("base_url") else "")
+    msg = (f"{running} is already running {where}, pid {rec.get('pid')} (started by this panel or `dsv41 start`), "
+           f"so {engine_words(wanted)} was not started.")
+    fix = (f"Stop it first — `dsv41 stop` (or Stop in the panel) — then start {engine_words(wanted)}. Only one "
+           f"engine runs at a time; starting {engine_words(rec.get('engine'))} again re-attaches to the running one.")
+    return msg, fix
+
+
 # -- plans ----------------------------------------------------------------------------------------------------------
 
 def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple[dict[str, Any] | None, list[str]]:
@@ -735,12 +764,21 @@ class DryRun:
     files: dict[str, str]
     binding: Binding | None
     notes: list[str]
+    refused: str | None = None      # the plan's refusal: a start would stop there (exit 3) and run nothing
 
     def render(self) -> str:
         name = self.label or self.engine
         if self.simulated and "simulated" not in name.lower():
             name += " (simulated)"
         out = [f"# dsv41 start --dry-run: {name}"]
+        if self.refused:
+            out.append("# REFUSED: the placement was refused, so a start would stop here (exit 3) and run none of "
+                       "the commands below.")
+            out.extend(f"#   {ln}" for ln in textwrap.wrap(self.refused, 110))
+            out.extend(f"# {ln}" for ln in textwrap.wrap(
+                "What to do: re-plan with settings this machine can hold (`dsv41 plan`, or the Placement tab), or "
+                "use a machine that passes `dsv41 doctor`. Below: the commands a start would run with this plan.",
+                112))
         for n in self.notes:
             out.append(f"# {n}")
         for i, (title, cmd, note) in enumerate(self.steps, 1):
@@ -765,7 +803,7 @@ class DryRun:
     def to_dict(self) -> dict[str, Any]:
         return {"engine": self.engine, "label": self.label, "simulated": self.simulated,
                 "steps": [{"title": t, "command": c, "note": n} for t, c, n in self.steps],
-                "env": self.env, "files": self.files, "notes": self.notes,
+                "env": self.env, "files": self.files, "notes": self.notes, "refused": self.refused,
                 "binding": self.binding.to_dict() if self.binding else None}
 
 
@@ -1014,8 +1052,10 @@ class Supervisor:
         if not port_free(self.settings.host, self.settings.port):
             owner = port_owner(self.settings.host, self.settings.port)
             st.external = owner or {"pid": None}
-            st.message = (f"Something not started by this panel is listening on port {self.settings.port}: "
-                          f"{describe_owner(owner)}. The panel shows it but never stops it.")
+            ext = (f"Something not started by this panel is listening on port {self.settings.port}: "
+                   f"{describe_owner(owner)}. The panel shows it but never stops it.")
+            # after a crash, what happened stays first (the port may still be closing a moment after the exit)
+            st.message = f"{st.message} {ext}" if st.state == CRASHED and st.message else ext
         return st
 
     def snapshot(self) -> EngineStatus | None:
@@ -1040,8 +1080,10 @@ class Supervisor:
             plan_path=(rec.get("files") or {}).get("plan"),
         )
         if not alive and not stopping:
-            ex = self._read_exit_file(rec.get("keeper_pid"))
-            st.message = "The engine started earlier is no longer running" + (f" ({ex.words()})." if ex else ".")
+            ex, crash = self.explain_dead(rec)
+            st.message = (f"The engine started earlier (pid {rec.get('pid')}) ended while no panel was watching "
+                          f"({ex.words()}).")
+            st.last_failure = crash.to_dict()
         return st
 
     def _status_of(self, h: _Handle, state: str, message: str) -> EngineStatus:
@@ -1078,11 +1120,24 @@ class Supervisor:
         if plan is None:
             plan, pnotes = self._default_plan(eng.name)
             notes.extend(pnotes)
+        refused = plan.get("refused") if plan else None
         b = self.binding(refresh=True)
         workdir = self.runs_dir / eng.name
         ensure_private_dir(workdir)
-        spec = eng.build_launch(self.settings, plan, workdir)
+        # A refused plan: the engines will not build a launch from it, but the dry run still shows every command
+        # (built from the plan's terms as they are) under the refusal, which `dsv41 start` would stop at.
+        spec = eng.build_launch(self.settings, {**plan, "refused": None} if refused else plan, workdir)
+        if refused and spec.files.get("plan"):
+            atomic_write_json(Path(spec.files["plan"]), plan)    # the file keeps the refusal: it never starts
         notes.extend(f"WARNING: {p}" for p in _preflight(eng, spec))
+        own = self._own_running_record()
+        if own is not None:
+            if own.get("engine") == eng.name:
+                notes.append(f"{engine_words(eng.name, True)} is already running (pid {own.get('pid')}, port "
+                             f"{own.get('port')}): `dsv41 start` would re-attach to it instead of starting another.")
+            else:
+                msg, fix = running_conflict(own, eng.name)
+                notes.insert(0, f"`dsv41 start` would refuse now: {msg} {fix}")
         steps: list[tuple[str, list[str] | str, str]] = []
         for a in b.attempts:
             steps.append((f"probe binding {a.strategy}", a.command,
@@ -1092,8 +1147,17 @@ class Supervisor:
         if b.note:
             notes.append(b.note)
         free = port_free(spec.host, spec.port)
+        if free:
+            port_note = "free now"
+        elif own is not None and own.get("port") == spec.port:
+            port_note = (f"held now by the panel's own engine: {own.get('label') or engine_words(own.get('engine'))} "
+                         f"(pid {own.get('pid')}, started by this panel or `dsv41 start`) — not a conflict: "
+                         + ("a start re-attaches to it" if own.get("engine") == eng.name else
+                            "stop it first (`dsv41 stop`) to start this engine"))
+        else:
+            port_note = f"IN USE now by {describe_owner(port_owner(spec.host, spec.port))}"
         steps.append((f"check that {spec.host}:{spec.port} is free", ["ss", "-ltnp", f"sport = :{spec.port}"],
-                      "free now" if free else f"IN USE now by {describe_owner(port_owner(spec.host, spec.port))}"))
+                      port_note))
         keeper = [sys.executable, "-I", "-S", str(KEEPER), "--log", str(self.log_path), "--exit-file",
                   str(self.exit_path), "--max-bytes", str(self.log_max_bytes), "--backups", str(self.log_backups),
                   "--"]
@@ -1106,7 +1170,17 @@ class Supervisor:
         steps.append((f"stop: SIGTERM to the group, {self.grace_s:.0f} s grace, then SIGKILL",
                       f"kill -TERM -<pgid>; sleep {self.grace_s:.0f}; kill -KILL -<pgid>", ""))
         return DryRun(eng.name, spec.label or eng.label, spec.simulated, steps, spec.masked_env(),
-                      dict(spec.files), b, notes)
+                      dict(spec.files), b, notes, refused)
+
+    def _own_running_record(self) -> dict[str, Any] | None:
+        """The state file's record when it names a live engine this panel (or `dsv41 start`) started."""
+        with self._lock:
+            h = self._handle
+        rec = self._read_state_file()
+        if rec and rec.get("keeper_pid") and (h is not None and h.keeper_pid == rec.get("keeper_pid")
+                                              or record_alive(rec)):
+            return rec
+        return None
 
     # -- run / watch -----------------------------------------------------------------------------------------
     def run(self, engine: str | Engine | None = None, plan: dict[str, Any] | None = None, *,
@@ -1241,13 +1315,10 @@ class Supervisor:
                     pass
             if left:
                 psutil.wait_procs(left, timeout=3)
-        ex = self._read_exit_file(rec.get("keeper_pid")) or ExitInfo(None, None, None, "unknown")
         if rec.get("state") == STOPPING or rec.get("stop_requested"):
             self._write_state_file(None, STOPPED, engine=rec.get("engine"), message="stopped")
             return
-        tail = read_log_tail(self.log_path, 64_000)[-200:]
-        hint = classify_exit(eng, ex, tail)
-        crash = Crashed(hint.cause, hint.title, hint.fix, ex.returncode, ex.signal, tail[-20:])
+        ex, crash = self.explain_dead(rec, eng)
         self.last_failure = crash
         msg = (f"The engine started earlier (pid {rec.get('pid')}) ended while no panel was watching "
                f"({ex.words()}); cleaned up.")
@@ -1255,6 +1326,20 @@ class Supervisor:
         yield Note(msg, "warning")
         yield from _emit(self._set_state(CRASHED, msg))
         yield crash
+
+    def explain_dead(self, rec: dict[str, Any], eng: Engine | None = None) -> tuple[ExitInfo, Crashed]:
+        """How the engine a state file names ended, classified like a crash the panel watched (cause in plain words
+        and the fix): the one code path behind a panel's clean-up, ``dsv41 stop`` and ``dsv41 status``."""
+        if eng is None or eng.name != rec.get("engine"):
+            try:
+                eng = self.resolve_engine(rec.get("engine") or "sim")
+            except Exception:  # an unknown engine name: the generic signatures still apply
+                eng = None
+        ex = self._read_exit_file(rec.get("keeper_pid")) or ExitInfo(None, None, None, "unknown")
+        tail = read_log_tail(self.log_path, 64_000)[-200:]
+        hint = classify_exit(eng, ex, tail)
+        return ex, Crashed(hint.cause, hint.title, hint.fix, ex.returncode, ex.signal,
+                           [ln for ln in tail if not ln.startswith("[dsv41")][-20:])
 
     # -- start -------------------------------------------------------------------------------------------------
     def _start_once(self, eng: Engine, plan: dict[str, Any] | None, restart: bool = False) -> Iterator[Event]:
@@ -1292,10 +1377,16 @@ class Supervisor:
                 h = yield from self._launch(eng, plan, restart)
                 if h is None:
                     return "failed"
-        if h is None:       # ours already runs (started by `dsv41 start` or another panel): use it
+        if h is None:       # ours already runs (started by `dsv41 start` or another panel)
             rec = self._read_state_file() or {}
-            yield Note(f"The engine is already running (pid {rec.get('pid')}); attaching to it instead of "
-                       "starting another.")
+            if rec.get("engine") and rec.get("engine") != eng.name:
+                # another engine: never attach to it as if it were the one asked for, never start a second one
+                msg, fix = running_conflict(rec, eng.name)
+                yield from self._fail("engine_running", msg, fix)
+                return "failed"
+            yield Note(f"{engine_words(eng.name, True)} is already running (pid {rec.get('pid')}, port "
+                       f"{rec.get('port')}); attaching to it instead of starting another — starting the same "
+                       "engine again re-attaches; `dsv41 stop` stops it.")
             h = yield from self._attach()
             if h is None:
                 return "failed"

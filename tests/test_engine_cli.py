@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from engine_manager import hardware
 from engine_manager import supervisor as sv
 from engine_manager.settings import load_settings
 from supervisor_helpers import listening, live_group, wait_until
@@ -54,11 +55,22 @@ def test_start_status_logs_stop_round_trip(port):
     pid, pgid = st["pid"], st["pgid"]
     assert psutil.pid_exists(pid) and os.getsid(pid) == pgid != os.getsid(0)
     logs = dsv41("logs", "-n", "50").stdout
-    assert "READY" in logs and "(masked)" in logs
+    key = load_settings().settings.api_key
+    assert "READY" in logs and "--api-key-file" in logs and key not in logs     # the key is in a 0600 file
     # a second start says it is already running and starts nothing new
     again = dsv41("start")
     assert again.returncode == 0 and "already running" in again.stdout
     assert status()["pid"] == pid
+    # another engine is refused, naming what runs and where and how to stop it (exit 1, nothing attached)
+    other = dsv41("start", "--engine", "llamacpp")
+    assert other.returncode == 1, other.stdout + other.stderr
+    assert (f"The scripted engine (simulated) is already running on port {port}" in other.stdout
+            and "llama.cpp was not started" in other.stdout and "dsv41 stop" in other.stdout)
+    assert "re-attached" not in other.stdout and status()["pid"] == pid
+    # a dry run names the port's holder as the panel's own engine, not a conflict
+    dry = dsv41("start", "--dry-run")
+    assert dry.returncode == 0 and "held now by the panel's own engine" in dry.stdout
+    assert "IN USE now" not in dry.stdout
     stop = dsv41("stop")
     assert stop.returncode == 0 and "Stopped" in stop.stdout
     assert wait_until(lambda: not live_group(pgid) or all(p.status() == psutil.STATUS_ZOMBIE
@@ -73,7 +85,7 @@ def test_dry_run_prints_every_command_and_starts_nothing(port):
     assert cp.returncode == 0, cp.stderr
     out = cp.stdout
     assert "probe binding numactl-preferred" in out and "numactl --cpunodebind=0 --preferred=0 true" in out
-    assert "engine_manager.sim" in out and "keeper.py" in out and "(masked)" in out
+    assert "engine_manager.sim" in out and "keeper.py" in out and "--api-key-file" in out
     assert "export PYTHONPATH=" in out and "one NUMA node" in out
     settings = json.loads((Path(os.environ["DSV41_CONFIG_DIR"]) / "settings.json").read_text())
     assert settings["api_key"] not in out
@@ -140,3 +152,51 @@ def test_binding_command_explains_one_node():
 def test_logs_without_any_engine_says_so():
     cp = dsv41("logs")
     assert cp.returncode == 0 and "No engine log yet" in cp.stderr
+
+
+def test_status_after_an_unattended_crash_explains_it_like_stop(port):
+    assert dsv41("start").returncode == 0
+    pid = status()["pid"]
+    os.kill(pid, signal.SIGKILL)                       # e.g. the OOM killer, while no panel watches
+    assert wait_until(lambda: not sv._alive(pid), timeout=10)
+    st = dsv41("status")
+    assert st.returncode == 0 and "crashed" in st.stdout
+    assert "killed by signal 9" in st.stdout and "ended while no panel was watching" in st.stdout
+    title = next(ln for ln in st.stdout.splitlines() if ln.startswith("last failure:")).split(":", 1)[1].strip()
+    fix = next(ln for ln in st.stdout.splitlines() if ln.startswith("what to do:")).split(":", 1)[1].strip()
+    assert "out-of-memory" in title and "journalctl" in fix
+    stop = dsv41("stop")                                # the clean-up says the very same
+    assert f"CRASHED: {title}" in stop.stdout and f"what to do: {fix}" in stop.stdout
+
+
+def test_dry_run_with_a_refused_plan_prints_the_commands_under_the_refusal(port):
+    if hardware.probe(Path("/tmp")).has_gpu:
+        pytest.skip("Strata's plan is refused here only without a GPU")
+    cp = dsv41("start", "--engine", "strata", "--dry-run")
+    assert cp.returncode == 3, cp.stdout + cp.stderr          # the start would be refused
+    out = cp.stdout
+    assert out.splitlines()[1].startswith("# REFUSED") and "no GPU to plan for" in out
+    assert "keeper.py" in out and "serve/server.py" in out and "--config" in out and "numactl" in out
+    assert "export STRATA_API_KEY=" in out and "(masked)" in out and "/health" in out
+    settings = json.loads((Path(os.environ["DSV41_CONFIG_DIR"]) / "settings.json").read_text())
+    assert settings["api_key"] not in out and not listening(port)
+
+
+def test_logs_follow_exits_130_on_ctrl_c(port):
+    log = sv.Supervisor(load_settings().settings).log_path
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("[dsv41] an earlier line\n")
+    p = subprocess.Popen([sys.executable, "-m", "engine_manager", "logs", "-f"], cwd=str(ROOT),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "an earlier line" in p.stdout.readline()
+        with open(log, "a") as f:
+            f.write("a new line\n")
+        assert "a new line" in p.stdout.readline()           # following
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=20)
+        assert p.returncode == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

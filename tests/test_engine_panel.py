@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 from pathlib import Path
 
 import psutil
@@ -14,9 +16,10 @@ from PySide6.QtWidgets import QApplication
 from app.context import AppContext
 from app.engine_panel import EnginePanel
 from app.log_view import LogView
+from app.statusbar import LiveStatusBar
 from engine_manager import hardware
 from engine_manager import supervisor as sv
-from engine_manager.settings import load_settings
+from engine_manager.settings import load_settings, save_settings
 from supervisor_helpers import listening, live_group, wait_until
 
 _HW = None
@@ -99,13 +102,28 @@ def test_crash_banner_says_cause_and_fix(qtbot, port, monkeypatch):
 
 def test_sigkill_shows_oom_banner_and_auto_restart_recovers(qtbot, port):
     ctx, panel, _ = make_panel(qtbot)
+    bar = LiveStatusBar(ctx)
+    qtbot.addWidget(bar)
+    panel.sup.backoff_base_s = 2.0                  # a countdown long enough to look at
     assert panel.auto_restart.isChecked()
     with qtbot.waitSignal(ctx.engineReady, timeout=30_000):
         panel.start()
+        # the status bar follows the badge at once (it said "engine: stopped" under "Starting…")
+        assert panel.badge.text() == "Starting…" and bar.engine_label.text() == "engine: starting…"
+    assert panel.badge.text() == "Ready" and bar.engine_label.text() == "engine: ready"
     pid = panel.sup.snapshot().pid
     os.kill(pid, signal.SIGKILL)
-    qtbot.waitUntil(lambda: panel.banner.isVisible(), timeout=5_000)
+    qtbot.waitUntil(lambda: panel.banner.isVisible() and panel.phase.text().startswith("Restarting in"),
+                    timeout=5_000)
     assert "out-of-memory killer" in panel.banner.title.text() and "journalctl" in panel.banner.fix.text()
+    assert panel.badge.text() == "Restarting…" and bar.engine_label.text() == "engine: restarting…"
+    # one countdown (the phase line, from the supervisor's Restarting events); the banner carries no second,
+    # drifting figure of the time left
+    assert not re.search(r"\d+(\.\d+)? s\b", panel.banner.extra.text()), panel.banner.extra.text()
+    assert "restarts it automatically" in panel.banner.extra.text()
+    first = float(re.search(r"Restarting in ([\d.]+) s", panel.phase.text()).group(1))
+    qtbot.waitUntil(lambda: "Restarting in" in panel.phase.text() and
+                    float(re.search(r"in ([\d.]+) s", panel.phase.text()).group(1)) < first, timeout=5_000)
     qtbot.waitUntil(lambda: panel.badge.text() == "Ready" and panel.sup.snapshot() is not None
                     and panel.sup.snapshot().pid != pid, timeout=30_000)
     assert not panel.banner.isVisible()
@@ -161,7 +179,7 @@ def test_dry_run_dialog_is_copyable_and_masks_the_key(qtbot, port):
     qtbot.mouseClick(panel.dry_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: getattr(panel, "last_dry_run", None) is not None, timeout=30_000)
     text = panel.last_dry_run.text.toPlainText()
-    assert "engine_manager.sim" in text and "(masked)" in text and ctx.settings.api_key not in text
+    assert "engine_manager.sim" in text and "--api-key-file" in text and ctx.settings.api_key not in text
     assert "--cpunodebind" in text or "taskset" in text
     panel.last_dry_run.findChild(type(panel.start_button), "dryRunCopy").click()
     assert QApplication.clipboard().text() == text
@@ -176,3 +194,49 @@ def test_menu_actions_and_shortcuts(qtbot, port):
     assert acts["actionStart"].shortcut().toString() == "Ctrl+R"
     assert acts["actionStop"].shortcut().toString() == "Ctrl+."
     assert acts["actionStart"].isEnabled() and not acts["actionStop"].isEnabled()
+
+
+def test_starting_another_engine_while_one_runs_says_what_runs_and_where(qtbot, port):
+    ctx, panel, _ = make_panel(qtbot)
+    panel.poll_timer.stop()               # the idle poll would re-attach first; this is the click that beats it
+    other = sv.Supervisor(load_settings().settings, hardware=hw())
+    for _ in other.run("sim", watch=False):      # `dsv41 start` in a terminal: the scripted engine runs
+        pass
+    pid = other.status(check_health=False).pid
+    assert pid and psutil.pid_exists(pid)
+    panel.engine_box.setCurrentIndex(panel.engine_box.findData("llamacpp"))
+    qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: panel.banner.isVisible() and "already running" in panel.banner.title.text(),
+                    timeout=30_000)
+    title = panel.banner.title.text()
+    assert "scripted engine (simulated) is already running" in title and f"port {port}" in title
+    assert f"pid {pid}" in title and "llama.cpp was not started" in title
+    assert "Press Stop above" in panel.banner.fix.text() and "dsv41 stop" in panel.banner.fix.text()
+    # the panel then shows the engine that runs (so Stop is at hand), and keeps saying why llama.cpp did not start
+    qtbot.waitUntil(lambda: panel.badge.text() == "Ready" and panel.sup.snapshot() is not None
+                    and panel.sup.snapshot().pid == pid, timeout=30_000)
+    assert panel.banner.isVisible() and "already running" in panel.banner.title.text()
+    assert panel.start_button.text() == "Stop" and "SIMULATED" in panel.details.text()
+    panel.stop()
+    qtbot.waitUntil(lambda: panel.badge.text() == "Stopped" and idle(panel), timeout=30_000)
+    assert wait_until(lambda: not sv._alive(pid), timeout=5) and not listening(port)
+
+
+def test_port_in_use_fix_points_to_the_settings_dialog(qtbot, port, monkeypatch):
+    monkeypatch.delenv("DSV41_PORT")
+    save_settings(load_settings(), {"port": port})      # the port from the settings file, as a user sets it
+    ctx, panel, _ = make_panel(qtbot)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    try:
+        panel.start()
+        qtbot.waitUntil(lambda: panel.banner.isVisible() and idle(panel), timeout=30_000)
+        assert f"Port {port} is in use by pid {os.getpid()}" in panel.banner.title.text()
+        fix = panel.banner.fix.text()
+        assert "File ▸ Settings… → Port" in fix and "is free now" in fix
+        assert "From a terminal: `dsv41 settings set port" in fix            # the CLI way still said, second
+        assert fix.index("File ▸ Settings") < fix.index("dsv41 settings set port")
+    finally:
+        s.close()

@@ -97,6 +97,18 @@ def test_argv_from_plan_keeps_cpu_layers_in_ram(tmp_path, fake_server, tiny):
     assert "2/4 MoE layers" in spec.label
 
 
+def test_label_on_a_cpu_only_build_says_every_layer_is_in_ram(tmp_path, fake_server, tiny):
+    """The pip build ships libggml-cpu + libggml-base only: no plan (no GPU) must not read "0 expert layer(s) in
+    RAM", and a plan's GPU layers cannot be on a GPU there either."""
+    for lib in ("libggml-cpu.so", "libggml-base.so"):
+        (fake_server.parent / lib).write_bytes(b"")
+    s = settings_for(DSV41_LLAMA_SERVER=fake_server, DSV41_LLAMACPP_MODEL=tiny)
+    for plan in (None, {"model": {"moe_layers": [0, 1, 2, 3]}, "llamacpp_cpu_layers": [3]}):
+        spec = ENGINE.build_launch(s, plan, tmp_path / "run")
+        assert "CPU-only build: every layer in RAM" in spec.label, spec.label
+        assert "0 expert layer" not in spec.label and "1/4" not in spec.label
+
+
 def test_argv_without_cpu_layers_has_no_override(tmp_path, fake_server, tiny):
     s = settings_for(DSV41_LLAMA_SERVER=fake_server, DSV41_LLAMACPP_MODEL=tiny)
     spec = ENGINE.build_launch(s, {"llamacpp_cpu_layers": []}, tmp_path)

@@ -14,9 +14,11 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 
 from engine_manager.engines import get_engine
@@ -508,7 +510,9 @@ def test_dsv41_sim_runs_in_the_foreground(tmp_path):
                          start_new_session=True)
     try:
         first = p.stdout.readline()
-        assert "SIMULATED" in first and f":{port}" in first and "…" in first       # key shown masked
+        assert "SIMULATED" in first and f":{port}" in first and "the panel's API key" in first
+        settings_key = json.loads((Path(os.environ["DSV41_CONFIG_DIR"]) / "settings.json").read_text())["api_key"]
+        assert settings_key not in first and settings_key[-6:] not in first     # not even a part of it
         for line in p.stdout:
             if line.startswith("READY"):
                 break
@@ -522,7 +526,10 @@ def test_dsv41_sim_runs_in_the_foreground(tmp_path):
             taken = s.getsockname()[1]
             out = subprocess.run([*argv[:4], "--port", str(taken)], env=env, capture_output=True, text=True,
                                  timeout=30)
-        assert out.returncode == 2 and f"port {taken}" in out.stdout + out.stderr
+        text = out.stdout + out.stderr
+        assert out.returncode == 2 and f"port {taken} on 127.0.0.1 is in use by pid {os.getpid()}" in text
+        assert "what to do" in out.stdout and "usage:" not in out.stderr               # plain words, no usage dump
+        assert settings_key not in text and "API key" not in text   # the key has nothing to do with a taken port
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -549,3 +556,68 @@ def test_anthropic_messages_thinking_then_text(sims):
     r = httpx.post(sp.url("/v1/messages"), json={"messages": [{"role": "user", "content": "x"}]},
                    headers={"x-api-key": sp.api_key})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_the_key_comes_from_a_0600_file_never_the_command_line(sims, tmp_path):
+    sp = sims("--speed", "20").wait_ready()
+    cmd = psutil.Process(sp.proc.pid).cmdline()
+    assert sp.api_key not in " ".join(cmd) and "--api-key" not in cmd
+    key_file = Path(cmd[cmd.index("--api-key-file") + 1])
+    assert key_file.read_text().strip() == sp.api_key and (key_file.stat().st_mode & 0o777) == 0o600
+    with httpx.Client() as c:           # the key read from the file is the one enforced
+        assert c.get(sp.url("/v1/models")).status_code == 401
+        assert c.get(sp.url("/v1/models"), headers=sp.headers).status_code == 200
+    # a missing or empty key file is refused at start, in plain words (exit 2)
+    empty = tmp_path / "empty-key"
+    empty.write_text("\n")
+    for path, words in ((tmp_path / "nope", "cannot read"), (empty, "holds no key")):
+        bad = sims("--api-key-file", str(path), api_key="")
+        assert bad.wait_exit(20) == 2
+        assert f"--api-key-file: {words}" in bad.log_text or words in bad.log_text
+
+
+def test_sim_help_describes_every_option():
+    import subprocess
+    import sys
+
+    from engine_manager.sim.__main__ import build_parser
+
+    missing = [a.option_strings for a in build_parser()._actions if a.option_strings and not a.help]
+    assert missing == []
+    out = subprocess.run([sys.executable, "-m", "engine_manager", "sim", "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert "fault: SIGKILL itself after N generated tokens" in out and "--api-key-file FILE" in out
+    assert "default: the panel's port setting" in out              # dsv41 sim's own defaults are said
+
+
+def _sentences(text: str) -> list[str]:
+    import re
+    return [x.strip() for x in re.split(r"(?<=[.!?])\s+", text) if x.strip()]
+
+
+def test_scripted_replies_do_not_repeat_a_sentence(sims):
+    from engine_manager.sim import corpus
+
+    for i in range(300):
+        q = f"question number {i} about experts"
+        r, a = corpus.script(q)
+        for text in ("".join(r), "".join(a)):
+            sent = _sentences(text)
+            assert len(sent) == len(set(sent)), (q, sent)
+        assert corpus.script(q) == (r, a)                          # deterministic per question
+    _, long = corpus.script("benchmark", reasoning=False, reply_tokens=600)
+    sent = _sentences("".join(long))
+    assert len(long) == 600 and all(x != y for x, y in zip(sent, sent[1:]))
+    assert len(set(sent[:len(corpus.ANSWER)])) == len(corpus.ANSWER)     # every sentence once before any again
+    # and through the real server: answers differ per question and repeat nothing
+    sp = sims("--speed", "50").wait_ready()
+    seen = set()
+    with httpx.Client(timeout=60) as c:
+        for q in ("hi", "hello", "Tell me about offload", "what is NUMA?", "why PCIe"):
+            r = c.post(sp.url("/v1/chat/completions"), headers=sp.headers,
+                       json={"messages": [{"role": "user", "content": q}], "max_tokens": 400, "stream": False})
+            text = r.json()["choices"][0]["message"]["content"]
+            sent = _sentences(text)
+            assert len(sent) == len(set(sent)), sent
+            seen.add(text)
+    assert len(seen) == 5

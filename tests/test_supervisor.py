@@ -147,6 +147,13 @@ def test_start_ready_chat_stop_leaves_nothing(port):
     engine = psutil.Process(pid)
     assert os.getpgid(pid) == pgid and os.getsid(pid) == pgid != os.getsid(0)     # own session and group
     assert "engine_manager.sim" in " ".join(engine.cmdline())
+    # the key is on no command line (`ps` shows those to every local user): not the engine's, not its keeper's
+    key = load_settings().settings.api_key
+    keeper = psutil.Process(st.keeper_pid)
+    for proc in (engine, keeper):
+        assert key not in " ".join(proc.cmdline()) and "--api-key-file" in proc.cmdline()
+    key_file = Path(engine.cmdline()[engine.cmdline().index("--api-key-file") + 1])
+    assert key_file.read_text().strip() == key and stat.S_IMODE(key_file.stat().st_mode) == 0o600
     assert sorted(engine.cpu_affinity()) == sorted(sv.Supervisor(load_settings().settings,
                                                                   hardware=hw()).binding().cpus)
     # one chat request answered
@@ -179,7 +186,7 @@ def test_dry_run_lists_every_command_with_the_key_masked(port):
     dr = sup.dry_run(sim_engine())
     text = dr.render()
     key = load_settings().settings.api_key
-    assert key not in text and "(masked)" in text
+    assert key not in text and "--api-key-file" in text
     assert "numactl --cpunodebind=0 --preferred=0 true" in text or "taskset" in text
     assert "keeper.py" in text and "engine_manager.sim" in text and f"--port {port}" in text
     assert "export PYTHONPATH=" in text
@@ -440,10 +447,14 @@ def test_killed_panel_with_dead_engine_is_cleaned_up(port):
     os.kill(pid, signal.SIGKILL)                       # the engine dies while no panel watches
     assert wait_until(lambda: not sv._alive(pid), timeout=5)
     sup = make()
-    assert sup.status(check_health=False).state == "crashed"
+    before = sup.status(check_health=False)         # what `dsv41 status` shows before anyone cleaned up
+    assert before.state == "crashed" and "while no panel was watching" in before.message
     evs, st = drain(sup.watch())
     crash = kinds(evs, "crashed")[0]
     assert crash.cause == "oom_killed"
+    # the same classified explanation (cause + fix) as the clean-up gives, not just "killed by signal 9"
+    assert before.last_failure["cause"] == "oom_killed"
+    assert (before.last_failure["title"], before.last_failure["fix"]) == (crash.title, crash.fix)
     assert any(e.kind == "note" and "while no panel was watching" in e.text for e in evs)
     rec = json.loads((paths.data_dir() / sv.STATE_FILE).read_text())
     assert rec["state"] == "crashed" and "keeper_pid" not in rec and rec["last_failure"]["cause"] == "oom_killed"
@@ -550,3 +561,56 @@ def test_read_log_tail_returns_the_newest_lines(tmp_path):
     log.write_text("".join(f"new {i}\n" for i in range(10)))
     lines = sv.read_log_tail(log, max_bytes=200)
     assert lines[-1] == "new 9" and lines[0].startswith("old") and len("\n".join(lines)) <= 200
+
+
+# -- one engine at a time ------------------------------------------------------------------------------------
+
+def test_another_engine_is_refused_while_one_runs_and_the_same_one_reattaches(port):
+    """`dsv41 start --engine X` while the panel's engine Y runs: refused in plain words naming what runs and where
+    (never attached to Y as if it were X); starting Y again re-attaches. A dry run names the port's holder as the
+    panel's own engine, not a conflict."""
+    sup = make()
+    evs, st = drain(sup.run(sim_engine(), watch=False))
+    assert st.state == "ready"
+    pid = st.pid
+
+    class Other(type(sim_engine())):
+        name = "strata"                 # another engine kind (its launch is never reached)
+
+    evs, st2 = drain(make().run(Other(), plan={}))        # (a refused plan would be said first)
+    failed = kinds(evs, "failed")
+    assert failed and failed[0].cause == "engine_running", [e.to_dict() for e in evs]
+    msg = failed[0].message
+    assert "scripted engine (simulated) is already running" in msg and f"port {port}" in msg
+    assert f"pid {pid}" in msg and "Strata was not started" in msg
+    assert "dsv41 stop" in failed[0].fix and "re-attaches" in failed[0].fix
+    assert not kinds(evs, "attached") and not kinds(evs, "ready")
+    assert sup.status().pid == pid and sv._alive(pid)                     # the running one is untouched
+    # a dry run: the port is held by the panel's own engine, named — not "IN USE by pid … engine_manager.sim"
+    text = make().dry_run(sim_engine()).render()
+    assert "held now by the panel's own engine" in text and "IN USE now" not in text
+    assert "would re-attach" in text
+    other = make().dry_run(Other()).render()
+    assert "`dsv41 start` would refuse now" in other and "dsv41 stop" in other
+    # the same engine again: re-attached, said so
+    evs, st3 = drain(make().run(sim_engine(), watch=False))
+    assert any(e.kind == "note" and "already running" in e.text and "re-attaches" in e.text for e in evs)
+    assert kinds(evs, "ready")[0].attached and st3.pid == pid
+    pgid = st.pgid
+    drain(sup.stop())
+    assert_gone(pgid, port)
+
+
+def test_dry_run_with_a_refused_plan_still_prints_every_command(port):
+    plan, _ = make()._default_plan("sim")
+    refused = dict(plan, refused="RAM cannot hold the minimum layout: it needs 251.6 GB, the host has 25 GB.")
+    dr = make().dry_run(sim_engine(), plan=refused)
+    text = dr.render()
+    lines = text.splitlines()
+    assert lines[1].startswith("# REFUSED") and "RAM cannot hold the minimum layout" in text   # said at the top
+    assert dr.refused == refused["refused"] and dr.to_dict()["refused"] == refused["refused"]
+    assert "keeper.py" in text and "engine_manager.sim" in text and "/health" in text and "kill -TERM" in text
+    assert "probe binding" in text and f"sport = :{port}" in text
+    # the generated plan file keeps the refusal: the printed command, run by hand, refuses too
+    assert json.loads(Path(dr.files["plan"]).read_text())["refused"] == refused["refused"]
+    assert not listening(port)

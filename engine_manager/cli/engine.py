@@ -29,13 +29,15 @@ def register(sub) -> None:
     p = sub.add_parser("start", help="start the engine and wait until it is ready",
                        description="Start the engine (bound to the GPU's NUMA node), wait until it answers, then "
                                    "return and leave it running; `dsv41 stop` stops it. Without a GPU the scripted "
-                                   "engine (simulated) is started. Exit 0 ready (or already running), 1 failed, "
-                                   "3 placement refused, 130 interrupted (the engine is then stopped).")
+                                   "engine (simulated) is started. Starting the engine that already runs "
+                                   "re-attaches to it; another engine running is refused (stop it first). Exit 0 "
+                                   "ready (or already running), 1 failed (or another engine runs), 3 placement "
+                                   "refused, 130 interrupted (the engine is then stopped).")
     p.add_argument("--engine", choices=ENGINE_NAMES + ("mock",),
                    help="which engine (default: the engine setting; auto = strata with a GPU, else sim)")
     p.add_argument("--dry-run", action="store_true",
                    help="print every command that would run (binding probes, engine command, environment with "
-                        "the key masked) and start nothing")
+                        "the key masked) and start nothing; exit 3 when the plan is refused (said at the top)")
     p.add_argument("--foreground", action="store_true",
                    help="stay attached: print the engine log, restart after crashes, stop on Ctrl+C")
     p.add_argument("--json", action="store_true", help="print the events as JSON lines")
@@ -57,7 +59,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("logs", help="print (or follow) the engine log",
                        description="The engine's log (size-rotated: engine.log, engine.log.1 …; secrets masked).")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl+C")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl+C (exit 130)")
     p.add_argument("-n", "--lines", type=int, default=200, help="how many of the last lines (default 200; 0 = all "
                                                                  "of the current file)")
     p.add_argument("--path", action="store_true", help="print the log file's path only")
@@ -182,7 +184,7 @@ def run_start(args, ctx) -> int:
             print(json.dumps(dr.to_dict(), indent=2, default=str))
         else:
             print(dr.render(), end="")
-        return EXIT_OK
+        return EXIT_REFUSED if dr.refused else EXIT_OK
     printer = Printer(json_lines=args.json, show_log=args.foreground)
     result = None
     failed: sv.StartFailed | None = None
@@ -268,22 +270,23 @@ def run_logs(args, ctx) -> int:
         print(f"No engine log yet ({path}); it appears once the engine was started.", file=sys.stderr)
         if not args.follow:
             return EXIT_OK
+    # following: start at the end *before* printing the tail, so a line written meanwhile is not lost
+    tail = sv.LogTail(path, None) if args.follow else None
     lines = sv.read_log_tail(path)
     if args.lines > 0:
         lines = lines[-args.lines:]
     for ln in lines:
         print(ln)
     sys.stdout.flush()
-    if not args.follow:
+    if tail is None:
         return EXIT_OK
-    tail = sv.LogTail(path, None)
     try:
         while True:
             for ln in tail.read():
                 print(ln, flush=True)
             time.sleep(0.2)
     except KeyboardInterrupt:
-        return EXIT_OK
+        return EXIT_INTERRUPTED
     finally:
         tail.close()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..settings import mask_secret
 from ..sim.__main__ import build_parser, main as sim_main
 
 _SKIP = {"help", "func", "command"}
@@ -17,9 +16,14 @@ _SKIP = {"help", "func", "command"}
 
 def register(sub) -> None:
     parent = build_parser(add_help=False)
+    panel_default = {"host": "address to listen on (default: the panel's host setting)",
+                     "port": "port to listen on (default: the panel's port setting); in use: exit 2",
+                     "api_key": "require this key on all but /health (default: the panel's api_key setting, so "
+                                "the panel's chat and monitor can talk to it)"}
     for action in parent._actions:          # host/port/key default to the settings (filled in run())
-        if action.dest in ("host", "port", "api_key"):
+        if action.dest in panel_default:
             action.default = None
+            action.help = panel_default[action.dest]
     p = sub.add_parser("sim", parents=[parent], help="run the scripted engine (simulated) in the foreground",
                        description="Run the scripted engine: Strata's HTTP endpoints on 127.0.0.1 with a modelled "
                                    "expert offload (every figure it reports is SIMULATED). Host, port and API key "
@@ -43,18 +47,38 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _key_words(args: argparse.Namespace, settings) -> str:
+    if args.api_key_file:
+        return f"the API key in {args.api_key_file}"
+    if not args.api_key:
+        return "no API key"
+    if args.api_key == settings.api_key:
+        return "the panel's API key (the api_key setting)"
+    return "the API key given with --api-key"
+
+
 def run(args, ctx) -> int:
+    from ..supervisor import describe_owner, port_free, port_owner, suggest_port
+
     s = ctx.settings
     if args.host is None:
         args.host = s.host
     if args.port is None:
         args.port = s.port
-    if args.api_key is None:
-        args.api_key = s.api_key
-    argv = to_argv(args)
+    if args.api_key is None and not args.api_key_file:
+        args.api_key = s.api_key        # in-process argv below: never on a command line `ps` shows
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"dsv41 sim: the scripted engine (SIMULATED) on http://{host}:{args.port} "
-          f"with API key {mask_secret(args.api_key) or '(none)'}; Ctrl-C stops it.", flush=True)
+    if args.port and not port_free(args.host, args.port):
+        alt = suggest_port(args.host, args.port)
+        print(f"dsv41 sim: port {args.port} on {args.host} is in use by "
+              f"{describe_owner(port_owner(args.host, args.port))}.", flush=True)
+        print("  what to do: stop that program, or use another port: "
+              + (f"`dsv41 sim --port {alt}` ({alt} is free now)" if alt else "`dsv41 sim --port <N>`")
+              + " — the panel talks to the port in its settings (`dsv41 settings set port <N>`).", flush=True)
+        return 2
+    argv = to_argv(args)
+    print(f"dsv41 sim: the scripted engine (SIMULATED) on http://{host}:{args.port} with "
+          f"{_key_words(args, s)}; Ctrl-C stops it.", flush=True)
     try:
         return int(sim_main(argv) or 0)
     except SystemExit as exc:       # argparse errors (port in use, bad flag) keep their exit code

@@ -158,6 +158,21 @@ class LlamaPlacement:
                 "predicted_hit_rate": self.predicted_hit_rate, "hit_rate": self.hit_rate()}
 
 
+def placement_words(p: LlamaPlacement) -> str:
+    """Where the experts live, for the engine's label: a CPU-only build holds every layer in RAM whatever the
+    plan says, so it says that rather than counting the plan's CPU layers."""
+    n_moe = len(p.moe_layers)
+    if p.gpu_backend is False:
+        return "CPU-only build: every layer in RAM"
+    if n_moe:
+        return f"{len(p.cpu_layers)}/{n_moe} MoE layers' experts in RAM"
+    if p.gpu_backend is None:
+        return (f"{len(p.cpu_layers)} expert layer(s) in RAM by the plan" if p.cpu_layers
+                else "no placement plan (llama.cpp fits the layers itself)")
+    return (f"{len(p.cpu_layers)} expert layer(s) in RAM" if p.cpu_layers
+            else "no placement plan (llama.cpp fits the layers itself)")
+
+
 @lru_cache(maxsize=8)
 def _gpu_backend(path: str, mtime: float) -> bool | None:
     p = Path(path)
@@ -522,9 +537,7 @@ class LlamaCppEngine(Engine):
         if "CUDA_VISIBLE_DEVICES" not in os.environ:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env["CUDA_VISIBLE_DEVICES"] = str(int(getattr(settings, "gpu_index", 0)))
-        n_moe = len(moe_layers)
-        where = (f"{len(cpu_layers)}/{n_moe} MoE layers' experts in RAM" if n_moe
-                 else f"{len(cpu_layers)} expert layer(s) in RAM")
+        where = placement_words(placement)
         files = {"api_key": str(key_file), "placement": str(placement_file), "model": str(model)}
         if plan:
             plan_file = workdir / "plan.json"

@@ -2,12 +2,15 @@
 server speaking Strata's endpoints, with a modelled offload. Everything it reports is simulated, and the label
 says so wherever a user can see it.
 
-Launch: ``<this python> -m engine_manager.sim --plan <workdir>/plan.json --host H --port N --api-key KEY`` plus
-the settings it models (slots, context, KV type, CPU numerics, VRAM reserve, default max_tokens). Extra sim
+Launch: ``<this python> -m engine_manager.sim --plan <workdir>/plan.json --host H --port N --api-key-file
+<workdir>/sim-api-key`` plus the settings it models (slots, context, KV type, CPU numerics, VRAM reserve, default max_tokens). Extra sim
 flags (fault switches, ``--speed``, ``--skew`` ...) can come from ``DSV41_SIM_ARGS`` in the environment, which the
 process inherits. Metrics and log lines are Strata's, so the Strata mapping is reused; the sim additionally
 reports swaps on HTTP (its ``sim`` block), which :meth:`SimEngine.poll` turns into ``swaps_total`` /
 ``swaps_per_s`` / ``swap_mb_s``.
+
+The key goes in a 0600 file (``--api-key-file``), as for llama.cpp: a command line is readable by every local user
+(``ps``, ``/proc/PID/cmdline``), and the keeper's command line carries the engine's after ``--``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_bytes, atomic_write_json
 from ..errors import PlacementRefused
 from .base import Engine, FailureHint, LaunchSpec, LogEvent, Readiness, Sample
 from .strata import (
@@ -49,13 +52,24 @@ def sim_env(base: dict[str, str] | None = None, sim_args: str = "") -> dict[str,
     return env
 
 
-def sim_argv(plan_path: str | None, host: str, port: int, api_key: str, extra: list[str] | None = None) -> list[str]:
+KEY_FILE = "sim-api-key"
+
+
+def write_key_file(path: Path, api_key: str) -> Path:
+    """The key in an owner-only (0600) file, for ``--api-key-file``."""
+    atomic_write_bytes(Path(path), (api_key + "\n").encode())
+    return Path(path)
+
+
+def sim_argv(plan_path: str | None, host: str, port: int, key_file: str | None,
+             extra: list[str] | None = None) -> list[str]:
+    """The sim's command line. The key is never on it: ``key_file`` names the 0600 file that holds it."""
     argv = [sys.executable, "-m", "engine_manager.sim"]
     if plan_path:
         argv += ["--plan", str(plan_path)]
     argv += ["--host", host, "--port", str(port)]
-    if api_key:
-        argv += [f"--api-key={api_key}"]
+    if key_file:
+        argv += ["--api-key-file", str(key_file)]
     return argv + list(extra or [])
 
 
@@ -99,8 +113,12 @@ class SimEngine(Engine):
                  "--kv", settings.kv_type, "--cpu-numerics", settings.cpu_numerics,
                  "--vram-reserve-mib", str(int(settings.vram_reserve_mib)),
                  "--default-max-tokens", str(int(settings.default_max_tokens))]
+        key_file = None
+        if settings.api_key:
+            key_file = write_key_file(workdir / KEY_FILE, settings.api_key)
+            files["api_key"] = str(key_file)
         argv = sim_argv(str(plan_path) if plan_path else None, settings.host, int(settings.port),
-                        settings.api_key, extra)
+                        str(key_file) if key_file else None, extra)
         return LaunchSpec(engine=self.name, argv=argv, host=settings.host, port=int(settings.port),
                           api_key=settings.api_key, env=sim_env(sim_args=getattr(settings, "sim_args", "")),
                           cwd=str(workdir),

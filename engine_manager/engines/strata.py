@@ -1,11 +1,16 @@
 """The deepseek-one-gpu / Strata engine behind the panel's interface (ENGINE_CONTRACT.md §2).
 
 Launch: ``<python> <engine>/serve/server.py --config <workdir>/strata-config.json --host 127.0.0.1 --port N
---api-key KEY --gpu G``. The config JSON is Strata's setup config (``exe`` = the native engine binary, ``args`` =
-its arguments: the model's first shard, then the engine flags the plan decides: ``--expert-cache``,
-``--expert-profile`` (the planner's STRP file), ``--vram-reserve-mib``, ``--batch``, ``--max-context``, ``--kv``,
-``--cpu-numerics``). The key goes on the command line as the contract's server takes it, never into the config
-file. The engine lives in ``settings.engine_dir`` (an unpacked release), else ``<cache_dir>/engine/<version>``.
+--gpu G`` with the key in the environment as ``STRATA_API_KEY``. The config JSON is Strata's setup config (``exe`` =
+the native engine binary, ``args`` = its arguments: the model's first shard, then the engine flags the plan
+decides: ``--expert-cache``, ``--expert-profile`` (the planner's STRP file), ``--vram-reserve-mib``, ``--batch``,
+``--max-context``, ``--kv``, ``--cpu-numerics``).
+
+The key: the contract names ``--api-key KEY``, but a command line is readable by every local user (``ps``), and the
+keeper's command line repeats the engine's. Strata's ``serve/server.py`` takes the same key from the environment:
+its ``--api-key`` defaults to ``$STRATA_API_KEY`` (Niko1221/Strata, ``serve/server.py`` ``main()``; an empty value
+there is refused, so it is only set when there is a key). The environment of a process is readable only by its
+owner and root. The key never goes into the config file either. The engine lives in ``settings.engine_dir`` (an unpacked release), else ``<cache_dir>/engine/<version>``.
 
 Readiness: in normal (eager) mode the server opens its port only after the engine printed READY, so *connection
 refused = still loading*; ``/health`` 200 with ``loaded`` true = ready.
@@ -44,6 +49,7 @@ from .base import (
 
 DEFAULT_RELEASE = "v0.1.0"                 # the guides' engine release (prebuilt for sm_120)
 CONFIG_NAME = "strata-config.json"
+KEY_ENV = "STRATA_API_KEY"        # what serve/server.py reads when --api-key is not given
 PROFILE_NAME = "expert-profile.strp"
 FIRST_SHARD = "DeepSeek-V4.1-Flash-Q2_K-00001-of-00007.gguf"
 ENGINE_BINARIES = ("bin/strata", "build/bin/strata", "build/strata", "strata", "bin/strata-engine")
@@ -495,10 +501,12 @@ class StrataEngine(Engine):
             atomic_write_json(plan_path, plan)
             files["plan"] = str(plan_path)
         argv = [self.python(edir), str(edir / "serve" / "server.py"), "--config", str(cfg_path),
-                "--host", settings.host, "--port", str(settings.port), "--api-key", settings.api_key,
-                "--gpu", str(settings.gpu_index)]
+                "--host", settings.host, "--port", str(settings.port), "--gpu", str(settings.gpu_index)]
+        env = {"PYTHONUNBUFFERED": "1"}
+        if settings.api_key:        # Strata's --api-key defaults to $STRATA_API_KEY: off the command line (ps)
+            env[KEY_ENV] = settings.api_key
         return LaunchSpec(engine=self.name, argv=argv, host=settings.host, port=int(settings.port),
-                          api_key=settings.api_key, env={"PYTHONUNBUFFERED": "1"}, cwd=str(edir),
+                          api_key=settings.api_key, env=env, cwd=str(edir),
                           files=files, simulated=False, label=self.label)
 
     # -- running -----------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ Serving:
                             (40 MoE layers x 384 experts, 6 used, 5,825 hot, 12.2 MiB per expert)
   --host ADDR --port N      where to listen (default 127.0.0.1:8090); a port in use -> exit 2 naming the port
   --api-key KEY             require Authorization: Bearer KEY or x-api-key: KEY on all but /health
+  --api-key-file FILE       the same key read from FILE (first line): keeps it off the command line, where `ps`
+                            shows it to every local user (the panel starts the sim this way)
   --slots N | --batch N     concurrent slots, 1..8 (default: the plan's settings.slots, else 1)
   --queue N                 requests that may wait for a slot before 409 model_busy (default 8)
   --max-context N           context per slot (default: the plan's, else 32768)
@@ -74,48 +76,79 @@ def build_parser(add_help: bool = True, prog: str = "python -m engine_manager.si
     p = argparse.ArgumentParser(prog=prog, add_help=add_help,
                                 description="The scripted engine (simulated): Strata's endpoints, a modelled "
                                             "expert offload, fault switches for tests.")
-    a = p.add_argument
-    a("--plan", help="plan JSON written by the planner")
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=8090)
-    a("--api-key", default="")
-    a("--slots", "--batch", dest="slots", type=int, default=None)
-    a("--queue", type=int, default=8)
-    a("--max-context", type=int, default=None)
-    a("--default-max-tokens", type=int, default=int(os.environ.get("DSV41_DEFAULT_MAX_TOKENS", "4096") or 4096))
-    a("--load-time", type=float, default=1.0)
-    a("--speed", type=float, default=1.0)
-    a("--reply-tokens", type=int, default=None)
-    a("--verbose", action="store_true")
-    a("--skew", default="reference")
-    a("--seed", type=int, default=41)
-    a("--routing-seed", type=int, default=None)
-    a("--initial-hot", choices=("auto", "plan", "ideal", "random"), default="auto")
-    a("--numa", choices=("bound", "unbound"), default="bound")
-    a("--expert-cache", default="auto")
-    a("--expert-profile", default=None)
-    a("--vram-reserve-mib", type=int, default=700)
-    a("--kv", choices=("int8", "q4_0", "k8v4", "fp16"), default=None)
-    a("--cpu-numerics", choices=("fork", "gpu"), default="fork")
-    a("--adapt-every", type=int, default=4)
-    a("--adapt-swaps", type=int, default=96)
-    a("--adapt-decay", type=float, default=0.7)
-    a("--dump-routing", default=None)
-    a("--gpu", type=int, default=0)
-    a("--lazy", action="store_true")
-    a("--config", default=None)
-    # faults
-    a("--never-ready", action="store_true")
-    a("--fail-bind", action="store_true")
-    a("--fail-at-load", choices=tuple(LOAD_FAILURES), default=None)
-    a("--sigkill-at-load", action="store_true")
-    a("--sigkill-after-tokens", type=int, default=None)
-    a("--die-after-tokens", type=int, default=None)
-    a("--die-code", type=int, default=1)
-    a("--stall-after-tokens", type=int, default=None)
-    a("--stall-s", type=float, default=0.0)
-    a("--error-after-tokens", type=int, default=None)
+    a = p.add_argument_group("serving").add_argument
+    a("--plan", metavar="FILE", help="the planner's plan JSON (default: the guides' reference layout)")
+    a("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default 127.0.0.1)")
+    a("--port", type=int, default=8090, metavar="N", help="port to listen on (default 8090); in use: exit 2")
+    a("--api-key", default="", metavar="KEY",
+      help="require this key (Bearer or x-api-key) on all but /health; visible in `ps` - prefer --api-key-file")
+    a("--api-key-file", default=None, metavar="FILE",
+      help="read the key from FILE (first line; keep it 0600): the key stays off the command line")
+    a("--slots", "--batch", dest="slots", type=int, default=None, metavar="N",
+      help="concurrent slots 1..8 (default: the plan's, else 1)")
+    a("--queue", type=int, default=8, metavar="N", help="requests that may wait for a slot before 409 (default 8)")
+    a("--max-context", type=int, default=None, metavar="N", help="context per slot (default: the plan's, else 32768)")
+    a("--default-max-tokens", type=int, default=int(os.environ.get("DSV41_DEFAULT_MAX_TOKENS", "4096") or 4096),
+      metavar="N", help="max_tokens when a request gives none (default 4096)")
+    a("--load-time", type=float, default=1.0, metavar="S", help="seconds of loading before the port opens (default 1)")
+    a("--speed", type=float, default=1.0, metavar="F",
+      help="run F times faster than modelled time (tests); reported figures stay modelled")
+    a("--reply-tokens", type=int, default=None, metavar="N",
+      help="every reply is exactly N tokens (or max_tokens if smaller): for benchmarks")
+    a("--verbose", action="store_true", help="log every HTTP request")
+    a = p.add_argument_group("offload model (engine_manager/sim/offload.py)").add_argument
+    a("--skew", default="reference", metavar="NAME",
+      help="routing skew: reference | mild | steep | flat | zm:S[,Q] (default reference: 0.90 hits at 37.9%% hot)")
+    a("--seed", type=int, default=41, metavar="N", help="seed of the routing distribution (default 41)")
+    a("--routing-seed", type=int, default=None, metavar="N",
+      help="seed of the routing draws (default: fresh each run, like real traffic)")
+    a("--initial-hot", choices=("auto", "plan", "ideal", "random"), default="auto",
+      help="how the VRAM hot set starts (default auto: the profile, else the plan's, else ideal)")
+    a("--numa", choices=("bound", "unbound"), default="bound",
+      help="unbound doubles the CPU experts' time (~53 instead of ~63 tok/s for 1 user)")
+    a = p.add_argument_group("Strata's engine flags (accepted and modelled)").add_argument
+    a("--expert-cache", default="auto", metavar="auto|N", help="VRAM expert slots (default auto: the plan's)")
+    a("--expert-profile", default=None, metavar="STRP", help="Strata expert profile that fills the slots")
+    a("--vram-reserve-mib", type=int, default=700, metavar="N", help="VRAM kept free, MiB (default 700)")
+    a("--kv", choices=("int8", "q4_0", "k8v4", "fp16"), default=None, help="KV cache type (default: the plan's)")
+    a("--cpu-numerics", choices=("fork", "gpu"), default="fork",
+      help="gpu = bit-identical batched answers, 25.7%% slower for 1 user (default fork)")
+    a("--adapt-every", type=int, default=4, metavar="N", help="adaptive tier: a swap round every N steps (default 4)")
+    a("--adapt-swaps", type=int, default=96, metavar="N", help="adaptive tier: at most N swaps a round (default 96)")
+    a("--adapt-decay", type=float, default=0.7, metavar="F", help="adaptive tier: usage decay per round (default 0.7)")
+    a("--dump-routing", default=None, metavar="FILE", help="write the routing trace (Strata's format) to FILE")
+    a("--gpu", type=int, default=0, metavar="N", help="accepted for Strata compatibility, ignored")
+    a("--lazy", action="store_true", help="accepted for Strata compatibility, ignored")
+    a("--config", default=None, metavar="FILE", help="accepted for Strata compatibility, ignored")
+    a = p.add_argument_group("fault switches (test doubles for the panel's failure paths)").add_argument
+    a("--never-ready", action="store_true", help="fault: bind the port but never open it nor print READY")
+    a("--fail-bind", action="store_true", help="fault: exit 2 at start as if the port were in use")
+    a("--fail-at-load", choices=tuple(LOAD_FAILURES), default=None,
+      help="fault: print that failure's log line while loading and exit 1")
+    a("--sigkill-at-load", action="store_true", help="fault: SIGKILL itself while loading (as the OOM killer would)")
+    a("--sigkill-after-tokens", type=int, default=None, metavar="N",
+      help="fault: SIGKILL itself after N generated tokens (all requests together)")
+    a("--die-after-tokens", type=int, default=None, metavar="N",
+      help="fault: print a fatal line and exit with --die-code after N tokens")
+    a("--die-code", type=int, default=1, metavar="N", help="exit code for --die-after-tokens (default 1)")
+    a("--stall-after-tokens", type=int, default=None, metavar="N",
+      help="fault: stop for --stall-s wall seconds once, mid-stream, after N tokens")
+    a("--stall-s", type=float, default=0.0, metavar="S", help="length of the --stall-after-tokens stall")
+    a("--error-after-tokens", type=int, default=None, metavar="N",
+      help="fault: every reply ends after N tokens with an error frame, then [DONE]")
     return p
+
+
+def read_key_file(path: str) -> str:
+    """The key in ``path`` (its first line, whitespace stripped). Raises ``ValueError`` in plain words."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if not key:
+        raise ValueError(f"{path} holds no key (its first line is empty)")
+    return key
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -129,6 +162,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"argument --slots: {args.slots} is not in 1..8")
     if args.speed <= 0:
         parser.error("argument --speed: must be > 0")
+    if args.api_key_file:
+        if args.api_key:
+            parser.error("argument --api-key-file: give either --api-key or --api-key-file, not both")
+        try:
+            args.api_key = read_key_file(args.api_key_file)
+        except ValueError as exc:
+            parser.error(f"argument --api-key-file: {exc}")
     args._parser = parser
     return args
 

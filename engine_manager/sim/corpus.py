@@ -1,12 +1,14 @@
 """The scripted engine's text: a small built-in corpus, and a reply that echoes the question's topic.
 
 Replies are deterministic for a given question (seeded by its hash), made of a short "reasoning" part (streamed
-as ``reasoning_content``) and an answer (streamed as ``content``). A token is a word with its trailing space.
+as ``reasoning_content``) and an answer (streamed as ``content``); a reply never repeats a sentence until it has
+used every sentence of the corpus. A token is a word with its trailing space.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 import re
 
 _STOP = set("""a an the and or but if then else of to in on at for from by with about as is are was were be been
@@ -36,8 +38,8 @@ ANSWER = [
     "Binding the engine to the GPU's NUMA node keeps the CPU experts' memory traffic local.",
     "A hot set that follows the traffic swaps experts over PCIe when the topic changes.",
     "On {topic}, the practical advice is to measure first and change one thing at a time.",
-    "That is the gist of it; ask again for more detail.",
 ]
+CLOSER = "That is the gist of it; ask again for more detail."      # only ever the last sentence
 
 _TOKEN = re.compile(r"\S+\s*")
 
@@ -53,28 +55,43 @@ def _seed(text: str) -> int:
     return int.from_bytes(hashlib.sha256((text or "").encode("utf-8", "replace")).digest()[:8], "little")
 
 
+def _picks(rng: random.Random, pool: list[str], n: int) -> list[str]:
+    """``n`` sentences of ``pool`` without repeating one until all were used (a fresh order each round), and never
+    the same sentence twice in a row across rounds."""
+    out: list[str] = []
+    while len(out) < n:
+        order = rng.sample(pool, len(pool))
+        if out and len(order) > 1 and order[0] == out[-1]:
+            order.append(order.pop(0))
+        out.extend(order)
+    return out[:n]
+
+
 def script(question: str, reasoning: bool = True, reply_tokens: int | None = None) -> tuple[list[str], list[str]]:
-    """(reasoning pieces, answer pieces) for a question. ``reply_tokens`` forces the total length (pieces
-    cycle through the corpus), as a benchmark wants."""
+    """(reasoning pieces, answer pieces) for a question: deterministic per question (seeded by its hash), no
+    sentence repeated within a reply until every sentence of the corpus was used. ``reply_tokens`` forces the total
+    length (the answer runs on through fresh orderings of the corpus), as a benchmark wants."""
     topic = topic_of(question)
-    seed = _seed(question)
-    n_reason = 2 + seed % 3 if reasoning else 0
-    n_answer = 4 + (seed >> 8) % 4
-    r_lines = [REASONING[0]] + [REASONING[1 + (seed >> (4 * i)) % (len(REASONING) - 1)] for i in range(n_reason - 1)]
-    a_lines = [ANSWER[0]] + [ANSWER[1 + (seed >> (3 * i + 16)) % (len(ANSWER) - 1)] for i in range(n_answer - 1)]
-    r_text = " ".join(s.format(topic=topic) for s in r_lines[:n_reason]) if n_reason else ""
-    a_text = " ".join(s.format(topic=topic) for s in a_lines)
+    rng = random.Random(_seed(question))
+    n_reason = 2 + rng.randrange(3) if reasoning else 0
+    n_answer = 4 + rng.randrange(4)
+    close = rng.random() < 0.5
+    r_lines = ([REASONING[0]] + _picks(rng, REASONING[1:], n_reason - 1)) if n_reason else []
+    total = max(1, int(reply_tokens)) if reply_tokens is not None else 0
+    # one stream of picks: a forced length continues the same reply (its first sentences are the normal reply's)
+    picks = _picks(rng, ANSWER[1:], n_answer - 1 + (total // 4 + len(ANSWER) if reply_tokens is not None else 0))
+    a_lines = [ANSWER[0]] + picks[:n_answer - 1] + ([CLOSER] if close else [])
+    r_text = " ".join(s.format(topic=topic) for s in r_lines)
     r_pieces = _TOKEN.findall(r_text + " ") if r_text else []
-    a_pieces = _TOKEN.findall(a_text)
-    if reply_tokens is not None:
-        total = max(1, int(reply_tokens))
+    if reply_tokens is None:
+        a_pieces = _TOKEN.findall(" ".join(s.format(topic=topic) for s in a_lines))
+    else:
         n_r = min(len(r_pieces), total // 4) if reasoning else 0
         r_pieces = r_pieces[:n_r]
-        pool = _TOKEN.findall(a_text + " " + " ".join(s.format(topic=topic) for s in ANSWER) + " ")
-        out: list[str] = []
-        while len(out) < total - n_r:
-            out.extend(pool)
-        a_pieces = out[: total - n_r]
+        a_pieces = _TOKEN.findall(" ".join(s.format(topic=topic) for s in [ANSWER[0], *picks]) + " ")
+        while len(a_pieces) < total - n_r:          # (only a corpus of very short sentences gets here)
+            a_pieces += a_pieces
+        a_pieces = a_pieces[: total - n_r]
     if a_pieces:
         a_pieces[-1] = a_pieces[-1].rstrip()
     return r_pieces, a_pieces

@@ -15,11 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Iterable
 
-from ..engines.sim import sim_env
+from ..engines.sim import sim_env, write_key_file
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,13 +45,18 @@ class SimProcess:
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._reader: threading.Thread | None = None
+        self._key_dir: tempfile.TemporaryDirectory | None = None
+        self.key_file: Path | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     @property
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "engine_manager.sim", "--host", self.host, "--port", str(self.port)]
-        if self.api_key:
-            argv += [f"--api-key={self.api_key}"]
+        if self.api_key:            # in a 0600 file, never on the command line (`ps` shows that to every user)
+            if self.key_file is None:
+                self._key_dir = tempfile.TemporaryDirectory(prefix="dsv41-sim-key-")
+                self.key_file = write_key_file(Path(self._key_dir.name) / "api-key", self.api_key)
+            argv += ["--api-key-file", str(self.key_file)]
         if self.load_time is not None and "--load-time" not in self.args:
             argv += ["--load-time", str(self.load_time)]
         return argv + self.args
@@ -126,6 +133,9 @@ class SimProcess:
             if self._reader:
                 self._reader.join(5)
             self.proc.stdout.close()
+        if self._key_dir is not None:
+            self._key_dir.cleanup()
+            self._key_dir, self.key_file = None, None
         return rc
 
     def __enter__(self) -> "SimProcess":
