@@ -339,7 +339,8 @@ class EnginePanel(QWidget):
         self.sup.auto_restart = self.auto_restart.isChecked()
         engine = self.resolved_engine()
         self._render_state(sv.STARTING, f"starting the {ENGINE_WORDS.get(engine, engine)}")
-        self._run_worker = run_generator(self.sup.run, engine, self.ctx.plan, on_event=self._on_event,
+        self._run_worker = run_generator(self.sup.run, engine, sv.usable_plan(engine, self.ctx.plan),
+                                         on_event=self._on_event,
                                          on_done=self._run_done, on_error=self._on_error,
                                          on_finished=self._run_finished)
 
@@ -381,7 +382,8 @@ class EnginePanel(QWidget):
         self.sup.hardware = self.ctx.hardware
         self.dry_button.setEnabled(False)
         self.ctx.statusMessage.emit("Preparing the dry run (probing the binding)…", 3000)
-        run_function(self.sup.dry_run, self.resolved_engine(), self.ctx.plan, on_done=self._show_dry_run,
+        engine = self.resolved_engine()
+        run_function(self.sup.dry_run, engine, sv.usable_plan(engine, self.ctx.plan), on_done=self._show_dry_run,
                      on_error=self._on_error, on_finished=lambda: self.dry_button.setEnabled(True))
 
     def _show_dry_run(self, dr: sv.DryRun) -> None:

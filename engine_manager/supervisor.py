@@ -661,6 +661,17 @@ def running_conflict(rec: dict[str, Any], wanted: str) -> tuple[str, str]:
 
 # -- plans ----------------------------------------------------------------------------------------------------------
 
+def usable_plan(engine_name: str, plan: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The plan on screen (the Placement tab's), if ``engine_name`` should start with it; else None, and the start
+    falls back to :func:`default_plan`. Never a refused plan; a real engine only one made for this machine (not
+    for a hypothetical host); the scripted engine may model any host, that is what it is for."""
+    if not plan or plan.get("refused"):
+        return None
+    if engine_name != "sim" and (plan.get("hardware") or {}).get("hypothetical"):
+        return None
+    return plan
+
+
 def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple[dict[str, Any] | None, list[str]]:
     """The plan to start ``engine_name`` with when the caller has none, and notes saying what was chosen.
 

@@ -614,3 +614,16 @@ def test_dry_run_with_a_refused_plan_still_prints_every_command(port):
     # the generated plan file keeps the refusal: the printed command, run by hand, refuses too
     assert json.loads(Path(dr.files["plan"]).read_text())["refused"] == refused["refused"]
     assert not listening(port)
+
+
+def test_usable_plan_never_starts_a_refused_or_foreign_host_plan():
+    from engine_manager.supervisor import usable_plan
+
+    here = {"refused": None, "hardware": {"hypothetical": False}, "hot_experts": 10}
+    other = {"refused": None, "hardware": {"hypothetical": True}, "hot_experts": 10}
+    refused = {"refused": "RAM cannot hold the minimum layout", "hardware": {"hypothetical": False}}
+    assert usable_plan("strata", here) is here and usable_plan("llamacpp", here) is here
+    assert usable_plan("strata", other) is None and usable_plan("llamacpp", other) is None
+    assert usable_plan("sim", other) is other          # the scripted engine may model another host
+    assert all(usable_plan(e, refused) is None for e in ("sim", "strata", "llamacpp"))
+    assert usable_plan("sim", None) is None
