@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QFont, QKeySequence, QShortcut
+from PySide6.QtGui import QAction, QFont, QFontMetricsF, QKeySequence, QPalette, QShortcut
 from PySide6.QtWidgets import (
     QButtonGroup,
     QComboBox,
@@ -153,6 +153,39 @@ def fmt_value(v: float | None, fmt: str = "{:.1f}", unit: str = "") -> str:
 
 
 # -- small widgets --------------------------------------------------------------------------------------------
+class ElidedLabel(QLabel):
+    """One line that never runs off its box: too long, it is shortened in the middle ("…"), the whole text in
+    the tooltip; ``text()`` gives the whole text."""
+
+    def __init__(self, text: str = "", parent=None):
+        super().__init__(parent)
+        self._full = ""
+        self.setText(text)
+
+    def setText(self, text: str) -> None:  # noqa: N802 - Qt naming
+        if text == self._full:
+            return
+        self._full = text
+        self.setToolTip(text)
+        self._elide()
+
+    def text(self) -> str:
+        return self._full
+
+    def shown_text(self) -> str:
+        return super().text()
+
+    def _elide(self) -> None:
+        width = max(20, self.contentsRect().width())
+        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideMiddle, width)
+        if super().text() != shown:
+            super().setText(shown)
+
+    def resizeEvent(self, ev) -> None:
+        super().resizeEvent(ev)
+        self._elide()
+
+
 class NowCard(QFrame):
     """One metric's current value: a title, a big value, a line of detail, an optional "simulated" tag."""
 
@@ -194,11 +227,32 @@ class NowCard(QFrame):
         self.setMinimumWidth(96)
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
 
-    def show_value(self, text: str, detail: str = "", simulated: bool = False, tip: str = "") -> None:
-        self.value.setText(text)
-        self.detail.setText(detail)
-        self.tag.setVisible(simulated)
-        self.setToolTip(tip)
+    def show_value(self, text: str, detail: str = "", simulated: bool = False, tip: str = "",
+                   stale: bool = False) -> None:
+        """``stale``: the value is not a live reading (the last request's, or the engine stopped): greyed."""
+        if self.value.text() != text:
+            self.value.setText(text)
+        if self.detail.text() != detail:
+            self.detail.setText(detail)
+        if self.tag.isVisibleTo(self) != simulated:
+            self.tag.setVisible(simulated)
+        if self.toolTip() != tip:
+            self.setToolTip(tip)
+        self.set_stale(stale)
+
+    def set_stale(self, stale: bool) -> None:
+        if getattr(self, "_stale", False) != stale:          # only on change; a palette, not a style sheet
+            self._stale = stale                               # (re-polishing a style sheet costs more)
+            pal = self.value.palette()
+            role = self.value.foregroundRole()
+            if not hasattr(self, "_live_color"):
+                self._live_color = pal.color(role)
+            pal.setColor(role, pal.color(QPalette.ColorRole.Mid) if stale else self._live_color)
+            self.value.setPalette(pal)
+
+    def is_stale(self) -> bool:
+        return getattr(self, "_stale", False)
+
 
 
 class CompareCard(QFrame):
@@ -209,19 +263,15 @@ class CompareCard(QFrame):
         self.setObjectName("compareCard")
         self.setFrameShape(QFrame.Shape.StyledPanel)
         self.setStyleSheet("CompareCard { background: palette(base); border-radius: 4px; }")
-        lay = QHBoxLayout(self)
+        # badge | table | hint (wide) — or, when the hint would be squeezed, the hint on one line under them
+        lay = QGridLayout(self)
         lay.setContentsMargins(8, 3, 8, 3)
-        lay.setSpacing(12)
-        left = QVBoxLayout()
-        left.setSpacing(2)
-        head = QLabel("<b>Compared with<br>the guides</b>")
+        lay.setHorizontalSpacing(12)
+        lay.setVerticalSpacing(0)
         self.badge = QLabel("")
         self.badge.setObjectName("compareBadge")
         self.badge.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        left.addWidget(head)
-        left.addWidget(self.badge)
-        left.addStretch(1)
-        lay.addLayout(left)
+        lay.addWidget(self.badge, 0, 0, Qt.AlignmentFlag.AlignTop)
         small = self.font()
         small.setPointSizeF(max(7.0, small.pointSizeF() * 0.9))
         # plain labels in a grid, not a rich-text table: a rich-text relayout on every change cost ~5 ms
@@ -240,11 +290,12 @@ class CompareCard(QFrame):
                 cell.setFont(bold if r == 0 or col == 0 else small)
                 grid.addWidget(cell, r, col, Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
                 self.cells[(r, col)] = cell
-        for col, text in enumerate(("", "users", "decode, total", "per user", "GPU hit rate")):
+        for col, text in enumerate(("Compared with the guides", "users", "decode, total", "per user",
+                                    "GPU hit rate")):
             self.cells[(0, col)].setText(text)
         self.cells[(2, 4)].setText("~90%")
         grid.setRowStretch(3, 1)
-        lay.addWidget(self.table)
+        lay.addWidget(self.table, 0, 1, Qt.AlignmentFlag.AlignTop)
         self.hints = QLabel("")
         self.hints.setObjectName("compareHints")
         self.hints.setWordWrap(True)
@@ -252,7 +303,15 @@ class CompareCard(QFrame):
         self.hints.setFont(small)
         self.hints.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.hints.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        lay.addWidget(self.hints, 1)
+        lay.addWidget(self.hints, 0, 2)
+        self.hints_below = ElidedLabel("")
+        self.hints_below.setObjectName("compareHintsBelow")
+        self.hints_below.setFont(small)
+        self.hints_below.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.hints_below.hide()
+        lay.addWidget(self.hints_below, 1, 0, 1, 3)
+        lay.setColumnStretch(2, 1)
+        lay.setRowStretch(0, 1)
         self.base_tip = (f"The guides' figures: DeepSeek-V4.1-Flash Q2_K on {guides.GUIDE_HOST}. 63.11 tok/s at "
                          "1 user; 127.58 total / 31.87 slowest at 4; 152.53 total / ~19 each at 8; ~9 in 10 "
                          "expert picks hit the GPU; NUMA binding took 1 user from ~53 to 63 tok/s.")
@@ -272,44 +331,126 @@ class CompareCard(QFrame):
     def table_text(self) -> str:
         return "\n".join(" | ".join(self.cells[(r, c)].text() for c in range(5)) for r in range(3))
 
+    VERDICTS = {"as_published": ("#e6f4ea", "#1e6b34", "as published"),
+                "below": ("#fdecea", "#a02a1a", "below"),
+                "measuring": ("#e8f0fe", "#1a4d8f", "measuring…"),
+                "not_comparable": ("#eeeeee", "#555555", "n/a"),
+                "idle": ("#eeeeee", "#555555", "idle"),
+                "stopped": ("#eeeeee", "#555555", "stopped"),
+                "unknown": ("#eeeeee", "#555555", "—")}
+
+    def _badge(self, verdict: str, simulated: bool = False) -> None:
+        bg, fg, word = self.VERDICTS.get(verdict, self.VERDICTS["unknown"])
+        if simulated and verdict in ("as_published", "below"):
+            word += " · sim."
+        if self.badge.text() != word:
+            self.badge.setText(word)
+        style = f"background: {bg}; color: {fg}; border-radius: 3px; padding: 1px 6px;"
+        if self.badge.styleSheet() != style:          # re-styling costs a repolish: only on change
+            self.badge.setStyleSheet(style)
+
+    def _hints(self, shown: str, tip: str) -> None:
+        if self.hints.text() != shown:
+            self.hints.setText(shown)
+            self.hints.setToolTip(tip)
+            self.hints_below.setText(shown)
+            self.hints_below.setToolTip("\n\n".join(x for x in (shown, tip) if x))
+
+    HINT_MIN_WIDTH = 240       # narrower than this beside the table, the hint goes on a line of its own below
+
+    def _set_table_visible(self, visible: bool) -> None:
+        if self.table.isVisibleTo(self) != visible or getattr(self, "_placed_for", None) is None:
+            self.table.setVisible(visible)
+            self._place_hints()
+
+    def _place_hints(self) -> None:
+        """Beside the table when there is room, else one line (shortened, whole in the tooltip) under it; only
+        on a resize or when the table shows or hides, never per tick."""
+        shown = self.table.isVisibleTo(self)
+        lay = self.layout()
+        room = (self.width() - lay.contentsMargins().left() - lay.contentsMargins().right()
+                - self.badge.sizeHint().width() - (self.table.sizeHint().width() if shown else 0)
+                - 2 * lay.horizontalSpacing())
+        below = shown and room < self.HINT_MIN_WIDTH
+        self._placed_for = (self.width(), shown)
+        if self.hints_below.isVisibleTo(self) != below:
+            self.hints_below.setVisible(below)
+            self.hints.setVisible(not below)
+
+    def hint_is_below(self) -> bool:
+        return self.hints_below.isVisibleTo(self)
+
+    def resizeEvent(self, ev) -> None:
+        super().resizeEvent(ev)
+        self._place_hints()
+
     def show_comparison(self, c: guides.Comparison | None) -> None:
         self.comparison = c
         if c is None:
             self.badge.setText("")
             self.badge.setStyleSheet("")
-            self.table.hide()
-            self.hints.setText("Start the engine to compare this host with the published figures: 63.11 tok/s "
-                               "at 1 user, 127.58 total at 4, 152.53 total at 8; ~9 in 10 expert picks on the GPU.")
+            self._set_table_visible(False)
+            self._hints("Start the engine to compare this host with the published figures: 63.11 tok/s "
+                        "at 1 user, 127.58 total at 4, 152.53 total at 8; ~9 in 10 expert picks on the GPU.", "")
             return
-        colors = {"as_published": ("#e6f4ea", "#1e6b34", "as published"),
-                  "below": ("#fdecea", "#a02a1a", "below"),
-                  "idle": ("#eeeeee", "#555555", "idle"),
-                  "unknown": ("#eeeeee", "#555555", "—")}
-        bg, fg, word = colors.get(c.verdict, colors["unknown"])
-        if c.simulated and c.verdict not in ("idle", "unknown"):
-            word += " · sim."
-        self.badge.setText(word)
-        style = f"background: {bg}; color: {fg}; border-radius: 3px; padding: 1px 6px;"
-        if self.badge.styleSheet() != style:          # re-styling costs a repolish: only on change
-            self.badge.setStyleSheet(style)
+        self._badge(c.verdict, c.simulated)
+        if c.verdict in ("idle", "unknown") and c.measured_tok_s is None:
+            # nothing measured to show: no "0 users, 13 tok/s" from a window still emptying
+            self._set_table_visible(False)
+            self._hints(c.headline, "")
+            self.setToolTip("\n\n".join([c.headline, self.base_tip]))
+            return
+        na = c.verdict == "not_comparable"
         users = "—" if c.users is None else str(c.users)
-        self._cell(1, 0, "this host (simulated)" if c.simulated else "this host")
+        host = "last steady" if not c.live else "this host"
+        self._cell(1, 0, f"{host} (simulated)" if c.simulated else host)
         self._cell(2, 0, "guides (interpolated)" if c.guide_kind == "interpolated" else "guides")
-        for r, (tot, each, hr) in ((1, (c.measured_tok_s, c.measured_each_tok_s, c.hit_rate)),
-                                   (2, (c.guide_tok_s, c.guide_each_tok_s, None))):
-            self._cell(r, 1, users)
-            self._cell(r, 2, fmt_value(tot, "{:.2f}" if r == 2 else "{:.1f}", "tok/s"))
-            self._cell(r, 3, fmt_value(each, "{:.1f}", "tok/s"))
+        measuring = c.verdict == "measuring"
+        self._cell(1, 1, users)
+        self._cell(1, 2, "measuring…" if measuring else fmt_value(c.measured_tok_s, "{:.1f}", "tok/s"))
+        self._cell(1, 3, "" if measuring else fmt_value(c.measured_each_tok_s, "{:.1f}", "tok/s"))
         self._cell(1, 4, "—" if c.hit_rate is None else f"{c.hit_rate * 100:.0f}%")
-        self.table.show()
-        shown = " ".join([c.headline] + [h for h in c.hints if not h.startswith("Simulated")][:1])
-        if self.hints.text() != shown:
-            self.hints.setText(shown)
-            self.hints.setToolTip("\n\n".join(c.hints))
-        self.setToolTip("\n\n".join([c.headline, *c.hints, self.base_tip]))
+        self._cell(2, 1, "—" if na else users)
+        self._cell(2, 2, "n/a" if na else fmt_value(c.guide_tok_s, "{:.2f}", "tok/s"))
+        self._cell(2, 3, "n/a" if na else fmt_value(c.guide_each_tok_s, "{:.1f}", "tok/s"))
+        self._cell(2, 4, "n/a" if na else "~90%")
+        self._set_table_visible(True)
+        # the headline and one short hint: the card has room for a few lines; the tooltip has everything
+        shown = " ".join(x for x in (c.headline, c.short_hint) if x)
+        basis = f"Judged on {c.basis}." if c.basis else ""
+        self._hints(shown, "\n\n".join([*c.hints, basis]).strip())
+        self.setToolTip("\n\n".join(x for x in [c.headline, basis, *c.hints, self.base_tip] if x))
+
+    def show_stopped(self, last: guides.Comparison | None) -> None:
+        """The engine stopped: nothing live; the last steady figure, if there was one, said as such."""
+        self.comparison = None
+        self._badge("stopped")
+        self._set_table_visible(False)
+        text = "Engine stopped."
+        if last is not None and last.measured_tok_s is not None and last.users and \
+                last.verdict in ("as_published", "below", "idle"):
+            ratio = f" ({last.ratio * 100:.0f}% of the guides' figure)" if last.ratio is not None else ""
+            text += (f" Last steady decode: {last.measured_tok_s:.1f} tok/s at {last.users} "
+                     f"user{'s' if last.users != 1 else ''}{ratio}.")
+        self._hints(text, "")
+        self.setToolTip(self.base_tip)
 
 
 # -- one plot ---------------------------------------------------------------------------------------------------
+class _TitleItem(pg.LabelItem):
+    """A plot's title row. Unlike a plain LabelItem it does not pin its minimum width to its text's (that kept
+    the plots from narrowing with the window, so they ran off its edge): the text is wrapped to the width by
+    :meth:`_Plot.relayout_title` instead; its height follows the lines."""
+
+    def updateMin(self) -> None:  # noqa: N802 - pyqtgraph naming
+        h = self.itemRect().height()
+        self.setMinimumWidth(40)
+        self.setMinimumHeight(h)
+        self._sizeHint = {Qt.SizeHint.MinimumSize: (40, h), Qt.SizeHint.PreferredSize: (40, h),
+                          Qt.SizeHint.MaximumSize: (-1, -1), Qt.SizeHint.MinimumDescent: (0, 0)}
+        self.updateGeometry()
+
+
 class _Plot:
     """A PlotItem with its curves (created once), an optional right axis, a legend and a hover read-out."""
 
@@ -318,10 +459,14 @@ class _Plot:
         axis = pg.DateAxisItem(orientation="bottom")
         self.item: pg.PlotItem = layout.addPlot(row=row, col=col, axisItems={"bottom": axis})
         it = self.item
-        it.setTitle(f"<span style='font-size:9pt; color:#222'><b>{spec.title}</b></span>")
+        # the title row holds the title and the legend (see relayout_title), in place of the plot's own title
+        self.title = _TitleItem()
+        it.layout.removeItem(it.titleLabel)
+        it.titleLabel.hide()
+        it.layout.addItem(self.title, 0, 1)
         it.setLabel("left", spec.unit)
         it.getAxis("left").enableAutoSIPrefix(False)
-        it.setLabel("bottom", "time")
+        # no "time" label under the clock-time ticks: the rows it took hold the legends above the plots
         # horizontal grid lines only: the time axis redraws as the window advances, and with vertical grid
         # lines its cached picture would span the whole plot (measured ~30 ms per plot on a software X server)
         it.showGrid(x=False, y=True, alpha=0.25)
@@ -334,10 +479,6 @@ class _Plot:
             ax.setPen(pg.mkPen("#444"))
             ax.setTextPen(pg.mkPen("#333"))
         it.getAxis("left").setWidth(44)
-        self.legend = it.addLegend(offset=(4, 2), labelTextSize="7.5pt", labelTextColor="#222",
-                                   colCount=min(4, max(1, (len(spec.series) + 1) // 2)),
-                                   brush=pg.mkBrush(255, 255, 255, 200), pen=pg.mkPen("#ccc"))
-        self.legend.setZValue(100)
         self.right_vb: pg.ViewBox | None = None
         if spec.right_unit:
             self.right_vb = pg.ViewBox()
@@ -358,14 +499,17 @@ class _Plot:
                 c.setClipToView(True)
                 c.setDownsampling(auto=True, method="peak")
                 self.right_vb.addItem(c)
-                self.legend.addItem(c, f"{s.name} →")
             else:
                 c = it.plot(pen=pen, name=s.name, connect="finite")
                 c.setClipToView(True)
                 c.setDownsampling(auto=True, method="peak")
             self.curves[s.column] = c
             self.series[s.column] = s
+        # The legend sits in the title row, above the data, never over it (a legend inside the plot covered
+        # the newest values); it is laid out again only when the plot's width or its set of curves changes.
         self.legend_cols: set[str] = set(self.curves)
+        self._title_width = 0.0
+        self.relayout_title(300.0)
         self.empty: dict[str, bool] = {}
         if spec.y_min is not None:
             it.vb.setLimits(yMin=spec.y_min - (spec.y_max or 1) * 0.05)
@@ -377,14 +521,14 @@ class _Plot:
         # repaints the curves, not the legend, the axes' text and the grid (those redraw when their range moves)
         for name in ("left", "bottom", "right"):
             it.getAxis(name).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
-        self.legend.setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
+        self.title.setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
         self.cursor = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen("#888", style=DASH))
         self.cursor.setZValue(50)
         self.cursor.hide()
         it.addItem(self.cursor, ignoreBounds=True)
         self.readout = pg.TextItem("", anchor=(0, 1), color="#222", fill=pg.mkBrush(255, 255, 255, 230),
                                    border=pg.mkPen("#bbb"))
-        # a child of the view box itself (not of its data group), so it stays above the legend
+        # a child of the view box itself (not of its data group), so it stays above the curves
         self.readout.setParentItem(it.vb)
         self.readout.setZValue(200)
         f = QFont()
@@ -398,20 +542,63 @@ class _Plot:
         self.data_t: np.ndarray = np.empty(0)
         self.data: dict[str, np.ndarray] = {}
 
+    LEGEND_PT = 7.5
+
+    def legend_entries(self) -> list[tuple[str, str, str]]:
+        """(swatch, colour, name) of the curves shown, in order."""
+        out = []
+        for col, s in self.series.items():
+            if col not in self.legend_cols:
+                continue
+            swatch = "╍╍" if s.style != Qt.PenStyle.SolidLine else "━━"
+            name = f"{s.name} (right axis)" if s.right and self.right_vb is not None else s.name
+            out.append((swatch, s.color, name))
+        return out
+
+    def relayout_title(self, width: float) -> None:
+        """The title and the legend above the plot, wrapped into as many lines as ``width`` px needs."""
+        width = max(160.0, float(width))
+        if abs(width - self._title_width) < 8 and getattr(self, "_title_cols", None) == self.legend_cols:
+            return
+        self._title_width = width
+        self._title_cols = set(self.legend_cols)
+        small = QFont()
+        small.setPointSizeF(self.LEGEND_PT)
+        big = QFont()
+        big.setPointSizeF(9.0)
+        big.setBold(True)
+        fm_s, fm_b = QFontMetricsF(small), QFontMetricsF(big)
+        esc = lambda t: t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")   # noqa: E731
+        width -= 50 + (50 if self.right_vb is not None else 0)     # the axes beside the title row
+        lines: list[list[str]] = [[f"<span style='font-size:9pt; color:#222'><b>{esc(self.spec.title)}</b></span>"]]
+        used = fm_b.horizontalAdvance(self.spec.title) + 14
+        for swatch, color, name in self.legend_entries():
+            w = fm_s.horizontalAdvance(f"{swatch} {name}") + 14
+            if used + w > width - 10 and len(lines[-1]) > 0 and used > 0:
+                lines.append([])
+                used = 0
+            lines[-1].append(f"<span style='font-size:{self.LEGEND_PT}pt; color:{color}'>{swatch}</span>"
+                             f"<span style='font-size:{self.LEGEND_PT}pt; color:#333'>&nbsp;{esc(name)}</span>")
+            used += w
+        html = "<br>".join("&nbsp;&nbsp;&nbsp;".join(parts) for parts in lines if parts)
+        self.title.setText(html)
+        self.item.layout.setRowFixedHeight(0, self.title.itemRect().height())
+
     def show_columns(self, visible: set[str]) -> None:
         """Show only these curves (and their legend entries): e.g. the slots the engine has."""
+        changed = False
         for col, curve in self.curves.items():
             want = col in visible
             if want == curve.isVisible() and (col in self.legend_cols) == want:
                 continue
             curve.setVisible(want)
-            s = self.series[col]
-            if want and col not in self.legend_cols:
-                self.legend.addItem(curve, f"{s.name} →" if s.right and self.right_vb is not None else s.name)
+            changed = True
+            if want:
                 self.legend_cols.add(col)
-            elif not want and col in self.legend_cols:
-                self.legend.removeItem(curve)
+            else:
                 self.legend_cols.discard(col)
+        if changed:
+            self.relayout_title(self._title_width or 300.0)
 
     def _sync_right(self) -> None:
         if self.right_vb is not None:
@@ -480,6 +667,7 @@ class _Plot:
                                             pen=pg.mkPen("#e6550d", style=Qt.PenStyle.DashDotLine),
                                             label=label, labelOpts={"position": 0.55, "color": "#e6550d",
                                                                     "fill": (255, 255, 255, 200)})
+            self.ref_line.setZValue(-5)       # under the curves: an observed rate on the prediction stays visible
             self.item.addItem(self.ref_line, ignoreBounds=False)
         self.ref_line.setValue(value)
         self.ref_line.label.setFormat(label)
@@ -509,7 +697,7 @@ class _Plot:
         self.cursor.setPos(t)
         self.cursor.show()
         self.readout.setText("\n".join(lines))
-        # beside the cursor, at the bottom (the legend is at the top), on whichever side has room
+        # beside the cursor, at the bottom of the plot, on whichever side has room
         (x0, x1), (y0, y1) = self.item.vb.viewRange()
         right_half = t > (x0 + x1) / 2
         self.readout.setAnchor((1.03, 1) if right_half else (-0.03, 1))
@@ -611,7 +799,7 @@ class MonitorView(QWidget):
         self.rate_box.activated.connect(self._rate_chosen)
         bar.addWidget(self.rate_box)
         bar.addSpacing(8)
-        self.status = QLabel("Not collecting: no engine is running.")
+        self.status = ElidedLabel("Not collecting: no engine is running.")
         self.status.setObjectName("monitorStatus")
         self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -647,6 +835,9 @@ class MonitorView(QWidget):
         self.plots: dict[str, _Plot] = {}
         for i, spec in enumerate(_plot_specs()):
             self.plots[spec.key] = _Plot(self.glw.ci, spec, i // 2, i % 2)
+        for col in (0, 1):                          # two columns of the same width, whatever their titles hold
+            self.glw.ci.layout.setColumnStretchFactor(col, 1)
+            self.glw.ci.layout.setColumnPreferredWidth(col, 200)
         # The plots share their time range, kept in step by this view rather than by pyqtgraph's x-link: a link
         # moves every plot in one go, so one redraw would repaint all six at once (~45 ms on a software X
         # server); stepping them one per event-loop pass keeps every pass short (see redraw()).
@@ -661,8 +852,24 @@ class MonitorView(QWidget):
         self._step_timer.setInterval(self.STEP_INTERVAL_MS)
         self._step_timer.timeout.connect(self._redraw_step)
         self.plots["hit"].set_reference(None, "", "planner's prediction: unknown")
+        self._empty_range()
         self._hover_proxy = pg.SignalProxy(self.glw.scene().sigMouseMoved, rateLimit=30, slot=self._mouse_moved)
         root.addWidget(self.glw, 1)
+
+    def _empty_range(self) -> None:
+        """Before any data: the time axes show the window ending now (clock times, not "00.250 00.500" of an
+        empty range at the epoch)."""
+        now = time.time()
+        span = self.window_s or 600.0
+        for p in self.plots.values():
+            p.item.setXRange(now - span, now, padding=0)
+
+    def resizeEvent(self, ev) -> None:
+        super().resizeEvent(ev)
+        # the legends above the plots wrap to the plots' new width (only on a resize: a title change relays out)
+        width = self.glw.width() / 2 - 12
+        for p in self.plots.values():
+            p.relayout_title(width)
 
     def file_actions(self) -> list[QAction]:
         act = QAction("&Export metrics CSV…", self)
@@ -727,10 +934,18 @@ class MonitorView(QWidget):
     def on_engine_stopped(self) -> None:
         self._generation += 1
         self._stop_hub()
+        self.show_stopped_cards()
         if self.last_tick is not None:
-            self.status.setText("Engine stopped — plots keep the run; Ctrl+E exports it.")
+            self.status.setText("Engine stopped — the plots keep the run; Ctrl+E exports it.")
         else:
             self.status.setText("Not collecting: no engine is running.")
+
+    def show_stopped_cards(self) -> None:
+        """Nothing is live any more: every card shows "—" and says so (the plots keep the history)."""
+        for card in self.cards.values():
+            card.show_value("—", "engine stopped", False, "The engine is not running: no live figures.",
+                            stale=True)
+        self.compare.show_stopped(getattr(self, "last_comparison", None))
 
     def _stop_hub(self) -> None:
         hub, self.hub = self.hub, None
@@ -778,8 +993,7 @@ class MonitorView(QWidget):
             info = dict(self.engine_info)
             self._carry = self.store
             self._carry_recorder = self.hub.detach_recorder()
-            self.on_engine_stopped()
-            self.on_engine_ready(info["base_url"], info["api_key"])
+            self.on_engine_ready(info["base_url"], info["api_key"])     # stops this hub, starts one at the rate
 
     def _on_plan(self, plan) -> None:
         if self.engine_info.get("plan") is None:   # a running engine keeps the prediction of the plan it runs
@@ -1012,14 +1226,36 @@ class MonitorView(QWidget):
         q = v.get("queued")
         if q:
             slots += f" · {q:.0f} queued"
-        self.cards["decode"].show_value(fmt_value(dec, "{:.1f}", "tok/s"), slots, sim, why("engine"))
-        self.cards["prefill"].show_value(fmt_value(pre, "{:.0f}", "tok/s"), self._state_text(tick), sim,
-                                         why("engine"))
+        snap = tick.notes.get("steady")
+        last_reply = getattr(snap, "last_reply_tok_s", None)
+        if busy == 0 and last_reply is not None:
+            slots = f"idle · last reply {last_reply:,.0f} tok/s"
+        self.cards["decode"].show_value(fmt_value(dec, "{:.1f}", "tok/s"), slots, sim,
+                                        why("engine") or self._decode_tip(tick, last_reply))
+        live = tick.notes.get("prefill_live")
+        state = self._state_text(tick)
+        # not live: the last request's rate, said in the value itself (the value changes every tick anyway;
+        # a title that changed would relay the card out)
+        pre_text = fmt_value(pre, "{:.0f}", "tok/s")
+        self.cards["prefill"].show_value(pre_text if live is not False or pre is None else f"last {pre_text}",
+                                         state if live is not False else
+                                         f"last request · {state.removeprefix('state: ')}".rstrip(" ·"),
+                                         sim, why("engine") or (
+                                             "Prompt tokens read per second, live while a prompt is read."
+                                             if live is not False else
+                                             "No prompt is being read now: this is the last request's prompt "
+                                             "rate, not a live one."),
+                                         stale=live is False)
         hr, roll, pred = v.get("hit_rate"), v.get("hit_rate_rolling"), tick.predicted_hit_rate
         pred_s = "planner: unknown" if pred is None else f"planner {pred * 100:.1f}%"
-        self.cards["hit"].show_value(fmt_value(None if hr is None else hr * 100, "{:.1f}", "%"),
+        hr_text = fmt_value(None if hr is None else hr * 100, "{:.1f}", "%")
+        idle_hr = busy == 0 and hr is not None and tick.engine != "llamacpp"   # llama.cpp's is its placement's
+        self.cards["hit"].show_value(f"last {hr_text}" if idle_hr else hr_text,
                                      f"rolling {fmt_value(None if roll is None else roll * 100, '{:.1f}', '%')} · "
-                                     f"{pred_s}", sim, why("engine"))
+                                     f"{pred_s}", sim, why("engine") or (
+                                         "Idle: the last request's share of expert picks that hit the GPU."
+                                         if idle_hr else "Expert picks that hit the GPU, while decoding."),
+                                     stale=idle_hr)
         sw, swmb, swt = v.get("swaps_per_s"), v.get("swap_mb_s"), v.get("swaps_total")
         det = fmt_value(swmb, "{:.0f}", "MB/s")
         if swt is not None:
@@ -1064,6 +1300,14 @@ class MonitorView(QWidget):
             self._update_compare(tick)
         self._update_status()
 
+    def _decode_tip(self, tick: M.Tick, last_reply: float | None) -> str:
+        per = f"{1.0 / tick.hz:g} s poll interval" if tick.engine == "llamacpp" else "last 2 s (the engine's window)"
+        tip = (f"Tokens generated per second over the {per}, all slots together. A reply shorter than that is "
+               "averaged with the idle time around it, so a short burst reads lower than the chat's own figure.")
+        if last_reply is not None:
+            tip += f" The newest finished reply decoded at {last_reply:,.1f} tok/s by the engine's own timing."
+        return tip
+
     def _state_text(self, tick: M.Tick) -> str:
         st = tick.sample.state if tick.sample is not None else None
         return f"state: {st}" if st else ""
@@ -1077,21 +1321,18 @@ class MonitorView(QWidget):
         return f"{used / GiB:.1f} / {total / GiB:.0f} GiB"
 
     def _update_compare(self, tick: M.Tick) -> None:
+        """The guides card judges the steady decode rate the hub tracks (``tick.notes["steady"]``): not the
+        live window rate, which reads low while users start and finish."""
         v = tick.values
-        users = v.get("slots_busy")
-        dec = v.get("decode_tok_s")
-        if self.store is not None and users is not None and dec is not None:
-            # a few seconds' mean of the decode rate at the current number of users: steadier than one tick
-            t, d = self.store.window(tick.t - 10.0, tick.t, ["decode_tok_s", "slots_busy"])
-            same = np.isfinite(d["decode_tok_s"]) & (d["slots_busy"] == np.float32(users))
-            if same.any():
-                dec = float(np.mean(d["decode_tok_s"][same]))
         hr = v.get("hit_rate_rolling")
         if hr is None:
             hr = v.get("hit_rate")
-        c = guides.compare(dec, users, hr, simulated=tick.simulated,
-                           numa_bound=self.engine_info.get("numa_bound"),
-                           pcie_gen=v.get("gpu_pcie_gen"), pcie_width=v.get("gpu_pcie_width"))
+        model = tick.notes.get("model")
+        if model:
+            self.engine_info["model"] = model
+        c = guides.judge(tick.notes.get("steady"), hr, simulated=tick.simulated,
+                         numa_bound=self.engine_info.get("numa_bound"), pcie_gen=v.get("gpu_pcie_gen"),
+                         pcie_width=v.get("gpu_pcie_width"), model=model or self.engine_info.get("model"))
         self.compare.show_comparison(c)
         self.last_comparison = c
 
@@ -1099,17 +1340,23 @@ class MonitorView(QWidget):
         hub = self.hub
         if hub is None:
             return
-        parts = [f"Collecting from {hub.engine}" + (" (simulated)" if hub.simulated else "") + f" at {hub.hz:g} Hz"]
+        parts = [f"{hub.engine}" + (" (simulated)" if hub.simulated else "") + f" · {hub.hz:g} Hz"]
         if hub.recorder is not None and not hub.record_error:
-            parts.append(f"recording to {hub.recorder.csv_path}")
+            # the run's folder and file; the whole path is in the tooltip
+            csv = hub.recorder.csv_path
+            parts.append(f"recording to {csv.parent.name}/{csv.name}")
         if hub.record_error:
             parts.append(hub.record_error)
         t = self.last_tick
-        if t is not None and t.missing:
-            parts.append("missing: " + "; ".join(f"{k} ({v})" for k, v in sorted(t.missing.items())))
+        # a source that cannot work on this machine (no NVIDIA GPU) is said on its card, not here every tick
+        never = {s.name for s in hub.sources if s.unavailable}
+        missing = {k: v for k, v in (t.missing.items() if t is not None else ()) if k not in never}
+        if missing:
+            parts.append("missing: " + "; ".join(f"{k} ({v})" for k, v in sorted(missing.items())))
         text = " · ".join(parts)
         self.status.setText(text)
-        self.status.setToolTip(text)
+        if hub.recorder is not None and not hub.record_error:
+            self.status.setToolTip(f"{text}\n\nRecording: {hub.recorder.csv_path}")
 
     # -- export -----------------------------------------------------------------------------------------------
     def current_recording(self) -> Path | None:

@@ -134,13 +134,20 @@ def part_stall(args, app, wait) -> int:
         print("   gc.freeze() after the build (--gc-freeze)")
     seq = [0]
 
+    tracker = M.SteadyTracker()            # as the hub does: the guides card judges the steady decode rate
+
     def push() -> None:
         seq[0] += 1
         tt = time.time()
         row = dict(zip(fill, (float(x) for x in level * (1 + 0.05 * rng.standard_normal(len(level))))))
+        row["slots_busy"] = 4.0
         store.append(tt, row)
-        view.feed(M.Tick(seq=seq[0], t=tt, values={**{c: None for c in M.COLUMN_NAMES}, **row}, engine="bench", hz=hz,
-                         simulated=False, missing={}))
+        values = {**{c: None for c in M.COLUMN_NAMES}, **row}
+        tracker.update(tt, values, answered=True, state="generating", period_s=1 / hz)
+        tick = M.Tick(seq=seq[0], t=tt, values=values, engine="bench", hz=hz, simulated=False, missing={})
+        tick.notes["steady"] = tracker.snapshot(tt, 4.0)
+        tick.notes["prefill_live"] = seq[0] % 20 < 10          # the prefill card switches live / last request
+        view.feed(tick)
 
     redraw_ms: list[float] = []
     orig_step = view._redraw_step

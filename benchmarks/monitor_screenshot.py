@@ -1,14 +1,17 @@
 """A picture of the main window with the scripted engine under load from 4 concurrent streaming chats (issue 6's
 acceptance screenshot): every Monitor plot should be moving with sensible values.
 
-It runs the real flow: the engine panel starts the scripted engine through the supervisor (4 slots; the hot set
-starts cold — ``--initial-hot random`` — so the hit rate climbs and the adaptive tier swaps experts while you
-watch), the Monitor tab starts collecting when the engine is ready, 4 chats stream through httpx, and after
-``--seconds`` the window is grabbed to a PNG. Everything runs in temporary config/data folders; the engine is
-stopped at the end.
+It runs the real flow: the engine panel plans and starts the scripted engine through the supervisor (4 slots;
+the engine fills its hot set from the plan, which was made from the engine's own routing distribution, so the
+observed hit rate sits by the planner's predicted line), the Monitor tab starts collecting when the engine is
+ready, 4 chats stream through httpx (replies of different lengths, users pausing between questions, so the busy
+slots vary), and after ``--seconds`` the window is grabbed to a PNG. ``--cold`` starts the hot set random
+instead (``--initial-hot random``): the adaptive tier then swaps experts while you watch and the hit rate climbs,
+for minutes, towards the prediction. Everything runs in temporary config/data folders; the engine is stopped at
+the end. The guides card's verdict is printed.
 
 Run: ``xvfb-run -a -s "-screen 0 1600x1000x24" .venv/bin/python benchmarks/monitor_screenshot.py
-[--seconds 45] [--out monitor.png]``
+[--seconds 45] [--cold] [--out monitor.png]``
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "monitor_4_chats.png"))
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--hz", type=float, default=1.0, help="the monitor's rate (the metrics_hz setting)")
+    p.add_argument("--cold", action="store_true", help="start with a random hot set (swaps while you watch)")
+    p.add_argument("--size", default="1600x1000", help="window size WxH (default 1600x1000)")
     args = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="dsv41-shot-"))
@@ -43,7 +48,7 @@ def main() -> int:
     os.environ.update({"DSV41_CONFIG_DIR": str(tmp / "config"), "DSV41_DATA_DIR": str(tmp / "data"),
                        "DSV41_CACHE_DIR": str(tmp / "cache"), "DSV41_PORT": str(port),
                        "DSV41_SLOTS": str(args.users), "DSV41_SERVER_ENGINE": "sim",
-                       "DSV41_SIM_ARGS": "--initial-hot random"})
+                       "DSV41_SIM_ARGS": "--initial-hot random" if args.cold else ""})
 
     import httpx
     from PySide6.QtCore import QTimer
@@ -58,7 +63,8 @@ def main() -> int:
     ctx = AppContext(loaded)
     ctx.update_settings({"metrics_hz": args.hz})
     win = MainWindow(ctx)
-    win.resize(1600, 1000)
+    w, h = (int(x) for x in args.size.lower().split("x"))
+    win.resize(w, h)
     win.show()
     win.show_tab("Monitor")
     stop = threading.Event()
@@ -99,6 +105,9 @@ def main() -> int:
         print(f"saved {out} ({win.width()}×{win.height()}); {tokens[0]} streamed chunks; last tick: "
               f"decode {t.values['decode_tok_s'] if t else None} tok/s, hit {t.values['hit_rate'] if t else None}",
               flush=True)
+        c = getattr(win.monitor_view, "last_comparison", None)
+        if c is not None:
+            print(f"guides card: {c.verdict} — {c.headline} [{c.basis}]", flush=True)
         stop.set()
         QTimer.singleShot(100, finish)
 

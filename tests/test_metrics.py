@@ -118,8 +118,8 @@ def kill_group(proc: subprocess.Popen) -> None:
 class Chats:
     """N streaming chats against the engine, restarted as they finish, on threads."""
 
-    def __init__(self, base: str, key: str, n: int, max_tokens: int = 60):
-        self.base, self.key, self.n, self.max_tokens = base, key, n, max_tokens
+    def __init__(self, base: str, key: str, n: int, max_tokens: int = 60, pause_s: float = 0.0):
+        self.base, self.key, self.n, self.max_tokens, self.pause_s = base, key, n, max_tokens, pause_s
         self.stop = threading.Event()
         self.tokens = 0
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
@@ -139,6 +139,7 @@ class Chats:
                                 self.tokens += 1
                 except httpx.HTTPError:
                     time.sleep(0.1)
+                self.stop.wait(self.pause_s)           # the user reads the reply before asking again
 
     def __enter__(self) -> "Chats":
         for t in self.threads:
@@ -548,6 +549,16 @@ def test_cli_monitor_once_json_and_no_engine(sim_proc, tmp_path, free_port):
                            "sys.exit(main(sys.argv[1:]))", "monitor", "--url", base, "--engine", "sim", "--once",
                            "--hz", "4"], capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
     assert text.returncode == 0 and "decode 0.0 tok/s" in text.stdout and "[simulated]" in text.stdout
+    # after a reply, idle: the prefill figure is the last request's and says so (QA p2), users say idle
+    r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}, timeout=30)
+    assert r.status_code == 200
+    text = subprocess.run([sys.executable, "-c", "import sys; from engine_manager.cli import main; "
+                           "sys.exit(main(sys.argv[1:]))", "monitor", "--url", base, "--engine", "sim", "--once",
+                           "--hz", "4"], capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert text.returncode == 0, text.stderr
+    assert "last prefill " in text.stdout and "tok/s" in text.stdout.split("last prefill ")[1].split("  ")[0]
+    assert "users 0 (idle)" in text.stdout
     none = subprocess.run([sys.executable, "-c", "import sys; from engine_manager.cli import main; "
                            "sys.exit(main(sys.argv[1:]))", "monitor", "--url", f"http://127.0.0.1:{free_port}",
                            "--engine", "sim", "--once", "--hz", "4"],
@@ -575,3 +586,211 @@ def test_guides_comparison():
     assert M.compare(50.0, 9, None).guide_tok_s is None
     assert any("Simulated" in h for h in M.compare(63.0, 1, 0.9, simulated=True).hints)
     assert math.isclose(M.guide_figures(8)[0], 152.53)
+
+
+# -- the steady decode rate the guides card judges (QA M4, m12) ---------------------------------------------------
+def feed(tr, t: float, *, users: int, tokens: float | None, decode: float | None = None, requests: int = 1,
+         queued: int = 0, state: str = "generating", slots_total: int = 4, reply=(None, None), period: float = 1.0,
+         tasks=None) -> None:
+    """One tick into a SteadyTracker, the columns as the hub stores them."""
+    vals = {"slots_busy": float(users), "slots_total": float(slots_total), "tokens_generated_total": tokens,
+            "decode_tok_s": decode, "requests_total": float(requests), "queued": float(queued)}
+    tr.update(t, vals, answered=True, state=state if users else "idle", period_s=period, reply=reply, tasks=tasks)
+
+
+def test_steady_decode_skips_ramp_up_arrivals_and_judges_lone_replies():
+    from engine_manager.metrics.steady import SteadyTracker
+
+    tr = SteadyTracker()
+    # one user decoding at 63.11 tok/s from t=0.5; the engine's 2-s window rate ramps up meanwhile
+    feed(tr, 0.0, users=0, tokens=0, decode=0.0, requests=0)
+    window = []
+    for k in range(1, 7):
+        t = float(k)
+        dec = min(63.11, 63.11 * (t - 0.5) / 2.0)                    # the window filling up
+        window.append(dec)
+        feed(tr, t, users=1, tokens=63.11 * (t - 0.5), decode=dec)
+        snap = tr.snapshot(t, 1)
+        if k <= 2:
+            assert snap.current is None and M.judge(snap, 0.9).verdict == "measuring"
+    # the old card's mean of the window rate over these ticks calls it "below" …
+    assert np.mean(window) < 0.9 * 63.11
+    # … the steady figure is the engine's own rate, and the card says so
+    snap = tr.snapshot(6.0, 1)
+    assert snap.current.total_tok_s == pytest.approx(63.11, rel=1e-6) and snap.current.users == 1
+    c = M.judge(snap, 0.9)
+    assert c.verdict == "as_published" and c.users == 1 and "steady decoding at 1 user" in c.basis
+    # a request arriving (a prompt read pauses the decodes) breaks the interval it falls in
+    feed(tr, 7.0, users=2, tokens=63.11 * 6.5 + 40, decode=50.0, requests=2)
+    feed(tr, 8.0, users=2, tokens=63.11 * 6.5 + 140, decode=90.0, requests=2)
+    feed(tr, 9.0, users=2, tokens=63.11 * 6.5 + 240, decode=100.0, requests=2)
+    feed(tr, 10.0, users=2, tokens=63.11 * 6.5 + 340, decode=100.0, requests=2)
+    snap = tr.snapshot(10.0, 2)
+    assert snap.current is not None and snap.current.total_tok_s == pytest.approx(100.0)   # 8→10 only
+    # idle: no "0 users", the last steady figure said as such
+    feed(tr, 11.0, users=0, tokens=63.11 * 6.5 + 400, decode=30.0, requests=2)
+    c = M.judge(tr.snapshot(11.0, 0), None)
+    assert c.verdict == "idle" and not c.live and c.users == 2 and "Last steady decode" in c.headline
+
+    # lone short replies (shorter than any steady interval): the engine's own per-reply rate counts
+    tr = SteadyTracker()
+    feed(tr, 0.0, users=0, tokens=0, requests=0, reply=(("a",), 60.0))          # an old reply: the reference
+    feed(tr, 1.0, users=1, tokens=30, requests=1, reply=(("a",), 60.0))
+    feed(tr, 2.0, users=0, tokens=90, requests=1, state="idle", reply=(("b",), 63.2))
+    snap = tr.snapshot(2.0, 0)
+    assert snap.latest.replies == 1 and snap.latest.total_tok_s == pytest.approx(63.2)
+    assert snap.last_reply_tok_s == pytest.approx(63.2)
+    feed(tr, 3.0, users=1, tokens=100, requests=2, reply=(("b",), 63.2))
+    c = M.judge(tr.snapshot(3.0, 1), 0.9)
+    assert c.verdict == "as_published" and c.measured_tok_s == pytest.approx(63.2)
+    # a reply that may have shared the engine with a second user is not a 1-user figure
+    tr = SteadyTracker()
+    feed(tr, 0.0, users=0, tokens=0, requests=0)
+    feed(tr, 1.0, users=2, tokens=30, requests=2)
+    feed(tr, 2.0, users=1, tokens=90, requests=2, reply=(("x",), 40.0))
+    feed(tr, 3.0, users=0, tokens=120, requests=2, reply=(("y",), 45.0))
+    snap = tr.snapshot(3.0, 0)
+    assert snap.latest is None and snap.last_reply_tok_s == pytest.approx(45.0)
+    # one slot: replies never overlap, even with others queued (no idle tick needed)
+    tr = SteadyTracker()
+    feed(tr, 0.0, users=1, tokens=0, requests=4, queued=3, slots_total=1, reply=(None, None))
+    feed(tr, 1.0, users=1, tokens=50, requests=4, queued=2, slots_total=1, reply=(("r1",), 63.0))
+    assert tr.snapshot(1.0, 1).current.total_tok_s == pytest.approx(63.0)
+
+
+def test_steady_decode_without_a_live_token_counter_waits_for_the_engine_window():
+    from engine_manager.metrics.steady import SteadyTracker
+
+    tr = SteadyTracker(engine_window_s=2.0)
+    for k in range(5):                      # the counter moves only when a request ends: not a live rate
+        feed(tr, float(k), users=4, tokens=1000.0, decode=[40.0, 90.0, 126.0, 127.0, 128.0][k], requests=4)
+    snap = tr.snapshot(4.0, 4)
+    # 0→1 starts the run; the window rate counts from t=2 (2 s after the run began): 126, 127, 128
+    assert snap.current.total_tok_s == pytest.approx(127.0) and snap.current.seconds == pytest.approx(3.0)
+    assert M.judge(snap, 0.9).verdict == "as_published"
+
+
+def test_judge_names_the_model_the_guides_measured():
+    from engine_manager.metrics.steady import SteadyTracker
+
+    assert M.is_guide_model("deepseek-v4.1-flash-simulated") and M.is_guide_model(
+        "DeepSeek-V4.1-Flash-Q2_K-00001-of-00007.gguf")
+    assert M.is_guide_model("tinymoe-00001-of-00002.gguf") is False and M.is_guide_model(None) is None
+    tr = SteadyTracker()
+    feed(tr, 0.0, users=1, tokens=0)
+    for k in range(1, 4):
+        feed(tr, float(k), users=1, tokens=1395.0 * k)
+    c = M.judge(tr.snapshot(3.0, 1), 1.0, model="tinymoe-00001-of-00002.gguf")
+    assert c.verdict == "not_comparable" and c.ratio is None and c.guide_tok_s is None
+    assert "DeepSeek-V4.1-Flash" in c.headline and "tinymoe" in c.headline and "%" not in c.headline
+    assert c.measured_tok_s == pytest.approx(1395.0)            # this host's figure is still shown
+
+
+def test_steady_decode_of_short_chats_on_a_real_scripted_engine(sim_proc):
+    """QA M4: one user asking short questions, reading each reply for a moment — each reply ~0.6 s at the
+    guides' 63.11 tok/s. The engine's window rate never reaches the figure (the old card said "below the
+    guides"); the steady figure does."""
+    proc, base, key, log = sim_proc("--slots", "1")
+    hub = M.build_hub("sim", base, key, hz=4.0, record=False, use_nvml=False)
+    ticks: list[M.Tick] = []
+    with Chats(base, key, 1, max_tokens=40, pause_s=0.6):
+        for tick in hub.iter_ticks(max_ticks=24):
+            ticks.append(tick)
+    snap = ticks[-1].notes["steady"]
+    fig = snap.recent() or snap.latest
+    assert fig is not None and fig.users == 1 and fig.total_tok_s == pytest.approx(63.11, rel=0.08)
+    assert M.judge(snap, 0.9).verdict in ("as_published", "idle")
+    assert M.judge(snap, 0.9).ratio >= 0.9
+    assert ticks[-1].notes["model"] == "deepseek-v4.1-flash-simulated"
+    # what the old card averaged: the window rate over the ticks with one user decoding
+    window = [t.values["decode_tok_s"] for t in ticks[-16:] if t.values["slots_busy"] == 1]
+    assert window and np.mean(window) < 0.9 * 63.11
+    assert all(t.notes["prefill_live"] in (False, None) or t.notes.get("state") == "reading" for t in ticks)
+
+
+def test_llamacpp_short_burst_and_a_model_the_guides_do_not_cover(tmp_path):
+    """QA m12, with the real llama-server on the tiny MoE: a 300-token reply takes a fraction of the 1-s poll
+    interval, so the interval's rate reads low; the engine's own timing of the reply (its per-scrape
+    predicted_tokens_seconds) matches the chat's, and the guides' figures are n/a for this model."""
+    from engine_manager import llamacpp_bin, tinymoe
+
+    try:
+        binary = llamacpp_bin.find_llama_server()
+    except llamacpp_bin.LlamaServerNotFound as exc:
+        pytest.skip(f"llama-server is not installed: {exc}")
+    model = tinymoe.write_tinymoe(tmp_path / "m")
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = "k-" + os.urandom(6).hex()
+    env = {**os.environ, "LD_LIBRARY_PATH": ":".join(str(d) for d in binary.lib_dirs)}
+    proc = subprocess.Popen([str(binary.path), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                             "--api-key", key, "--metrics", "--slots", "-np", "1", "-c", "1024", "-t", "1"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        hub = M.build_hub("llamacpp", base, key, hz=1.0, record=False, use_nvml=False)
+        timings: list[dict] = []
+
+        def ask() -> None:
+            time.sleep(1.2)
+            r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}, timeout=30)
+            timings.append(r.json()["timings"])
+
+        th = threading.Thread(target=ask)
+        th.start()
+        ticks = list(hub.iter_ticks(max_ticks=5))
+        th.join(30)
+    finally:
+        kill_group(proc)
+    chat_rate = timings[0]["predicted_per_second"]
+    snap = ticks[-1].notes["steady"]
+    assert snap.last_reply_tok_s == pytest.approx(chat_rate, rel=1e-3)       # the engine's timing = the chat's
+    assert max(t.values["decode_tok_s"] or 0 for t in ticks) < chat_rate     # the interval's rate reads low
+    assert ticks[-1].notes["model"] == model.name
+    c = M.judge(snap, ticks[-1].values["hit_rate"], model=ticks[-1].notes["model"])
+    assert c.verdict == "not_comparable" and c.ratio is None and "DeepSeek-V4.1-Flash" in c.headline
+
+
+def test_cli_monitor_says_plainly_when_something_else_holds_the_port(tmp_path, free_port):
+    """QA m3: a program that is not an engine on the engine's port (here Python's own web server): one plain
+    sentence, no HTTP library message, no web link."""
+    other = subprocess.Popen([sys.executable, "-m", "http.server", str(free_port), "--bind", "127.0.0.1"],
+                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"http://127.0.0.1:{free_port}/", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        env = {**os.environ, "DSV41_PORT": str(free_port), "DSV41_SERVER_ENGINE": "sim", "PYTHONPATH": str(ROOT)}
+        out = subprocess.run([sys.executable, "-c", "import sys; from engine_manager.cli import main; "
+                              "sys.exit(main(sys.argv[1:]))", "monitor", "--once", "--hz", "4"],
+                             capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    finally:
+        kill_group(other)
+    assert out.returncode == 1, out.stdout + out.stderr
+    err = out.stderr.strip()
+    assert f"something else answers at http://127.0.0.1:{free_port}" in err and "HTTP 404" in err
+    assert "mozilla" not in err.lower() and "HTTPStatusError" not in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1
+
+
+def test_the_cards_one_line_hint_is_the_most_relevant_one():
+    c = M.compare(87.0, 4, 0.77, simulated=True, numa_bound=True)
+    assert c.verdict == "below" and c.short_hint.startswith("Only 77% of expert picks hit the GPU")
+    c = M.compare(53.0, 1, 0.9, numa_bound=False)
+    assert "NUMA" in c.short_hint and "53" in c.short_hint
+    assert M.compare(63.0, 1, 0.9, simulated=True).short_hint == ""

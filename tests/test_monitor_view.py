@@ -56,6 +56,17 @@ def sim():
         sp.stop()
 
 
+@pytest.fixture
+def sim1():
+    """One slot, the plan's hot set (warm): one user decodes at the guides' 63.11 tok/s."""
+    sp = SimProcess(["--slots", "1"]).start()
+    try:
+        sp.wait_ready()
+        yield sp
+    finally:
+        sp.stop()
+
+
 def chats(sp: SimProcess, n: int, stop: threading.Event) -> list[threading.Thread]:
     def run(i: int) -> None:
         with httpx.Client(timeout=30) as c:
@@ -160,6 +171,85 @@ def test_plots_and_cards_follow_a_running_scripted_engine(qtbot, ctx, view, sim,
         t.join(10)
 
 
+def test_guides_card_short_chats_idle_and_stopped(qtbot, ctx, view, sim1):
+    """QA M4: one user, short replies with pauses: the card says "measuring…", then "as published" — never
+    "below" (the old card averaged the window rate, ramps included). p2: idle and stopped show nothing
+    live-looking. m12: the Decode card names the last reply's own rate when idle."""
+    verdicts: list[str] = []
+    view.tickShown.connect(lambda _t: verdicts.append(view.compare.comparison.verdict)
+                           if view.compare.comparison else None)
+    stop = threading.Event()
+
+    def user() -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                c.post(sim1.url("/v1/chat/completions"), headers=sim1.headers,
+                       json={"messages": [{"role": "user", "content": "a short question"}], "max_tokens": 40})
+                stop.wait(0.6)                             # reading the answer
+
+    th = threading.Thread(target=user, daemon=True)
+    try:
+        with qtbot.waitSignal(view.hubStarted, timeout=15000):
+            ctx.set_ready(sim1.base_url, sim1.api_key)
+        th.start()
+        t0 = time.monotonic()
+        qtbot.waitUntil(lambda: time.monotonic() - t0 > 5 and "as_published" in verdicts[-3:], timeout=30000)
+    finally:
+        stop.set()
+        th.join(10)
+    assert "below" not in verdicts, verdicts
+    c = view.compare.comparison
+    assert c.users == 1 and c.measured_tok_s == pytest.approx(63.11, rel=0.08) and "whole repl" in c.basis
+    # what the old card judged — the window rate's 10-s mean at 1 user — is below 90% of the guides
+    t, d = view.store.window(view.last_tick.t - 10, view.last_tick.t, ["decode_tok_s", "slots_busy"])
+    old = d["decode_tok_s"][d["slots_busy"] == 1]
+    assert old.size and float(np.mean(old)) < 0.9 * 63.11
+    # idle: the cards say what is not live
+    qtbot.waitUntil(lambda: view.last_tick.values["slots_busy"] == 0
+                    and "last reply" in view.cards["decode"].detail.text(), timeout=10000)
+    assert view.cards["prefill"].value.text().startswith("last ") and view.cards["prefill"].is_stale()
+    assert view.cards["prefill"].value.palette().color(view.cards["prefill"].value.foregroundRole()) != \
+        view.cards["decode"].value.palette().color(view.cards["decode"].value.foregroundRole())   # greyed
+    assert "last request" in view.cards["prefill"].detail.text()
+    assert view.cards["hit"].value.text().startswith("last ") and view.cards["hit"].is_stale()
+    assert not view.cards["decode"].is_stale()                  # 0 tok/s while idle is a live reading
+    qtbot.waitUntil(lambda: view.compare.comparison.verdict == "idle", timeout=5000)
+    assert "last steady" in view.compare.table_text() and "Last steady decode" in view.compare.hints.text()
+    assert not view.compare.comparison.live
+    # stopped: no card keeps a live-looking value
+    ctx.set_ready(None, None)
+    for card in view.cards.values():
+        assert card.value.text() == "—" and card.detail.text() == "engine stopped" and card.is_stale()
+    assert view.compare.badge.text() == "stopped" and not view.compare.table.isVisibleTo(view)
+    assert "Last steady decode" in view.compare.hints.text()
+
+
+def test_empty_plots_legends_above_the_data_and_a_status_that_fits(qtbot, view):
+    # p1: before any data the time axes show clock times around now, not "00.250 00.500" at the epoch
+    for p in view.plots.values():
+        (x0, x1), _ = p.item.vb.viewRange()
+        assert abs(x1 - time.time()) < 60 and x1 - x0 == pytest.approx(600, rel=0.01)
+    # p4: no legend box inside a plot — the legend is the title row above it, with every curve's name
+    from pyqtgraph import LegendItem
+    assert not [it for it in view.glw.scene().items() if isinstance(it, LegendItem)]
+    for p in view.plots.values():
+        html = p.title.text
+        assert all(p.series[c].name.replace("&", "&amp;").replace(">", "&gt;") in html for c in p.legend_cols)
+        assert p.title.sceneBoundingRect().bottom() <= p.item.vb.sceneBoundingRect().top() + 1
+    # narrowing the window: the legends wrap, the plots stay inside the view
+    view.resize(700, 800)
+    qtbot.waitUntil(lambda: view.glw.width() < 720, timeout=3000)
+    qtbot.wait(100)
+    for p in view.plots.values():
+        assert p.item.sceneBoundingRect().right() <= view.glw.width() + 1
+    # p4: a long status (the recording path) is shortened in the middle to fit; the whole text stays readable
+    long = "Collecting from sim (simulated) at 1 Hz · recording to " + "/very/long/folder" * 12 + "/metrics.csv"
+    view.status.setText(long)
+    shown = view.status.shown_text()
+    assert "…" in shown and view.status.fontMetrics().horizontalAdvance(shown) <= view.status.width()
+    assert view.status.text() == long and view.status.toolTip() == long
+
+
 # -- view mechanics on a labelled synthetic history -------------------------------------------------------------
 def synthetic_history(hours: float = 2.0, hz: float = 1.0) -> tuple[M.RingStore, float]:
     """TEST DATA: a store with ``hours`` of made-up rows, newest at now."""
@@ -243,19 +333,39 @@ def test_cards_missing_reference_line_and_guides_card(qtbot, ctx, view):
     assert view.cards["decode"].value.text() == "—"
     assert view.cards["gpu"].value.text() == "—" and "no NVIDIA GPU" in view.cards["gpu"].detail.text()
     assert not view.cards["decode"].tag.isVisibleTo(view)         # not simulated
-    def push(t: float, **vals) -> None:                        # as the hub does: store, then show
-        store.append(t, vals)
-        view.feed(tick_at(t, **vals))
+    tracker = M.SteadyTracker()
+    tokens = [0.0]
 
-    # the guides card at 4 users
+    def push(t: float, **vals) -> None:          # as the hub does: store, track the steady rate, then show
+        tokens[0] += vals.get("decode_tok_s") or 0.0
+        vals = {"requests_total": 1.0, "queued": 0.0, "tokens_generated_total": tokens[0], **vals}
+        store.append(t, vals)
+        tracker.update(t, vals, answered=True, state="generating", period_s=1.0)
+        tick = tick_at(t, **vals)
+        tick.notes["steady"] = tracker.snapshot(t, vals.get("slots_busy"))
+        view.feed(tick)
+
+    # the guides card at 4 users: "measuring…" until the same 4 users decoded steadily long enough
     push(now + 100, decode_tok_s=127.0, slots_busy=4.0, hit_rate=0.9)
+    assert view.compare.comparison.verdict == "measuring" and view.compare.badge.text() == "measuring…"
+    for k in range(1, 4):
+        push(now + 100 + k, decode_tok_s=127.0, slots_busy=4.0, hit_rate=0.9)
     c = view.compare.comparison
     assert c.users == 4 and c.guide_tok_s == 127.58 and c.verdict == "as_published"
     assert "127.58" in view.compare.table_text() and view.compare.badge.text() == "as published"
     view.engine_info["numa_bound"] = False
-    push(now + 200, decode_tok_s=53.0, slots_busy=1.0, hit_rate=0.9)
+    for k in range(4):
+        push(now + 200 + k, decode_tok_s=53.0, slots_busy=1.0, hit_rate=0.9, requests_total=2.0)
     assert view.compare.comparison.verdict == "below"
     assert "NUMA" in view.compare.hints.text() and "53" in view.compare.hints.text()
+    # another model (llama.cpp running the tiny test MoE): the guides' figures do not apply (QA m12)
+    tick = tick_at(now + 300, decode_tok_s=1395.0, slots_busy=1.0, hit_rate=1.0)
+    tick.notes["steady"] = tracker.snapshot(now + 203, 1.0)
+    tick.notes["model"] = "tinymoe-00001-of-00002.gguf"
+    view.feed(tick)
+    assert view.compare.badge.text() == "n/a" and view.compare.comparison.verdict == "not_comparable"
+    assert "guides | — | n/a | n/a | n/a" in view.compare.table_text()
+    assert "DeepSeek-V4.1-Flash" in view.compare.hints.text() and "%" not in view.compare.hints.text()
     # the planner's predicted hit rate as a reference line; unknown said in words
     ctx.set_plan({"predicted_hit_rate": 0.874, "model": {"expert_bytes": 12_792_627}})
     ref = view.plots["hit"].ref_line

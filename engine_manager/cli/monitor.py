@@ -3,7 +3,9 @@
 Finds the engine the way ``dsv41 status`` does (the supervisor's state file), else ``--url``/``--engine`` or the
 settings' address. Prints one line per tick (or one JSON object per line with ``--json``); ``--csv FILE`` also
 writes every tick to FILE (header + rows, flushed each tick). Missing figures print as ``—`` (``null`` in JSON,
-an empty cell in CSV), never 0. Exit 0; 1 when no engine answers; 130 on Ctrl+C.
+an empty cell in CSV), never 0; prefill while no prompt is being read prints as "last prefill" (the last
+request's). Exit 0; 1 when no engine answers (or something that is not an engine answers, said in plain words);
+130 on Ctrl+C.
 """
 
 from __future__ import annotations
@@ -65,11 +67,16 @@ def fmt_line(tick: M.Tick) -> str:
         tot = f" / {v[b] / GiB:.0f}" if v.get(b) is not None else ""
         return f"{v[a] / GiB:.1f}{tot} GiB"
 
+    # prefill while no prompt is being read is the last request's, not a live rate: say so
+    prefill = "last prefill" if tick.notes.get("prefill_live") is False else "prefill"
+    users = f"users {f('slots_busy', '{:.0f}')}"
+    if v.get("slots_busy") == 0:
+        users += " (idle)"
     parts = [
         time.strftime("%H:%M:%S", time.localtime(tick.t)),
         f"decode {f('decode_tok_s', unit=' tok/s')}",
-        f"prefill {f('prefill_tok_s', '{:.0f}', unit=' tok/s')}",
-        f"users {f('slots_busy', '{:.0f}')}",
+        f"{prefill} {f('prefill_tok_s', '{:.0f}', unit=' tok/s')}",
+        users,
         f"hit {f('hit_rate', '{:.1f}', 100, '%')} (rolling {f('hit_rate_rolling', '{:.1f}', 100, '%')})",
         f"swaps {f('swaps_per_s', '{:.2f}', unit='/s')} {f('swap_mb_s', '{:.0f}', unit=' MB/s')}",
         f"PCIe rx {f('pcie_rx_mb_s', '{:.0f}', unit=' MB/s')}",
@@ -85,7 +92,14 @@ def fmt_line(tick: M.Tick) -> str:
 
 
 def tick_json(tick: M.Tick) -> dict[str, Any]:
+    snap = tick.notes.get("steady")
+    cur = getattr(snap, "current", None)
+    steady = None if cur is None else {"users": cur.users, "total_tok_s": round(cur.total_tok_s, 3),
+                                       "each_tok_s": round(cur.each_tok_s, 3), "basis": cur.basis()}
     return {"t": round(tick.t, 3), "time": iso(tick.t), "engine": tick.engine, "simulated": tick.simulated,
+            "state": tick.notes.get("state"), "model": tick.notes.get("model"),
+            "prefill_live": tick.notes.get("prefill_live"), "steady_decode": steady,
+            "last_reply_tok_s": getattr(snap, "last_reply_tok_s", None),
             "predicted_hit_rate": tick.predicted_hit_rate, "missing": tick.missing,
             "values": {k: (None if x is None or not math.isfinite(x) else x) for k, x in tick.values.items()}}
 
@@ -131,8 +145,12 @@ def run(args, ctx) -> int:
     try:
         for tick in hub.iter_ticks():
             if "engine" in tick.missing and printed == 0 and tick.seq >= 2:
-                print(f"dsv41 monitor: no engine answers at {base_url} ({tick.missing['engine']}). Start one with "
-                      "`dsv41 start`, or pass --url.", file=sys.stderr)
+                why = tick.missing["engine"]
+                if why.startswith("nothing answers"):
+                    print(f"dsv41 monitor: no engine answers at {base_url} (connection refused). Start one with "
+                          "`dsv41 start`, or pass --url.", file=sys.stderr)
+                else:
+                    print(f"dsv41 monitor: cannot read an engine: {why}.", file=sys.stderr)
                 return 1
             if args.once and tick.seq == 1:
                 continue            # rates need two readings: the first one only primes them

@@ -5,6 +5,7 @@
 - :mod:`.hub` — :class:`MetricsHub`: each source on its own thread and timeout, one :class:`Tick` per period;
 - :mod:`.store` — :class:`RingStore`: 24 h at full rate, older data decimated, bounded;
 - :mod:`.record` — every run recorded under ``runs_dir()/metrics``; CSV export;
+- :mod:`.steady` — the steady decode rate (no ramp-up, no prompt reads; whole lone replies) the card judges;
 - :mod:`.guides` — the guides' published figures and the comparison card's logic.
 
 :func:`build_hub` wires a hub for one running engine from what the supervisor knows about it.
@@ -21,8 +22,8 @@ from ..engines import get_engine
 from ..engines.base import Engine, LaunchSpec
 from ..hardware import parse_cpulist
 from .columns import ALL_COLUMNS, BY_NAME, COLUMN_NAMES, MAX_SLOTS, SLOT_COLUMNS, Column
-from .guides import Comparison, compare, guide_figures
-from .hub import MetricsHub, Tick, derive
+from .guides import Comparison, compare, guide_figures, is_guide_model, judge
+from .hub import MetricsHub, Tick, derive, prefill_is_live
 from .record import (
     Recorder,
     export_csv,
@@ -44,11 +45,12 @@ from .sources import (
     spec_for,
     trace_path_from_argv,
 )
+from .steady import Steady, SteadySnapshot, SteadyTracker
 from .store import RingStore, peak_reduce
 
 __all__ = [
     "ALL_COLUMNS", "BY_NAME", "COLUMN_NAMES", "MAX_SLOTS", "SLOT_COLUMNS", "Column", "Comparison", "compare",
-    "guide_figures", "MetricsHub", "Tick", "derive", "Recorder", "export_csv", "list_runs", "load_into",
+    "guide_figures", "is_guide_model", "judge", "prefill_is_live", "Steady", "SteadySnapshot", "SteadyTracker", "MetricsHub", "Tick", "derive", "Recorder", "export_csv", "list_runs", "load_into",
     "metrics_runs_dir", "open_run", "read_recording", "prune_runs", "EngineSource", "HostSource",
     "LogSwapSource", "NvmlSource", "Reading", "RoutingSource", "trace_path_from_argv", "Source", "spec_for", "RingStore", "peak_reduce", "build_hub",
     "binding_cpus", "binding_bound", "predicted_hit_rate", "plan_expert_bytes", "clamp_hz",

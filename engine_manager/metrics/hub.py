@@ -21,6 +21,7 @@ from ..engines.base import Sample
 from .columns import COLUMN_NAMES
 from .record import Recorder
 from .sources import LogSwapSource, Reading, Source, SourceMissing
+from .steady import SteadyTracker, last_reply, slot_tasks
 from .store import RingStore
 
 Listener = Callable[["Tick"], None]
@@ -102,6 +103,13 @@ def derive(values: dict[str, float | None], simulated: bool, expert_bytes: int |
     return origin
 
 
+def prefill_is_live(engine: str, state: str | None) -> bool:
+    """Whether ``prefill_tok_s`` is a live rate: llama.cpp's adapter counts prompt tokens over the poll interval
+    (live, 0 when idle); Strata and the scripted engine report a live rate only while a prompt is being read,
+    else the last request's."""
+    return engine == "llamacpp" or state == "reading"
+
+
 class _Runner(threading.Thread):
     """Reads one source whenever the hub asks, on its own thread."""
 
@@ -167,6 +175,9 @@ class MetricsHub:
         self.expert_bytes = expert_bytes
         self.rolling_s = rolling_s
         self._roll: deque[tuple[float, float, float]] = deque()   # (t, hit_rate, weight)
+        # the steady decode rate the guides card judges (llama.cpp's adapter rates tokens over the poll interval,
+        # Strata and the scripted engine over a 2-s window)
+        self.steady = SteadyTracker(engine_window_s=0.0 if engine == "llamacpp" else 2.0)
         self._listeners: list[Listener] = []
         self._stop = threading.Event()
         self._cond = threading.Condition()
@@ -265,6 +276,12 @@ class MetricsHub:
                 simulated = simulated or bool(res.notes.get("simulated"))
         origin = derive(values, simulated, self.expert_bytes)
         values["hit_rate_rolling"] = self._rolling(t, values)
+        state = sample.state if sample is not None else None
+        self.steady.update(t, values, answered=sample is not None, state=state, period_s=self.period_s,
+                           reply=last_reply(sample, self.engine), tasks=slot_tasks(sample))
+        notes["steady"] = self.steady.snapshot(t, values.get("slots_busy"))
+        notes["prefill_live"] = prefill_is_live(self.engine, state) if values.get("prefill_tok_s") is not None \
+            else None
         tick = Tick(seq=k, t=t, values=values, engine=self.engine, simulated=simulated, sample=sample,
                     missing=missing, origin=origin, notes=notes, predicted_hit_rate=self.predicted_hit_rate,
                     hz=self.hz)

@@ -90,10 +90,13 @@ def sample_values(s: Sample) -> dict[str, float | None]:
 
 
 class EngineSource(Source):
-    """Polls the engine through its adapter: ``Engine.poll(client, spec, previous) -> Sample``."""
+    """Polls the engine through its adapter: ``Engine.poll(client, spec, previous) -> Sample``. Failures are said
+    in plain words (:func:`plain_engine_error`), never as a raw HTTP library message. Once, it also asks the
+    engine which model it serves (``/v1/models``): ``notes["model"]``."""
 
     name = "engine"
     columns = tuple(c.name for c in ENGINE_COLUMNS)
+    MODEL_TRIES = 3
 
     def __init__(self, engine: Engine, spec: LaunchSpec, timeout_s: float = 2.0):
         import httpx
@@ -104,16 +107,73 @@ class EngineSource(Source):
         headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
         self.client = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers, trust_env=False)
         self.previous: Sample | None = None
+        self.model: str | None = None
+        self._model_tries = 0
 
     def read(self) -> Reading:
-        s = self.engine.poll(self.client, self.spec, self.previous)
+        try:
+            s = self.engine.poll(self.client, self.spec, self.previous)
+        except Exception as exc:
+            raise SourceMissing(plain_engine_error(exc, self.spec.base_url, self.timeout_s)) from exc
         self.previous = s
-        return Reading(sample_values(s), payload=s,
-                       notes={"simulated": bool(s.simulated or self.spec.simulated or self.engine.simulated),
-                              "state": s.state})
+        if self.model is None and self._model_tries < self.MODEL_TRIES:
+            self._model_tries += 1
+            self.model = served_model(self.client, self.spec)
+        notes = {"simulated": bool(s.simulated or self.spec.simulated or self.engine.simulated), "state": s.state}
+        if self.model:
+            notes["model"] = self.model
+        return Reading(sample_values(s), payload=s, notes=notes)
 
     def close(self) -> None:
         self.client.close()
+
+
+def served_model(client: Any, spec: LaunchSpec) -> str | None:
+    """The model the engine serves, from its OpenAI ``/v1/models`` (a path is reduced to its file name); None
+    when it does not say."""
+    try:
+        r = client.get(spec.base_url + "/v1/models", timeout=2.0)
+        if r.status_code != 200:
+            return None
+        data = r.json().get("data") or []
+        mid = data[0].get("id") if data and isinstance(data[0], dict) else None
+    except Exception:  # optional: an engine without the endpoint simply does not say
+        return None
+    if not isinstance(mid, str) or not mid.strip():
+        return None
+    return Path(mid.strip()).name if "/" in mid else mid.strip()
+
+
+def plain_engine_error(exc: BaseException, base_url: str, timeout_s: float | None = None) -> str:
+    """An engine poll's failure in plain words: what answered (or did not) at ``base_url`` and what to do."""
+    import httpx
+
+    if isinstance(exc, httpx.ConnectError):
+        return f"nothing answers at {base_url} (connection refused): the engine is not running, or still loading"
+    if isinstance(exc, httpx.TimeoutException):
+        within = f" within {timeout_s:.2g} s" if timeout_s else ""
+        return f"the engine at {base_url} did not answer{within} (busy or stuck)"
+    if isinstance(exc, httpx.HTTPStatusError):
+        r = exc.response
+        code = r.status_code
+        if code in (401, 403):
+            return (f"the program at {base_url} refused this panel's API key (HTTP {code}): it is not the engine this "
+                    "panel started, or it was started with another key — see `dsv41 status`")
+        if code == 503:
+            return f"the engine at {base_url} is starting or unavailable (HTTP 503)"
+        ctype = r.headers.get("content-type", "")
+        path = r.request.url.path if r.request is not None else "/metrics"
+        if "json" not in ctype or code in (404, 405, 501):
+            return (f"something else answers at {base_url} (HTTP {code} to {path}): not an engine this panel can "
+                    "read — stop that program or choose another port (setting port / DSV41_PORT); `dsv41 status` "
+                    "shows what the panel started")
+        return f"the engine at {base_url} answered HTTP {code} to {path}"
+    if isinstance(exc, ValueError):         # 200 but not the engine's JSON (a web page, another service)
+        return (f"something else answers at {base_url}: its /metrics is not an engine's — stop that program or "
+                "choose another port (setting port / DSV41_PORT)")
+    if isinstance(exc, httpx.HTTPError):
+        return f"the engine at {base_url} could not be read ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def spec_for(engine: Engine, base_url: str, api_key: str) -> LaunchSpec:
