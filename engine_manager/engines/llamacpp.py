@@ -147,10 +147,10 @@ class LlamaPlacement:
 
     def hit_rate(self) -> float | None:
         """Share of MoE layers whose experts sit on the GPU: llama.cpp's analogue of the expert hit rate."""
+        if self.gpu_backend is False:
+            return 0.0                  # a CPU-only build: every layer's experts are in RAM
         if not self.moe_layers or self.gpu_backend is None:
             return None
-        if not self.gpu_backend:
-            return 0.0
         return len(self.gpu_layers) / len(self.moe_layers)
 
     def to_dict(self) -> dict[str, Any]:
@@ -516,6 +516,12 @@ class LlamaCppEngine(Engine):
         atomic_write_bytes(key_file, (key + "\n").encode())
         model_info = (plan or {}).get("model") or {}
         moe_layers = [int(x) for x in model_info.get("moe_layers") or []]
+        if not moe_layers:              # no plan: the model's own headers say which layers are MoE
+            try:
+                from ..layout import read_layout
+                moe_layers = list(read_layout(model).moe_layers)
+            except Exception:
+                moe_layers = []
         cpu_layers = sorted(int(x) for x in (plan or {}).get("llamacpp_cpu_layers") or [])
         placement = LlamaPlacement(moe_layers, cpu_layers, gpu_backend(binary.path),
                                    (plan or {}).get("llamacpp_predicted_hit_rate"))
