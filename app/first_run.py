@@ -9,21 +9,24 @@ from typing import Any
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
-    QCheckBox, QHBoxLayout, QLabel, QProgressBar, QPushButton, QScrollArea, QVBoxLayout, QWizard, QWizardPage,
+    QCheckBox,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QScrollArea,
+    QVBoxLayout,
+    QWizard,
+    QWizardPage,
 )
 
-from engine_manager import doctor, download as dl, hardware, uistate
+from engine_manager import doctor, hardware, uistate
+from engine_manager import download as dl
 
+from .doctor_view import verdicts_html
 from .workers import run_function
 
 DISMISS_KEY = "first_run_dismissed"
-MARKS = {"pass": ("✓", "#1b7f2a"), "warn": ("!", "#9a6a00"), "fail": ("✗", "#b3261e"), "info": ("i", "#1f5fa8")}
-
-
-def _esc(s: str) -> str:
-    return (s or "").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
 class DoctorPage(QWizardPage):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
@@ -55,15 +58,7 @@ class DoctorPage(QWizardPage):
     def show_report(self, report) -> None:
         vs = doctor.verdicts(report, self.ctx.settings)
         self.verdicts = vs
-        rows = []
-        for v in vs:
-            mark, color = MARKS.get(v.status, ("?", "black"))
-            rows.append(f"<tr><td style='color:{color}; font-weight:bold; padding-right:6px'>{mark}</td>"
-                        f"<td style='padding-right:10px'><b>{_esc(v.title)}</b></td>"
-                        f"<td style='padding-right:10px'>{_esc(v.figure)}</td><td>{_esc(v.advice)}</td></tr>")
-        self.table.setText("<table cellspacing='0' cellpadding='3'><tr><th></th><th align='left'>Requirement</th>"
-                           "<th align='left'>Found</th><th align='left'>What to do</th></tr>" + "".join(rows) +
-                           "</table>")
+        self.table.setText(verdicts_html(vs))
         fails = [v for v in vs if v.status == "fail"]
         if fails:
             self.summary.setText(f"{len(fails)} requirement(s) not met: " + ", ".join(v.title for v in fails) +
