@@ -11,7 +11,6 @@ import psutil
 
 from engine_manager.engines.base import Engine
 
-
 TINY_SERVER = r"""
 import http.server, signal, subprocess, sys, threading
 port, mode = int(sys.argv[1]), sys.argv[2]
@@ -50,6 +49,20 @@ def tiny_engine(mode: str = "plain") -> Engine:
 def sim_engine() -> Engine:
     from engine_manager.engines import get_engine
     return get_engine("sim")
+
+
+_HW = None
+
+
+def hw():
+    """The hardware probe of this machine, taken once per test session."""
+    global _HW
+    if _HW is None:
+        from pathlib import Path
+
+        from engine_manager import hardware
+        _HW = hardware.probe(Path("/tmp"))
+    return _HW
 
 
 def wait_until(pred, timeout: float = 10.0, every: float = 0.02):

@@ -6,30 +6,19 @@ import os
 import re
 import signal
 import socket
-from pathlib import Path
 
 import psutil
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
+from supervisor_helpers import hw, listening, live_group, wait_until
 
 from app.context import AppContext
 from app.engine_panel import EnginePanel
 from app.log_view import LogView
 from app.statusbar import LiveStatusBar
-from engine_manager import hardware
 from engine_manager import supervisor as sv
 from engine_manager.settings import load_settings, save_settings
-from supervisor_helpers import listening, live_group, wait_until
-
-_HW = None
-
-
-def hw():
-    global _HW
-    if _HW is None:
-        _HW = hardware.probe(Path("/tmp"))
-    return _HW
 
 
 @pytest.fixture

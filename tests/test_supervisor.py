@@ -17,21 +17,20 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from supervisor_helpers import (
+    hw,
+    listening,
+    live_group,
+    sim_engine,
+    tiny_engine,
+    wait_until,
+)
 
-from engine_manager import hardware, paths
+from engine_manager import paths
 from engine_manager import supervisor as sv
 from engine_manager.settings import load_settings
-from supervisor_helpers import listening, live_group, sim_engine, tiny_engine, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-_HW = None
-
-
-def hw():
-    global _HW
-    if _HW is None:
-        _HW = hardware.probe(Path("/tmp"))
-    return _HW
 
 
 @pytest.fixture
@@ -446,6 +445,8 @@ def test_killed_panel_with_dead_engine_is_cleaned_up(port):
     panel.wait()
     os.kill(pid, signal.SIGKILL)                       # the engine dies while no panel watches
     assert wait_until(lambda: not sv._alive(pid), timeout=5)
+    # the keeper (the group's leader) records how the engine ended, then exits: wait for that record
+    assert wait_until(lambda: not sv._alive(pgid), timeout=10)
     sup = make()
     before = sup.status(check_health=False)         # what `dsv41 status` shows before anyone cleaned up
     assert before.state == "crashed" and "while no panel was watching" in before.message

@@ -824,16 +824,23 @@ class Handler(BaseHTTPRequestHandler):
                 break
         self._chunk(b"")
 
-    def _complete_messages(self, req: Request) -> None:
-        reasoning, content = [], []
+    def _collect(self, req: Request) -> tuple[list[str], list[str], str | None]:
+        """(reasoning pieces, content pieces, error) of a whole non-streamed answer."""
+        reasoning: list[str] = []
+        content: list[str] = []
         while True:
             ev = req.events.get()
             if ev[0] == "token":
                 (reasoning if ev[1] == "reasoning_content" else content).append(ev[2])
             elif ev[0] == "error":
-                return self._error(500, "api_error", ev[1])
+                return reasoning, content, ev[1]
             elif ev[0] == "done":
-                break
+                return reasoning, content, None
+
+    def _complete_messages(self, req: Request) -> None:
+        reasoning, content, err = self._collect(req)
+        if err is not None:
+            return self._error(500, "api_error", err)
         blocks: list[dict[str, Any]] = []
         if reasoning:
             blocks.append({"type": "thinking", "thinking": "".join(reasoning).rstrip(), "signature": ""})
@@ -883,15 +890,9 @@ class Handler(BaseHTTPRequestHandler):
         self._chunk(b"")
 
     def _complete(self, req: Request) -> None:
-        reasoning, content = [], []
-        while True:
-            ev = req.events.get()
-            if ev[0] == "token":
-                (reasoning if ev[1] == "reasoning_content" else content).append(ev[2])
-            elif ev[0] == "error":
-                return self._error(500, "engine_error", ev[1])
-            elif ev[0] == "done":
-                break
+        reasoning, content, err = self._collect(req)
+        if err is not None:
+            return self._error(500, "engine_error", err)
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
         if reasoning:
             msg["reasoning_content"] = "".join(reasoning).rstrip()
