@@ -1,8 +1,11 @@
 """What this machine has: NVIDIA GPUs through NVML (nvidia-ml-py), the host through psutil and sysfs.
 
 No GPU, no driver or no NVML library is a normal result with its reason (``HardwareReport.gpu_error``), never an
-exception. The report round-trips through JSON (``to_dict``/``from_dict``) so a probe taken on another machine
-(``tests/data/doctor-h200.json``) can be rendered anywhere.
+exception; so is every NVML query that fails: a GPU that cannot be read at all (no handle, no memory figures) is
+left out with its reason in ``gpu_error``, a GPU missing only its name, UUID or bus id keeps placeholders and says so
+in ``GpuInfo.error`` (:func:`nvml_reason` words NVML's errors). The report round-trips through JSON
+(``to_dict``/``from_dict``) so a probe taken on another machine (``tests/data/doctor-h200.json``) can be rendered
+anywhere.
 
 The GPU's NUMA node: NVML's ``nvmlDeviceGetNumaNodeId`` where it answers; else sysfs
 ``/sys/bus/pci/devices/<bus id>/numa_node`` (NVML names the domain with 8 hex digits, sysfs with 4); -1 there
@@ -76,6 +79,7 @@ class GpuInfo:
     numa_node: int | None = None
     numa_node_source: str = "unknown"
     numa_cpus: list[int] = field(default_factory=list)
+    error: str | None = None            # what NVML could not say about this GPU (its name, UUID or bus id)
 
 
 @dataclass
@@ -238,9 +242,96 @@ def _gpu_numa(nvml, handle, bus_id: str, nodes: list[NumaNodeInfo], sysfs: Path)
     return None, "unknown"
 
 
+# NVML's error classes (pynvml names them NVMLError_<Name>) in plain words: what happened and what to do
+_NVML_WORDS = {
+    "GpuIsLost": "the GPU has fallen off the bus (NVML: GPU is lost); check its power and seating, look for Xid "
+                 "errors in dmesg, then reboot",
+    "ResetRequired": "the GPU needs a reset (NVML: reset required); reboot, or run nvidia-smi -r while nothing uses it",
+    "NoPermission": "no permission to query it (NVML: insufficient permissions); check the permissions of "
+                    "/dev/nvidia*",
+    "Timeout": "the driver did not answer in time (NVML: timeout); try again, and look for Xid errors in dmesg",
+    "LibRmVersionMismatch": "the NVML library and the loaded kernel driver are of different versions; reboot after "
+                            "the driver update",
+    "InsufficientPower": "the GPU reports insufficient power; check its power cables",
+    "CorruptedInforom": "the GPU's infoROM is corrupted; the GPU needs service",
+    "IrqIssue": "the driver reports an interrupt problem with the GPU; look for Xid errors in dmesg, then reboot",
+    "Memory": "NVML ran out of host memory",
+    "Uninitialized": "NVML is not initialised",
+    "DriverNotLoaded": "the NVIDIA driver is not loaded",
+}
+
+
+def nvml_reason(exc: BaseException, what: str) -> str:
+    """A plain-words reason for an NVML query about ``what`` that raised ``exc`` (an NVMLError or anything else a
+    query raised): every NVML failure ends as one of these, never as an exception out of :func:`probe`."""
+    name = type(exc).__name__
+    words = _NVML_WORDS.get(name.removeprefix("NVMLError_"))
+    if words is None:
+        try:
+            text = str(exc) or name
+        except Exception:  # pynvml's __str__ asks the library, which may be the thing that failed
+            text = name
+        words = f"NVML error ({text})" if name.startswith("NVMLError") else f"unexpected answer ({name}: {text})"
+    return f"{what}: {words}"
+
+
+def gpu_reason(count: int, n_read: int, failures: list[str]) -> str | None:
+    """``HardwareReport.gpu_error`` from what NVML said: how many GPUs it counted, how many could be read, and the
+    reasons (:func:`nvml_reason`) of those that could not. None when every GPU was read."""
+    if failures and not n_read:
+        return f"NVML counts {count} GPU(s) but none could be read: " + "; ".join(failures)
+    if failures:
+        return f"{len(failures)} of {count} GPUs could not be read and are left out: " + "; ".join(failures)
+    if not n_read:
+        return "the NVIDIA driver is loaded but reports no GPU"
+    return None
+
+
+def _read_gpu(nvml, i: int, driver: str, cuda_s: str | None, nodes: list[NumaNodeInfo], sysfs: Path) -> GpuInfo:
+    """GPU ``i``. Without a handle or its memory figures there is no GPU to plan for (raises); a missing name, UUID
+    or bus id is a placeholder and a reason in ``GpuInfo.error``."""
+    h = nvml.nvmlDeviceGetHandleByIndex(i)
+    mem = nvml.nvmlDeviceGetMemoryInfo(h)
+    problems: list[str] = []
+
+    def soft(what: str, fn, default: str) -> str:
+        try:
+            return _s(fn(h))
+        except Exception as exc:
+            problems.append(nvml_reason(exc, what))
+            return default
+
+    bus = soft("PCI bus id", lambda h: nvml.nvmlDeviceGetPciInfo(h).busId, "")
+    name = soft("name", nvml.nvmlDeviceGetName, f"NVIDIA GPU {i} (name unknown)")
+    uuid = soft("UUID", nvml.nvmlDeviceGetUUID, "")
+    cc = _try(nvml.nvmlDeviceGetCudaComputeCapability, h)
+    node, src = _gpu_numa(nvml, h, bus, nodes, sysfs)
+    node_cpus = next((n.cpus for n in nodes if n.id == node), []) if node is not None else []
+    return GpuInfo(
+        index=i,
+        name=name,
+        uuid=uuid,
+        pci_bus_id=bus,
+        vram_total_bytes=int(mem.total),
+        vram_free_bytes=int(mem.free),
+        vram_used_bytes=int(mem.used),
+        driver_version=driver,
+        cuda_driver_version=cuda_s,
+        compute_capability=f"{cc[0]}.{cc[1]}" if cc else None,
+        pcie_gen_current=_try(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
+        pcie_gen_max=_try(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+        pcie_width_current=_try(nvml.nvmlDeviceGetCurrPcieLinkWidth, h),
+        pcie_width_max=_try(nvml.nvmlDeviceGetMaxPcieLinkWidth, h),
+        numa_node=node,
+        numa_node_source=src,
+        numa_cpus=list(node_cpus),
+        error="; ".join(problems) or None,
+    )
+
+
 def probe_gpus(sysfs: Path = SYSFS, nodes: list[NumaNodeInfo] | None = None
                ) -> tuple[list[GpuInfo], str | None, str | None]:
-    """(gpus, reason when there are none, NVML version)."""
+    """(gpus, reason when there are none or some could not be read, NVML version). Never raises for NVML."""
     try:
         import pynvml as nvml
     except ImportError:
@@ -253,44 +344,25 @@ def probe_gpus(sysfs: Path = SYSFS, nodes: list[NumaNodeInfo] | None = None
             return [], "no NVIDIA driver found (NVML library libnvidia-ml.so is missing): no NVIDIA GPU", None
         if "DriverNotLoaded" in name:
             return [], "the NVIDIA driver is installed but not loaded (is a GPU present? try nvidia-smi)", None
-        return [], f"NVML could not start: {exc}", None
+        return [], nvml_reason(exc, "NVML could not start"), None
     nodes = nodes if nodes is not None else numa_nodes(sysfs)
     try:
         nvml_version = _s(_try(nvml.nvmlSystemGetNVMLVersion) or "") or None
         driver = _s(_try(nvml.nvmlSystemGetDriverVersion) or "")
         cuda = _try(nvml.nvmlSystemGetCudaDriverVersion)
         cuda_s = f"{cuda // 1000}.{(cuda % 1000) // 10}" if isinstance(cuda, int) else None
-        count = nvml.nvmlDeviceGetCount()
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+        except Exception as exc:
+            return [], nvml_reason(exc, "counting the GPUs"), nvml_version
         gpus: list[GpuInfo] = []
+        failures: list[str] = []
         for i in range(count):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            mem = nvml.nvmlDeviceGetMemoryInfo(h)
-            bus = _s(nvml.nvmlDeviceGetPciInfo(h).busId)
-            cc = _try(nvml.nvmlDeviceGetCudaComputeCapability, h)
-            node, src = _gpu_numa(nvml, h, bus, nodes, sysfs)
-            node_cpus = next((n.cpus for n in nodes if n.id == node), []) if node is not None else []
-            gpus.append(GpuInfo(
-                index=i,
-                name=_s(nvml.nvmlDeviceGetName(h)),
-                uuid=_s(nvml.nvmlDeviceGetUUID(h)),
-                pci_bus_id=bus,
-                vram_total_bytes=int(mem.total),
-                vram_free_bytes=int(mem.free),
-                vram_used_bytes=int(mem.used),
-                driver_version=driver,
-                cuda_driver_version=cuda_s,
-                compute_capability=f"{cc[0]}.{cc[1]}" if cc else None,
-                pcie_gen_current=_try(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
-                pcie_gen_max=_try(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
-                pcie_width_current=_try(nvml.nvmlDeviceGetCurrPcieLinkWidth, h),
-                pcie_width_max=_try(nvml.nvmlDeviceGetMaxPcieLinkWidth, h),
-                numa_node=node,
-                numa_node_source=src,
-                numa_cpus=list(node_cpus),
-            ))
-        if not gpus:
-            return [], "the NVIDIA driver is loaded but reports no GPU", nvml_version
-        return gpus, None, nvml_version
+            try:
+                gpus.append(_read_gpu(nvml, i, driver, cuda_s, nodes, sysfs))
+            except Exception as exc:  # a GPU lost mid-probe is a reason, not a traceback
+                failures.append(nvml_reason(exc, f"GPU {i}"))
+        return gpus, gpu_reason(count, len(gpus), failures), nvml_version
     finally:
         _try(nvml.nvmlShutdown)
 

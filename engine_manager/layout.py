@@ -22,7 +22,8 @@ arithmetic, string arrays are skipped with a vectorised pass (verified string by
 fallback), and nothing is allocated from a count before the count has been checked against the bytes that remain.
 
 Errors are :class:`LayoutError` naming the file and the problem (missing shard, shards of different splits or
-models, bad magic or version, truncated header, absurd counts, data past the end of the file) and what to do.
+models, bad magic or version, truncated header, absurd counts, arrays nested too deep, data past the end of the
+file) and what to do.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ MAX_KV = 1 << 16
 MAX_STRING = 1 << 26                # 64 MiB: no key, tensor name or token is longer
 MAX_ARRAY = 1 << 28
 MAX_DIMS = 4                        # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 8                 # arrays of arrays: llama.cpp writes none; deeper nesting is damage (or an attack)
 MAX_HEADER_BYTES = 1 << 30          # a header larger than 1 GiB is refused
 READ_CHUNK = 1 << 20
 
@@ -412,7 +414,7 @@ def _chain_end(data: bytearray, start: int, count: int, window: int) -> tuple[in
     return start + int(nxt[-1]), False
 
 
-def _read_value(b: _Buf, vtype: int, key: str) -> Any:
+def _read_value(b: _Buf, vtype: int, key: str, depth: int = 0) -> Any:
     if vtype in _SCALAR:
         return b.unpack(_SCALAR[vtype], _SCALAR_SIZE[vtype], key)[0]
     if vtype == T_STRING:
@@ -445,11 +447,14 @@ def _read_value(b: _Buf, vtype: int, key: str) -> Any:
             b.skip_strings(count, key)
             return ArraySummary(itype, count)
         if itype == T_ARRAY:
+            if depth + 1 >= MAX_ARRAY_DEPTH and count:
+                raise LayoutError(b.path, f"arrays nested more than {MAX_ARRAY_DEPTH} deep in {key}",
+                                  "The header is damaged; download the file again")
             if count * 12 > b.size - b.pos:
                 raise LayoutError(b.path, f"truncated header: array {key} runs past the end of the file",
                                   "The file is incomplete or damaged; download it again")
             for i in range(count):
-                _read_value(b, T_ARRAY, f"{key}[{i}]")
+                _read_value(b, T_ARRAY, f"{key}[{i}]", depth + 1)
             return ArraySummary(itype, count)
         raise LayoutError(b.path, f"unknown item type {itype} in array {key}",
                           "The header is damaged, or written by a newer GGUF version than this reader knows")

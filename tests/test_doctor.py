@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -77,7 +78,46 @@ def test_bad_setting_exits_2_naming_variable_and_range():
     assert "DSV41_DEFAULT_MAX_TOKENS" in r.stderr and "1 to 1048576" in r.stderr
 
 
-def test_doctor_reports_even_when_things_fail():
+def _counts(text: str) -> tuple[int, int, int]:
+    """(passed, warnings, failed) from the summary line."""
+    m = re.search(r"^(\d+) passed, (\d+) warnings, (\d+) failed$", text, re.M)
+    assert m, text
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def _marks(text: str) -> tuple[int, int, int]:
+    lines = text.splitlines()
+    return tuple(sum(ln.startswith(f"[{s}]") for ln in lines) for s in ("PASS", "WARN", "FAIL"))
+
+
+def test_doctor_reports_even_when_things_fail(data_dir, tmp_path):
+    raw = json.loads((data_dir / "doctor-h200.json").read_text())
+    raw["hardware"]["host"]["ram_total_bytes"] = 16 * GB
+    raw["hardware"]["gpus"][0]["driver_version"] = "535.54.03"
+    weak = tmp_path / "weak.json"
+    weak.write_text(json.dumps(raw))
+    r = _run("doctor", "--from-json", str(weak))
+    assert r.returncode == 0, r.stderr
+    fails = [ln for ln in r.stdout.splitlines() if ln.startswith("[FAIL]")]
+    assert any("RAM" in ln and "16" in ln for ln in fails) and any("driver" in ln and "535.54.03" in ln for ln in fails)
+    assert _counts(r.stdout) == _marks(r.stdout) and _counts(r.stdout)[2] >= 2
+    # this machine, whatever it has: exit 0 and a summary that counts the verdicts printed
     r = _run("doctor")
-    assert r.returncode == 0
-    assert "passed" in r.stdout and "failed" in r.stdout
+    assert r.returncode == 0, r.stderr
+    assert _counts(r.stdout) == _marks(r.stdout) and sum(_marks(r.stdout)) >= 5
+
+
+def test_from_json_missing_or_malformed_is_a_plain_error(tmp_path):
+    missing = tmp_path / "nope.json"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"verdicts": []}))
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"hardware": {"gpus": []}}))
+    for f, words in [(missing, "file not found"), (bad, "not a JSON file"), (other, 'no "hardware" object'),
+                     (broken, "the saved probe is incomplete or damaged (no 'host' in it)")]:
+        r = _run("doctor", "--from-json", str(f))
+        assert r.returncode == 1, (f, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert r.stderr.startswith(f"dsv41: {f}: {words}") and "dsv41 doctor --json" in r.stderr

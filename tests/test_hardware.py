@@ -62,3 +62,40 @@ def test_numa_nodes_from_a_sysfs_tree(tmp_path):
     (pci / "numa_node").write_text("-1\n")
     assert hardware._gpu_numa(NoNumaNvml(), None, "00000000:00:06.0", nodes, tmp_path) == (None, "unknown")
     assert hardware._gpu_numa(NoNumaNvml(), None, "00000000:00:06.0", nodes[:1], tmp_path) == (0, "single-node")
+
+
+def test_nvml_errors_become_reasons():
+    """Every NVML failure is worded as a reason (the probe never lets one escape). The exceptions are pynvml's own
+    classes, made the way pynvml raises them (NVMLError(code) picks the subclass)."""
+    import pynvml
+    lost = pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+    assert type(lost).__name__ == "NVMLError_GpuIsLost"
+    r = hardware.nvml_reason(lost, "GPU 1")
+    assert r.startswith("GPU 1: ") and "fallen off the bus" in r and "reboot" in r
+    perm = hardware.nvml_reason(pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION), "GPU 0")
+    assert "permission" in perm and "/dev/nvidia" in perm
+    # an error without words of its own still names NVML and its code or text
+    other = hardware.nvml_reason(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN), "counting the GPUs")
+    assert other.startswith("counting the GPUs: NVML error (") and other.endswith(")")
+    odd = hardware.nvml_reason(AttributeError("no busId"), "PCI bus id")
+    assert odd == "PCI bus id: unexpected answer (AttributeError: no busId)"
+
+
+def test_gpu_reason_says_which_gpus_were_left_out():
+    lost = hardware.nvml_reason(OSError("gone"), "GPU 1")
+    assert hardware.gpu_reason(2, 2, []) is None
+    assert hardware.gpu_reason(0, 0, []) == "the NVIDIA driver is loaded but reports no GPU"
+    some = hardware.gpu_reason(2, 1, [lost])
+    assert some.startswith("1 of 2 GPUs could not be read") and lost in some
+    none = hardware.gpu_reason(1, 0, [lost])
+    assert none.startswith("NVML counts 1 GPU(s) but none could be read") and lost in none
+
+
+def test_a_gpu_error_survives_the_json_round_trip(data_dir):
+    raw = json.loads((data_dir / "doctor-h200.json").read_text())["hardware"]
+    assert "error" not in raw["gpus"][0]                       # probes saved before the field still load
+    report = HardwareReport.from_dict(raw)
+    assert report.gpu(0).error is None
+    report.gpus[0].error = "UUID: NVML error (Unknown Error)"
+    again = HardwareReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again.gpu(0).error == "UUID: NVML error (Unknown Error)"

@@ -316,6 +316,36 @@ def test_absurd_or_broken_metadata(tmp_path, blob, match):
         read_shard_header(p)
 
 
+def test_arrays_nested_too_deep_are_a_clean_error(tmp_path):
+    """~3,000 nested arrays in a 36 KB header: a LayoutError naming the file, not a RecursionError."""
+    deep = struct.pack("<IQ", L.T_ARRAY, 1) * 3000 + struct.pack("<IQ", L.T_UINT8, 0)
+    p = tmp_path / "deep.gguf"
+    p.write_bytes(_header(0, 1) + _kv("a", L.T_ARRAY, deep) + b"\0" * 64)
+    assert 36_000 <= p.stat().st_size <= 37_000
+    with pytest.raises(LayoutError, match=f"nested more than {L.MAX_ARRAY_DEPTH} deep") as ei:
+        read_shard_header(p)
+    assert str(p) in str(ei.value) and "download" in str(ei.value)
+    # the deepest nesting allowed still parses, and so does the key after it
+    ok = struct.pack("<IQ", L.T_ARRAY, 1) * (L.MAX_ARRAY_DEPTH - 1) + struct.pack("<IQ", L.T_UINT8, 1) + b"\x05"
+    after = _kv("b", L.T_UINT32, struct.pack("<I", 7))
+    p.write_bytes(_header(0, 2) + _kv("a", L.T_ARRAY, ok) + after + b"\0" * 64)
+    h = read_shard_header(p)
+    assert h.metadata["a"] == L.ArraySummary(L.T_ARRAY, 1) and h.metadata["b"] == 7
+    one_more = struct.pack("<IQ", L.T_ARRAY, 1) * L.MAX_ARRAY_DEPTH + struct.pack("<IQ", L.T_UINT8, 1) + b"\x05"
+    p.write_bytes(_header(0, 2) + _kv("a", L.T_ARRAY, one_more) + after + b"\0" * 64)
+    with pytest.raises(LayoutError, match="nested more than"):
+        read_shard_header(p)
+
+
+def test_nested_arrays_written_by_gguf_are_read(tmp_path):
+    seed = _fuzz_seed_header(tmp_path)
+    p = tmp_path / "seed-only.gguf"
+    p.write_bytes(seed)
+    md = L.parse_header(io.BytesIO(seed), p, len(seed)).metadata
+    assert md["test.nested"] == L.ArraySummary(L.T_ARRAY, 3)
+    assert md["f"] == 1.5                                      # the keys after it are still in step
+
+
 def _ti(name: str, dims: list[int], gtype: int, off: int) -> bytes:
     n = name.encode()
     return (struct.pack("<Q", len(n)) + n + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
@@ -369,7 +399,7 @@ def test_errors_name_the_file_and_say_what_to_do(small, tmp_path):
 
 def _fuzz_seed_header(tmp: Path) -> bytes:
     """A small real GGUF header (written with gguf): a 300-token string array (the vectorised path), scalars, an
-    int array, and tensor infos of several types incl. experts."""
+    int array, arrays of arrays (nested 3 deep), and tensor infos of several types incl. experts."""
     p = tmp / "seed.gguf"
     w = gguf.GGUFWriter(p, "deepseek2")
     w.add_uint32("deepseek2.block_count", 2)
@@ -377,6 +407,7 @@ def _fuzz_seed_header(tmp: Path) -> bytes:
     w.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(300)])
     w.add_array("tokenizer.ggml.token_type", [1] * 300)
     w.add_string("tokenizer.chat_template", "{{ x }}")
+    w.add_array("test.nested", [[1, 2], [3, 4, 5], [[6], [7, 8]]])
     w.add_float32("f", 1.5)
     for i in range(2):
         w.add_tensor_info(f"blk.{i}.ffn_up_exps.weight", (4, 8, 256), np.dtype(np.float32), 4 * 8 * 256 // 256 * 84,
