@@ -1766,7 +1766,9 @@ class Supervisor:
                 yield batch
         self._forget(h)
         self._write_state_file(None, STOPPED, engine=h.spec.engine, message="stopped")
-        how = (" with SIGKILL" if force else " with SIGKILL after the grace period") if forced else ""
+        # a Force stop asked for during the grace period (request_force) is a SIGKILL at once, too
+        at_once = force or self._force_req.is_set()
+        how = (" with SIGKILL" if at_once else " with SIGKILL after the grace period") if forced else ""
         msg = f"Stopped{how}." + (f" {len(leftovers)} process(es) could not be killed: {leftovers}."
                                   if leftovers else "")
         yield from _emit(self._set_state(STOPPED, msg))

@@ -32,8 +32,8 @@ srv.serve_forever(poll_interval=0.05)
 
 def tiny_engine(mode: str = "plain") -> Engine:
     """The scripted engine's adapter with a minimal stdlib HTTP server as the process (starts in ~30 ms; exits
-    on SIGTERM at once): for the many-cycles test, and for behaviours the sim has no switch for (ignoring
-    SIGTERM, a child that leaves the process group)."""
+    on SIGTERM at once): for behaviours the sim has no switch for (ignoring SIGTERM, a child that leaves the
+    process group)."""
     base = sim_engine()
 
     class Tiny(type(base)):

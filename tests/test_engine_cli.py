@@ -133,12 +133,85 @@ def test_foreground_prints_the_log_and_stops_on_ctrl_c(port):
             p.wait()
 
 
-def test_crash_loop_from_the_cli_exits_1(port, monkeypatch):
+# `dsv41` with the supervisor's restart backoff shortened (2 s doubling to 16 s by default, 30 s of waiting for the
+# five crashes of a loop); nothing else differs from `python -m engine_manager`. No setting changes the backoff.
+FAST_BACKOFF_CLI = """
+import sys
+from engine_manager import supervisor as sv
+from engine_manager.cli import main
+init = sv.Supervisor.__init__
+def fast(self, *a, **kw):
+    kw.setdefault("backoff_base_s", 0.05)
+    init(self, *a, **kw)
+sv.Supervisor.__init__ = fast
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_crash_loop_from_the_cli_gives_up_says_so_and_exits_1(port, monkeypatch):
+    """A crash the supervisor may retry (a segfault while loading): `dsv41 start` restarts it with backoff until
+    the crash-loop limit, then gives up, says so and exits 1, leaving nothing running."""
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0 --fail-at-load crash")
+    cp = subprocess.run([sys.executable, "-c", FAST_BACKOFF_CLI, "start"], capture_output=True, text=True,
+                        timeout=120, cwd=str(ROOT))
+    out = cp.stdout
+    assert cp.returncode == 1, out + cp.stderr
+    limit = sv.Supervisor(load_settings().settings).crash_limit
+    assert out.count("CRASHED:") == limit, out
+    retries = [ln for ln in out.splitlines() if ln.startswith("  restarting in")]
+    assert len(retries) == limit - 1, out                           # every crash but the last is retried
+    gave_up = [ln for ln in out.splitlines() if ln.startswith("gave up:")]
+    assert len(gave_up) == 1 and "crash loop" in gave_up[0] and f"crashed {limit} times" in gave_up[0], out
+    crashed = {ln for ln in out.splitlines() if ln.startswith("CRASHED:")}
+    assert len(crashed) == 1 and "crash" in crashed.pop().lower()     # one cause, said each time
+    assert "Last cause: The engine crashed" in gave_up[0]
+    st = status()
+    assert st["state"] == "crashed" and st["pid"] is None and not listening(port)
+
+
+def test_permanent_failure_from_the_cli_is_not_retried_and_exits_1(port, monkeypatch):
     monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0 --fail-at-load driver")
     cp = dsv41("start")
     assert cp.returncode == 1
     assert "CRASHED" in cp.stdout and "driver is too old" in cp.stdout.lower().replace("nvidia ", "")
-    assert "580.65" in cp.stdout
+    assert "580.65" in cp.stdout and "restarting in" not in cp.stdout and "cannot fix" in cp.stdout
+
+
+# an engine started the way `dsv41 start` leaves it (detached, its starter gone), which ignores SIGTERM
+START_IGNORING_TERM = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from supervisor_helpers import tiny_engine
+from engine_manager.settings import load_settings
+from engine_manager.supervisor import Supervisor
+for ev in Supervisor(load_settings().settings).run(tiny_engine("ignore-term"), watch=False):
+    if ev.kind == "ready":
+        print("READY", ev.pid, flush=True)
+"""
+
+
+def nothing_running_in(pgid: int) -> bool:
+    """No process of the group runs (a zombie waiting for init to reap it runs nothing)."""
+    try:
+        return all(p.status() == psutil.STATUS_ZOMBIE for p in live_group(pgid))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_stop_force_kills_at_once_and_leaves_nothing(port):
+    cp = subprocess.run([sys.executable, "-c", START_IGNORING_TERM, str(Path(__file__).parent)],
+                        capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    assert cp.returncode == 0 and cp.stdout.startswith("READY"), cp.stdout + cp.stderr
+    pid = int(cp.stdout.split()[1])
+    pgid = os.getpgid(pid)
+    assert status()["state"] == "ready" and listening(port)
+    # a grace period far beyond the timeout: only a SIGKILL at once can finish in time
+    stop = dsv41("stop", "--force", "--grace", "3600", timeout=60)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert "Stopped with SIGKILL." in stop.stdout and "SIGTERM" not in stop.stdout, stop.stdout
+    assert wait_until(lambda: nothing_running_in(pgid), timeout=5), [p.pid for p in live_group(pgid)]
+    assert not sv._alive(pid) and not listening(port)
+    assert status()["state"] == "stopped"
 
 
 def test_binding_command_explains_one_node():

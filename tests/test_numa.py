@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require_or_skip
 
 from engine_manager import numa
 from engine_manager.hardware import GpuInfo, HardwareReport, HostInfo, NumaNodeInfo, numa_nodes
 
 HAVE_NUMACTL = shutil.which("numactl") is not None
 HAVE_TASKSET = shutil.which("taskset") is not None
-needs_tools = pytest.mark.skipif(not (HAVE_NUMACTL and HAVE_TASKSET), reason="numactl and taskset are needed")
 
 
 def _seccomp_available() -> bool:
@@ -30,7 +30,15 @@ def _seccomp_available() -> bool:
         return False
 
 
-needs_seccomp = pytest.mark.skipif(not _seccomp_available(), reason="libseccomp.so.2 is not installed")
+def need_tools() -> None:
+    """numactl and taskset (skipped without them here; a failure under CI)."""
+    if not (HAVE_NUMACTL and HAVE_TASKSET):
+        require_or_skip("numactl and taskset are needed (apt-get install numactl util-linux)")
+
+
+def need_seccomp() -> None:
+    if not _seccomp_available():
+        require_or_skip("libseccomp.so.2 is not installed (apt-get install libseccomp2)")
 
 
 def probe_under_seccomp(deny: str, errno_name: str = "EPERM", env: dict | None = None) -> dict:
@@ -39,7 +47,8 @@ def probe_under_seccomp(deny: str, errno_name: str = "EPERM", env: dict | None =
     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env,
                         cwd=str(Path(__file__).resolve().parents[1]))
     if cp.returncode == 2 and "seccomp_load failed" in cp.stderr:
-        pytest.skip(f"this kernel or sandbox does not let a process install a seccomp filter: {cp.stderr.strip()}")
+        require_or_skip(f"this kernel or sandbox does not let a process install a seccomp filter: "
+                        f"{cp.stderr.strip()}")
     assert cp.returncode == 0, cp.stderr
     return json.loads(cp.stdout)
 
@@ -55,8 +64,8 @@ def host_report(nodes: list[NumaNodeInfo], gpu_node: int | None) -> HardwareRepo
 
 # -- the real machine -----------------------------------------------------------------------------------------
 
-@needs_tools
 def test_strongest_binding_works_here_and_one_node_message():
+    need_tools()
     b = numa.choose_binding(None)
     assert b.strategy == "numactl-preferred"
     assert Path(b.prefix[0]).name == "numactl" and b.prefix[1:] == [f"--cpunodebind={b.node}", f"--preferred={b.node}"]
@@ -69,9 +78,9 @@ def test_strongest_binding_works_here_and_one_node_message():
         assert any("one NUMA node" in line for line in b.describe())
 
 
-@needs_tools
 def test_binding_prefix_really_binds_a_process():
     """The chosen prefix, run in front of a real command, leaves it with exactly the node's CPUs."""
+    need_tools()
     b = numa.choose_binding(None)
     out = subprocess.run([*b.prefix, sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
                          capture_output=True, text=True, timeout=30, check=True).stdout
@@ -86,10 +95,10 @@ def test_binding_off_in_settings():
 
 # -- real seccomp refusals --------------------------------------------------------------------------------------
 
-@needs_seccomp
-@needs_tools
 def test_seccomp_refusing_set_mempolicy_falls_back_to_cpunodebind():
     """Docker's default profile without CAP_SYS_NICE: set_mempolicy/mbind → EPERM."""
+    need_seccomp()
+    need_tools()
     d = probe_under_seccomp("set_mempolicy,mbind")
     assert d["strategy"] == "numactl-cpunodebind"
     first, second = d["attempts"]
@@ -100,10 +109,10 @@ def test_seccomp_refusing_set_mempolicy_falls_back_to_cpunodebind():
     assert "numactl --cpunodebind=0 --preferred=0 true" in d["reason"]
 
 
-@needs_seccomp
-@needs_tools
 def test_seccomp_hiding_memory_policy_calls_falls_back_to_taskset():
     """A sandbox that answers ENOSYS for the NUMA calls: numactl cannot run at all; taskset still binds CPUs."""
+    need_seccomp()
+    need_tools()
     d = probe_under_seccomp("get_mempolicy,set_mempolicy,mbind", "ENOSYS")
     assert d["strategy"] == "taskset"
     assert [a["strategy"] for a in d["attempts"]] == ["numactl-preferred", "numactl-cpunodebind", "taskset"]
@@ -112,9 +121,9 @@ def test_seccomp_hiding_memory_policy_calls_falls_back_to_taskset():
     assert Path(d["prefix"][0]).name == "taskset" and d["prefix"][1] == "-c"
 
 
-@needs_seccomp
-@needs_tools
 def test_seccomp_refusing_affinity_too_falls_back_to_none_with_every_reason():
+    need_seccomp()
+    need_tools()
     d = probe_under_seccomp("set_mempolicy,mbind,sched_setaffinity")
     assert d["strategy"] == "none" and d["prefix"] == []
     assert [a["ok"] for a in d["attempts"]] == [False, False, False]
@@ -124,10 +133,10 @@ def test_seccomp_refusing_affinity_too_falls_back_to_none_with_every_reason():
     assert d["reason"].count("failed:") == 3
 
 
-@needs_seccomp
-@needs_tools
 def test_seccomp_and_no_numactl_on_path_uses_taskset(tmp_path):
     """numactl not installed (a PATH without it) inside a container that refuses set_mempolicy."""
+    need_seccomp()
+    need_tools()
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for tool in ("taskset", "true"):
@@ -139,8 +148,7 @@ def test_seccomp_and_no_numactl_on_path_uses_taskset(tmp_path):
 
 
 def test_seccomp_launcher_refuses_unknown_syscall():
-    if not _seccomp_available():
-        pytest.skip("libseccomp.so.2 is not installed")
+    need_seccomp()
     cp = subprocess.run([sys.executable, "-m", "engine_manager.numa_seccomp_probe", "--deny", "no_such_call", "--",
                          "true"], capture_output=True, text=True, timeout=30)
     assert cp.returncode == 2 and "unknown system call" in cp.stderr
@@ -157,8 +165,7 @@ def test_gpu_node_unknown_on_two_node_host_does_not_guess():
 
 
 def test_gpu_node_unknown_on_one_node_host_uses_that_node():
-    if not (HAVE_NUMACTL and HAVE_TASKSET):
-        pytest.skip("numactl and taskset are needed")
+    need_tools()
     nodes = numa_nodes()
     if len(nodes) != 1:
         pytest.skip("needs a one-node host")
@@ -176,7 +183,7 @@ def test_strategy_order_for_a_node():
 def test_fake_numactl_on_path_unit(tmp_path):
     """Extra unit test: a numactl that always refuses (as a broken install would) makes taskset the choice."""
     if not HAVE_TASKSET:
-        pytest.skip("taskset is needed")
+        require_or_skip("taskset is needed (apt-get install util-linux)")
     bindir = tmp_path / "bin"
     bindir.mkdir()
     fake = bindir / "numactl"

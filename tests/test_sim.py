@@ -21,6 +21,7 @@ import numpy as np
 import psutil
 import pytest
 
+from engine_manager import placement, routing
 from engine_manager.engines import get_engine
 from engine_manager.engines.base import LaunchSpec
 from engine_manager.sim import GUIDE_TABLE, expected_frequencies, modelled_throughput, predicted_hit_rate
@@ -343,8 +344,6 @@ def test_one_four_eight_users_match_the_guides_table(sims):
 
 # ------------------------------------------------------------------------------------------------ the planner loop
 def test_trace_round_trips_through_the_planner_and_observed_hit_rate_meets_its_prediction(sims, tmp_path):
-    routing = pytest.importorskip("engine_manager.routing")
-    placement = pytest.importorskip("engine_manager.placement")
     layout = placement.default_sim_layout(tmp_path / "replica")
     trace = tmp_path / "routing.bin"
     sp = sims("--slots", "8", "--speed", "40", "--reply-tokens", "200", "--dump-routing", str(trace),
