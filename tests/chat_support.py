@@ -172,6 +172,82 @@ def foreign_server(tmp_path):
         srv.kill()
 
 
+class RecordingEngine:
+    """A small OpenAI-style engine on loopback (stdlib ``http.server`` on a thread) that keeps the JSON body of
+    every chat request and answers it with a short valid event stream: one reasoning chunk, the ``answer``
+    words as content chunks, a finish reason, usage and ``[DONE]``. ``GET /health`` says it is ready."""
+
+    MODEL = "recording-engine"
+
+    def __init__(self, answer: str = "Recorded and answered."):
+        import http.server
+        import json
+
+        self.answer = answer
+        self.bodies: list[dict] = []
+        engine = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *_a) -> None:
+                pass
+
+            def _send(self, status: int, ctype: str, data: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path == "/health":
+                    self._send(200, "application/json",
+                               json.dumps({"status": "ok", "model": engine.MODEL}).encode())
+                else:
+                    self._send(404, "application/json", b'{"error": {"message": "not here"}}')
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path != "/v1/chat/completions":
+                    self._send(404, "application/json", b'{"error": {"message": "not here"}}')
+                    return
+                engine.bodies.append(body)
+                words = engine.answer.split(" ")
+                deltas = [{"reasoning_content": "Thinking it over. "}]
+                deltas += [{"content": w + (" " if i < len(words) - 1 else "")} for i, w in enumerate(words)]
+                frames = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+                frames.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                               "usage": {"prompt_tokens": 5, "completion_tokens": len(deltas),
+                                         "total_tokens": 5 + len(deltas)}})
+                data = b"".join(b"data: " + json.dumps(f).encode() + b"\n\n" for f in frames) + b"data: [DONE]\n\n"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def recording_engine():
+    srv = RecordingEngine()
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture
 def panel_sim(monkeypatch, free_port):
     """The scripted engine started the way the panel starts it: by the supervisor (behind its keeper, state file in
