@@ -76,7 +76,7 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urljoin, urlsplit
 
 from . import fmt, paths
-from .atomic import atomic_write_json, ensure_private_dir
+from .atomic import OWNER_ONLY, atomic_write_json, ensure_private_dir
 from .errors import UserError
 from .settings import Settings
 
@@ -333,6 +333,10 @@ class DownloadControl:
 
 class _Stop(Exception):
     """Internal: the control asked this file's worker to stop."""
+
+
+class _TooSlow(TimeoutError):
+    """Bytes still arrive, but slower than ``min_speed_bps`` over a whole stall window: treated as a stall."""
 
 
 class _Restart(Exception):
@@ -793,9 +797,10 @@ class _Fetcher:
         corrupt = 0
         while True:
             offset = job.kept_offset()
-            fd = os.open(job.part, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(job.part, os.O_RDWR | os.O_CREAT, OWNER_ONLY)
             digest = None
             try:
+                os.fchmod(fd, OWNER_ONLY)    # a partial left by an older version may be 0644
                 os.ftruncate(fd, offset)     # bytes after the last checkpoint are not trusted
                 job.done = job.synced = offset
                 hasher = _Hasher(job.part)
@@ -891,7 +896,9 @@ class _Fetcher:
                 if isinstance(exc, HfHubHTTPError) and exc.response is not None and \
                         exc.response.status_code in (401, 403, 404):
                     raise _hub_error(exc, self.token) from None
-                if isinstance(exc, (socket.timeout, TimeoutError)):
+                if isinstance(exc, _TooSlow):
+                    reason = str(exc)
+                elif isinstance(exc, (socket.timeout, TimeoutError)):
                     reason = f"no data for {self.stall_timeout_s:g} s (stalled)"
                 else:
                     reason = _scrub(f"{type(exc).__name__}: {exc}", self.token)
@@ -966,7 +973,8 @@ class _Fetcher:
             now = time.monotonic()
             if now - window_t >= self.stall_timeout_s:
                 if window_bytes / (now - window_t) < self.min_speed_bps:
-                    raise TimeoutError("stalled")
+                    raise _TooSlow(f"{window_bytes / (now - window_t):,.0f} B/s over {now - window_t:.1f} s, "
+                                   f"below {self.min_speed_bps:,.0f} B/s (stalled)")
                 window_t, window_bytes = now, 0
             if control.cancelled:
                 raise _Stop()
@@ -996,7 +1004,10 @@ def _write_state(path: Path, obj: dict[str, Any], durable: bool) -> None:
         atomic_write_json(path, obj)
         return
     tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(obj))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, OWNER_ONLY)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, OWNER_ONLY)            # a temp left behind by a killed run keeps its old mode otherwise
+        f.write(json.dumps(obj))
     os.replace(tmp, path)
 
 

@@ -17,7 +17,9 @@ Files come from disk (big sparse replica shards are served with ``os.sendfile``)
 Fault switches (``Fault``) make it the test double for a bad network: drop the connection at byte N, stall at
 byte N, serve wrong bytes, answer a status code (404, 5xx, 429), or limit the rate. Each fault applies to files
 whose path matches a glob, ``times`` times (``None``: until cleared). ``hub.stats()`` counts the body bytes
-actually sent per file, so tests can tell how much a resumed download fetched again.
+actually sent per file and logs every request (method, path, status, the file served, its ``Range`` header and the
+body bytes that response sent; ``hub.requests()``), so tests can tell where a resumed download asked to continue
+and how much it fetched again.
 
 Admin routes (for a hub running in another process): ``POST /_hub/faults`` (JSON fault or list),
 ``DELETE /_hub/faults``, ``GET /_hub/stats``, ``POST /_hub/stats/reset``.
@@ -294,7 +296,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
 
     def log_message(self, format, *args):  # noqa: A002 - BaseHTTPRequestHandler's name
-        pass  # the hub records requests in stats (never their headers)
+        pass  # the hub records requests in stats (of their headers only Range, never Authorization)
 
     def setup(self):
         super().setup()
@@ -506,7 +508,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.send_header(k, v)
             self.send_header("Content-Length", "0")
             self.end_headers()
-            self.hub._record(self.command, self.path, 302, self.headers.get("Range"))
+            self.hub._record(self.command, self.path, 302, self.headers.get("Range"), f.path)
             return
         headers["ETag"] = f'"{f.sha256}"' if f.lfs else f'"{f.git_oid}"'
         self._serve(f, headers)
@@ -523,7 +525,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes */{f.size}")
             self.send_header("Content-Length", "0")
             self.end_headers()
-            hub._record(self.command, self.path, 416, self.headers.get("Range"))
+            hub._record(self.command, self.path, 416, self.headers.get("Range"), f.path)
             return
         start, end = (0, f.size) if rng is None else rng
         code = 200 if rng is None else 206
@@ -536,13 +538,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if code == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{f.size}")
         self.end_headers()
-        hub._record(self.command, self.path, code, self.headers.get("Range"))
+        rec = hub._record(self.command, self.path, code, self.headers.get("Range"), f.path)
         if self.command == "HEAD" or end <= start:
             return
         self.wfile.flush()
-        self._send_body(f, start, end)
+        self._send_body(f, start, end, rec)
 
-    def _send_body(self, f: HubFile, start: int, end: int) -> None:
+    def _send_body(self, f: HubFile, start: int, end: int, rec: dict[str, Any] | None = None) -> None:
         hub = self.hub
         faults = hub._body_faults(f.path, start, end)
         drop = next((x for x in faults if x.kind == "drop"), None)
@@ -585,12 +587,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         b = min(c.at + c.length, pos + n) - pos
                         for i in range(a, b):
                             data[i] ^= 0xFF
-                    sock.sendall(data)
-                    sent = len(data)
+                    # send(), not sendall(): each part the kernel takes is counted, so a client killed halfway
+                    # through a piece leaves the count exact (tests compare it with what the client kept)
+                    mv, sent = memoryview(data), 0
+                    while sent < len(mv):
+                        k = sock.send(mv[sent:])
+                        sent += k
+                        hub._count(f.path, k, rec)
                 else:
                     sent = self._sendfile(sock, fd, pos, n)
+                    hub._count(f.path, sent, rec)
                 pos += sent
-                hub._count(f.path, sent)
                 if slow is not None and slow.rate_bps > 0:
                     sent_since += sent
                     ahead = sent_since / slow.rate_bps - (time.monotonic() - t0)
@@ -696,6 +703,12 @@ class LocalHub:
         with self._lock:
             (self._conns.add if add else self._conns.discard)(conn)
 
+    def open_connections(self) -> int:
+        """Client connections open now. Once a killed client's count reaches 0, every byte the hub sent it has
+        been counted (a handler ends only after its last send)."""
+        with self._lock:
+            return len(self._conns)
+
     # -- content --------------------------------------------------------------------------------------------------
     def repo(self, repo_id: str, *, private: bool = False) -> HubRepo:
         if repo_id not in self.repos:
@@ -792,18 +805,35 @@ class LocalHub:
         return out
 
     # -- stats ----------------------------------------------------------------------------------------------------
-    def _count(self, path: str, n: int) -> None:
+    def _count(self, path: str, n: int, rec: dict[str, Any] | None = None) -> None:
         with self._lock:
             self._bytes[path] = self._bytes.get(path, 0) + n
+            if rec is not None:
+                rec["sent"] += n
 
-    def _record(self, method: str, path: str, status: int, rng: str | None) -> None:
+    def _record(self, method: str, path: str, status: int, rng: str | None, file: str | None = None
+                ) -> dict[str, Any]:
+        rec = {"method": method, "path": urlsplit(path).path, "status": status, "range": rng, "file": file,
+               "sent": 0, "t": time.time()}
         with self._lock:
-            self._requests.append({"method": method, "path": urlsplit(path).path, "status": status, "range": rng,
-                                   "t": time.time()})
+            self._requests.append(rec)
+        return rec
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"bytes_sent": dict(self._bytes), "requests": list(self._requests)}
+            return {"bytes_sent": dict(self._bytes), "requests": [dict(r) for r in self._requests]}
+
+    def requests(self, file: str | None = None, method: str | None = None) -> list[dict[str, Any]]:
+        """The request log, oldest first (copies): each request's method, path, status, ``range`` (its Range
+        header or None), ``file`` (the file served, None for API routes) and ``sent`` (body bytes sent so far).
+        ``file`` filters by path or base name, as ``bytes_sent`` does."""
+        with self._lock:
+            out = [dict(r) for r in self._requests]
+        if file is not None:
+            out = [r for r in out if r["file"] and (r["file"] == file or r["file"].rsplit("/", 1)[-1] == file)]
+        if method is not None:
+            out = [r for r in out if r["method"] == method]
+        return out
 
     def bytes_sent(self, path: str | None = None) -> int:
         with self._lock:

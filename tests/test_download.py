@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -157,26 +158,44 @@ def _partials(folder: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _kept(folder: Path, sizes: dict[str, int]) -> dict[str, int]:
+    """name → bytes a rerun keeps: the whole file once it is in place, else the partial's checkpoint."""
+    parts = _partials(folder)
+    return {n: size if (folder / n).is_file() else parts.get(n, (0, 0))[1] for n, size in sizes.items()}
+
+
 def test_sigkill_at_ten_random_points_each_rerun_resumes(tmp_path):
     seed = int(os.environ.get("DSV41_TEST_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     shards = write_demo_shards(tmp_path / "src", bytes_per_shard=3 * 512 * 1024)
-    total = sum(p.stat().st_size for p in shards)
-    jobs = 3
+    sizes = {p.name: p.stat().st_size for p in shards}
+    total = sum(sizes.values())
+    jobs, rate = 3, 1_500_000
+    # What a kill may cost beyond one checkpoint per file: the hub counts a byte as sent once the kernel took it,
+    # so what was still in the loopback socket buffers (and http.client's 8 KiB read buffer) when the client
+    # died was counted but never written. The client reads as bytes arrive, so that is about the hub's last
+    # piece under the slow fault (rate × 0.05 s = 75 KB, see hub._send_body); two pieces allow one scheduling
+    # hiccup. It is well under what a restart from byte 0 would cost once a file holds a few checkpoints.
+    slack = 2 * int(rate * 0.05)
     with LocalHub() as hub:
         for s in shards:
             hub.repo(REPO).add_file(s.name, s)
-        hub.add_fault(kind="slow", rate_bps=1_500_000, times=None)
+        hub.add_fault(kind="slow", rate_bps=rate, times=None)
         env = _subprocess_env(hub.url)
         folder = dl.default_model_dir(_settings())
         cmd = [sys.executable, "-m", "engine_manager", "download", "--model", "--json", "--jobs", str(jobs),
                "--checkpoint-mib", str(CHUNK / dl.MiB), "--stall-timeout", "5"]
-        kills = []
+        kept = {n: 0 for n in sizes}
+        lost = []                    # per kill: bytes the server sent that the rerun has to fetch again
+        resumed = 0
         for i in range(10):
-            start = hub.bytes_sent()
-            target = start + rng.uniform(0.1, 0.9) * total / 12
+            where = (seed, i)
+            parts_before = _partials(folder)
+            sent_before = {n: hub.bytes_sent(n) for n in sizes}
+            log_start = len(hub.requests())
+            target = hub.bytes_sent() + rng.uniform(0.1, 0.9) * total / 12
             log = open(tmp_path / f"run{i}.out", "w")
-            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, umask=0o022)
             deadline = time.monotonic() + 60
             while hub.bytes_sent() < target and p.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.005)
@@ -184,24 +203,53 @@ def test_sigkill_at_ten_random_points_each_rerun_resumes(tmp_path):
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=10)
             log.close()
-            assert p.returncode == -signal.SIGKILL, (seed, (tmp_path / f"run{i}.out").read_text())
+            assert p.returncode == -signal.SIGKILL, (where, (tmp_path / f"run{i}.out").read_text())
+            deadline = time.monotonic() + 20             # the hub's threads notice the dead connections
+            while hub.open_connections() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not hub.open_connections(), where
+            gets = [r for r in hub.requests()[log_start:]
+                    if r["method"] == "GET" and r["file"] and r["status"] in (200, 206)]
+            for name in sizes:
+                first = next((r for r in gets if r["file"] == name), None)
+                if kept[name] == sizes[name]:
+                    assert first is None, (where, name, "a finished file was fetched again")
+                elif first is not None and kept[name] > 0:
+                    # (a) a partial with a checkpoint is continued from the checkpoint, not from byte 0
+                    assert first["range"] == f"bytes={kept[name]}-", (where, name, first, parts_before.get(name))
+                    resumed += 1
+                elif first is not None:
+                    assert first["range"] is None, (where, name, first)
             parts = _partials(folder)
             for name, (size, off) in parts.items():
-                # what this kill costs: bytes written after the last checkpoint, fetched again by the rerun
-                assert 0 <= size - off <= CHUNK, (seed, i, name, size, off)
-            kills.append(sum(off for _, off in parts.values()))
-        assert kills[-1] > 0, seed
+                # on disk: what was written after the last checkpoint is at most one checkpoint
+                assert 0 <= size - off <= CHUNK, (where, name, size, off)
+            for f in (folder / dl.STATE_DIR).iterdir():  # a killed run's partials and checkpoints: owner-only
+                assert stat.S_IMODE(f.stat().st_mode) == 0o600, (where, f.name, oct(f.stat().st_mode))
+            now_kept = _kept(folder, sizes)
+            lost_now = {}
+            for name in sizes:
+                # (b) kept and finished bytes never go down
+                assert now_kept[name] >= kept[name], (where, name, kept[name], now_kept[name])
+                # (c) sent in this run but not kept: fetched again by the next run
+                lost_now[name] = (hub.bytes_sent(name) - sent_before[name]) - (now_kept[name] - kept[name])
+                assert 0 <= lost_now[name] <= CHUNK + slack, (where, name, lost_now[name], CHUNK, slack)
+            kept = now_kept
+            lost.append(sum(lost_now.values()))
+        assert sum(kept.values()) > 0 and resumed >= 3, (seed, kept, resumed)
+        before_last = hub.bytes_sent()
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, (seed, p.stdout[-2000:], p.stderr[-2000:])
         events = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
         assert events[0]["event"] == "Resolved" and events[0]["pinned"] is True
         assert events[-1]["event"] == "Finished"
         _assert_complete(folder, shards)
+        # the last run fetched exactly what was not kept; so everything fetched twice is what the kills lost
+        assert hub.bytes_sent() - before_last == total - sum(kept.values()), seed
         refetched = hub.bytes_sent() - total
-        # every kill may cost up to one checkpoint per file in flight, plus what was in the socket
-        assert refetched <= 10 * jobs * (CHUNK + 512 * 1024), (seed, refetched)
-        print(f"seed {seed}: {refetched:,} bytes fetched again over 10 kills "
-              f"({refetched / 10 / 1024:.0f} KiB per kill; checkpoint {CHUNK // 1024} KiB)")
+        assert refetched == sum(lost), (seed, refetched, lost)
+        print(f"seed {seed}: {resumed} resumes checked; {refetched:,} bytes fetched again over 10 kills "
+              f"(at most {max(lost) / 1024:.0f} KiB in one kill; checkpoint {CHUNK // 1024} KiB)")
 
 
 def test_hf_hub_download_restarts_after_kill(tmp_path):
@@ -276,6 +324,29 @@ def test_a_stall_triggers_the_retry(hub, shards):
     assert hub.bytes_sent(shards[2].name) == shards[2].stat().st_size
 
 
+def test_a_trickle_below_the_minimum_speed_triggers_the_retry(hub, shards):
+    """Bytes still arrive (no socket timeout), but at 200 B/s, under MIN_SPEED_BPS: dropped and retried too."""
+    name, size = shards[3].name, shards[3].stat().st_size
+    hub.add_fault(kind="slow", path="*00004-of*", rate_bps=200, times=1)      # 10 bytes every 50 ms
+    control = dl.DownloadControl()
+    events, t0 = [], time.monotonic()
+    for ev in dl.download_model(_settings(), endpoint=hub.url, control=control, stall_timeout_s=1.0, **FAST):
+        events.append(ev)
+        if time.monotonic() - t0 > 30:
+            control.cancel()                     # without the rule the trickle would take 45 minutes
+    retries = [r for r in _of(events, dl.Retrying) if r.name == name]
+    assert retries, [type(e).__name__ for e in events[-5:]]
+    assert f"below {dl.MIN_SPEED_BPS:,} B/s" in retries[0].reason and "stalled" in retries[0].reason
+    assert isinstance(events[-1], dl.Finished)
+    gets = [r for r in hub.requests(name, method="GET") if r["status"] in (200, 206)]
+    assert len(gets) == 2 and gets[0]["range"] is None
+    # the retry continued after the trickled bytes, it did not start over
+    resumed_at = int(gets[1]["range"].removeprefix("bytes=").removesuffix("-"))
+    assert 0 < resumed_at <= gets[0]["sent"]
+    assert hub.bytes_sent(name) == size + gets[0]["sent"] - resumed_at
+    _assert_complete(dl.default_model_dir(_settings()), shards)
+
+
 def test_dropped_connections_and_5xx_are_retried_with_range(hub, shards):
     hub.add_fault(kind="drop", path="*00001-of*", at=70_000, times=2)
     hub.add_fault(kind="status", path="*00005-of*", status=503, times=2, method="any")
@@ -348,6 +419,38 @@ def test_not_enough_disk_is_refused_before_anything_is_written(hub, shards, tmp_
     finally:
         if mounted:
             subprocess.run(["umount", str(small)], capture_output=True, timeout=20)
+
+
+# -- permissions -------------------------------------------------------------------------------------------------------
+
+def test_partial_and_state_files_are_owner_only(hub, shards, tmp_path):
+    old_umask = os.umask(0o022)                  # a usual umask: without care files would come out 0644
+    try:
+        s = _settings()
+        hub.add_fault(kind="slow", rate_bps=400_000, times=None)
+        control = dl.DownloadControl()
+        events = _cancel_after(dl.download_model(s, endpoint=hub.url, jobs=2, control=control,
+                                                 checkpoint_bytes=64 * 1024, **FAST), control, 200_000)
+        assert isinstance(events[-1], dl.Stopped)
+        state = dl.default_model_dir(s) / dl.STATE_DIR
+        found = sorted(f.name for f in state.iterdir())
+        assert any(n.endswith(".part") for n in found) and any(n.endswith(".part.json") for n in found), found
+        assert "state.json" in found
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        for f in state.iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, (f.name, oct(f.stat().st_mode))
+        # the quick checkpoint written between the durable ones, too
+        dl._write_state(tmp_path / "ckpt.json", {"offset": 1}, durable=False)
+        assert stat.S_IMODE((tmp_path / "ckpt.json").stat().st_mode) == 0o600
+        # a partial left 0644 (by an older version) is made owner-only when it is continued
+        part = next(state.glob("*.part"))
+        part.chmod(0o644)
+        hub.clear_faults()
+        assert isinstance(_run(dl.download_model(s, endpoint=hub.url, **FAST))[-1], dl.Finished)
+        for p in shards:
+            assert stat.S_IMODE((dl.default_model_dir(s) / p.name).stat().st_mode) == 0o600
+    finally:
+        os.umask(old_umask)
 
 
 # -- pause, resume, cancel -------------------------------------------------------------------------------------------

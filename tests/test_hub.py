@@ -151,6 +151,35 @@ def test_fault_drop_at_byte(hub, shards):
     assert hub.bytes_sent(name) == 50_000 + shards[0].stat().st_size
 
 
+def _settled(h: LocalHub) -> None:
+    """Wait until the hub's handlers are done (they count a piece after the client may already have it)."""
+    deadline = time.monotonic() + 10
+    while h.open_connections() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_request_log_has_the_range_the_file_and_the_bytes_sent(hub, shards):
+    name, size = shards[0].name, shards[0].stat().st_size
+    hub.add_fault(kind="drop", path=name, at=20_000)
+    with httpx.Client() as c:
+        with pytest.raises(httpx.RemoteProtocolError):
+            c.get(_cdn_url(hub, name))
+        assert c.get(_cdn_url(hub, name), headers={"Range": "bytes=20000-"}).status_code == 206
+        assert c.head(_cdn_url(hub, name)).status_code == 200
+        c.get(f"{hub.url}/api/models/{REPO}")
+    _settled(hub)
+    got = [(r["method"], r["status"], r["range"], r["sent"]) for r in hub.requests(name)]
+    assert got == [("GET", 200, None, 20_000), ("GET", 206, "bytes=20000-", size - 20_000), ("HEAD", 200, None, 0)]
+    assert [r["range"] for r in hub.requests(name, method="GET")] == [None, "bytes=20000-"]
+    log = hub.stats()["requests"]
+    assert log[-1]["file"] is None and log[-1]["path"] == f"/api/models/{REPO}"
+    # the same log over the admin route, for a hub in another process
+    with httpx.Client() as c:
+        remote = c.get(f"{hub.url}/_hub/stats").json()["requests"]
+    assert [(r["file"], r["range"], r["sent"]) for r in remote[:2]] == [(name, None, 20_000),
+                                                                        (name, "bytes=20000-", size - 20_000)]
+
+
 def test_fault_stall_wrong_bytes_status_and_slow(hub, shards):
     name = shards[1].name
     data = shards[1].read_bytes()
