@@ -4,7 +4,8 @@ Everything here renders what ``engine_manager.supervisor`` says and forwards cli
 generators run on worker threads (``app.workers``). The panel owns the window's :class:`Supervisor`
 (``ctx.supervisor``), re-emits its state events as ``ctx.engineStateChanged``, its log lines as ``ctx.engineLog``,
 and calls ``ctx.set_ready(base_url, key)`` when the engine is ready (``set_ready(None, None)`` when it is not).
-On start-up it re-attaches to an engine a previous panel (or ``dsv41 start``) left running.
+On start-up it re-attaches to an engine a previous panel (or ``dsv41 start``) left running. Under llama.cpp it
+also shows where llama-server put each buffer, as its log says (folded by ``engines.llamacpp.PlacementSummary``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from PySide6.QtWidgets import (
 
 from engine_manager import fmt
 from engine_manager import supervisor as sv
+from engine_manager.engines.llamacpp import PlacementSummary, placement_from_log
 from engine_manager.settings import resolve_engine
 
 from .workers import run_function, run_generator
@@ -152,6 +154,8 @@ class EnginePanel(QWidget):
         self._last_notes: list[str] = []
         self._emitted_state = sv.STOPPED        # the state the rest of the window was last told (status bar …)
         self._refused_cause: str | None = None  # a start refused because another engine runs: keep saying why
+        # where llama-server put each buffer, folded (in engine_manager) from the log events of this run
+        self.placement = PlacementSummary()
         self._build()
         self._build_actions()
         ctx.requestStart.connect(self.start)
@@ -230,6 +234,28 @@ class EnginePanel(QWidget):
         self.details.setTextFormat(Qt.TextFormat.RichText)
         self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         lay.addWidget(self.details)
+
+        self.placement_box = QFrame()
+        self.placement_box.setObjectName("enginePlacementBox")
+        self.placement_box.setFrameShape(QFrame.Shape.StyledPanel)
+        self.placement_box.setToolTip("llama-server prints where it put each buffer while it loads the model; this "
+                                      "is what it printed, so you can see the plan's placement took effect")
+        box = QVBoxLayout(self.placement_box)
+        box.setContentsMargins(6, 4, 6, 4)
+        box.setSpacing(2)
+        head = QLabel("Placement (from llama-server's log)")
+        f = head.font()
+        f.setBold(True)
+        head.setFont(f)
+        box.addWidget(head)
+        self.placement_label = QLabel()
+        self.placement_label.setObjectName("enginePlacement")
+        self.placement_label.setWordWrap(True)
+        self.placement_label.setTextFormat(Qt.TextFormat.PlainText)
+        self.placement_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        box.addWidget(self.placement_label)
+        self.placement_box.hide()
+        lay.addWidget(self.placement_box)
 
         self.auto_restart = QCheckBox("Restart after a crash")
         self.auto_restart.setObjectName("autoRestart")
@@ -334,6 +360,8 @@ class EnginePanel(QWidget):
         self._last_notes = []
         self.notes.setText("")
         self.notes_toggle.hide()
+        self.placement.reset()
+        self._show_placement()
         self.sup.settings = self.ctx.settings
         self.sup.hardware = self.ctx.hardware
         self.sup.auto_restart = self.auto_restart.isChecked()
@@ -395,6 +423,8 @@ class EnginePanel(QWidget):
     def _on_event(self, ev: Any) -> None:
         k = getattr(ev, "kind", "")
         if k == "log":
+            if self.placement.add_log_lines(ev.lines, ev.events):
+                self._show_placement()
             self.ctx.engineLog.emit(ev)
             return
         if k == "state":
@@ -451,8 +481,22 @@ class EnginePanel(QWidget):
             self.ctx.statusMessage.emit(ev.message, 8000)
             self._emitted_state = ev.state
             self.ctx.engineStateChanged.emit(ev)
+            if ev.engine == "llamacpp":             # its loading lines went by before this panel watched
+                run_function(placement_from_log, self.sup.log_path, on_done=self._placement_read,
+                             on_error=lambda _exc: None)     # an unreadable log: the box just stays empty
         elif k == "note":
             self._add_note(ev.text, ev.level)
+
+    def _placement_read(self, summary: PlacementSummary) -> None:
+        # the file holds every line the live events brought since the attach, and those before it
+        if summary.has_placement and summary.events >= self.placement.events:
+            self.placement = summary
+            self._show_placement()
+
+    def _show_placement(self) -> None:
+        has = self.placement.has_placement
+        self.placement_label.setText(self.placement.text() if has else "")
+        self.placement_box.setVisible(has)
 
     def _add_note(self, text: str, level: str) -> None:
         self._last_notes = (self._last_notes + [("⚠ " if level == "warning" else "") + text.strip()])[-8:]
@@ -564,6 +608,9 @@ class EnginePanel(QWidget):
         self.stop_action.setEnabled(running and not stopping)
         self.force_action.setEnabled(running or stopping)
         self.engine_box.setEnabled(not running and not stopping)
+        if state == sv.READY:
+            self.progress.hide()                      # (the Ready event that follows hides them too)
+            self.phase.hide()
         if state in (sv.STOPPED, sv.CRASHED) and not running:
             self.progress.hide()
             if not stopping:

@@ -10,8 +10,8 @@ import socket
 import psutil
 import pytest
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QApplication
-from supervisor_helpers import hw, listening, live_group, wait_until
+from PySide6.QtWidgets import QApplication, QStyle, QStyleOptionButton
+from supervisor_helpers import hw, listening, live_group, tiny_engine, wait_until
 
 from app.context import AppContext
 from app.engine_panel import EnginePanel
@@ -120,6 +120,66 @@ def test_sigkill_shows_oom_banner_and_auto_restart_recovers(qtbot, port):
     qtbot.waitUntil(lambda: panel.badge.text() == "Stopped" and idle(panel), timeout=30_000)
 
 
+def click_check_box(qtbot, box) -> None:
+    """A click on the box's indicator (a click in the middle of a stretched check box can land on empty space)."""
+    opt = QStyleOptionButton()
+    opt.initFrom(box)
+    at = box.style().subElementRect(QStyle.SubElement.SE_CheckBoxIndicator, opt, box).center()
+    qtbot.mouseClick(box, Qt.MouseButton.LeftButton, pos=at)
+
+
+def test_force_stop_kills_an_engine_that_ignores_sigterm(qtbot, port):
+    ctx, panel, _ = make_panel(qtbot)
+    panel.sup.resolve_engine = lambda name: tiny_engine("ignore-term")     # what Start runs: the supervisor's hook
+    panel.sup.grace_s = 600.0                    # only Force stop can end it within the waits below
+    with qtbot.waitSignal(ctx.engineReady, timeout=30_000):
+        qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
+    st = panel.sup.snapshot()
+    pid, pgid = st.pid, st.pgid
+    assert "ignore-term" in psutil.Process(pid).cmdline()
+    qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)        # Stop: SIGTERM, which it ignores
+    qtbot.waitUntil(lambda: panel.badge.text() == "Stopping…" and panel.start_button.text() == "Force stop"
+                    and "SIGTERM sent" in panel.phase.text() and "Force stop now" in panel.phase.text(),
+                    timeout=10_000)
+    assert sv._alive(pid) and listening(port)
+    messages = []
+    ctx.statusMessage.connect(lambda text, *_: messages.append(text))
+    qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)        # Force stop
+    qtbot.waitUntil(lambda: panel.badge.text() == "Stopped" and idle(panel), timeout=20_000)
+    assert panel.start_button.text() == "Start" and ctx.base_url is None
+    assert "Stopped with SIGKILL." in messages, messages                  # not "after the grace period"
+    assert wait_until(lambda: not live_group(pgid), timeout=5) and not listening(port)
+
+
+def test_auto_restart_off_leaves_a_crash_crashed(qtbot, port):
+    ctx, panel, _ = make_panel(qtbot)
+    assert panel.auto_restart.isChecked()
+    click_check_box(qtbot, panel.auto_restart)
+    assert not panel.auto_restart.isChecked() and panel.sup.auto_restart is False
+    assert load_settings().settings.auto_restart is False                  # the choice is saved
+    states = []
+    ctx.engineStateChanged.connect(lambda ev: states.append(ev.state))
+    with qtbot.waitSignal(ctx.engineReady, timeout=30_000):
+        qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
+    st = panel.sup.snapshot()
+    pid, pgid = st.pid, st.pgid
+    os.kill(pid, signal.SIGKILL)
+    # the supervision ends (nothing left to restart); the panel shows the crash and offers Start
+    qtbot.waitUntil(lambda: panel.banner.isVisible() and idle(panel), timeout=10_000)
+    assert panel.badge.text() == "Crashed" and panel.start_button.text() == "Start"
+    assert "out-of-memory killer" in panel.banner.title.text()
+    assert "restarts it automatically" not in panel.banner.extra.text()
+    assert "crashed" in states and ctx.base_url is None
+    assert not {"restarting", "starting"} & set(states[states.index("crashed"):]), states
+    assert wait_until(lambda: not live_group(pgid), timeout=5) and not listening(port)
+    # the idle look for an engine to re-attach to finds the crash, not a new engine: crashed stays
+    panel.reattach()
+    qtbot.waitUntil(lambda: idle(panel), timeout=10_000)
+    assert panel.badge.text() == "Crashed"
+    assert not {"restarting", "starting"} & set(states[states.index("crashed"):]), states
+    assert panel.sup.status(check_health=False).state == "crashed" and not listening(port)
+
+
 def test_slow_start_shows_progress_with_phase_and_elapsed(qtbot, port, monkeypatch):
     monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 3")
     ctx, panel, _ = make_panel(qtbot)
@@ -205,7 +265,9 @@ def test_starting_another_engine_while_one_runs_says_what_runs_and_where(qtbot, 
     qtbot.waitUntil(lambda: panel.badge.text() == "Ready" and panel.sup.snapshot() is not None
                     and panel.sup.snapshot().pid == pid, timeout=30_000)
     assert panel.banner.isVisible() and "already running" in panel.banner.title.text()
-    assert panel.start_button.text() == "Stop" and "SIMULATED" in panel.details.text()
+    # the details line is filled from the attached engine's status a moment after the badge turns Ready
+    qtbot.waitUntil(lambda: "SIMULATED" in panel.details.text(), timeout=10_000)
+    assert panel.start_button.text() == "Stop"
     panel.stop()
     qtbot.waitUntil(lambda: panel.badge.text() == "Stopped" and idle(panel), timeout=30_000)
     assert wait_until(lambda: not sv._alive(pid), timeout=5) and not listening(port)

@@ -5,7 +5,8 @@
   engine's log, restarts it after a crash (auto_restart) and stops it on Ctrl+C. ``--dry-run`` prints every
   command it would run here. Without a GPU the scripted engine (simulated) is the default, and it says so.
 - ``dsv41 stop [--force]``: SIGTERM to the engine's process group, grace period, SIGKILL (``--force``: at once).
-- ``dsv41 status [--json]``: state, engine, pid, port, base_url, binding, uptime, last failure.
+- ``dsv41 status [--json]``: state, engine, pid, port, base_url, binding, uptime, last failure; for llama.cpp
+  also where llama-server put each buffer, read from its log.
 - ``dsv41 logs [-f] [-n N]``: the engine log (rotated, secrets masked); ``-f`` follows it.
 - ``dsv41 binding [--json]``: the NUMA binding the engine would get here, each strategy probed.
 """
@@ -53,7 +54,8 @@ def register(sub) -> None:
 
     p = sub.add_parser("status", help="is the engine running? where? how was it bound?",
                        description="State (stopped/starting/ready/stopping/crashed/restarting), engine, pid, port, "
-                                   "base_url, binding, uptime and the last failure. Always exit 0.")
+                                   "base_url, binding, uptime and the last failure; for llama.cpp, where "
+                                   "llama-server put each buffer (from its log). Always exit 0.")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_status)
 
@@ -235,8 +237,13 @@ def run_stop(args, ctx) -> int:
 def run_status(args, ctx) -> int:
     sup = sv.Supervisor(ctx.settings)
     st = sup.status()
+    placed = _llamacpp_placement(st, sup)
     if args.json:
-        print(json.dumps(st.to_dict(), indent=2, default=str))
+        d = st.to_dict()
+        if placed is not None:
+            d["llamacpp_placement"] = {**placed.to_dict(), "text": placed.text(),
+                                       "has_placement": placed.has_placement}
+        print(json.dumps(d, indent=2, default=str))
         return EXIT_OK
     name = st.label or st.engine or "—"
     if st.simulated and "simulated" not in name.lower():
@@ -257,7 +264,24 @@ def run_status(args, ctx) -> int:
         lf = st.last_failure
         print(f"last failure:  {lf.get('title')}")
         print(f"what to do:    {lf.get('fix')}")
+    if placed is not None:
+        if placed.has_placement:
+            print("Placement (from llama-server's log):")
+            for ln in placed.text().splitlines():
+                print(f"  {ln}")
+        else:
+            print("Placement (from llama-server's log): none yet (llama-server prints it while it loads the model)")
     return EXIT_OK
+
+
+def _llamacpp_placement(st: sv.EngineStatus, sup: sv.Supervisor):
+    """What llama-server's own log says about where it put each buffer: for a llama.cpp engine that runs (or
+    crashed: where it had put things may explain why), else None. A stopped engine's log is history."""
+    if st.engine != "llamacpp" or st.state == sv.STOPPED:
+        return None
+    from ..engines.llamacpp import placement_from_log
+
+    return placement_from_log(st.log_path or sup.log_path)
 
 
 def run_logs(args, ctx) -> int:

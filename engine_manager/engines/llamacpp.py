@@ -307,6 +307,14 @@ class PlacementSummary:
     load_mode: str | None = None
     events: int = 0
 
+    def reset(self) -> None:
+        self.__dict__.update(PlacementSummary().__dict__)
+
+    @property
+    def has_placement(self) -> bool:
+        """The log said where something went (a buffer size or the offload count), not only fitting chatter."""
+        return bool(self.model_mib or self.kv_mib or self.compute_mib or self.offloaded)
+
     def add(self, ev: LogEvent | None) -> bool:
         """Fold one event in; True when it changed the summary."""
         if ev is None:
@@ -357,8 +365,22 @@ class PlacementSummary:
 
     def feed(self, lines: Iterable[str]) -> "PlacementSummary":
         for ln in lines:
-            self.add(parse_line(ln))
+            if not ln.startswith("[dsv41"):
+                self.add(parse_line(ln))
         return self
+
+    def add_log_lines(self, lines: Iterable[str], events: Iterable[LogEvent]) -> bool:
+        """Fold one batch of the supervisor's log lines (``LogLines.lines`` and the ``events`` it parsed from
+        them); a new start of the engine in the batch starts the summary over. True when the summary changed."""
+        changed = False
+        if any(_START_LINE.match(ln) for ln in lines):
+            # the supervisor writes its start line before spawning and tails the log from there, so it is the
+            # first line of a run's first batch: every event of this batch belongs to the new run
+            self.reset()
+            changed = True
+        for ev in events:
+            changed = self.add(ev) or changed
+        return changed
 
     @property
     def gpu_buffers(self) -> list[str]:
@@ -393,7 +415,7 @@ class PlacementSummary:
                 "breakdown": self.breakdown}
 
     def text(self) -> str:
-        """A few plain lines for the Placement tab and the log."""
+        """A few plain lines for the engine panel and `dsv41 status`."""
         def fmt(d: dict[str, float]) -> str:
             return ", ".join(f"{k} {v:,.1f} MiB" for k, v in sorted(d.items(), key=lambda kv: -kv[1])) or "—"
 
@@ -418,6 +440,21 @@ class PlacementSummary:
 
 def _ranges(xs: Iterable[int]) -> str:
     return fmt.ranges(xs, empty="")
+
+
+# the line the supervisor writes to the engine log before each start ("[dsv41 2025-01-02 03:04:05] starting …")
+_START_LINE = re.compile(r"\[dsv41 [^\]]*\] starting ")
+
+
+def placement_from_log(path: Path | str | None = None) -> PlacementSummary:
+    """Where llama-server put each buffer, folded from the engine log (default: the supervisor's
+    ``engine.log``, its tail and the newest rotated file): the lines since the latest start only, so an earlier
+    run's buffers never mix in. Empty (``has_placement`` False) when the log has none (yet)."""
+    from ..supervisor import read_log_tail
+
+    lines = read_log_tail(Path(path) if path else None)
+    starts = [i for i, ln in enumerate(lines) if _START_LINE.match(ln)]
+    return PlacementSummary().feed(lines[starts[-1] + 1:] if starts else lines)
 
 
 # -- Prometheus text -------------------------------------------------------------------------------------------
