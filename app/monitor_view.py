@@ -41,7 +41,6 @@ from PySide6.QtWidgets import (
 
 from engine_manager import metrics as M
 from engine_manager import uistate
-from engine_manager.engines import get_engine
 from engine_manager.metrics import guides
 
 from .workers import run_function, run_generator
@@ -50,6 +49,8 @@ GiB = float(1024**3)
 WINDOWS: tuple[tuple[str, float | None], ...] = (("1 min", 60.0), ("10 min", 600.0), ("1 h", 3600.0), ("All", None))
 RATES = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 DASH = Qt.PenStyle.DashLine
+PREFILL_SLOTS_NOTE = ("All slots together: Strata and the scripted engine report no per-slot prefill, so none is "
+                      "drawn.")
 SLOT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 # -- what the plots show --------------------------------------------------------------------------------------
@@ -84,7 +85,9 @@ def _plot_specs() -> list[PlotSpec]:
     return [
         PlotSpec("tok", "Throughput", "tok/s", [
             Series("decode_tok_s", "decode (all slots)", "#1f77b4", unit="tok/s"),
-            Series("prefill_tok_s", "prefill", "#ff7f0e", unit="tok/s"),
+            # only while a prompt is read (a gap between prompts, where the card shows the last request's); Strata
+            # and the sim report prefill for all slots together, none per slot: no per-slot prefill is drawn
+            Series("prefill_live_tok_s", "prefill, live (all slots; no per-slot figure)", "#ff7f0e", unit="tok/s"),
         ]),
         PlotSpec("slots", "Decode per slot", "tok/s", [
             Series(M.SLOT_COLUMNS[i], f"slot {i}", SLOT_COLORS[i], unit="tok/s")
@@ -749,6 +752,14 @@ class MonitorView(QWidget):
         self._redraw_timer.setSingleShot(True)
         self._redraw_timer.setInterval(0)
         self._redraw_timer.timeout.connect(self.redraw)
+        # observed routing reaches the Placement heatmap at most every ROUTING_EVERY_S; the newest counts that
+        # arrive in between wait for this timer, so the last update is never lost
+        self.routing_counts = None
+        self._routing_latest = None
+        self._routing_fed = -1e9
+        self._routing_timer = QTimer(self)
+        self._routing_timer.setSingleShot(True)
+        self._routing_timer.timeout.connect(self._push_routing)
         if ctx.base_url and ctx.api_key:
             QTimer.singleShot(0, lambda: self.on_engine_ready(ctx.base_url, ctx.api_key))
 
@@ -959,6 +970,7 @@ class MonitorView(QWidget):
         self._generation += 1
         hub, self.hub = self.hub, None
         self.worker = None
+        self._routing_timer.stop()
         for h in [hub, *self._stopping]:
             if h is not None:
                 h.stop(timeout=2.0)
@@ -1029,15 +1041,25 @@ class MonitorView(QWidget):
     ROUTING_EVERY_S = 5.0
 
     def _feed_routing(self, counts) -> None:
-        """Observed routing → the Placement view's heatmap (``PlacementView.update_observed(counts)`` where it
-        exists), at most every few seconds."""
-        now = time.monotonic()
-        if now - getattr(self, "_routing_fed", -1e9) < self.ROUTING_EVERY_S:
+        """Observed routing → the Placement view's heatmap (``PlacementView.update_observed(counts)``), at most
+        every ``ROUTING_EVERY_S``: counts that arrive sooner are kept, and the newest are pushed when the
+        interval ends."""
+        self._routing_latest = counts
+        if self._routing_timer.isActive():
             return
-        self._routing_fed = now
+        wait_s = self._routing_fed + self.ROUTING_EVERY_S - time.monotonic()
+        if wait_s > 0:
+            self._routing_timer.start(int(wait_s * 1000) + 1)
+        else:
+            self._push_routing()
+
+    def _push_routing(self) -> None:
+        counts, self._routing_latest = self._routing_latest, None
+        if counts is None:
+            return
+        self._routing_fed = time.monotonic()
         self.routing_counts = counts
-        win = self.window()
-        target = getattr(win, "placement_view", None)
+        target = getattr(self.window(), "placement_view", None)
         fn = getattr(target, "update_observed", None)
         if callable(fn):
             try:
@@ -1241,10 +1263,11 @@ class MonitorView(QWidget):
                                          state if live is not False else
                                          f"last request · {state.removeprefix('state: ')}".rstrip(" ·"),
                                          sim, why("engine") or (
-                                             "Prompt tokens read per second, live while a prompt is read."
-                                             if live is not False else
+                                             "Prompt tokens read per second, live while a prompt is read. "
+                                             + PREFILL_SLOTS_NOTE if live is not False else
                                              "No prompt is being read now: this is the last request's prompt "
-                                             "rate, not a live one."),
+                                             "rate, not a live one; the Throughput plot leaves a gap here. "
+                                             + PREFILL_SLOTS_NOTE),
                                          stale=live is False)
         hr, roll, pred = v.get("hit_rate"), v.get("hit_rate_rolling"), tick.predicted_hit_rate
         pred_s = "planner: unknown" if pred is None else f"planner {pred * 100:.1f}%"
@@ -1402,62 +1425,8 @@ def _origin_words(origin: str | None) -> str:
 
 def _make_hub(info: dict[str, Any], hz: float, plan: dict | None, old_store: M.RingStore | None,
               recorder: M.Recorder | None = None) -> tuple[M.MetricsHub, M.RingStore, dict[str, Any], int]:
-    """Off the GUI thread: ask the supervisor about the engine, build the hub, and (after a panel restart
-    against the same engine) load the run recorded so far."""
+    """Off the GUI thread: :func:`engine_manager.metrics.hub_for_running_engine` (asks the supervisor, builds
+    the hub, loads the run recorded so far)."""
     info = dict(info)
     sup = info.pop("supervisor", None)
-    status = None
-    if sup is not None:
-        try:
-            status = sup.status()
-        except Exception:
-            status = None
-    st_url = getattr(status, "base_url", None) if not isinstance(status, dict) else status.get("base_url")
-    if status is not None and st_url and st_url.rstrip("/") != info["base_url"].rstrip("/"):
-        status = None                         # the supervisor knows another engine than the one that is ready
-    if status is not None:
-        running_plan = status.plan() if hasattr(status, "plan") else None
-        if running_plan is not None:
-            info["plan"] = running_plan          # the plan the engine runs with: its prediction is the reference
-        for key in ("engine", "pid", "binding", "log_path", "spec", "argv"):
-            val = getattr(status, key, None) if not isinstance(status, dict) else status.get(key)
-            if val is not None:
-                info[key] = val
-    engine = info.get("engine") or info.get("engine_default") or "sim"
-    if hasattr(engine, "name"):
-        engine = engine.name
-    info["engine"] = engine
-    spec = info.get("spec")
-    if spec is not None and getattr(spec, "base_url", None) != info["base_url"]:
-        spec = None
-    info["numa_bound"] = M.binding_bound(info.get("binding"))
-    if plan is None:
-        # the plan the engine was started with: the launch spec's generated plan file
-        files = getattr(spec, "files", None) or getattr(status, "files", None) or {}
-        plan_file = files.get("plan") if isinstance(files, dict) else None
-        if plan_file:
-            try:
-                import json
-                plan = json.loads(Path(plan_file).read_text())
-                info["plan"] = plan
-            except (OSError, ValueError):
-                pass
-    store = M.RingStore(M.COLUMN_NAMES, hz=hz)
-    hub = M.build_hub(engine, info["base_url"], info["api_key"], spec=spec, pid=info.get("pid"),
-                      binding=info.get("binding"), log_path=info.get("log_path"),
-                      gpu_index=int(info.get("gpu_index") or 0), hz=hz, plan=plan, store=store,
-                      argv=info.get("argv"), recorder=recorder)
-    info["label"] = get_engine(engine).label or engine
-    loaded = 0
-    rec = hub.recorder
-    if rec is not None and rec.meta.get("resumed_at") and rec.csv_path.exists():
-        # the same engine process as before (a panel restart or a rate change): show the run so far
-        try:
-            loaded = M.load_into(store, rec.csv_path)
-        except (OSError, ValueError):
-            loaded = 0
-    if not loaded and old_store is not None and old_store.span() is not None:
-        t, d = old_store.window()
-        store.extend(t, np.column_stack([d[c] for c in M.COLUMN_NAMES]))
-        loaded = int(t.shape[0])
-    return hub, store, info, loaded
+    return M.hub_for_running_engine(info, hz, plan, supervisor=sup, old_store=old_store, recorder=recorder)

@@ -107,6 +107,7 @@ class PlacementView(QWidget):
         self.ctx = ctx
         self.plan: dict[str, Any] | None = None
         self.observed: np.ndarray | None = None
+        self._observed_counts: np.ndarray | None = None    # as the monitor gave them (all blocks or MoE rows)
         self.usage_paths: list[str] = []
         self._worker = None
         self._closing = False
@@ -452,6 +453,8 @@ class PlacementView(QWidget):
         self.vram_legend.setText(_legend(v.get("terms") or [], "GiB"))
         self.ram_legend.setText(_legend(r.get("terms") or [], "GB"))
         self._build_grid(d)
+        if self._observed_counts is not None:          # the counts so far, on this plan's rows
+            self.observed = self._observed_rows(self._observed_counts)
         self._redraw_heatmap()
         self.cov_stack.setCurrentWidget(self.cov)
         self._draw_coverage(d)
@@ -575,27 +578,36 @@ class PlacementView(QWidget):
     # -- observed routing (fed by the monitor) -------------------------------------------------------------------
     def update_observed(self, counts) -> None:
         """Observed routing counts, (MoE layers or all blocks) × experts; shown in the heatmap's observed mode and
-        compared with the planned hot set."""
-        g = self._grid
+        compared with the planned hot set. Kept as given, so a plan shown later takes them on its own rows."""
         arr = np.asarray(counts, dtype=np.float64)
-        if g and arr.ndim == 2 and g["layers"]:
-            n_l, ne = len(g["layers"]), g["n_experts"]
-            if arr.shape == (n_l, ne):
-                pass
-            elif arr.shape[1] == ne and arr.shape[0] > max(g["layers"]):
-                arr = arr[g["layers"], :]
-            else:
-                return
-        elif arr.ndim != 2:
+        if arr.ndim != 2:
             return
-        self.observed = arr
-        if g and g["layers"] and arr.sum() > 0:
+        rows = self._observed_rows(arr)
+        if rows is None:
+            return
+        self._observed_counts = arr
+        self.observed = rows
+        g = self._grid
+        if g and g["layers"] and rows.sum() > 0:
             hot = g["hot_rank"] >= 0
-            share = float(arr[hot].sum() / arr.sum())
-            self.hover.setText(f"Observed routing: {arr.sum():,.0f} picks; {share:.1%} of them fall in the planned "
+            share = float(rows[hot].sum() / rows.sum())
+            self.hover.setText(f"Observed routing: {rows.sum():,.0f} picks; {share:.1%} of them fall in the planned "
                                "hot set")
         if self.mode.currentData() == "observed":
             self._redraw_heatmap()
+
+    def _observed_rows(self, arr: np.ndarray) -> np.ndarray | None:
+        """The counts on the shown plan's MoE rows (all blocks → the MoE ones); as given without a plan; None when
+        they do not fit the plan's model (another layer or expert count)."""
+        g = self._grid
+        if not g or not g["layers"]:
+            return arr
+        n_l, ne = len(g["layers"]), g["n_experts"]
+        if arr.shape == (n_l, ne):
+            return arr
+        if arr.shape[1] == ne and arr.shape[0] > max(g["layers"]):
+            return arr[g["layers"], :]
+        return None
 
 
 def _empty_label(text: str) -> QLabel:

@@ -2,9 +2,12 @@
 
 1. **Event-loop stall**: the Monitor view with 24 h of history at 10 Hz already loaded (864,000 rows × every column;
    labelled synthetic rows — this measures drawing, not an engine) while all six plots update at 10 Hz for
-   ``--seconds`` (60 by default). A 1 ms probe timer records every gap in the event loop; the longest gap beyond
-   its interval is the longest stall. Goal: ≤ 16 ms. The time spent in one redraw is printed beside it (the part
-   the view itself owns; a stall may also come from the OS on a shared machine).
+   ``--seconds`` (60 by default). The updates come the way the app's do: a ``MetricsHub`` at 10 Hz ticking on a
+   worker thread (``app.workers.run_generator``), each tick reaching the view through the worker's signal, into
+   the same store; only its source is synthetic (a labelled stand-in for the engine, no HTTP). A 1 ms probe timer
+   records every gap in the event loop; the longest gap beyond its interval is the longest stall. Goal: ≤ 16 ms.
+   The time spent in one redraw is printed beside it (the part the view itself owns; a stall may also come from
+   the OS on a shared machine).
 2. **The panel's own CPU** at the default rate (1 Hz): the Monitor view collecting from a real scripted engine
    under 4 streaming chats (the chats run in another process), against the same view not collecting, in this
    process. Goal: ≤ 2% of one core.
@@ -13,7 +16,8 @@
    10 Hz is printed as a stress figure.
 
 Run: ``xvfb-run -a -s "-screen 0 1600x1000x24" .venv/bin/python benchmarks/gui_load.py [--seconds 60]``
-(``--seconds 10 --phase-seconds 4`` for a quick look). Prints the figures; exit 0.
+(``--seconds 10 --phase-seconds 4`` for a quick look; ``--seconds 3 --cpu-seconds 3 --phase-seconds 2 --pairs 1
+--history-hours 1`` only checks that it runs). Prints the figures; exit 0.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--phase-seconds", type=float, default=10.0, help="length of each on/off speed phase")
     p.add_argument("--pairs", type=int, default=3, help="off/on pairs at 1 Hz (default 3)")
     p.add_argument("--users", type=int, default=4, help="concurrent streaming chats (default 4)")
+    p.add_argument("--history-hours", type=float, default=24.0,
+                   help="history loaded before the stall run (default 24; less only to check the script runs)")
     p.add_argument("--part", choices=("all", "stall", "engine"), default="all",
                    help="run one part in this process (all: each part in a fresh process, one after the other)")
     p.add_argument("--gc-freeze", action="store_true",
@@ -85,6 +91,35 @@ def main() -> int:
     return part_engine(args, app, wait)
 
 
+class SyntheticSource:
+    """TEST DATA for the stall run: a stand-in for the engine that answers at once with levels near ``fill``
+    (the raw columns the hub derives the plotted ones from), half of every 2 s reading a prompt."""
+
+    name = "bench"
+    timeout_s = 1.0
+    unavailable = None
+
+    def __init__(self, fill: dict[str, float], seed: int = 41):
+        self.fill = fill
+        self.columns = (*fill, "slots_busy", "slots_total")
+        self.rng = np.random.default_rng(seed)
+        self.n = 0
+
+    def read(self):
+        from engine_manager.engines.base import Sample
+        from engine_manager.metrics import Reading
+
+        self.n += 1
+        level = np.fromiter(self.fill.values(), dtype=float)
+        row = dict(zip(self.fill, level * (1 + 0.05 * self.rng.standard_normal(level.size))))
+        row["slots_busy"], row["slots_total"] = 4.0, 4.0
+        state = "reading" if self.n % 20 < 10 else "generating"       # the prefill card: live / last request
+        return Reading(row, payload=Sample(t=time.time(), engine="bench", state=state))
+
+    def close(self) -> None:
+        pass
+
+
 def part_stall(args, app, wait) -> int:
     from PySide6.QtCore import QElapsedTimer, Qt, QTimer
 
@@ -102,17 +137,18 @@ def part_stall(args, app, wait) -> int:
     hz = 10.0
     store = M.RingStore(M.COLUMN_NAMES, hz=hz)
     now = time.time()
-    n = int(24 * 3600 * hz)
+    n = int(args.history_hours * 3600 * hz)
     t = now - (n - 1) / hz + np.arange(n) / hz
     rng = np.random.default_rng(41)
     base = np.full(len(M.COLUMN_NAMES), np.nan, dtype=np.float32)
     ix = store.index
-    fill = {"decode_tok_s": 120, "prefill_tok_s": 400, "slot0_tok_s": 30, "slot1_tok_s": 30, "slot2_tok_s": 30,
-            "slot3_tok_s": 30, "hit_rate": 0.9, "hit_rate_rolling": 0.9, "swaps_per_s": 2, "swap_mb_s": 25,
-            "pcie_rx_mb_s": 800, "vram_used_bytes": 95e9, "vram_total_bytes": 96e9, "ram_used_bytes": 200e9,
-            "ram_total_bytes": 280e9, "engine_ram_used_bytes": 190e9, "engine_rss_bytes": 180e9,
-            "cpu_bound_pct": 85, "cpu_rest_pct": 5, "cpu_total_pct": 45, "gpu_util_pct": 95, "slots_busy": 4,
-            "slots_total": 4}
+    # the plotted columns, as the history holds them (the hub derives them from the raw ones below)
+    fill = {"decode_tok_s": 120, "prefill_tok_s": 400, "prefill_live_tok_s": 400, "slot0_tok_s": 30,
+            "slot1_tok_s": 30, "slot2_tok_s": 30, "slot3_tok_s": 30, "hit_rate": 0.9, "hit_rate_rolling": 0.9,
+            "swaps_per_s": 2, "swap_mb_s": 25, "pcie_rx_mb_s": 800, "vram_used_bytes": 95e9,
+            "vram_total_bytes": 96e9, "ram_used_bytes": 200e9, "ram_total_bytes": 280e9,
+            "engine_ram_used_bytes": 190e9, "engine_rss_bytes": 180e9, "cpu_bound_pct": 85, "cpu_rest_pct": 5,
+            "cpu_total_pct": 45, "gpu_util_pct": 95, "slots_busy": 4, "slots_total": 4}
     cols = [ix[c] for c in fill]
     level = np.array(list(fill.values()), dtype=np.float32)
     t0 = time.perf_counter()
@@ -121,33 +157,35 @@ def part_stall(args, app, wait) -> int:
         b = min(n, a + chunk)
         vals = np.tile(base, (b - a, 1))
         vals[:, cols] = level * (1 + 0.05 * rng.standard_normal((b - a, len(cols))).astype(np.float32))
+        vals[(np.arange(a, b) % 20) >= 10, ix["prefill_live_tok_s"]] = np.nan    # prefill live half the time
         store.extend(t[a:b], vals)
     load_s = time.perf_counter() - t0
-    print(f"\n1. history: 24 h at {hz:g} Hz = {n:,} rows × {len(M.COLUMN_NAMES)} columns loaded in {load_s:.1f} s "
-          f"({store.nbytes / 2**20:.0f} MiB in the ring buffers) — labelled synthetic rows")
+    print(f"\n1. history: {args.history_hours:g} h at {hz:g} Hz = {n:,} rows × {len(M.COLUMN_NAMES)} columns loaded "
+          f"in {load_s:.1f} s ({store.nbytes / 2**20:.0f} MiB in the ring buffers) — labelled synthetic rows")
 
-    view.store = store
+    raw = {"decode_tok_s": 120, "prefill_tok_s": 400, "slot0_tok_s": 30, "slot1_tok_s": 30, "slot2_tok_s": 30,
+           "slot3_tok_s": 30, "hit_rate": 0.9, "engine_swaps_per_s": 2, "engine_swap_mb_s": 25,
+           "engine_pcie_rx_mb_s": 800, "engine_vram_used_bytes": 95e9, "engine_vram_total_bytes": 96e9,
+           "ram_used_bytes": 200e9, "ram_total_bytes": 280e9, "engine_ram_used_bytes": 190e9,
+           "engine_rss_bytes": 180e9, "cpu_bound_pct": 85, "cpu_rest_pct": 5, "cpu_total_pct": 45,
+           "gpu_util_pct": 95}
     if args.gc_freeze:
         import gc
         gc.collect()
         gc.freeze()
         print("   gc.freeze() after the build (--gc-freeze)")
-    seq = [0]
 
-    tracker = M.SteadyTracker()            # as the hub does: the guides card judges the steady decode rate
+    def start_hub() -> None:
+        """The app's path from here on: MonitorView._hub_made starts the hub's generator on a worker thread and
+        takes every tick through the worker's signal (MonitorView._on_tick)."""
+        hub = M.MetricsHub([SyntheticSource(raw)], hz, store=store, engine="bench", simulated=False)
+        view._generation += 1
+        info = {"engine": "bench", "base_url": "synthetic (no engine)", "api_key": "", "label": "synthetic",
+                "numa_bound": True}
+        view._hub_made((hub, store, info, n), view._generation)
 
-    def push() -> None:
-        seq[0] += 1
-        tt = time.time()
-        row = dict(zip(fill, (float(x) for x in level * (1 + 0.05 * rng.standard_normal(len(level))))))
-        row["slots_busy"] = 4.0
-        store.append(tt, row)
-        values = {**{c: None for c in M.COLUMN_NAMES}, **row}
-        tracker.update(tt, values, answered=True, state="generating", period_s=1 / hz)
-        tick = M.Tick(seq=seq[0], t=tt, values=values, engine="bench", hz=hz, simulated=False, missing={})
-        tick.notes["steady"] = tracker.snapshot(tt, 4.0)
-        tick.notes["prefill_live"] = seq[0] % 20 < 10          # the prefill card switches live / last request
-        view.feed(tick)
+    print("   updates: a MetricsHub at 10 Hz on a worker thread (run_generator), ticks through its signal to the "
+          "view — the app's path; the hub's source is synthetic")
 
     redraw_ms: list[float] = []
     orig_step = view._redraw_step
@@ -160,7 +198,7 @@ def part_stall(args, app, wait) -> int:
     view._step_timer.timeout.disconnect()
     view._step_timer.timeout.connect(timed_step)
 
-    def measure(seconds: float, feed: bool = True) -> dict[str, float]:
+    def measure(seconds: float) -> dict[str, float]:
         """Probe the event loop every 1 ms: per gap, the wall time (what a user feels) and this thread's CPU time
         within it (the work the panel did; wall − CPU is time the OS gave to other processes)."""
         gaps: list[tuple[float, float]] = []
@@ -177,16 +215,9 @@ def part_stall(args, app, wait) -> int:
         probe_t.setTimerType(Qt.TimerType.PreciseTimer)
         probe_t.setInterval(1)
         probe_t.timeout.connect(probe)
-        feed_t = QTimer()
-        feed_t.setTimerType(Qt.TimerType.PreciseTimer)
-        feed_t.setInterval(int(1000 / hz))
-        feed_t.timeout.connect(push)
         redraw_ms.clear()
         probe_t.start()
-        if feed:
-            feed_t.start()
         wait(seconds * 1000)
-        feed_t.stop()
         probe_t.stop()
         g = np.asarray(gaps[50:])                 # skip the first 50 ms
         wall = g[:, 0] - 1.0
@@ -194,24 +225,31 @@ def part_stall(args, app, wait) -> int:
                 "p99": float(np.percentile(wall, 99)), "busy": float(g[:, 1].max()),
                 "busy_p999": float(np.percentile(g[:, 1], 99.9))}
 
+    def step_ms() -> str:
+        return f"{statistics.mean(redraw_ms):.1f} ms mean over {len(redraw_ms)} steps" if redraw_ms else "no steps"
+
+    view.store = store
     view.set_window_index(1)                  # the default window, 10 min
     wait(500)
-    base = measure(min(10.0, args.seconds), feed=False)
-    print(f"   noise floor (same view, no updates, {min(10.0, args.seconds):g} s): longest stall {base['stall']:.1f} ms "
-          f"(99.9th pct {base['p999']:.1f} ms) — what this machine's other load does to an idle event loop")
+    quiet = min(10.0, args.seconds)
+    floor = measure(quiet)
+    print(f"   noise floor (same view, no updates, {quiet:g} s): longest stall {floor['stall']:.1f} ms "
+          f"(99.9th pct {floor['p999']:.1f} ms) — what this machine's other load does to an idle event loop")
+    start_hub()
+    ticks0 = view.last_tick.seq if view.last_tick else 0
     m = measure(args.seconds)
-    print(f"   window 10 min, 6 plots at {hz:g} Hz for {args.seconds:g} s: longest event-loop stall "
-          f"{m['stall']:.1f} ms wall (goal ≤ 16 ms; 99.9th pct {m['p999']:.1f} ms, 99th {m['p99']:.1f} ms); "
-          f"longest stretch of the panel's own work (CPU time within one stall) {m['busy']:.1f} ms "
-          f"(99.9th pct {m['busy_p999']:.1f} ms); one plot's step {statistics.mean(redraw_ms):.1f} ms mean over "
-          f"{len(redraw_ms)} steps ({view._redraws} full redraws)")
-    for i, label in ((2, "1 h"), (3, "all (24 h)")):
+    ticks = (view.last_tick.seq if view.last_tick else 0) - ticks0
+    print(f"   window 10 min, 6 plots at {hz:g} Hz for {args.seconds:g} s ({ticks} ticks arrived): longest "
+          f"event-loop stall {m['stall']:.1f} ms wall (goal ≤ 16 ms; 99.9th pct {m['p999']:.1f} ms, 99th "
+          f"{m['p99']:.1f} ms); longest stretch of the panel's own work (CPU time within one stall) "
+          f"{m['busy']:.1f} ms (99.9th pct {m['busy_p999']:.1f} ms); one plot's step {step_ms()} "
+          f"({view._redraws} full redraws)")
+    for i, label in ((2, "1 h"), (3, f"all ({args.history_hours:g} h)")):
         view.set_window_index(i)
         wait(300)
-        m = measure(max(5.0, args.seconds / 6))
+        m = measure(max(min(5.0, args.seconds), args.seconds / 6))
         print(f"   window {label}: longest stall {m['stall']:.1f} ms wall (99.9th pct {m['p999']:.1f} ms); own work "
-              f"{m['busy']:.1f} ms CPU (99.9th pct {m['busy_p999']:.1f} ms); one plot's step "
-              f"{statistics.mean(redraw_ms):.1f} ms mean")
+              f"{m['busy']:.1f} ms CPU (99.9th pct {m['busy_p999']:.1f} ms); one plot's step {step_ms()}")
     view.shutdown()
     view.close()
     view.deleteLater()

@@ -5,13 +5,17 @@ It runs the real flow: the engine panel plans and starts the scripted engine thr
 the engine fills its hot set from the plan, which was made from the engine's own routing distribution, so the
 observed hit rate sits by the planner's predicted line), the Monitor tab starts collecting when the engine is
 ready, 4 chats stream through httpx (replies of different lengths, users pausing between questions, so the busy
-slots vary), and after ``--seconds`` the window is grabbed to a PNG. ``--cold`` starts the hot set random
-instead (``--initial-hot random``): the adaptive tier then swaps experts while you watch and the hit rate climbs,
-for minutes, towards the prediction. Everything runs in temporary config/data folders; the engine is stopped at
-the end. The guides card's verdict is printed.
+slots vary), and after ``--seconds`` the window is grabbed to a PNG. Every third question of the first user carries
+a document of about ``--long-prompt-tokens`` tokens (default 2,000; the sim reads it in ~3 s, pausing the others'
+decoding as the engine does, so the prefill curve — drawn only while a prompt is read — shows at the 1 Hz rate;
+short questions are read between two polls).
+``--cold`` starts the hot set random instead (``--initial-hot random``): the adaptive tier then swaps experts
+while you watch (the PCIe swaps plot moves) and the hit rate climbs, for minutes, towards the prediction; without
+it the warm hot set swaps little. Everything runs in temporary config/data folders; the engine is stopped at the
+end. What moved is printed (how many ticks had decode, prefill, swaps), and the guides card's verdict.
 
 Run: ``xvfb-run -a -s "-screen 0 1600x1000x24" .venv/bin/python benchmarks/monitor_screenshot.py
-[--seconds 45] [--cold] [--out monitor.png]``
+[--seconds 45] [--cold] [--long-prompt-tokens 2000] [--out monitor.png]``
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ def main() -> int:
     p.add_argument("--hz", type=float, default=1.0, help="the monitor's rate (the metrics_hz setting)")
     p.add_argument("--cold", action="store_true", help="start with a random hot set (swaps while you watch)")
     p.add_argument("--size", default="1600x1000", help="window size WxH (default 1600x1000)")
+    p.add_argument("--long-prompt-tokens", type=int, default=2000,
+                   help="every third question of the first user carries a document this long (0: none)")
     args = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="dsv41-shot-"))
@@ -69,13 +75,34 @@ def main() -> int:
     win.show_tab("Monitor")
     stop = threading.Event()
     tokens = [0]
+    from engine_manager.sim.corpus import count_tokens
+
+    sentence = "The expert cache keeps the most used experts of every layer in VRAM and streams the rest. "
+    document = ""
+    while args.long_prompt_tokens > 0 and count_tokens(document) < args.long_prompt_tokens:
+        document += sentence * 50
+    moved = {"decode": 0, "prefill": 0, "swaps": 0, "ticks": 0}
+
+    def count_moved(tick) -> None:
+        v = tick.values
+        moved["ticks"] += 1
+        for key, col in (("decode", "decode_tok_s"), ("prefill", "prefill_live_tok_s"), ("swaps", "swaps_per_s")):
+            if (v.get(col) or 0) > 0:
+                moved[key] += 1
+
+    win.monitor_view.tickShown.connect(count_moved)
 
     def chat(i: int, base: str, key: str) -> None:
+        turn = 0
         with httpx.Client(timeout=60) as c:
             while not stop.is_set():
+                turn += 1
+                question = f"Explain topic {i} briefly."
+                if document and i == 0 and turn % 3 == 1:
+                    question = f"Summarise this document for topic {i}:\n\n{document}"
                 try:
                     with c.stream("POST", base + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                                  json={"messages": [{"role": "user", "content": f"Explain topic {i} briefly."}],
+                                  json={"messages": [{"role": "user", "content": question}],
                                         "stream": True, "max_tokens": 120 + 60 * i}) as r:
                         for line in r.iter_lines():
                             if stop.is_set():
@@ -105,6 +132,8 @@ def main() -> int:
         print(f"saved {out} ({win.width()}×{win.height()}); {tokens[0]} streamed chunks; last tick: "
               f"decode {t.values['decode_tok_s'] if t else None} tok/s, hit {t.values['hit_rate'] if t else None}",
               flush=True)
+        print(f"ticks with a value above 0: decode {moved['decode']}, prefill (live) {moved['prefill']}, "
+              f"swaps {moved['swaps']} of {moved['ticks']}", flush=True)
         c = getattr(win.monitor_view, "last_comparison", None)
         if c is not None:
             print(f"guides card: {c.verdict} — {c.headline} [{c.basis}]", flush=True)

@@ -794,3 +794,172 @@ def test_the_cards_one_line_hint_is_the_most_relevant_one():
     c = M.compare(53.0, 1, 0.9, numa_bound=False)
     assert "NUMA" in c.short_hint and "53" in c.short_hint
     assert M.compare(63.0, 1, 0.9, simulated=True).short_hint == ""
+
+
+# -- prefill: live only --------------------------------------------------------------------------------------------
+class PromptSource(Source):
+    """A source of our own interface: an engine sample reading a prompt every other tick, else generating (its
+    prefill figure then is the last request's)."""
+
+    name = "engine"
+    columns = ("prefill_tok_s",)
+
+    def __init__(self):
+        self.n = 0
+
+    def read(self) -> Reading:
+        self.n += 1
+        state = "reading" if self.n % 2 else "generating"
+        rate = 1000.0 + self.n
+        return Reading({"prefill_tok_s": rate}, payload=Sample(t=time.time(), engine="x", state=state,
+                                                               prefill_tok_s=rate))
+
+
+def test_the_plotted_prefill_is_only_the_live_rate():
+    for engine, live_every_tick in (("strata", False), ("llamacpp", True)):
+        hub = M.MetricsHub([PromptSource()], hz=10.0, engine=engine)
+        ticks = list(hub.iter_ticks(max_ticks=4))
+        for i, t in enumerate(ticks):
+            live = live_every_tick or i % 2 == 0
+            assert t.values["prefill_tok_s"] == 1001.0 + i                 # the engine's figure is kept as is
+            assert t.notes["prefill_live"] is live
+            assert t.values["prefill_live_tok_s"] == (1001.0 + i if live else None)
+        _, d = hub.store.window(columns=["prefill_live_tok_s"])
+        assert np.isnan(d["prefill_live_tok_s"]).sum() == (0 if live_every_tick else 2)   # gaps, not a flat line
+
+
+# -- observed routing ----------------------------------------------------------------------------------------------
+def _trace_bytes(layers: list[int], tokens: int, k: int = 6, first_expert: int = 0) -> bytes:
+    from engine_manager.sim.offload import trace_record
+
+    w = np.full(k, 1.0 / k, dtype=np.float32)
+    return b"".join(trace_record(layer, np.arange(first_expert, first_expert + k), w)
+                    for _ in range(tokens) for layer in layers)
+
+
+def test_routing_source_counts_across_a_move_and_a_cut(tmp_path):
+    trace = tmp_path / "routing.trace"
+    src = M.RoutingSource(trace, 5, 16)
+    with pytest.raises(SourceMissing):
+        src.read()                                              # no trace yet: missing
+    trace.write_bytes(_trace_bytes([3, 4], 2) + b"\x03\x00")    # a record cut short at the end
+    r = src.read()
+    assert r.notes["routing_counts"].sum() == 2 * 2 * 6 and r.notes["routing_records"] == 4
+    assert "routing_counts" not in src.read().notes             # nothing new: no counts to push
+    with open(trace, "ab") as f:                                # the rest of the cut record, one more record …
+        f.write(_trace_bytes([3], 1)[2:] + _trace_bytes([4], 1))
+    os.replace(trace, tmp_path / "routing.trace.1")             # … then the engine moves the trace aside
+    trace.write_bytes(_trace_bytes([3, 4], 1, first_expert=8))
+    c = src.read().notes["routing_counts"]
+    assert src.rotations == 1 and src.records == 4 + 2 + 2      # the old file's rest first, then the new one
+    assert c[3, :6].tolist() == [3.0] * 6 and c[4, :6].tolist() == [3.0] * 6 and c[3:5, 8:14].sum() == 12
+    trace.write_bytes(_trace_bytes([4], 1, first_expert=10))    # cut short in place: read again from the start
+    c = src.read().notes["routing_counts"]
+    assert src.rotations == 2 and c[4, 10:16].sum() == 6 + 4 and c.sum() == 8 * 6 + 6
+    src.close()
+
+
+def test_sim_launch_asks_for_a_bounded_routing_trace(tmp_path):
+    from engine_manager.settings import Settings
+
+    sim = get_engine("sim")
+    spec = sim.build_launch(Settings(), None, tmp_path / "run")
+    trace = str(tmp_path / "run" / "routing.trace")
+    assert spec.files["routing_trace"] == trace and M.trace_path_from_argv(spec.argv) == trace
+    i = spec.argv.index("--dump-routing-max-mb")
+    assert float(spec.argv[i + 1]) > 0
+    own = sim.build_launch(Settings(sim_args="--dump-routing mine.bin"), None, tmp_path / "run2")
+    assert "--dump-routing" not in own.argv and own.files["routing_trace"] == str(tmp_path / "run2" / "mine.bin")
+    # Strata writes a trace only when the plan's engine arguments ask for one (it costs disk); then the monitor
+    # is told where, though the flag sits in the generated config rather than on the command line
+    strata = get_engine("strata")
+    assert "routing_trace" not in strata.build_launch(Settings(), None, tmp_path / "s1").files
+    spec = strata.build_launch(Settings(), {"strata_args": ["--dump-routing", str(tmp_path / "t.bin")]},
+                               tmp_path / "s2")
+    assert spec.files["routing_trace"] == str(tmp_path / "t.bin") and M.trace_path_from_argv(spec.argv) is None
+
+
+def test_a_capped_trace_moves_aside_and_the_source_counts_every_token(sim_proc, tmp_path):
+    trace = tmp_path / "routing.trace"
+    trace.write_bytes(b"the last run's trace")
+    cap = 300_000
+    proc, base, key, log = sim_proc("--slots", "1", "--dump-routing", str(trace), "--dump-routing-max-mb",
+                                    str(cap / 1e6))
+    assert (tmp_path / "routing.trace.1").read_bytes() == b"the last run's trace"   # this run's trace is its own
+    src = M.RoutingSource(trace, 43, 384)
+    largest = 0
+    with Chats(base, key, 1, max_tokens=400):
+        deadline = time.monotonic() + 60
+        while src.rotations < 2 and time.monotonic() < deadline:
+            src.read()
+            largest = max(largest, trace.stat().st_size)
+            time.sleep(0.1)
+    assert src.rotations >= 2
+    assert largest < cap + 40 * 56                              # never more than one step past the cap
+    headers = {"Authorization": f"Bearer {key}"}
+    deadline = time.monotonic() + 20
+    while httpx.get(base + "/metrics", headers=headers, timeout=5).json()["live"]["state"] != "idle":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    tokens = httpx.get(base + "/metrics", headers=headers, timeout=5).json()["totals"]["output_tokens"]
+    src.read()
+    per_layer = src.counts.sum(axis=1)
+    assert per_layer[:3].sum() == 0 and (per_layer[3:] == per_layer[3]).all()   # whole steps, nothing split
+    # every token's picks, across the moves (the reply cut short when the chat stopped may count one step more)
+    assert tokens > 0 and tokens * 6 <= per_layer[3] <= (tokens + 1) * 6
+    src.close()
+
+
+# -- the Monitor's hub for the engine that is ready (Qt-free) -----------------------------------------------------
+def test_hub_for_running_engine_reconciles_the_supervisor_status(tmp_path):
+    from engine_manager import supervisor as sv
+    from engine_manager.engines.base import LaunchSpec
+    from engine_manager.settings import load_settings
+
+    url = "http://127.0.0.1:18123"
+    running = {"predicted_hit_rate": 0.81, "model": {"n_layers": 7, "n_experts": 32, "expert_bytes": 1000}}
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(running))
+    trace = tmp_path / "routing.trace"
+    shown = {"predicted_hit_rate": 0.5, "model": {"n_layers": 43, "n_experts": 384}}
+    status = sv.EngineStatus(sv.READY, engine="sim", pid=os.getpid(), base_url=url + "/", binding="none — test",
+                             log_path=str(tmp_path / "engine.log"), argv=["sim", "--dump-routing", str(trace)],
+                             plan_path=str(plan_path))
+    info = {"base_url": url, "api_key": "k", "engine": None, "engine_default": "llamacpp", "gpu_index": 0}
+    hub, store, got, loaded = M.hub_for_running_engine(info, 4.0, shown, status=status, use_nvml=False)
+    try:
+        # the status is about this engine: its name, process, log and plan win over the panel's defaults
+        assert got["engine"] == "sim" and got["pid"] == os.getpid() and got["numa_bound"] is False
+        assert got["plan"] == running and hub.predicted_hit_rate == 0.81 and hub.expert_bytes == 1000
+        assert got["label"].startswith("Scripted engine") and hub.simulated and loaded == 0
+        routing = [s for s in hub.sources if isinstance(s, M.RoutingSource)]
+        assert len(routing) == 1 and routing[0].path == trace and routing[0].counts.shape == (7, 32)
+        assert hub.log_source().log_path == tmp_path / "engine.log"
+    finally:
+        hub.stop()
+    # a status about another engine (the supervisor's own is elsewhere) is not used; the shown plan is
+    other = sv.EngineStatus(sv.READY, engine="sim", pid=1, base_url="http://127.0.0.1:9", plan_path=str(plan_path),
+                            argv=["--dump-routing", str(trace)])
+    spec = LaunchSpec(engine="sim", argv=[], host="127.0.0.1", port=9, api_key="k", files={"plan": str(plan_path)})
+    old = M.RingStore(M.COLUMN_NAMES, hz=4.0)
+    old.append(time.time() - 5, {"decode_tok_s": 12.0})
+    hub, store, got, loaded = M.hub_for_running_engine({**info, "spec": spec}, 4.0, shown, status=other,
+                                                       old_store=old, use_nvml=False)
+    try:
+        assert got["engine"] == "llamacpp" and got.get("pid") is None and got["spec"] is None
+        assert got.get("plan") is None and hub.predicted_hit_rate is None      # llama.cpp's own key is unset
+        assert not [s for s in hub.sources if isinstance(s, M.RoutingSource)]
+        assert loaded == 1 and store.window(columns=["decode_tok_s"])[1]["decode_tok_s"][0] == 12.0
+    finally:
+        hub.stop()
+    # the launch spec of this engine names its plan file; a supervisor with nothing running adds nothing
+    spec = LaunchSpec(engine="sim", argv=[], host="127.0.0.1", port=18123, api_key="k",
+                      files={"plan": str(plan_path), "routing_trace": str(trace)})
+    sup = sv.Supervisor(load_settings().settings)
+    hub, store, got, loaded = M.hub_for_running_engine({**info, "engine": "sim", "spec": spec}, 4.0, None,
+                                                       supervisor=sup, use_nvml=False)
+    try:
+        assert got["plan"] == running and got["spec"] is spec and hub.predicted_hit_rate == 0.81
+        assert [s.path for s in hub.sources if isinstance(s, M.RoutingSource)] == [trace]
+    finally:
+        hub.stop()

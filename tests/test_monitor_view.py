@@ -68,11 +68,15 @@ def sim1():
 
 
 def chats(sp: SimProcess, n: int, stop: threading.Event) -> list[threading.Thread]:
+    return chats_at(sp.url("/v1/chat/completions"), sp.headers, n, stop)
+
+
+def chats_at(url: str, headers: dict[str, str], n: int, stop: threading.Event) -> list[threading.Thread]:
     def run(i: int) -> None:
         with httpx.Client(timeout=30) as c:
             while not stop.is_set():
                 try:
-                    with c.stream("POST", sp.url("/v1/chat/completions"), headers=sp.headers,
+                    with c.stream("POST", url, headers=headers,
                                   json={"messages": [{"role": "user", "content": f"topic {i}"}], "stream": True,
                                         "max_tokens": 80}) as r:
                         for _ in r.iter_lines():
@@ -211,6 +215,13 @@ def test_guides_card_short_chats_idle_and_stopped(qtbot, ctx, view, sim1):
     assert view.cards["prefill"].value.palette().color(view.cards["prefill"].value.foregroundRole()) != \
         view.cards["decode"].value.palette().color(view.cards["decode"].value.foregroundRole())   # greyed
     assert "last request" in view.cards["prefill"].detail.text()
+    # the plot agrees with the card: the last request's rate is a gap in the prefill curve, not a live flat line
+    last = view.last_tick
+    assert last.notes["prefill_live"] is False and last.values["prefill_tok_s"] is not None
+    assert last.values["prefill_live_tok_s"] is None
+    t, d = view.store.window(last.t - 0.5, last.t + 0.5, ["prefill_tok_s", "prefill_live_tok_s"])
+    assert np.isfinite(d["prefill_tok_s"][-1]) and np.isnan(d["prefill_live_tok_s"][-1])
+    assert "prefill_live_tok_s" in view.plots["tok"].curves and "prefill_tok_s" not in view.plots["tok"].curves
     assert view.cards["hit"].value.text().startswith("last ") and view.cards["hit"].is_stale()
     assert not view.cards["decode"].is_stale()                  # 0 tok/s while idle is a live reading
     qtbot.waitUntil(lambda: view.compare.comparison.verdict == "idle", timeout=5000)
@@ -388,7 +399,67 @@ def test_file_menu_has_the_export_action(qtbot, ctx):
     tick = tick_at(time.time(), decode_tok_s=1.0)
     tick.notes["routing_counts"] = counts
     win.monitor_view.feed(tick, M.RingStore(M.COLUMN_NAMES))
-    if hasattr(win.placement_view, "update_observed"):
-        assert win.placement_view.observed is not None and win.placement_view.observed.sum() == counts.sum()
+    assert win.placement_view.observed is not None and win.placement_view.observed.sum() == counts.sum()
     assert win.monitor_view.routing_counts is counts
+    # counts that arrive within the throttle interval are not dropped: the newest reach the heatmap when it ends
+    win.monitor_view.ROUTING_EVERY_S = 2.0
+    newer, newest = counts * 2, counts * 3
+    for c in (newer, newest):
+        tick = tick_at(time.time(), decode_tok_s=1.0)
+        tick.notes["routing_counts"] = c
+        win.monitor_view.feed(tick)
+    assert win.placement_view.observed.sum() == counts.sum()            # held back for now
+    qtbot.waitUntil(lambda: win.placement_view.observed.sum() == newest.sum(), timeout=10_000)
+    assert win.monitor_view.routing_counts is newest
     win.monitor_view.shutdown()
+
+
+# -- observed routing through the real path ----------------------------------------------------------------------
+@pytest.fixture
+def panel_engine(monkeypatch, free_port):
+    """The engine panel starts the scripted engine through the supervisor, as a user's Start does."""
+    from engine_manager import supervisor as sv
+
+    monkeypatch.setenv("DSV41_PORT", str(free_port))
+    monkeypatch.setenv("DSV41_SERVER_ENGINE", "sim")
+    monkeypatch.setenv("DSV41_SLOTS", "2")
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0.3")
+    yield free_port
+    for _ in sv.Supervisor(load_settings().settings).stop(force=True):   # never leave an engine behind
+        pass
+
+
+def test_heatmap_takes_observed_routing_from_a_panel_started_scripted_engine(qtbot, panel_engine):
+    """The launch asks the scripted engine for its routing trace; the monitor's RoutingSource counts it and the
+    Placement view's heatmap gets the counts — nothing fed by hand."""
+    from app.context import AppContext
+    from app.main_window import MainWindow
+
+    ctx = AppContext(load_settings())
+    ctx.update_settings({"metrics_hz": 4.0})
+    win = MainWindow(ctx)
+    qtbot.addWidget(win)
+    place = win.placement_view
+    assert place.observed is None
+    with qtbot.waitSignal(win.monitor_view.hubStarted, timeout=60_000) as blocker:
+        ctx.requestStart.emit()
+    hub = blocker.args[0]
+    traces = [s for s in hub.sources if isinstance(s, M.RoutingSource)]
+    assert len(traces) == 1 and traces[0].path.name == "routing.trace"
+    stop = threading.Event()
+    threads = chats_at(ctx.base_url + "/v1/chat/completions", {"Authorization": f"Bearer {ctx.api_key}"}, 2, stop)
+    try:
+        qtbot.waitUntil(lambda: place.observed is not None and place.observed.sum() > 0, timeout=60_000)
+    finally:
+        stop.set()
+    obs = place.observed
+    assert obs.shape[1] == 384 and int((obs.sum(axis=1) > 0).sum()) == 40     # every MoE layer routed, no other
+    assert win.monitor_view.routing_counts is not None and traces[0].records > 0
+    panel = win.engine_panel
+    with qtbot.waitSignal(ctx.engineStopped, timeout=30_000):
+        panel.stop()
+    qtbot.waitUntil(lambda: panel._run_worker is None and panel._stop_worker is None and not panel.is_running(),
+                    timeout=30_000)
+    for t in threads:
+        t.join(10)
+    assert win.close()                             # nothing running: the window closes without asking

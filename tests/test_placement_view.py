@@ -84,6 +84,19 @@ def test_frequencies_coverage_and_observed(view, lay):
     assert view.observed.shape == (40, 384)
 
 
+def test_observed_routing_before_a_plan_takes_the_plans_rows_later(view, lay):
+    c = np.zeros((43, 384))
+    c[3:, 5] = 7.0                                           # all blocks, as the monitor counts a trace
+    view.update_observed(c)
+    assert view.observed.shape == (43, 384)                  # no plan yet: as given
+    view.show_plan(P.plan(lay, P.reference_hardware(), None, None).to_dict())
+    assert view.observed.shape == (40, 384) and view.observed[:, 5].tolist() == [7.0] * 40
+    view.mode.setCurrentIndex(view.mode.findData("observed"))
+    assert view.image.image.shape == (384, 40) and "(7 picks)" in view.describe_cell(0, 5)
+    view.update_observed(np.ones((10, 20)))                  # another model's counts: not put on this plan
+    assert view.observed.shape == (40, 384)
+
+
 def test_plan_button_runs_on_a_worker_and_sets_the_plan(view, qtbot):
     view.host.setCurrentIndex(view.host.findData("reference"))
     with qtbot.waitSignal(view.ctx.planChanged, timeout=60_000) as blocker:

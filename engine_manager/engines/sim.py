@@ -3,11 +3,16 @@ server speaking Strata's endpoints, with a modelled offload. Everything it repor
 says so wherever a user can see it.
 
 Launch: ``<this python> -m engine_manager.sim --plan <workdir>/plan.json --host H --port N --api-key-file
-<workdir>/sim-api-key`` plus the settings it models (slots, context, KV type, CPU numerics, VRAM reserve, default max_tokens). Extra sim
+<workdir>/sim-api-key --dump-routing <workdir>/routing.trace --dump-routing-max-mb 64`` plus the settings it models
+(slots, context, KV type, CPU numerics, VRAM reserve, default max_tokens). Extra sim
 flags (fault switches, ``--speed``, ``--skew`` ...) can come from ``DSV41_SIM_ARGS`` in the environment, which the
 process inherits. Metrics and log lines are Strata's, so the Strata mapping is reused; the sim additionally
 reports swaps on HTTP (its ``sim`` block), which :meth:`SimEngine.poll` turns into ``swaps_total`` /
 ``swaps_per_s`` / ``swap_mb_s``.
+
+The routing trace feeds the Placement heatmap's observed routing (the monitor's ``RoutingSource``). It costs
+~2 KB per generated token, so it is capped: the sim moves it to ``routing.trace.1`` at start and whenever it
+reaches 64 MB (at most ~128 MB on disk); the monitor keeps counting across the move.
 
 The key goes in a 0600 file (``--api-key-file``), as for llama.cpp: a command line is readable by every local user
 (``ps``, ``/proc/PID/cmdline``), and the keeper's command line carries the engine's after ``--``.
@@ -15,6 +20,7 @@ The key goes in a 0600 file (``--api-key-file``), as for llama.cpp: a command li
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -53,6 +59,17 @@ def sim_env(base: dict[str, str] | None = None, sim_args: str = "") -> dict[str,
 
 
 KEY_FILE = "sim-api-key"
+TRACE_FILE = "routing.trace"
+TRACE_MAX_MB = 64
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def write_key_file(path: Path, api_key: str) -> Path:
@@ -113,6 +130,16 @@ class SimEngine(Engine):
                  "--kv", settings.kv_type, "--cpu-numerics", settings.cpu_numerics,
                  "--vram-reserve-mib", str(int(settings.vram_reserve_mib)),
                  "--default-max-tokens", str(int(settings.default_max_tokens))]
+        sim_args = getattr(settings, "sim_args", "") or ""
+        try:
+            own_trace = _flag_value(shlex.split(sim_args), "--dump-routing")
+        except ValueError:
+            own_trace = None
+        if own_trace:                      # the user's sim_args name a trace (they come last, so theirs is used)
+            files["routing_trace"] = str(workdir / own_trace)          # relative: to the sim's cwd, the workdir
+        else:
+            files["routing_trace"] = str(workdir / TRACE_FILE)
+            extra += ["--dump-routing", files["routing_trace"], "--dump-routing-max-mb", str(TRACE_MAX_MB)]
         key_file = None
         if settings.api_key:
             key_file = write_key_file(workdir / KEY_FILE, settings.api_key)
@@ -120,7 +147,7 @@ class SimEngine(Engine):
         argv = sim_argv(str(plan_path) if plan_path else None, settings.host, int(settings.port),
                         str(key_file) if key_file else None, extra)
         return LaunchSpec(engine=self.name, argv=argv, host=settings.host, port=int(settings.port),
-                          api_key=settings.api_key, env=sim_env(sim_args=getattr(settings, "sim_args", "")),
+                          api_key=settings.api_key, env=sim_env(sim_args=sim_args),
                           cwd=str(workdir),
                           files=files, simulated=True, label=self.label)
 

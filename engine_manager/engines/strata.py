@@ -483,6 +483,11 @@ class StrataEngine(Engine):
         workdir.mkdir(parents=True, exist_ok=True)
         edir = self.engine_dir(settings)
         args, files = self.engine_args(settings, plan, workdir)
+        # a routing trace costs ~2 KB per token, so Strata writes one only when the plan's strata_args ask for it;
+        # the flag sits in the config, not on the command line, so the monitor is told here where it is
+        for i, a in enumerate(args[:-1]):
+            if a == "--dump-routing":
+                files["routing_trace"] = str(edir / args[i + 1])
         model = self.model_file(settings, plan)
         config = {
             "exe": str(self.engine_binary(edir)),

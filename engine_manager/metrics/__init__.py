@@ -8,7 +8,9 @@
 - :mod:`.steady` — the steady decode rate (no ramp-up, no prompt reads; whole lone replies) the card judges;
 - :mod:`.guides` — the guides' published figures and the comparison card's logic.
 
-:func:`build_hub` wires a hub for one running engine from what the supervisor knows about it.
+:func:`build_hub` wires a hub for one running engine from what the supervisor knows about it;
+:func:`hub_for_running_engine` is the Monitor's way in: it reconciles the supervisor's status with the engine
+that is ready, picks the plan the engine runs with, and loads the run recorded so far.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ __all__ = [
     "metrics_runs_dir", "open_run", "read_recording", "prune_runs", "EngineSource", "HostSource",
     "LogSwapSource", "NvmlSource", "Reading", "RoutingSource", "trace_path_from_argv", "Source", "spec_for", "RingStore", "peak_reduce", "build_hub",
     "binding_cpus", "binding_bound", "predicted_hit_rate", "plan_expert_bytes", "clamp_hz",
+    "hub_for_running_engine", "running_engine_info", "supervisor_status",
 ]
 
 
@@ -197,3 +200,101 @@ def build_hub(engine: str | Engine, base_url: str, api_key: str, *, spec: Launch
                      predicted_hit_rate=predicted_hit_rate(plan, eng.name), expert_bytes=plan_expert_bytes(plan))
     hub.record_error = record_error
     return hub
+
+
+# -- the monitor's hub for the engine that is ready -------------------------------------------------------------
+def _status_get(status: Any, key: str) -> Any:
+    return status.get(key) if isinstance(status, Mapping) else getattr(status, key, None)
+
+
+def supervisor_status(supervisor: Any) -> Any:
+    """What the supervisor says runs now (its ``status()``: I/O, so off the GUI thread); None when it cannot say."""
+    if supervisor is None:
+        return None
+    try:
+        return supervisor.status()
+    except Exception:  # the monitor then works from the URL and key alone
+        return None
+
+
+def running_engine_info(info: Mapping[str, Any], status: Any = None) -> dict[str, Any]:
+    """``info`` (``base_url``, ``api_key``, and what the caller knows: ``engine``/``engine_default``, ``pid``,
+    ``binding``, ``log_path``, ``spec``, ``argv``, ``gpu_index``) completed from the supervisor's ``status`` of the
+    engine — only when that status is about the engine at ``base_url`` (the supervisor may know another one than
+    the one that is ready). Adds ``engine`` (a name), ``numa_bound`` and, when known, ``plan``: the plan the engine
+    runs with (its status's plan file, else the launch spec's), whose prediction is the reference line."""
+    info = dict(info)
+    info.pop("supervisor", None)
+    base_url = str(info["base_url"]).rstrip("/")
+    st_url = _status_get(status, "base_url") if status is not None else None
+    if status is not None and st_url and str(st_url).rstrip("/") != base_url:
+        status = None
+    if status is not None:
+        running_plan = status.plan() if callable(getattr(status, "plan", None)) else _status_get(status, "plan")
+        if isinstance(running_plan, dict):
+            info["plan"] = running_plan
+        for key in ("engine", "pid", "binding", "log_path", "spec", "argv"):
+            val = _status_get(status, key)
+            if val is not None:
+                info[key] = val
+    engine = info.get("engine") or info.get("engine_default") or "sim"
+    info["engine"] = getattr(engine, "name", engine)
+    spec = info.get("spec")
+    if spec is not None and str(getattr(spec, "base_url", "")).rstrip("/") != base_url:
+        spec = None
+    info["spec"] = spec
+    info["numa_bound"] = binding_bound(info.get("binding"))
+    if info.get("plan") is None:
+        files = getattr(spec, "files", None) or (_status_get(status, "files") if status is not None else None) or {}
+        plan_file = files.get("plan") if isinstance(files, Mapping) else None
+        if plan_file:
+            try:
+                import json
+                plan = json.loads(Path(plan_file).read_text(encoding="utf-8"))
+                if isinstance(plan, dict):
+                    info["plan"] = plan
+            except (OSError, ValueError):
+                pass
+    return info
+
+
+def hub_for_running_engine(info: Mapping[str, Any], hz: float, plan: Mapping[str, Any] | None = None, *,
+                           supervisor: Any = None, status: Any = None, old_store: RingStore | None = None,
+                           recorder: Recorder | None = None, use_nvml: bool = True
+                           ) -> tuple[MetricsHub, RingStore, dict[str, Any], int]:
+    """The Monitor's hub for the engine that just became ready: ask the ``supervisor`` (unless ``status`` is
+    given), reconcile with :func:`running_engine_info`, build the hub (the plan the engine runs with, else
+    ``plan``, the one shown), and fill its store with the run so far — the recording of the same engine process
+    after a panel restart or a rate change, else ``old_store`` (the plots continue across a restart).
+
+    Returns ``(hub, store, info, rows_loaded)``; ``info`` gains ``label``. Blocking (I/O): call it off the GUI
+    thread."""
+    import numpy as np
+
+    if status is None:
+        status = supervisor_status(supervisor)
+    info = running_engine_info(info, status)
+    if info.get("plan") is None and plan is not None:
+        use_plan: Mapping[str, Any] | None = plan
+    else:
+        use_plan = info.get("plan")
+    engine = info["engine"]
+    hz = clamp_hz(hz)
+    store = RingStore(COLUMN_NAMES, hz=hz)
+    hub = build_hub(engine, info["base_url"], info["api_key"], spec=info.get("spec"), pid=info.get("pid"),
+                    binding=info.get("binding"), log_path=info.get("log_path"),
+                    gpu_index=int(info.get("gpu_index") or 0), hz=hz, plan=use_plan, store=store,
+                    argv=info.get("argv"), recorder=recorder, use_nvml=use_nvml)
+    info["label"] = get_engine(engine).label or engine
+    loaded = 0
+    rec = hub.recorder
+    if rec is not None and rec.meta.get("resumed_at") and rec.csv_path.exists():
+        try:
+            loaded = load_into(store, rec.csv_path)
+        except (OSError, ValueError):
+            loaded = 0
+    if not loaded and old_store is not None and old_store.span() is not None:
+        t, d = old_store.window()
+        store.extend(t, np.column_stack([d[c] for c in COLUMN_NAMES]))
+        loaded = int(t.shape[0])
+    return hub, store, info, loaded

@@ -82,6 +82,7 @@ LOG_COLUMNS: tuple[Column, ...] = (
 
 DERIVED_COLUMNS: tuple[Column, ...] = (
     _c("hit_rate_rolling", "", "hot-set hit rate (rolling)", "derived"),
+    _c("prefill_live_tok_s", "tok/s", "prefill while a prompt is being read (empty otherwise)", "derived"),
     _c("swaps_per_s", "1/s", "expert swaps", "derived"),
     _c("swap_mb_s", "MB/s", "swap traffic over PCIe", "derived"),
     _c("pcie_rx_mb_s", "MB/s", "PCIe host→GPU", "derived"),

@@ -282,6 +282,11 @@ class MetricsHub:
         notes["steady"] = self.steady.snapshot(t, values.get("slots_busy"))
         notes["prefill_live"] = prefill_is_live(self.engine, state) if values.get("prefill_tok_s") is not None \
             else None
+        # what the prefill plot draws: the rate only while it is live — the last request's rate between prompts
+        # is not a reading of now (the card says "last …" for it), so it is a gap here, not a flat line
+        values["prefill_live_tok_s"] = values.get("prefill_tok_s") if notes["prefill_live"] else None
+        if values["prefill_live_tok_s"] is not None and "prefill_tok_s" in origin:
+            origin["prefill_live_tok_s"] = origin["prefill_tok_s"]
         tick = Tick(seq=k, t=t, values=values, engine=self.engine, simulated=simulated, sample=sample,
                     missing=missing, origin=origin, notes=notes, predicted_hit_rate=self.predicted_hit_rate,
                     hz=self.hz)

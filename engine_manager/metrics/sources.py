@@ -516,7 +516,11 @@ def trace_path_from_argv(argv: list[str] | None) -> str | None:
 class RoutingSource(Source):
     """Counts (layer, expert) picks from the engine's ``--dump-routing`` trace as it grows, with
     :func:`engine_manager.routing.count_trace` on the new complete records. Its reading carries no series; the
-    cumulative counts (n_layers × n_experts) ride in ``notes['routing_counts']`` when new records arrived."""
+    cumulative counts (n_layers × n_experts) ride in ``notes['routing_counts']`` when new records arrived.
+
+    The file stays open between reads, as the log tail does: when the trace is moved aside (the scripted engine
+    moves a capped trace to ``FILE.1``), the rest of the old file is counted before the new one is read from its
+    start; a trace cut short in place is read again from its start. Counts go on adding up across both."""
 
     name = "routing"
     columns = ()
@@ -530,30 +534,60 @@ class RoutingSource(Source):
         self.timeout_s = timeout_s
         self.counts = np.zeros((self.n_layers, self.n_experts), dtype=np.float64)
         self.records = 0
-        self._offset = 0
+        self.rotations = 0
+        self._f = None
         self._ino: int | None = None
         self._pending = b""
 
-    def read(self) -> Reading:
+    def _open(self) -> bool:
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return False
+        if self._f is not None:
+            self._f.close()
+        self._f, self._ino, self._pending = f, os.fstat(f.fileno()).st_ino, b""
+        return True
+
+    def _count(self, limit: int) -> int:
+        """Count what the open file has past the last read (at most ``limit`` bytes); the bytes read."""
         from .. import routing
 
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            raise SourceMissing(f"no routing trace at {self.path} yet") from None
-        if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
-            self._offset, self._pending = 0, b""          # a new trace: keep counting on top
-        self._ino = st.st_ino
-        if st.st_size <= self._offset:
-            return Reading({}, notes={"routing_records": self.records})
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read(self.MAX_READ)
-        self._offset += len(data)
+        data = self._f.read(limit)
+        if not data:
+            return 0
         buf = self._pending + data
         counts, stats = routing.count_trace(buf, self.n_layers, self.n_experts, self.path)
         keep = stats.dropped_tail_bytes
         self._pending = buf[len(buf) - keep:] if keep else b""
         self.counts += counts
         self.records += stats.records
-        return Reading({}, notes={"routing_counts": self.counts.copy(), "routing_records": self.records})
+        return len(data)
+
+    def read(self) -> Reading:
+        if self._f is None and not self._open():
+            raise SourceMissing(f"no routing trace at {self.path} yet")
+        before = self.records
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None                      # moved aside, the new one not there yet: finish the old one
+        if st is not None and st.st_ino != self._ino:
+            while self._count(self.MAX_READ):       # the rest of the old trace, then the new one from its start
+                pass
+            self.rotations += 1
+            self._open()
+        elif st is not None and st.st_size < self._f.tell():
+            self._f.seek(0)                # cut short in place: a new trace in the same file
+            self._pending = b""
+            self.rotations += 1
+        self._count(self.MAX_READ)
+        notes: dict[str, Any] = {"routing_records": self.records}
+        if self.records != before:
+            notes["routing_counts"] = self.counts.copy()
+        return Reading({}, notes=notes)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None

@@ -28,6 +28,7 @@ Offload model (see engine_manager/sim/offload.py):
 Strata's own engine flags, accepted and modelled:
   --expert-cache auto|N  --expert-profile STRP  --vram-reserve-mib N  --kv int8|q4_0|k8v4
   --cpu-numerics fork|gpu  --adapt-every N  --adapt-swaps N  --adapt-decay F  --dump-routing FILE
+  --dump-routing-max-mb N   cap the trace (the sim's own flag): at start and at N MB it moves to FILE.1
   --gpu N  --lazy  --config FILE  (accepted, ignored)
 Fault switches (the supervisor's and chat client's test doubles):
   --never-ready             bind the port but never open it nor print READY
@@ -117,6 +118,8 @@ def build_parser(add_help: bool = True, prog: str = "python -m engine_manager.si
     a("--adapt-swaps", type=int, default=96, metavar="N", help="adaptive tier: at most N swaps a round (default 96)")
     a("--adapt-decay", type=float, default=0.7, metavar="F", help="adaptive tier: usage decay per round (default 0.7)")
     a("--dump-routing", default=None, metavar="FILE", help="write the routing trace (Strata's format) to FILE")
+    a("--dump-routing-max-mb", type=float, default=0.0, metavar="N",
+      help="keep the trace bounded: at start and whenever it reaches N MB it moves to FILE.1 (default 0: no cap)")
     a("--gpu", type=int, default=0, metavar="N", help="accepted for Strata compatibility, ignored")
     a("--lazy", action="store_true", help="accepted for Strata compatibility, ignored")
     a("--config", default=None, metavar="FILE", help="accepted for Strata compatibility, ignored")
@@ -224,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                    queue_limit=max(0, args.queue), max_context=max_context,
                    default_max_tokens=args.default_max_tokens, load_time_s=max(0.0, args.load_time),
                    speed=args.speed, reply_tokens=args.reply_tokens, dump_routing=args.dump_routing,
+                   dump_routing_max_bytes=max(0, int(args.dump_routing_max_mb * 1e6)),
                    vram_reserve_mib=args.vram_reserve_mib, kv=args.kv or layout.kv_type,
                    cpu_numerics=args.cpu_numerics, adapt_every=args.adapt_every, adapt_swaps=args.adapt_swaps,
                    adapt_decay=args.adapt_decay, skew=args.skew, seed=args.seed, verbose=args.verbose,

@@ -78,6 +78,7 @@ class Options:
     speed: float = 1.0
     reply_tokens: int | None = None
     dump_routing: str | None = None
+    dump_routing_max_bytes: int = 0           # > 0: the trace moves to FILE.1 at start and at this size
     vram_reserve_mib: int = 700
     kv: str = "int8"
     cpu_numerics: str = "fork"
@@ -174,8 +175,12 @@ class Engine:
         self.prompt_tokens_total = 0
         self.tokens_total = 0
         self.last_timings: dict[str, Any] | None = None
-        self.trace = open(opts.dump_routing, "ab") if opts.dump_routing else None
         self.trace_lock = threading.Lock()
+        self.trace = None
+        if opts.dump_routing:
+            if opts.dump_routing_max_bytes > 0:
+                self._rotate_trace()         # a capped trace is this run's alone: the last run's becomes FILE.1
+            self.trace = open(opts.dump_routing, "ab")
         self._pending_swaps = [0, 0, 0.0, None]   # swaps, bytes, seconds, first round (for coalesced log lines)
         self._last_swap_log = time.monotonic()
         self._stalled = False
@@ -427,6 +432,22 @@ class Engine:
         with self.trace_lock:
             if self.trace:
                 self.trace.write(rec.tobytes())
+                # whole steps on disk at once: the monitor counts the trace as it grows
+                self.trace.flush()
+                cap = self.opts.dump_routing_max_bytes
+                if cap > 0 and self.trace.tell() >= cap:
+                    self.trace.close()
+                    self._rotate_trace()
+                    self.trace = open(self.opts.dump_routing, "ab")
+
+    def _rotate_trace(self) -> None:
+        """FILE → FILE.1 (replacing it), so a capped trace holds at most twice the cap on disk."""
+        path = self.opts.dump_routing
+        try:
+            if os.path.getsize(path) > 0:
+                os.replace(path, path + ".1")
+        except OSError:
+            pass
 
     # -- statistics --------------------------------------------------------------------------------------------
     def _trim_window(self) -> None:
