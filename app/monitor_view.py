@@ -1013,7 +1013,7 @@ class MonitorView(QWidget):
 
     def _apply_plan(self, plan) -> None:
         engine = self.engine_info.get("engine") or ""
-        pred = M.predicted_hit_rate(plan, engine)
+        pred = M.predicted_hit_rate(plan, engine, self.engine_info.get("spec"))
         if self.hub is not None:
             self.hub.set_predicted(pred)
             self.hub.expert_bytes = M.plan_expert_bytes(plan)

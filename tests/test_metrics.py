@@ -963,3 +963,23 @@ def test_hub_for_running_engine_reconciles_the_supervisor_status(tmp_path):
         assert [s.path for s in hub.sources if isinstance(s, M.RoutingSource)] == [trace]
     finally:
         hub.stop()
+
+
+def test_llamacpp_cpu_only_build_predicts_no_gpu_hits_whatever_the_plan(tmp_path):
+    """A plan may ask llama.cpp to keep some layers on the GPU; a build without a GPU backend cannot, and the
+    reference line must not promise it: the prediction follows what the launch recorded about the build."""
+    import json as _json
+    from engine_manager.engines.base import LaunchSpec
+    from engine_manager.engines.llamacpp import PLACEMENT_FILE, LlamaPlacement
+    plan = {"llamacpp_predicted_hit_rate": 0.25, "predicted_hit_rate": 0.9}
+    spec_for_build: dict = {}
+    for backend in (False, True, None):
+        f = tmp_path / f"{backend}-{PLACEMENT_FILE}"
+        f.write_text(_json.dumps(LlamaPlacement([0, 1, 2, 3], [0, 1, 2], backend, 0.25).to_dict()))
+        spec_for_build[backend] = LaunchSpec(engine="llamacpp", argv=[], host="127.0.0.1", port=9, api_key="k",
+                                             files={"placement": str(f)})
+    assert M.predicted_hit_rate(plan, "llamacpp", spec_for_build[False]) == 0.0
+    assert M.predicted_hit_rate(plan, "llamacpp", spec_for_build[True]) == 0.25
+    assert M.predicted_hit_rate(plan, "llamacpp", spec_for_build[None]) == 0.25
+    assert M.predicted_hit_rate(plan, "llamacpp") == 0.25 and M.predicted_hit_rate(plan, "sim") == 0.9
+    assert M.predicted_hit_rate(None, "llamacpp", spec_for_build[False]) == 0.0

@@ -119,9 +119,15 @@ def binding_bound(binding: Any) -> bool | None:
     return None
 
 
-def predicted_hit_rate(plan: Mapping[str, Any] | None, engine: str) -> float | None:
+def predicted_hit_rate(plan: Mapping[str, Any] | None, engine: str, spec: LaunchSpec | None = None) -> float | None:
     """The planner's predicted hit rate for this engine (llama.cpp places whole layers, so it has its own);
-    None = unknown (the plan says so until the engine has seen traffic)."""
+    None = unknown (the plan says so until the engine has seen traffic). A llama.cpp build without a GPU backend
+    (its launch ``spec`` records what the build can do) keeps every layer in RAM whatever the plan asked: 0."""
+    if engine == "llamacpp" and spec is not None:
+        from ..engines.llamacpp import load_placement
+        placed = load_placement(spec)
+        if placed is not None and placed.gpu_backend is False:
+            return 0.0
     if not plan:
         return None
     key = "llamacpp_predicted_hit_rate" if engine == "llamacpp" else "predicted_hit_rate"
@@ -188,7 +194,7 @@ def build_hub(engine: str | Engine, base_url: str, api_key: str, *, spec: Launch
         meta = {"engine": eng.name, "label": eng.label, "simulated": simulated, "pid": pid,
                 "pid_create_time": create_time, "base_url": base_url, "hz": hz, "gpu_index": gpu_index,
                 "binding_cpus": binding_cpus(binding), "numa_bound": binding_bound(binding),
-                "predicted_hit_rate": predicted_hit_rate(plan, eng.name), "log_path": str(log_path or ""),
+                "predicted_hit_rate": predicted_hit_rate(plan, eng.name, spec), "log_path": str(log_path or ""),
                 "started_at": time.time()}
         try:
             recorder = open_run(eng.name, meta, resume_pid=pid)
@@ -197,7 +203,7 @@ def build_hub(engine: str | Engine, base_url: str, api_key: str, *, spec: Launch
             record_error = (f"not recording: cannot write under {metrics_runs_dir()} ({exc}); "
                             "the plots still work")
     hub = MetricsHub(sources, hz, store=store, recorder=recorder, engine=eng.name, simulated=simulated,
-                     predicted_hit_rate=predicted_hit_rate(plan, eng.name), expert_bytes=plan_expert_bytes(plan))
+                     predicted_hit_rate=predicted_hit_rate(plan, eng.name, spec), expert_bytes=plan_expert_bytes(plan))
     hub.record_error = record_error
     return hub
 
