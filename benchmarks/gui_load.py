@@ -50,9 +50,9 @@ def parse() -> argparse.Namespace:
                    help="history loaded before the stall run (default 24; less only to check the script runs)")
     p.add_argument("--part", choices=("all", "stall", "engine"), default="all",
                    help="run one part in this process (all: each part in a fresh process, one after the other)")
-    p.add_argument("--gc-freeze", action="store_true",
-                   help="gc.freeze() once the view is built (what the app could do: a full collection of the "
-                        "main window's ~120,000 objects takes ~90 ms)")
+    p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                   help="skip the gc.freeze() that app/main.py does once the window is built (a full collection "
+                        "of the main window's ~120,000 objects takes ~90 ms): to see what it buys")
     return p.parse_args()
 
 
@@ -173,7 +173,7 @@ def part_stall(args, app, wait) -> int:
         import gc
         gc.collect()
         gc.freeze()
-        print("   gc.freeze() after the build (--gc-freeze)")
+        print("   gc.freeze() after the build, as app/main.py does (--no-gc-freeze to leave it out)")
 
     def start_hub() -> None:
         """The app's path from here on: MonitorView._hub_made starts the hub's generator on a worker thread and
