@@ -382,33 +382,32 @@ class _Buf:
 def _chain_end(data: bytearray, start: int, count: int, window: int) -> tuple[int | None, bool]:
     """(end offset of ``count`` length-prefixed strings from ``start`` or None, whether more bytes could help).
 
-    Every string's 8-byte little-endian length below 65,536 ends in at least six zero bytes and is followed by its
-    (nonzero) text: the ends of zero runs — a zero byte followed by a nonzero one — give the candidate starts (7
-    bytes earlier). The first ``count`` candidates must form exactly the chain a sequential read walks (start,
-    start + 8 + len, ...), else the caller falls back to the plain loop. Four passes over the bytes; no Python
-    loop per string."""
+    Every string's 8-byte little-endian length below 65,536 has six zero high bytes and is followed by its
+    (nonzero) text: the positions whose bytes +2…+7 are zero and +8 is not are the candidate starts. The first
+    ``count`` candidates must form exactly the chain a sequential read walks (start, start + 8 + len, ...), else the
+    caller falls back to the plain loop. Whole-buffer passes only, no Python loop per string. (Testing the six
+    zero bytes with shifted passes, rather than two passes and a per-candidate gather of the length bytes, halved
+    the skip of the replica's two 160k-string tokenizer arrays: 6.4 → 3.5 ms.)"""
     stop = min(len(data), start + window)
     buf = np.frombuffer(data, dtype=np.uint8, count=stop - start, offset=start)
     n = buf.size
     if n < 8 * count + 8:
         return None, True
-    zero = buf[7:n - 1] == 0
-    zero &= buf[8:n] != 0
-    idx = np.flatnonzero(zero)                  # q: byte q+7 is the last zero of a length, q+8 its text
+    z = buf == 0
+    m = n - 8
+    cand = z[2:2 + m].copy()
+    for k in range(3, 8):
+        cand &= z[k:k + m]
+    cand &= ~z[8:8 + m]
+    idx = np.flatnonzero(cand)
     if idx.size == 0 or idx[0] != 0:
         return None, False
     if idx.size > count:
         idx = idx[:count]
-    # every candidate's 8 length bytes in one gather (one fancy-index pass instead of one per byte: -1.4 ms a
-    # 160k-token array here), read as little-endian uint64
-    rows = np.lib.stride_tricks.as_strided(buf, shape=(n - 7, 8), strides=(1, 1), writeable=False)[idx]
-    lengths = rows.view("<u8").ravel().astype(np.int64)
-    if int(lengths.max()) >= 1 << 16:
-        # a candidate inside text that merely ends in zeros: not a length field — let the slow path decide
-        return None, False
+    lengths = buf[idx].astype(np.int64) | (buf[idx + 1].astype(np.int64) << 8)
     nxt = idx + 8 + lengths
     if not np.array_equal(nxt[:-1], idx[1:]):
-        return None, False
+        return None, False      # e.g. a candidate inside text that merely ends in zeros: the slow path decides
     if idx.size < count:
         return None, True
     return start + int(nxt[-1]), False
