@@ -427,11 +427,7 @@ def test_partial_and_state_files_are_owner_only(hub, shards, tmp_path):
     old_umask = os.umask(0o022)                  # a usual umask: without care files would come out 0644
     try:
         s = _settings()
-        hub.add_fault(kind="slow", rate_bps=400_000, times=None)
-        control = dl.DownloadControl()
-        events = _cancel_after(dl.download_model(s, endpoint=hub.url, jobs=2, control=control,
-                                                 checkpoint_bytes=64 * 1024, **FAST), control, 200_000)
-        assert isinstance(events[-1], dl.Stopped)
+        events = _stopped_partway(s, hub)
         state = dl.default_model_dir(s) / dl.STATE_DIR
         found = sorted(f.name for f in state.iterdir())
         assert any(n.endswith(".part") for n in found) and any(n.endswith(".part.json") for n in found), found
@@ -664,13 +660,19 @@ def _cancel_after(gen, control, nbytes):
     return events
 
 
-def test_pinned_commit_gone_names_it_and_repin_fixes_it(hub, shards, tmp_path, capsys, monkeypatch):
-    s = _settings()
+def _stopped_partway(s, hub) -> list:
+    """A slow download cancelled after ~200 KB: partial files and their checkpoints are on disk."""
     hub.add_fault(kind="slow", rate_bps=400_000, times=None)
     control = dl.DownloadControl()
     events = _cancel_after(dl.download_model(s, endpoint=hub.url, jobs=2, control=control,
                                              checkpoint_bytes=64 * 1024, **FAST), control, 200_000)
     assert isinstance(events[-1], dl.Stopped)
+    return events
+
+
+def test_pinned_commit_gone_names_it_and_repin_fixes_it(hub, shards, tmp_path, capsys, monkeypatch):
+    s = _settings()
+    events = _stopped_partway(s, hub)
     old = _of(events, dl.Resolved)[0].commit
     hub.clear_faults()
     repo = hub.repo(REPO)
