@@ -32,9 +32,10 @@ from engine_manager.engines.llamacpp import (
 )
 from engine_manager.settings import load_settings
 
+from conftest import require_or_skip
+
 CAP = Path(__file__).parent / "data" / "llamacpp"
 ROOT = Path(__file__).resolve().parents[1]
-UNDER_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 ENGINE = get_engine("llamacpp")
 
 
@@ -50,9 +51,7 @@ def installed_binary():
     try:
         return llamacpp_bin.find_llama_server()
     except llamacpp_bin.LlamaServerNotFound as exc:
-        if UNDER_CI:
-            pytest.fail(f"CI must run this test, but llama-server is not installed ({exc})", pytrace=False)
-        pytest.skip(f"llama-server not installed ({exc})")
+        require_or_skip(f"llama-server not installed ({exc})")
 
 
 # ----------------------------------------------------------------------------------------------- argv
@@ -437,6 +436,25 @@ def test_tokens_counter_continuous_across_request_end():
     assert after.tokens_generated_total == 2500 >= busy.tokens_generated_total
     assert after.decode_tok_s == pytest.approx((2500 - busy.tokens_generated_total) / 10)
     assert after.state == "idle" and after.slots_busy == 0
+
+
+def test_a_request_ending_between_the_two_reads_is_counted_once():
+    """The adapter reads /metrics, then /slots. A request that ends in between is in neither reading (the counter
+    was read before it moved, the slot after it was freed): the total holds, and the next reading adds only the
+    tokens decoded since — no spike, no double count. A restarted engine's counters start again from zero."""
+    b2 = cap_json("slots_busy2.json")["body"]
+    prom_busy = parse_prometheus((CAP / "metrics_busy.txt").read_text())
+    prom_after = parse_prometheus((CAP / "metrics_after.txt").read_text())
+    idle_slots = cap_json("slots_after.json")["body"]
+    busy = sample_from(b2["t"], b2["slots"], prom_busy, None)
+    between = sample_from(b2["t"] + 0.25, idle_slots, prom_busy, busy)     # old counter, slots already idle
+    assert between.tokens_generated_total == busy.tokens_generated_total and between.decode_tok_s == 0
+    after = sample_from(b2["t"] + 0.5, idle_slots, prom_after, between)
+    assert after.tokens_generated_total == 2500
+    assert after.decode_tok_s == pytest.approx((2500 - busy.tokens_generated_total) / 0.25)
+    restarted = {**prom_after, "llamacpp:tokens_predicted_total": 0.0}
+    fresh = sample_from(b2["t"] + 1.0, idle_slots, restarted, after)
+    assert fresh.tokens_generated_total == 0 and fresh.decode_tok_s == 0
 
 
 def test_hit_rate_is_share_of_moe_layers_on_gpu():

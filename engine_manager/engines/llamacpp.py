@@ -613,8 +613,11 @@ class LlamaCppEngine(Engine):
     def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
         hdr = {"Authorization": f"Bearer {spec.api_key}"}
         t = time.time()
-        slots_r = client.get(spec.base_url + "/slots", headers=hdr, timeout=5.0)
+        # /metrics before /slots: a request that ends between the two reads is then in neither (sample_from
+        # carries the previous total over that reading), never in both — read the other way round its tokens
+        # were counted twice, a spike of tens of thousands of tok/s in the decode plot at a request's end
         metrics_r = client.get(spec.base_url + "/metrics", headers=hdr, timeout=5.0)
+        slots_r = client.get(spec.base_url + "/slots", headers=hdr, timeout=5.0)
         slots = slots_r.json() if slots_r.status_code == 200 else None
         prom = parse_prometheus(metrics_r.text) if metrics_r.status_code == 200 else None
         return sample_from(t, slots, prom, previous, load_placement(spec))
@@ -713,6 +716,14 @@ def sample_from(t: float, slots: list[dict] | None, prom: dict[str, float] | Non
         extra["busy_slots_per_decode"] = prom.get("llamacpp:n_busy_slots_per_decode")
         if done_tokens is not None:
             s.tokens_generated_total = done_tokens + in_flight
+            extra["done_tokens"] = done_tokens
+            if (previous is not None and previous.engine == "llamacpp" and previous.tokens_generated_total is not None
+                    and previous.extra.get("done_tokens") == done_tokens
+                    and s.tokens_generated_total < previous.tokens_generated_total):
+                # a request finished after /metrics was read and before /slots was: its tokens are in neither
+                # reading; they appear in the next one, so keep the total where it was (a restarted engine's
+                # counters fall below the previous ones instead: done_tokens then differs)
+                s.tokens_generated_total = previous.tokens_generated_total
         if done_prompt is not None:
             extra["prompt_tokens_counter"] = done_prompt + in_prompt
     if placement is not None:
