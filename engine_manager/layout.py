@@ -9,17 +9,18 @@ Why a hand-written reader and not ``gguf.GGUFReader`` (the house prefers the lib
 exception). ``GGUFReader`` memory-maps the file and builds numpy views for every field *and every element of every
 array*: the tokenizer's 163,840 tokens + 163,328 merges become ~650k small numpy objects. Measured on this machine
 (2 shared cores, Python 3.11, gguf 0.19) on shard 1 of the replica (a 5.3 MB header: 163,840-token vocabulary and
-its merges, 102 tensors), see ``python -m engine_manager.layout --compare FILE`` (machine shared and busy, so
-ranges over runs):
+its merges, 102 tensors), see ``python -m engine_manager.layout --compare FILE`` (machine shared, so ranges over
+runs):
 
-    gguf.GGUFReader(shard 1)        10.6–14.3 s, +527–531 MiB RSS
-    read_shard_header(shard 1)      0.02–0.06 s, +1–6 MiB RSS (0.31 s with the plain per-string loop instead of
-                                    the vectorised skip)
+    gguf.GGUFReader(shard 1)        7.7–14.3 s, +527–531 MiB RSS
+    read_shard_header(shard 1)      0.005 s, +1 MiB RSS (0.31 s with a plain loop per string instead of the
+                                    vectorised skip; 0.02–0.06 s with an earlier whole-buffer skip)
 
 (the issue's own figures, on another machine: GGUFReader 7.5 s / 558 MiB, a plain struct read 0.17 s). So the
-planner reads headers with ``struct`` over one buffer: scalar fields are unpacked, fixed-size arrays are skipped by
-arithmetic, string arrays are skipped with a vectorised pass (verified string by string, with a plain loop as the
-fallback), and nothing is allocated from a count before the count has been checked against the bytes that remain.
+planner reads headers with ``struct`` through a sliding window: scalar fields are unpacked, fixed-size arrays are
+stepped over without being read, long string arrays stream through a small chunk where numpy finds the string starts
+and the walk jumps along runs of them (exactly the sequential walk, one plain step where the fast test cannot tell),
+and nothing is allocated from a count before the count has been checked against the bytes that remain.
 
 Errors are :class:`LayoutError` naming the file and the problem (missing shard, shards of different splits or
 models, bad magic or version, truncated header, absurd counts, arrays nested too deep, data past the end of the
@@ -28,6 +29,7 @@ file) and what to do.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import struct
@@ -35,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,7 +55,11 @@ MAX_ARRAY = 1 << 28
 MAX_DIMS = 4                        # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 8                 # arrays of arrays: llama.cpp writes none; deeper nesting is damage (or an attack)
 MAX_HEADER_BYTES = 1 << 30          # a header larger than 1 GiB is refused
-READ_CHUNK = 1 << 20
+READ_AHEAD = 1 << 16              # bytes read past what parsing needs next (the rest of a small header)
+# Long string arrays stream through a chunk of this size. Shard 1 of the replica, interleaved, median of 15:
+# 64 KiB 5.0 ms, 128 KiB 4.0, 256 KiB 3.5 (96 page faults), 512 KiB 5.1 (868 faults), 1 MiB 5.9 (1,250 faults):
+# small chunks pay numpy's per-call overhead, large ones fresh pages for every temporary.
+STRING_CHUNK = 1 << 18
 
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -132,19 +138,25 @@ def classify(name: str) -> tuple[str, int | None, str | None]:
         if name.startswith(("token_embd", "output", "per_layer_token_embd")) or "_embd" in name:
             return "embeddings_output", None, None
         return "other", None, None
-    layer, rest = int(m.group(1)), m.group(2)
+    kind, part = _classify_in_block(m.group(2))
+    return kind, int(m.group(1)), part
+
+
+@functools.lru_cache(maxsize=4096)
+def _classify_in_block(rest: str) -> tuple[str, str | None]:
+    """Kind and expert part of ``blk.N.<rest>``: the same few dozen names repeat in every layer."""
     e = _EXPS.match(rest)
     if e:
-        return "routed_experts", layer, e.group(1)
+        return "routed_experts", e.group(1)
     if "_shexp" in rest:
-        return "shared_experts", layer, None
+        return "shared_experts", None
     if rest.startswith("attn_"):
-        return "attention", layer, None
+        return "attention", None
     if rest.startswith(("ffn_gate.", "ffn_up.", "ffn_down.", "ffn_norm.")):
-        return "dense_ffn", layer, None
+        return "dense_ffn", None
     if "_embd" in rest:
-        return "embeddings_output", layer, None
-    return "other", layer, None
+        return "embeddings_output", None
+    return "other", None
 
 
 def is_lookup_table(name: str) -> bool:
@@ -160,8 +172,10 @@ def _lookup_name(name: str) -> bool:
 
 # -- data ---------------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
+    """One tensor of the split. (A NamedTuple, not a frozen dataclass: building the replica's 757 took 0.97 ms as
+    frozen dataclasses, a third of planning's own work; immutable either way.)"""
+
     name: str
     ggml_type: int
     type_name: str
@@ -297,30 +311,72 @@ class ModelLayout:
 # -- the header reader ------------------------------------------------------------------------------------------
 
 class _Buf:
-    """A growing read buffer over one file: bytes are read only as parsing reaches them."""
+    """A sliding read window over one file: bytes are read only as parsing reaches them, and bytes already parsed
+    are dropped when the window moves, so a header of any size is parsed in a few hundred KB of memory.
+
+    ``data[pos]`` is the file's byte at ``base + pos`` (:attr:`at`); offsets in errors are file offsets."""
 
     def __init__(self, f, path: Path, size: int):
         self.f, self.path, self.size = f, path, size
         self.data = bytearray()
+        self.base = 0
         self.pos = 0
+
+    @property
+    def at(self) -> int:
+        return self.base + self.pos
+
+    def _read_into(self, view: memoryview, offset: int) -> int:
+        self.f.seek(offset)
+        got = 0
+        while got < len(view):
+            k = self.f.readinto(view[got:])
+            if not k:
+                break
+            got += k
+        return got
 
     def need(self, n: int, what: str) -> None:
         end = self.pos + n
-        if end <= len(self.data):
+        have = len(self.data)
+        if end <= have:
             return
-        if end > self.size:
-            raise LayoutError(self.path, f"truncated header: {what} needs {n:,} bytes at offset {self.pos:,} but the "
+        at = self.at
+        if at + n > self.size:
+            raise LayoutError(self.path, f"truncated header: {what} needs {n:,} bytes at offset {at:,} but the "
                                          f"file ends at {self.size:,}",
                               "The file is incomplete or damaged; download it again")
-        if end > MAX_HEADER_BYTES:
+        if at + n > MAX_HEADER_BYTES:
             raise LayoutError(self.path, f"header larger than {MAX_HEADER_BYTES >> 20} MiB ({what} at offset "
-                                         f"{self.pos:,}); this is not a model header")
-        want = min(self.size, max(end + READ_CHUNK // 4, len(self.data) + len(self.data) // 2)) - len(self.data)
-        chunk = self.f.read(want)
-        self.data += chunk
-        if len(self.data) < end:
-            raise LayoutError(self.path, f"truncated header: short read at offset {len(self.data):,} ({what})",
+                                         f"{at:,}); this is not a model header")
+        # A new window from the current position: the unread tail, then readinto() the rest. (Growing one buffer
+        # with ``data += f.read(k)`` cost 5.5 ms on shard 1 of the replica against 0.25 ms for one plain read of its
+        # header: fresh pages, faulted in twice, on every growth.)
+        tail = have - self.pos
+        target = min(self.size - at, max(n + READ_AHEAD, tail + tail // 2))
+        grown = bytearray(target)
+        if tail > 0:
+            grown[:tail] = memoryview(self.data)[self.pos:]
+        else:
+            tail = 0
+        view = memoryview(grown)
+        got = tail + self._read_into(view[tail:], self.base + max(have, self.pos))
+        view.release()
+        if got < target:
+            del grown[got:]
+        self.data, self.base, self.pos = grown, at, 0
+        if got < n:
+            raise LayoutError(self.path, f"truncated header: short read at offset {at + got:,} ({what})",
                               "The file is incomplete or damaged; download it again")
+
+    def skip(self, n: int, what: str) -> None:
+        """Step over ``n`` bytes without reading them (fixed-size arrays: their bytes are never looked at)."""
+        if self.at + n > self.size:
+            raise LayoutError(self.path, f"truncated header: {what} ({n:,} bytes at offset {self.at:,}) runs past the "
+                                         f"end of the file", "The file is incomplete or damaged; download it again")
+        self.pos += n
+        if self.pos > len(self.data):
+            self.base, self.pos, self.data = self.base + self.pos, 0, bytearray()
 
     def unpack(self, fmt: str, size: int, what: str):
         self.need(size, what)
@@ -337,7 +393,7 @@ class _Buf:
     def string(self, what: str) -> str:
         n = self.u64(f"length of {what}")
         if n > MAX_STRING:
-            raise LayoutError(self.path, f"absurd length {n:,} for {what} at offset {self.pos - 8:,}",
+            raise LayoutError(self.path, f"absurd length {n:,} for {what} at offset {self.at - 8:,}",
                               "The header is damaged; download the file again")
         self.need(n, what)
         raw = bytes(self.data[self.pos:self.pos + n])
@@ -345,72 +401,121 @@ class _Buf:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise LayoutError(self.path, f"{what} at offset {self.pos - n:,} is not UTF-8 text",
+            raise LayoutError(self.path, f"{what} at offset {self.at - n:,} is not UTF-8 text",
                               "The header is damaged; download the file again") from None
 
     def skip_strings(self, count: int, what: str) -> None:
-        """Skip ``count`` length-prefixed strings. Fast path: find every string start at once with numpy and verify
-        the chain (each start = previous start + 8 + its length); any doubt falls back to a plain loop."""
-        if count >= 256:
-            start = self.pos
-            window = count * 16
-            self.need(min(self.size - start, window), what)
-            for _ in range(8):
-                end, short = _chain_end(self.data, start, count, window)
-                if end is not None:
-                    if end > self.size:
-                        raise LayoutError(self.path, f"truncated header: {what} runs past the end of the file",
-                                          "The file is incomplete or damaged; download it again")
-                    self.need(end - start, what)
-                    self.pos = end
-                    return
-                if not short or start + window >= self.size:
-                    break
-                window *= 2
-                self.need(min(self.size - start, window), what)
-        unpack = struct.unpack_from
-        for i in range(count):
-            self.need(8, f"{what} (item {i})")
-            n = unpack("<Q", self.data, self.pos)[0]
-            if n > MAX_STRING:
-                raise LayoutError(self.path, f"absurd string length {n:,} in {what} (item {i}) at offset "
-                                             f"{self.pos:,}", "The header is damaged; download the file again")
-            self.need(8 + n, f"{what} (item {i})")
-            self.pos += 8 + n
+        """Skip ``count`` length-prefixed strings, exactly as a sequential walk would.
+
+        Long arrays (a tokenizer's vocabulary and merges) stream through one reused chunk: in each chunk the
+        candidate string starts are found at once with numpy (:func:`_candidates`), and the walk jumps along runs of
+        candidates that chain (each start = the previous start + 8 + its length). A string the candidates miss (a
+        length of 256 or more, an empty string, text that ends in zeros) is one plain step. Measured on the
+        replica's two 160k-string arrays: a plain loop per string 0.31 s. Shard 1 whole (5.3 MB header), old against
+        new interleaved, median of 30: whole-buffer numpy passes over one growing buffer holding the header 12.1 ms
+        and 3,509 page faults per parse; this 3.7 ms and 150."""
+        if count < 256:
+            for i in range(count):
+                n = self.u64(f"length of {what} (item {i})")
+                if n > MAX_STRING:
+                    raise LayoutError(self.path, f"absurd string length {n:,} in {what} (item {i}) at offset "
+                                                 f"{self.at - 8:,}", "The header is damaged; download the file again")
+                self.skip(n, f"{what} (item {i})")
+            return
+        e, remaining = self.at, count
+        chunk = bytearray(STRING_CHUNK)
+        view = memoryview(chunk)
+        cur = length = 0
+        try:
+            while remaining:
+                if e + 8 > self.size:
+                    raise LayoutError(self.path, f"truncated header: {what} runs past the end of the file "
+                                                 f"({remaining:,} of {count:,} strings left at offset {e:,})",
+                                      "The file is incomplete or damaged; download it again")
+                length = self._read_into(view[:min(STRING_CHUNK, self.size - e)], e)
+                if length < 8:
+                    raise LayoutError(self.path, f"truncated header: short read at offset {e + length:,} ({what})",
+                                      "The file is incomplete or damaged; download it again")
+                buf = np.frombuffer(chunk, dtype=np.uint8, count=length)
+                limit = length - 8
+                idx, nxt, breaks = _candidates(buf, limit)
+                cur = 0
+                while remaining and (cur < limit or cur == 0):   # cur == 0: at least one step per chunk
+                    j = int(np.searchsorted(idx, cur))
+                    if j < idx.size and idx[j] == cur:
+                        b = int(np.searchsorted(breaks, j))
+                        k = int(breaks[b]) if b < breaks.size else idx.size - 1
+                        run = k - j + 1
+                        if run >= remaining:
+                            cur = int(nxt[j + remaining - 1])
+                            remaining = 0
+                        else:
+                            remaining -= run
+                            cur = int(nxt[k])
+                    else:
+                        (n,) = struct.unpack_from("<Q", chunk, cur)
+                        if n > MAX_STRING:
+                            raise LayoutError(self.path, f"absurd string length {n:,} in {what} (item "
+                                                         f"{count - remaining:,}) at offset {e + cur:,}",
+                                              "The header is damaged; download the file again")
+                        cur += 8 + n
+                        remaining -= 1
+                e += cur
+            if e > self.size:
+                raise LayoutError(self.path, f"truncated header: {what} runs past the end of the file",
+                                  "The file is incomplete or damaged; download it again")
+            # the bytes after the array are already in the chunk: they start the next window
+            self.data = bytearray(view[cur:length]) if cur < length else bytearray()
+            self.base, self.pos = e, 0
+        finally:
+            view.release()
 
 
-def _chain_end(data: bytearray, start: int, count: int, window: int) -> tuple[int | None, bool]:
-    """(end offset of ``count`` length-prefixed strings from ``start`` or None, whether more bytes could help).
+_SHIFT = [np.uint64(k) for k in range(65)]
 
-    Every string's 8-byte little-endian length below 65,536 has six zero high bytes and is followed by its
-    (nonzero) text: the positions whose bytes +2…+7 are zero and +8 is not are the candidate starts. The first
-    ``count`` candidates must form exactly the chain a sequential read walks (start, start + 8 + len, ...), else the
-    caller falls back to the plain loop. Whole-buffer passes only, no Python loop per string. (Testing the six
-    zero bytes with shifted passes, rather than two passes and a per-candidate gather of the length bytes, halved
-    the skip of the replica's two 160k-string tokenizer arrays: 6.4 → 3.5 ms.)"""
-    stop = min(len(data), start + window)
-    buf = np.frombuffer(data, dtype=np.uint8, count=stop - start, offset=start)
-    n = buf.size
-    if n < 8 * count + 8:
-        return None, True
-    z = buf == 0
-    m = n - 8
-    cand = z[2:2 + m].copy()
-    for k in range(3, 8):
-        cand &= z[k:k + m]
-    cand &= ~z[8:8 + m]
-    idx = np.flatnonzero(cand)
-    if idx.size == 0 or idx[0] != 0:
-        return None, False
-    if idx.size > count:
-        idx = idx[:count]
-    lengths = buf[idx].astype(np.int64) | (buf[idx + 1].astype(np.int64) << 8)
-    nxt = idx + 8 + lengths
-    if not np.array_equal(nxt[:-1], idx[1:]):
-        return None, False      # e.g. a candidate inside text that merely ends in zeros: the slow path decides
-    if idx.size < count:
-        return None, True
-    return start + int(nxt[-1]), False
+
+def _after(w: np.ndarray, k: int) -> np.ndarray:
+    """Bit p of the result = bit p + k of ``w`` (a little-endian bit set in uint64 words; zeros shifted in)."""
+    r = w >> _SHIFT[k]
+    r[:-1] |= w[1:] << _SHIFT[64 - k]
+    return r
+
+
+def _candidates(buf: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Candidate string starts in ``buf[:limit]``, each one's next start, and the candidates whose next start is not
+    the following candidate (where a run of chained candidates ends).
+
+    A string's 8-byte little-endian length below 256 is one byte and seven zero bytes, followed by its (nonzero)
+    text: a candidate is a position whose bytes +1…+7 are zero and +8 is not, and its length is its first byte.
+    The tests run on bits packed into 64-bit words (an eighth of the bytes' memory), so a chunk costs one compare
+    and one pack over its bytes, then work per candidate: a nonzero, two gathers, a compare."""
+    if limit <= 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    bits = np.packbits(buf == 0, bitorder="little")
+    pad = -bits.size % 8
+    if pad:
+        bits = np.concatenate([bits, np.zeros(pad, np.uint8)])
+    z = bits.view("<u8")                 # bit p: byte p is zero
+    r = z & _after(z, 1)                 # bytes p, p+1 zero
+    r &= _after(r, 2)                    # p … p+3
+    r &= _after(r, 3)                    # p … p+6
+    r = _after(r, 1)                     # p+1 … p+7
+    r &= ~_after(z, 8)                   # and p+8 nonzero
+    # Two candidates are at least 8 bytes apart (one's +8 is nonzero, the other's +1…+7 are zero), so each byte of
+    # the bit set holds at most one: its index × 8 + the bit's position (a power of two minus one has that many
+    # bits set). Unpacking to a bool per byte and a nonzero over those took 120 µs per 256 KB chunk, this ~40.
+    cb = r.view(np.uint8)[:(limit + 7) // 8]
+    if limit % 8:
+        cb[-1] &= (1 << (limit % 8)) - 1
+    idx = np.flatnonzero(cb != 0)         # (a nonzero over bools is twice as fast as over bytes)
+    low = np.bitwise_count(cb.take(idx) - np.uint8(1))
+    idx <<= 3
+    idx += low
+    nxt = buf.take(idx) + idx
+    nxt += 8
+    breaks = np.flatnonzero(nxt[:-1] != idx[1:])
+    return idx, nxt, breaks
 
 
 def _read_value(b: _Buf, vtype: int, key: str, depth: int = 0) -> Any:
@@ -426,7 +531,7 @@ def _read_value(b: _Buf, vtype: int, key: str, depth: int = 0) -> Any:
                               "The header is damaged; download the file again")
         if itype in _SCALAR:
             size = _SCALAR_SIZE[itype]
-            if count * size > b.size - b.pos:
+            if count * size > b.size - b.at:
                 raise LayoutError(b.path, f"truncated header: array {key} of {count:,} items runs past the end of "
                                           "the file", "The file is incomplete or damaged; download it again")
             if count <= SMALL_ARRAY:
@@ -434,11 +539,10 @@ def _read_value(b: _Buf, vtype: int, key: str, depth: int = 0) -> Any:
                 vals = np.frombuffer(b.data, dtype=_NP[itype], count=count, offset=b.pos).tolist()
                 b.pos += count * size
                 return [bool(v) for v in vals] if itype == T_BOOL else vals
-            b.need(count * size, key)
-            b.pos += count * size
+            b.skip(count * size, key)
             return ArraySummary(itype, count)
         if itype == T_STRING:
-            if count * 8 > b.size - b.pos:
+            if count * 8 > b.size - b.at:
                 raise LayoutError(b.path, f"truncated header: array {key} of {count:,} strings runs past the end of "
                                           "the file", "The file is incomplete or damaged; download it again")
             if count <= SMALL_ARRAY:
@@ -449,7 +553,7 @@ def _read_value(b: _Buf, vtype: int, key: str, depth: int = 0) -> Any:
             if depth + 1 >= MAX_ARRAY_DEPTH and count:
                 raise LayoutError(b.path, f"arrays nested more than {MAX_ARRAY_DEPTH} deep in {key}",
                                   "The header is damaged; download the file again")
-            if count * 12 > b.size - b.pos:
+            if count * 12 > b.size - b.at:
                 raise LayoutError(b.path, f"truncated header: array {key} runs past the end of the file",
                                   "The file is incomplete or damaged; download it again")
             for i in range(count):
@@ -502,7 +606,7 @@ def parse_header(f, path: Path, size: int) -> ShardHeader:
         raise LayoutError(path, f"absurd metadata count {n_kv:,} (more than {MAX_KV:,})",
                           "The header is damaged; download the file again")
     # every key-value needs ≥ 12 bytes, every tensor info ≥ 24: counts the file cannot hold are refused here
-    if n_kv * 12 + n_tensors * 24 > size - b.pos:
+    if n_kv * 12 + n_tensors * 24 > size - b.at:
         raise LayoutError(path, f"truncated header: {n_kv:,} metadata entries and {n_tensors:,} tensor infos cannot "
                                 f"fit in a {size:,}-byte file", "The file is incomplete or damaged; download it again")
     metadata: dict[str, Any] = {}
@@ -550,7 +654,7 @@ def parse_header(f, path: Path, size: int) -> ShardHeader:
         offset = b.u64(f"offset of {name}")
         tensors.append((name, ggml_type, tuple(shape), offset))
         i += 1
-    header_bytes = b.pos
+    header_bytes = b.at
     data_offset = (header_bytes + alignment - 1) // alignment * alignment
     return ShardHeader(path, version, n_kv, n_tensors, metadata, tensors, alignment, header_bytes, data_offset, size)
 
@@ -678,6 +782,7 @@ def build_layout(headers: list[ShardHeader]) -> ModelLayout:
     tensors: list[TensorInfo] = []
     shards: list[ShardInfo] = []
     seen: set[str] = set()
+    sizes: dict[tuple[int, tuple[int, ...]], int] = {}     # (type, shape) -> bytes: layers repeat their shapes
     for no, h in enumerate(headers, start=1):
         shard_bytes = 0
         end_max = 0
@@ -686,7 +791,9 @@ def build_layout(headers: list[ShardHeader]) -> ModelLayout:
                 raise LayoutError(h.path, f"tensor {name_} appears twice in the split",
                                   "The folder mixes shards of different splits; keep one model per folder")
             seen.add(name_)
-            nbytes = tensor_nbytes(h.path, name_, gtype, shape)
+            nbytes = sizes.get((gtype, shape))
+            if nbytes is None:
+                nbytes = sizes[gtype, shape] = tensor_nbytes(h.path, name_, gtype, shape)
             if rel % h.alignment:
                 raise LayoutError(h.path, f"tensor {name_}'s offset {rel:,} is not aligned to {h.alignment}",
                                   "The header is damaged; download the file again")

@@ -160,6 +160,65 @@ def test_string_arrays_fall_back_when_the_fast_path_cannot_prove_the_chain(tmp_p
     assert h.tensors[0][0] == "t"
 
 
+def _adversarial_strings(n: int, rng: random.Random) -> list[str]:
+    """Strings that defeat the candidate test one way or another, among ordinary tokens."""
+    out = []
+    for i in range(n):
+        r = rng.random()
+        if r < 0.70:
+            out.append("".join(rng.choice("abcdefghij Ġ▁é中") for _ in range(rng.randint(1, 12))))
+        elif r < 0.76:
+            out.append("")                                              # empty: its +8 is the next length
+        elif r < 0.82:
+            out.append("x" + "\x00" * rng.randint(1, 9))                 # text ending in zeros
+        elif r < 0.88:
+            out.append("a\x05" + "\x00" * 7 + "b")                       # a fake length prefix inside the text
+        elif r < 0.94:
+            out.append("\x00" * rng.randint(1, 20))
+        else:
+            out.append("L" * rng.choice([255, 256, 257, 300, 1000, 10_000, 70_000]))   # past one length byte / chunk
+    return out
+
+
+@pytest.mark.parametrize("chunk", [4096, 1 << 18])
+def test_streamed_string_skip_agrees_with_gguf_reader(tmp_path, monkeypatch, chunk):
+    """The streaming skip of long string arrays ends exactly where gguf.GGUFReader's per-string walk ends: same
+    metadata after the arrays, same tensor infos, same data offset — with strings straddling chunk boundaries,
+    strings longer than a chunk, empty strings, fake length prefixes inside text, and text ending in zeros."""
+    monkeypatch.setattr(L, "STRING_CHUNK", chunk)
+    rng = random.Random(chunk)
+    p = tmp_path / "adversarial.gguf"
+    w = gguf.GGUFWriter(p, "llama")
+    first = _adversarial_strings(6000, rng)
+    second = _adversarial_strings(3000, rng)
+    w.add_array("t.first", first)
+    w.add_array("t.ints", list(range(5000)))
+    w.add_array("t.second", second)
+    w.add_uint32("t.after", 4242)
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 32), dtype=np.float32))
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((2, 4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    h = read_shard_header(p)
+    r = gguf.GGUFReader(p)
+    assert h.metadata["t.first"].count == len(first) and h.metadata["t.second"].count == len(second)
+    assert h.metadata["t.after"] == 4242 == int(r.fields["t.after"].parts[-1][0])
+    assert h.data_offset == r.data_offset
+    assert [(n, tuple(s)) for n, _, s, _ in h.tensors] == [(t.name, tuple(int(x) for x in t.shape)) for t in r.tensors]
+    assert [h.data_offset + off for *_, off in h.tensors] == [t.data_offset for t in r.tensors]
+    # cut anywhere inside the arrays: a clean "truncated" error naming the file, never another exception
+    data = p.read_bytes()
+    start = data.index(b"t.first")
+    for cut in sorted(rng.sample(range(start, h.header_bytes), 60)):
+        c = tmp_path / f"cut-{cut}.gguf"
+        c.write_bytes(data[:cut])
+        with pytest.raises(LayoutError, match="truncated|past the end") as exc:
+            read_shard_header(c)
+        assert c.name in str(exc.value)
+
+
 # -- error paths ---------------------------------------------------------------------------------------------------
 
 def _copy(src: Path, dst: Path) -> Path:
