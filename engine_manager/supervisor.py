@@ -1089,6 +1089,9 @@ class Supervisor:
             key_matches=(rec.get("key_fingerprint") == key_fingerprint(self.settings.api_key))
             if rec.get("key_fingerprint") else None,
             plan_path=(rec.get("files") or {}).get("plan"),
+            # the launch as recorded: its files (plan, routing trace) let a monitor started after a panel restart,
+            # or `dsv41 monitor`, find what the command line does not show (Strata's trace flag sits in its config)
+            spec=self._spec_from_record(rec) if alive else None,
         )
         if not alive and not stopping:
             ex, crash = self.explain_dead(rec)

@@ -421,6 +421,33 @@ def test_killed_panel_reattaches_to_its_live_engine(port):
     assert_gone(pgid, port)
 
 
+def test_status_after_a_panel_restart_keeps_the_launch_files(port, monkeypatch):
+    """The routing trace a launch asked for is not on the command line (the scripted engine takes a relative
+    ``--dump-routing`` from its settings into its launch files, Strata keeps the flag in its config): after the panel
+    is killed, the status a new panel (or ``dsv41 monitor``) reads still says where it is, and the Monitor's hub
+    counts it."""
+    from engine_manager import metrics as M
+
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0.2 --dump-routing mine.trace")
+    panel, pid = start_panel_process()
+    panel.kill()
+    panel.wait()
+    sup = make()
+    st = sup.status()
+    assert st.state == "ready" and st.pid == pid
+    trace = st.spec.files["routing_trace"]
+    assert Path(trace).is_absolute() and Path(trace).name == "mine.trace"
+    assert M.trace_path_from_argv(st.argv) is None                   # the command line alone would not say
+    info = M.running_engine_info({"base_url": st.base_url, "api_key": sup.settings.api_key}, status=st)
+    hub = M.build_hub(info["engine"], info["base_url"], info["api_key"], spec=info["spec"], pid=st.pid,
+                      record=False, use_nvml=False, plan=info.get("plan"))
+    assert [str(s.path) for s in hub.sources if isinstance(s, M.RoutingSource)] == [trace]
+    hub.close()
+    pgid = os.getpgid(pid)
+    drain(sup.stop())
+    assert_gone(pgid, port)
+
+
 def test_a_stop_from_another_dsv41_is_not_taken_for_a_crash(port):
     """The panel watches; `dsv41 stop` (another process, another Supervisor) stops the engine: the panel reports
     "stopped", does not classify a crash and does not restart."""
