@@ -42,6 +42,18 @@ from engine_manager.settings import resolve_engine
 
 from .workers import run_function, run_generator
 
+
+def _text_label(name: str, text_format: Qt.TextFormat | None = None) -> QLabel:
+    """A wrapping label whose text can be selected (and copied): messages, details, notes."""
+    label = QLabel()
+    label.setObjectName(name)
+    label.setWordWrap(True)
+    if text_format is not None:
+        label.setTextFormat(text_format)
+    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    return label
+
+
 ENGINE_CHOICES = (
     ("auto", "Auto"),
     ("strata", "deepseek-one-gpu (Strata)"),
@@ -89,11 +101,7 @@ class CrashBanner(QFrame):
         top.addWidget(self.title, 1)
         top.addWidget(close, 0, Qt.AlignmentFlag.AlignTop)
         lay.addLayout(top)
-        self.fix = QLabel()
-        self.fix.setObjectName("crashFix")
-        self.fix.setWordWrap(True)
-        self.fix.setTextFormat(Qt.TextFormat.PlainText)
-        self.fix.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.fix = _text_label("crashFix", Qt.TextFormat.PlainText)
         lay.addWidget(self.fix)
         self.extra = QLabel()
         self.extra.setObjectName("crashExtra")
@@ -228,11 +236,7 @@ class EnginePanel(QWidget):
         self.banner.log_button.clicked.connect(lambda: self.ctx.requestTab.emit("Log"))
         lay.addWidget(self.banner)
 
-        self.details = QLabel()
-        self.details.setObjectName("engineDetails")
-        self.details.setWordWrap(True)
-        self.details.setTextFormat(Qt.TextFormat.RichText)
-        self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.details = _text_label("engineDetails", Qt.TextFormat.RichText)
         lay.addWidget(self.details)
 
         self.placement_box = QFrame()
@@ -248,11 +252,7 @@ class EnginePanel(QWidget):
         f.setBold(True)
         head.setFont(f)
         box.addWidget(head)
-        self.placement_label = QLabel()
-        self.placement_label.setObjectName("enginePlacement")
-        self.placement_label.setWordWrap(True)
-        self.placement_label.setTextFormat(Qt.TextFormat.PlainText)
-        self.placement_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.placement_label = _text_label("enginePlacement", Qt.TextFormat.PlainText)
         box.addWidget(self.placement_label)
         self.placement_box.hide()
         lay.addWidget(self.placement_box)
@@ -283,11 +283,8 @@ class EnginePanel(QWidget):
         self.notes_toggle.toggled.connect(self._toggle_notes)
         self.notes_toggle.hide()
         lay.addWidget(self.notes_toggle)
-        self.notes = QLabel()
-        self.notes.setObjectName("engineNotes")
-        self.notes.setWordWrap(True)
+        self.notes = _text_label("engineNotes")
         self.notes.setStyleSheet("color: palette(mid); font-size: 90%;")
-        self.notes.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.notes.hide()
         lay.addWidget(self.notes)
         lay.addStretch(1)

@@ -355,12 +355,9 @@ class _Buf:
         tail = have - self.pos
         target = min(self.size - at, max(n + READ_AHEAD, tail + tail // 2))
         grown = bytearray(target)
-        if tail > 0:
-            grown[:tail] = memoryview(self.data)[self.pos:]
-        else:
-            tail = 0
+        grown[:tail] = memoryview(self.data)[self.pos:]
         view = memoryview(grown)
-        got = tail + self._read_into(view[tail:], self.base + max(have, self.pos))
+        got = tail + self._read_into(view[tail:], self.base + have)
         view.release()
         if got < target:
             del grown[got:]
