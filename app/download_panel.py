@@ -114,6 +114,10 @@ class DownloadPanel(QWidget):
     engineFinished = Signal(object)       # Finished
     errorRaised = Signal(str, str)        # message, fix
     busyChanged = Signal(bool)
+    # the provisioning step (engine_manager.provision: the Strata pack, made by the release's own tool)
+    prepareEvent = Signal(object)         # ProvisionEvent
+    prepareFinished = Signal(str)         # the pack folder
+    prepareFailed = Signal(str)           # plain words
 
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
@@ -126,6 +130,7 @@ class DownloadPanel(QWidget):
         self.last_progress: dl.Progress | None = None
         self._closing = False
         self._stopped = threading.Event()
+        self.prep_worker = None
         self._build()
         ctx.settingsChanged.connect(lambda _l: self.refresh())
         self.refresh()
@@ -158,7 +163,11 @@ class DownloadPanel(QWidget):
         for c, sample in samples.items():
             hh.setSectionResizeMode(c, QHeaderView.ResizeMode.Fixed)
             hh.resizeSection(c, max(fm.horizontalAdvance(sample), hfm.horizontalAdvance(COLS[c])) + 18)
-        hh.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
+        # Progress stretches while the table has room; in a narrow tab (1280-px window) the fixed columns took
+        # all of it and the header read "ogre": there it keeps a readable width and the table scrolls sideways
+        self._progress_min = max(hfm.horizontalAdvance(COLS[2]) + 24, 110)
+        self._fixed_width = sum(hh.sectionSize(c) for c in samples)
+        self._fit_progress()
         self.table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
         ml.addWidget(self.table, 1)
 
@@ -231,6 +240,26 @@ class DownloadPanel(QWidget):
         el.addWidget(self.engine_bar, 1, 0, 1, 2)
         el.setColumnStretch(0, 1)
         lay.addWidget(eng_box)
+
+        prep_box = QGroupBox("Prepare the model for the Strata engine")
+        pl = QGridLayout(prep_box)
+        self.prep_label = QLabel("Once the shards are verified and the engine release is installed, the release's "
+                                 "own tool (tools/iq_pack.py) makes the model's pack, once. Starting the Strata "
+                                 "engine does it too when it is needed.")
+        self.prep_label.setObjectName("prepareStatus")
+        self.prep_label.setWordWrap(True)
+        self.prep_btn = QPushButton("&Prepare")
+        self.prep_btn.setObjectName("prepareButton")
+        self.prep_btn.clicked.connect(self.start_prepare)
+        self.prep_bar = QProgressBar()
+        self.prep_bar.setObjectName("prepareBar")
+        self.prep_bar.setRange(0, 0)
+        self.prep_bar.hide()
+        pl.addWidget(self.prep_label, 0, 0)
+        pl.addWidget(self.prep_btn, 0, 1)
+        pl.addWidget(self.prep_bar, 1, 0, 1, 2)
+        pl.setColumnStretch(0, 1)
+        lay.addWidget(prep_box)
 
         self.error = ErrorBox()
         lay.addWidget(self.error)
@@ -345,6 +374,7 @@ class DownloadPanel(QWidget):
         self.table.item(r, 4).setText(f"{dl.fmt_bytes(speed)}/s" if speed else "")
         self.table.item(r, 5).setText(dl.fmt_eta(eta) if state == "downloading" and eta is not None else "")
         self.table.item(r, 6).setText(STATE_WORDS.get(state, state))
+        self.table.item(r, 6).setToolTip(STATE_WORDS.get(state, state))   # whole, where the column shortens it
 
     def shard_state(self, name: str) -> str:
         """The state word shown for ``name`` (tests and the first-run page read it)."""
@@ -552,7 +582,8 @@ class DownloadPanel(QWidget):
         if isinstance(exc, dl.PinnedCommitGone):
             action = (f"Re-pin to “{exc.revision}” now", lambda: self.start_model(repin=True))
         self.error.show_error(msg, fix, action)
-        self.status.setText("Stopped by an error; partial files are kept.")
+        self.status.setText("Not started: another download is writing into this folder (named above)."
+                            if isinstance(exc, dl.FolderBusy) else "Stopped by an error; partial files are kept.")
         self.errorRaised.emit(msg, fix)
 
     def _on_finished(self) -> None:
@@ -577,12 +608,89 @@ class DownloadPanel(QWidget):
                                           "</code>")
             self.engine_btn.setEnabled(where is None)
 
+    # -- the provisioning step ---------------------------------------------------------------------------------------
+    def start_prepare(self, force: bool = False) -> None:
+        """Make the Strata pack (``StrataEngine.prepare``: the release's tools/iq_pack.py, once) on a worker."""
+        if self.prep_worker is not None or self._closing:
+            return
+        from engine_manager import placement
+        from engine_manager.engines import get_engine
+
+        eng = get_engine("strata")
+        settings = self.ctx.settings
+        plan = placement.load_last_plan()
+        self.prep_btn.setEnabled(False)
+        self.prep_bar.setRange(0, 0)
+        self.prep_bar.show()
+        self.prep_label.setText("Preparing the model for the Strata engine…")
+        self.prep_worker = run_generator(eng.prepare, settings, plan, force=force, on_event=self._prep_event,
+                                         on_done=self._prep_done, on_error=self._prep_error,
+                                         on_finished=self._prep_finished)
+
+    def _prep_event(self, ev: Any) -> None:
+        if self._closing:
+            return
+        if ev.phase == "progress" and ev.fraction is not None:
+            self.prep_bar.setRange(0, 1000)
+            self.prep_bar.setValue(int(ev.fraction * 1000))
+            eta = f" · about {dl.fmt_eta(ev.eta_s)} left" if ev.eta_s is not None else ""
+            self.prep_label.setText(f"Preparing the model: {ev.done} of {ev.total}{eta}")
+        elif ev.phase == "output":
+            self.prep_label.setText(f"Preparing the model: {_esc(ev.text)}")
+        else:
+            self.prep_label.setText(_esc(ev.text))
+        self.prepareEvent.emit(ev)
+
+    def _prep_done(self, pack: Any) -> None:
+        if self._closing:
+            return
+        self.prep_bar.setRange(0, 1000)
+        self.prep_bar.setValue(1000)
+        self.prep_label.setText(f"✓ The model's Strata pack is ready in <code>{_esc(str(pack))}</code>.")
+        self.prepareFinished.emit(str(pack))
+
+    def _prep_error(self, exc: BaseException) -> None:
+        if self._closing:
+            return
+        from engine_manager.errors import UserError
+
+        msg = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+        self.prep_bar.hide()
+        self.prep_label.setText(f"✗ {_esc(msg)}")
+        self.prepareFailed.emit(msg)
+
+    def _prep_finished(self) -> None:
+        self.prep_worker = None
+        if not self._closing:
+            self.prep_btn.setEnabled(True)
+
+    def _fit_progress(self) -> None:
+        """Progress stretches when the table is wide enough to give it ``_progress_min``, else it keeps that width
+        (and the table scrolls sideways) — never a header cut to "ogre"."""
+        hh = self.table.horizontalHeader()
+        room = self.table.viewport().width() - self._fixed_width
+        mode = QHeaderView.ResizeMode.Stretch if room >= self._progress_min else QHeaderView.ResizeMode.Fixed
+        if hh.sectionResizeMode(2) != mode:
+            hh.setSectionResizeMode(2, mode)
+        if mode == QHeaderView.ResizeMode.Fixed and hh.sectionSize(2) != self._progress_min:
+            hh.resizeSection(2, self._progress_min)
+
+    def resizeEvent(self, ev) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(ev)
+        if hasattr(self, "_progress_min"):
+            self._fit_progress()
+
     def shutdown(self, wait_s: float = SHUTDOWN_WAIT_S) -> bool:
         """Window closing: cancel the download (partial files keep their checkpoints; a later Download resumes
         them) and wait up to ``wait_s`` for its generator to end, so no worker thread is left emitting signals
         while the application tears its objects down. From here on every slot of this panel is a no-op, so a
         signal that still arrives changes nothing. Returns True when the worker stopped in time."""
         self._closing = True
+        if self.prep_worker is not None:       # closing the generator kills the release's tool
+            try:
+                self.prep_worker.quit()
+            except RuntimeError:
+                pass
         worker, control = self.worker, self.control
         if control is not None:
             control.cancel()

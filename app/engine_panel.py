@@ -364,7 +364,13 @@ class EnginePanel(QWidget):
         self.sup.auto_restart = self.auto_restart.isChecked()
         engine = self.resolved_engine()
         self._render_state(sv.STARTING, f"starting the {ENGINE_WORDS.get(engine, engine)}")
-        self._run_worker = run_generator(self.sup.run, engine, sv.usable_plan(engine, self.ctx.plan),
+        # the Placement tab's "Start with this plan": that plan as it is, even one made for another host (warned)
+        chosen, self.ctx.start_plan = getattr(self.ctx, "start_plan", None), None
+        plan = chosen if chosen is not None else sv.usable_plan(engine, self.ctx.plan)
+        warning = sv.plan_host_warning(chosen, self.ctx.hardware) if chosen is not None else None
+        if warning:
+            self._add_note(warning[0].upper() + warning[1:], "warning")
+        self._run_worker = run_generator(self.sup.run, engine, plan,
                                          on_event=self._on_event,
                                          on_done=self._run_done, on_error=self._on_error,
                                          on_finished=self._run_finished)
@@ -713,7 +719,10 @@ class EnginePanel(QWidget):
     def confirm_close(self, win) -> bool:
         if self._close_after_stop is not None:
             return False                              # still stopping: the window closes when it is done
-        if not self.is_running() and self._stop_worker is None:
+        if self._state not in sv.RUNNING_STATES and self._stop_worker is None:
+            # no engine known to run — at most the start-up look for one a previous panel left (a quit in the
+            # first ~0.2 s asked "The engine is still running…" about nothing, and under automation nobody
+            # answered: `dsv41-panel --quit-after 0` hung); shutdown() stops that look
             return True
         choice = self.ask_close_choice(win)
         if choice == "leave":

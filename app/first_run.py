@@ -74,8 +74,10 @@ class ModelPage(QWizardPage):
         self.ctx = ctx
         self.panel = panel
         self.setTitle("2 · The model")
-        self.setSubTitle("DeepSeek-V4.1-Flash at Q2_K: 264.5 GB in seven GGUF files. Download them (resumable, "
-                         "every byte verified), or use a folder that already has them.")
+        self.setSubTitle("DeepSeek-V4.1-Flash at Q2_K: 264.5 GB in seven GGUF files, for the real engine. Download "
+                         "them (resumable, every byte verified), or use a folder that already has them. The scripted "
+                         "engine (what a machine without a big NVIDIA GPU runs, labelled simulated) needs none of "
+                         "it: press Next to skip this step.")
         lay = QVBoxLayout(self)
         self.state = QLabel("Looking at the model folder…")
         self.state.setObjectName("firstRunModelState")
@@ -99,13 +101,31 @@ class ModelPage(QWizardPage):
                       "the panel is closed or the machine restarts.")
         note.setWordWrap(True)
         lay.addWidget(note)
+        # the provisioning step: the Strata engine loads a pack made from the shards by the release's own tool
+        self.prep_state = QLabel("Then, for the Strata engine: prepare the model (once; the engine release's own "
+                                 "tool makes its pack from the verified shards).")
+        self.prep_state.setObjectName("firstRunPrepareState")
+        self.prep_state.setWordWrap(True)
+        lay.addWidget(self.prep_state)
+        self.prep_btn = QPushButton("Prepare the model for the Strata engine")
+        self.prep_btn.setObjectName("firstRunPrepare")
+        lay.addWidget(self.prep_btn, 0, Qt.AlignmentFlag.AlignLeft)
+        self.prep_bar = QProgressBar()
+        self.prep_bar.setObjectName("firstRunPrepareBar")
+        self.prep_bar.setRange(0, 0)
+        self.prep_bar.hide()
+        lay.addWidget(self.prep_bar)
         lay.addStretch(1)
         self.download_btn.clicked.connect(self.start_download)
         self.folder_btn.clicked.connect(self.pick_folder)
+        self.prep_btn.clicked.connect(self.start_prepare)
         if panel is not None:
             panel.progressChanged.connect(self._progress)
             panel.modelFinished.connect(self._finished)
             panel.errorRaised.connect(self._error)
+            panel.prepareEvent.connect(self._prep_event)
+            panel.prepareFinished.connect(self._prep_done)
+            panel.prepareFailed.connect(self._prep_failed)
         self.refresh()
 
     def refresh(self) -> None:
@@ -146,6 +166,37 @@ class ModelPage(QWizardPage):
 
     def _error(self, msg: str, fix: str) -> None:
         self.state.setText(f"✗ {msg}" + (f" — {fix}" if fix else ""))
+
+    def start_prepare(self) -> None:
+        if self.panel is None:
+            self.ctx.requestTab.emit("Downloads")
+            return
+        self.prep_bar.setRange(0, 0)
+        self.prep_bar.show()
+        self.prep_btn.setEnabled(False)
+        self.prep_state.setText("Preparing the model for the Strata engine…")
+        self.panel.start_prepare()
+
+    def _prep_event(self, ev: Any) -> None:
+        self.prep_bar.show()
+        if ev.phase == "progress" and ev.fraction is not None:
+            self.prep_bar.setRange(0, 1000)
+            self.prep_bar.setValue(int(ev.fraction * 1000))
+            eta = f" · ETA {dl.fmt_eta(ev.eta_s)}" if ev.eta_s is not None else ""
+            self.prep_state.setText(f"Preparing: {ev.done} of {ev.total}{eta}")
+        elif ev.phase != "output":
+            self.prep_state.setText(ev.text)
+
+    def _prep_done(self, pack: str) -> None:
+        self.prep_bar.setRange(0, 1000)
+        self.prep_bar.setValue(1000)
+        self.prep_btn.setEnabled(True)
+        self.prep_state.setText(f"✓ The model is prepared for the Strata engine ({pack}).")
+
+    def _prep_failed(self, msg: str) -> None:
+        self.prep_bar.hide()
+        self.prep_btn.setEnabled(True)
+        self.prep_state.setText(f"✗ {msg}")
 
 
 class PlanPage(QWizardPage):
@@ -248,8 +299,9 @@ def open_dialog(window) -> FirstRunDialog:
     return dlg
 
 
-def install(window) -> None:
-    """Add Help ▸ Getting started… to ``window`` and show the wizard once at startup when it should."""
+def install(window, autoshow: bool = True) -> None:
+    """Add Help ▸ Getting started… to ``window`` and show the wizard once at startup when it should (``autoshow``;
+    off for automation: `dsv41-panel --quit-after/--screenshot`)."""
     window.first_run_dialog = None
     act = QAction("&Getting started…", window)
     act.setObjectName("actionGettingStarted")
@@ -269,4 +321,5 @@ def install(window) -> None:
         run_function(should_show, window.ctx,
                      on_done=lambda yes: open_dialog(window) if yes and window.isVisible() else None)
 
-    QTimer.singleShot(0, maybe_show)
+    if autoshow:
+        QTimer.singleShot(0, maybe_show)

@@ -13,7 +13,7 @@ import re
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import (
     QColor, QFont, QFontDatabase, QGuiApplication, QKeySequence, QShortcut, QSyntaxHighlighter, QTextCharFormat,
-    QTextCursor, QTextDocument,
+    QTextCursor, QTextDocument, QTextOption,
 )
 from PySide6.QtWidgets import (
     QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget,
@@ -69,6 +69,10 @@ class LogView(QWidget):
         self.follow.setObjectName("logFollow")
         self.follow.setChecked(True)
         self.follow.setToolTip("Keep the newest line in view")
+        self.wrap = QCheckBox("Wrap")
+        self.wrap.setObjectName("logWrap")
+        self.wrap.setChecked(True)
+        self.wrap.setToolTip("Wrap long lines at the window's edge (off: one line per log line, scroll sideways)")
         self.search = QLineEdit()
         self.search.setObjectName("logSearch")
         self.search.setPlaceholderText("Search the log (Ctrl+F; Enter next, Shift+Enter previous)")
@@ -88,6 +92,7 @@ class LogView(QWidget):
         self.reload_btn = QPushButton("Reload")
         self.reload_btn.setToolTip("Read the log file again")
         bar.addWidget(self.follow)
+        bar.addWidget(self.wrap)
         bar.addWidget(self.search, 1)
         bar.addWidget(self.prev_btn)
         bar.addWidget(self.next_btn)
@@ -99,7 +104,9 @@ class LogView(QWidget):
         self.text = QPlainTextEdit()
         self.text.setObjectName("logText")
         self.text.setReadOnly(True)
-        self.text.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
+        # long lines wrap (the start of every line stays in view); Wrap off gives one row per line
+        self.text.setLineWrapMode(QPlainTextEdit.LineWrapMode.WidgetWidth)
+        self.text.setWordWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
         self.text.setMaximumBlockCount(MAX_LINES)
         self.text.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
         self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse
@@ -120,6 +127,7 @@ class LogView(QWidget):
         self.copy_btn.clicked.connect(self.copy_all)
         self.reload_btn.clicked.connect(self.reload)
         self.follow.toggled.connect(lambda on: on and self._scroll_to_end())
+        self.wrap.toggled.connect(self.set_wrap)
         self.text.verticalScrollBar().valueChanged.connect(self._user_scrolled)
         ctx_sc = Qt.ShortcutContext.WidgetWithChildrenShortcut
         for seq, slot in ((QKeySequence.StandardKey.Find, self.focus_search), ("F3", self.find_next),
@@ -176,11 +184,22 @@ class LogView(QWidget):
             bar.setValue(keep)
             self._programmatic_scroll = False
 
+    def set_wrap(self, on: bool) -> None:
+        self.text.setLineWrapMode(QPlainTextEdit.LineWrapMode.WidgetWidth if on
+                                  else QPlainTextEdit.LineWrapMode.NoWrap)
+        self.text.horizontalScrollBar().setValue(0)
+        if self.follow.isChecked():
+            self._scroll_to_end()
+
     def _scroll_to_end(self) -> None:
         self._programmatic_scroll = True
+        # the cursor goes to the START of the last line: at its end, the view scrolled sideways to show it and
+        # every line's beginning was cut off
         self.text.moveCursor(QTextCursor.MoveOperation.End)
+        self.text.moveCursor(QTextCursor.MoveOperation.StartOfBlock)
         bar = self.text.verticalScrollBar()
         bar.setValue(bar.maximum())
+        self.text.horizontalScrollBar().setValue(0)
         self._programmatic_scroll = False
 
     def _user_scrolled(self, value: int) -> None:

@@ -11,8 +11,6 @@ import os
 import shutil
 import sys
 
-from engine_manager.settings import SettingsError, load_settings
-
 
 def _has_display() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")) or \
@@ -34,6 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="after --screenshot-delay seconds, save a picture of the window and quit (for docs/tests)")
     p.add_argument("--screenshot-delay", type=float, default=3.0, metavar="S")
     p.add_argument("--quit-after", type=float, metavar="S", help="quit after S seconds (smoke tests)")
+    # benchmarks/startup.py: print the wall-clock time of the window's first paint and of the pages being built
+    p.add_argument("--report-startup", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -59,38 +59,80 @@ def main(argv: list[str] | None = None) -> int:
     if icon.exists():
         app.setWindowIcon(QIcon(str(icon)))
 
-    try:
-        loaded = load_settings()
-    except SettingsError as exc:
-        print(f"dsv41-panel: {exc}", file=sys.stderr, flush=True)
-        # on a virtual screen or in automation nobody can click the box away: the message above is the answer
-        if not (os.environ.get("DSV41_UNDER_XVFB") or args.screenshot or args.quit_after is not None):
-            box = QMessageBox(QMessageBox.Icon.Critical, "dsv41 panel: a setting is not valid", str(exc))
-            box.setInformativeText("Fix it (the environment variable or the settings file) and start the panel "
-                                   "again. `dsv41 settings list` shows every setting and what it allows.")
-            box.exec()
-        return 2
-
-    from .context import AppContext
     from .main_window import MainWindow
 
-    ctx = AppContext(loaded)
-    win = MainWindow(ctx)
+    # the window shows first; the settings (pydantic) are read and its pages (plots, chat, engine panel: most of
+    # the start-up's imports) built right after its first paint
+    automated = bool(args.screenshot or args.quit_after is not None)
+
+    def make_context():
+        from engine_manager.paths import PathVariableError
+        from engine_manager.settings import SettingsError, load_settings
+        try:
+            loaded = load_settings()
+        except (SettingsError, PathVariableError) as exc:  # a bad setting or folder variable: the message
+            print(f"dsv41-panel: {exc}", file=sys.stderr, flush=True)
+            win.hide()
+            # on a virtual screen or in automation nobody can click the box away: the message above is the answer
+            if not (os.environ.get("DSV41_UNDER_XVFB") or args.screenshot or args.quit_after is not None):
+                box = QMessageBox(QMessageBox.Icon.Critical, "dsv41 panel: a setting is not valid", str(exc))
+                box.setInformativeText("Fix it (the environment variable or the settings file) and start the panel "
+                                       "again. `dsv41 settings list` shows every setting and what it allows.")
+                box.exec()
+            app.exit(2)
+            return None
+        from .context import AppContext
+        return AppContext(loaded)
+
+    win = MainWindow(make_context, lazy=True, show_first_run=not automated)
+    win.ask_on_close = not automated       # nobody is there to answer a question
+    if args.report_startup:
+        report_startup(app, win)
+
+    def frozen() -> None:
+        # The window's ~120k long-lived objects made one full garbage-collection pass take 93 ms (a visible stall
+        # in the plots, benchmarks/gui_load.py); freezing them moves them out of every later pass.
+        import gc
+        gc.collect()
+        gc.freeze()
+    win.pagesBuilt.connect(frozen)
     win.show()
-    # The window's ~120k long-lived objects made one full garbage-collection pass take 93 ms (a visible stall in
-    # the plots, benchmarks/gui_load.py); freezing them moves them out of every later pass.
-    import gc
-    gc.collect()
-    gc.freeze()
+
+    def quit_now() -> None:
+        # dialogs first (the Getting-started wizard, a message box): an open one kept the application running
+        for w in app.topLevelWidgets():
+            if w is not win and w.isVisible():
+                w.close()
+        win.close()
+        app.quit()
     if args.screenshot:
         def shoot() -> None:
+            win.build_pages()
             win.grab().save(args.screenshot)
-            win.close()
-            app.quit()
+            quit_now()
         QTimer.singleShot(int(args.screenshot_delay * 1000), shoot)
     if args.quit_after is not None:
-        QTimer.singleShot(int(args.quit_after * 1000), lambda: (win.close(), app.quit()))
+        QTimer.singleShot(max(0, int(args.quit_after * 1000)), quit_now)
     return app.exec()
+
+
+def report_startup(app, win) -> None:
+    """Print ``startup shown_at=<epoch s>`` when the window is first painted and ``startup built_at=<epoch s>``
+    once its pages are built (``benchmarks/startup.py`` reads them)."""
+    import time
+
+    from PySide6.QtCore import QEvent, QObject
+    from PySide6.QtWidgets import QWidget
+
+    class FirstPaint(QObject):
+        def eventFilter(self, obj, ev):  # noqa: N802 - Qt's name
+            if ev.type() == QEvent.Type.Paint and isinstance(obj, QWidget) and obj.window() is win:
+                app.removeEventFilter(self)
+                print(f"startup shown_at={time.time():.6f}", flush=True)
+            return False
+    app._first_paint = FirstPaint(app)
+    app.installEventFilter(app._first_paint)
+    win.pagesBuilt.connect(lambda: print(f"startup built_at={time.time():.6f}", flush=True))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -87,8 +87,10 @@ def _plot_specs() -> list[PlotSpec]:
             Series("decode_tok_s", "decode (all slots)", "#1f77b4", unit="tok/s"),
             # only while a prompt is read (a gap between prompts, where the card shows the last request's); Strata
             # and the sim report prefill for all slots together, none per slot: no per-slot prefill is drawn
-            Series("prefill_live_tok_s", "prefill, live (all slots; no per-slot figure)", "#ff7f0e", unit="tok/s"),
-        ]),
+            # on its own (right) axis: prompts read at hundreds of tok/s squashed a decode of ~50 to the bottom
+            Series("prefill_live_tok_s", "prefill, live (all slots; no per-slot figure)", "#ff7f0e", right=True,
+                   unit="tok/s"),
+        ], right_unit="prefill tok/s"),
         PlotSpec("slots", "Decode per slot", "tok/s", [
             Series(M.SLOT_COLUMNS[i], f"slot {i}", SLOT_COLORS[i], unit="tok/s")
             for i in range(M.MAX_SLOTS)
@@ -148,6 +150,17 @@ def nice_range(lo: float, hi: float, floor: float | None, cap: float | None) -> 
     return float(bottom), float(top)
 
 
+def isolated(y: np.ndarray) -> np.ndarray:
+    """Finite values whose neighbours are both missing (or absent): a line joining finite neighbours cannot draw
+    them, so they are drawn as dots."""
+    f = np.isfinite(y)
+    prev = np.zeros_like(f)
+    nxt = np.zeros_like(f)
+    prev[1:] = f[:-1]
+    nxt[:-1] = f[1:]
+    return f & ~prev & ~nxt
+
+
 def fmt_value(v: float | None, fmt: str = "{:.1f}", unit: str = "") -> str:
     if v is None or not math.isfinite(v):
         return "—"
@@ -189,6 +202,64 @@ class ElidedLabel(QLabel):
         self._elide()
 
 
+class FitLabel(QLabel):
+    """A card's big value: too long for its box at the full size, it is drawn smaller (down to MIN_SCALE), and
+    only then shortened ("…", the whole text in the tooltip); ``text()`` is always the whole text."""
+
+    MIN_SCALE = 0.68
+
+    def __init__(self, text: str = "", parent=None):
+        super().__init__(parent)
+        self._full = ""
+        self._base_pt: float | None = None
+        self.setText(text)
+
+    def setFont(self, font) -> None:  # noqa: N802 - Qt naming
+        self._base_pt = font.pointSizeF()
+        super().setFont(font)
+        self._fit()
+
+    def setText(self, text: str) -> None:  # noqa: N802 - Qt naming
+        if text == self._full and super().text():
+            return
+        self._full = text
+        self._fit()
+
+    def text(self) -> str:
+        return self._full
+
+    def shown_text(self) -> str:
+        return super().text()
+
+    def _fit(self) -> None:
+        width = self.contentsRect().width()
+        if width <= 20 or not self._full:
+            super().setText(self._full)
+            return
+        f = self.font()
+        base = self._base_pt or f.pointSizeF()
+        shown = self._full
+        for scale in (1.0, 0.9, 0.8, self.MIN_SCALE):
+            f.setPointSizeF(base * scale)
+            if QFontMetricsF(f).horizontalAdvance(self._full) <= width:
+                break
+        else:
+            shown = QFontMetricsF(f).elidedText(self._full, Qt.TextElideMode.ElideRight, width)
+        if abs(self.font().pointSizeF() - f.pointSizeF()) > 1e-3:
+            QLabel.setFont(self, f)
+        self.setToolTip(self._full if shown != self._full else "")
+        if super().text() != shown:
+            super().setText(shown)
+
+    def fits(self) -> bool:
+        return self.shown_text() == self._full and \
+            QFontMetricsF(self.font()).horizontalAdvance(self._full) <= self.contentsRect().width()
+
+    def resizeEvent(self, ev) -> None:  # noqa: N802 - Qt naming
+        super().resizeEvent(ev)
+        self._fit()
+
+
 class NowCard(QFrame):
     """One metric's current value: a title, a big value, a line of detail, an optional "simulated" tag."""
 
@@ -207,26 +278,34 @@ class NowCard(QFrame):
         f.setPointSizeF(max(7.0, f.pointSizeF() * 0.85))
         self.title.setFont(f)
         self.title.setStyleSheet("color: palette(mid);")
-        self.tag = QLabel("simulated")
+        # short, so the title beside it keeps its room ("Expert swap…" was cut by "simulated")
+        self.tag = QLabel("sim.")
+        self.tag.setToolTip("simulated: modelled by the scripted engine, not measured on hardware")
         self.tag.setFont(f)
         self.tag.setStyleSheet("color: #8a5a00; background: #fff1cc; border-radius: 3px; padding: 0 3px;")
         self.tag.hide()
         top.addWidget(self.title, 1)
         top.addWidget(self.tag)
-        self.value = QLabel("—")
+        self.value = FitLabel("—")
         self.value.setObjectName(f"nowValue_{key}")
         vf = self.value.font()
         vf.setPointSizeF(vf.pointSizeF() * 1.35)
         vf.setBold(True)
         self.value.setFont(vf)
+        # up to two lines of detail ("rolling 81.2% · planner 89.6%" was cut at one); a fixed height, so a
+        # change of text never relays the cards out
         self.detail = QLabel("")
         self.detail.setFont(f)
+        self.detail.setWordWrap(True)
+        self.detail.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        self.detail.setFixedHeight(QFontMetricsF(f).lineSpacing() * 2 + 2)
         self.detail.setStyleSheet("color: palette(mid);")
         lay.addLayout(top)
         lay.addWidget(self.value)
         lay.addWidget(self.detail)
         for w in (self.title, self.value, self.detail):
             w.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.title.setMinimumWidth(0)
         self.setMinimumWidth(96)
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
 
@@ -237,6 +316,7 @@ class NowCard(QFrame):
             self.value.setText(text)
         if self.detail.text() != detail:
             self.detail.setText(detail)
+            self.detail.setToolTip(detail)
         if self.tag.isVisibleTo(self) != simulated:
             self.tag.setVisible(simulated)
         if self.toolTip() != tip:
@@ -495,6 +575,7 @@ class _Plot:
             it.vb.sigResized.connect(self._sync_right)
         self.curves: dict[str, pg.PlotDataItem] = {}
         self.series: dict[str, Series] = {}
+        self.dots: dict[str, pg.ScatterPlotItem] = {}
         for s in spec.series:
             pen = pg.mkPen(s.color, width=s.width, style=s.style)
             if s.right and self.right_vb is not None:
@@ -508,6 +589,12 @@ class _Plot:
                 c.setDownsampling(auto=True, method="peak")
             self.curves[s.column] = c
             self.series[s.column] = s
+            # a reading with no neighbour (a prompt read within one poll, a slot busy for one tick) has no line
+            # segment to draw: it is a dot, so every reading shows and the y range never holds an invisible one
+            dots = pg.ScatterPlotItem(size=5, pen=None, brush=pg.mkBrush(s.color))
+            dots.setZValue(c.zValue() + 1)
+            (self.right_vb if s.right and self.right_vb is not None else it.vb).addItem(dots)
+            self.dots[s.column] = dots
         # The legend sits in the title row, above the data, never over it (a legend inside the plot covered
         # the newest values); it is laid out again only when the plot's width or its set of curves changes.
         self.legend_cols: set[str] = set(self.curves)
@@ -595,6 +682,7 @@ class _Plot:
             if want == curve.isVisible() and (col in self.legend_cols) == want:
                 continue
             curve.setVisible(want)
+            self.dots[col].setVisible(want)
             changed = True
             if want:
                 self.legend_cols.add(col)
@@ -624,9 +712,13 @@ class _Plot:
             if t.size == 0 or not np.isfinite(y).any():
                 if self.empty.get(col) is not True:        # already empty: nothing to redraw
                     curve.setData([], [])
+                    self.dots[col].setData([], [])
                     self.empty[col] = True
             else:
                 curve.setData(t, y, connect="finite")
+                lone = isolated(y)
+                if lone.any() or self.dots[col].data.size:
+                    self.dots[col].setData(t[lone], y[lone])
                 self.empty[col] = False
         if fit_y:
             self.fit_y(x_range)
@@ -940,14 +1032,26 @@ class MonitorView(QWidget):
                                     on_error=lambda exc: self.status.setText(f"Monitor stopped: {exc}"))
         self.hubStarted.emit(hub)
         self._apply_plan(info.get("plan") if info.get("plan") is not None else self.ctx.plan)
+        self._tell_placement(info.get("plan"), hub)
         self.schedule_redraw()
+
+    def _tell_placement(self, plan, hub) -> None:
+        """The Placement tab shows the plan the engine runs and takes its routing trace as its data, no click."""
+        trace = next((str(s.path) for s in hub.sources if isinstance(s, M.RoutingSource)), None)
+        target = getattr(self.window(), "placement_view", None)
+        fn = getattr(target, "show_running", None)
+        if callable(fn):
+            try:
+                fn(plan, trace)
+            except Exception as exc:  # the other view's problem must not stop the monitor
+                self.ctx.statusMessage.emit(f"Placement tab could not show the running plan: {exc}", 6000)
 
     def on_engine_stopped(self) -> None:
         self._generation += 1
         self._stop_hub()
         self.show_stopped_cards()
         if self.last_tick is not None:
-            self.status.setText("Engine stopped — the plots keep the run; Ctrl+E exports it.")
+            self.status.setText("Engine stopped. Ctrl+E exports the run.")     # short: it fit no status row
         else:
             self.status.setText("Not collecting: no engine is running.")
 
@@ -1250,9 +1354,12 @@ class MonitorView(QWidget):
             slots += f" · {q:.0f} queued"
         snap = tick.notes.get("steady")
         last_reply = getattr(snap, "last_reply_tok_s", None)
-        if busy == 0 and last_reply is not None:
-            slots = f"idle · last reply {last_reply:,.0f} tok/s"
-        self.cards["decode"].show_value(fmt_value(dec, "{:.1f}", "tok/s"), slots, sim,
+        idle = busy == 0
+        if idle:
+            slots = f"idle · last reply {last_reply:,.0f} tok/s" if last_reply is not None else "idle"
+        # nothing decodes while every slot is idle: no rate, whatever a window still emptying says ("48.1 tok/s
+        # · idle" read as a live rate); the last reply's own figure is in the detail line
+        self.cards["decode"].show_value("—" if idle else fmt_value(dec, "{:.1f}", "tok/s"), slots, sim,
                                         why("engine") or self._decode_tip(tick, last_reply))
         live = tick.notes.get("prefill_live")
         state = self._state_text(tick)
@@ -1271,11 +1378,24 @@ class MonitorView(QWidget):
                                          stale=live is False)
         hr, roll, pred = v.get("hit_rate"), v.get("hit_rate_rolling"), tick.predicted_hit_rate
         pred_s = "planner: unknown" if pred is None else f"planner {pred * 100:.1f}%"
+        # Strata reports a hit rate only when a request finishes (no live figure): the adapter's extra says the
+        # newest finished request's (hit_rate_last) and a token-weighted one over the recent finished requests
+        hx = getattr(tick.sample, "extra", None) or {}
+        hr_last, hr_recent, hr_n = hx.get("hit_rate_last"), hx.get("hit_rate_recent"), hx.get("hit_rate_recent_requests")
+        no_live = hr is None and hr_last is not None
+        if no_live:
+            hr = hr_last
         hr_text = fmt_value(None if hr is None else hr * 100, "{:.1f}", "%")
-        idle_hr = busy == 0 and hr is not None and tick.engine != "llamacpp"   # llama.cpp's is its placement's
-        self.cards["hit"].show_value(f"last {hr_text}" if idle_hr else hr_text,
-                                     f"rolling {fmt_value(None if roll is None else roll * 100, '{:.1f}', '%')} · "
-                                     f"{pred_s}", sim, why("engine") or (
+        idle_hr = (busy == 0 and hr is not None and tick.engine != "llamacpp") or no_live  # llama.cpp's: placement's
+        rolling = (f"last {hr_n:.0f} requests {fmt_value(hr_recent * 100, '{:.1f}', '%')}"
+                   if hr_recent is not None and hr_n else
+                   f"rolling {fmt_value(None if roll is None else roll * 100, '{:.1f}', '%')}")
+        self.cards["hit"].show_value(f"last request {hr_text}" if hr_last is not None and idle_hr else
+                                     f"last {hr_text}" if idle_hr else hr_text,
+                                     f"{rolling} · {pred_s}", sim, why("engine") or (
+                                         "The newest finished request's share of expert picks that hit the GPU: "
+                                         "the engine reports it when a request finishes, not while one runs."
+                                         if no_live else
                                          "Idle: the last request's share of expert picks that hit the GPU."
                                          if idle_hr else "Expert picks that hit the GPU, while decoding."),
                                      stale=idle_hr)

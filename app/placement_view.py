@@ -112,6 +112,9 @@ class PlacementView(QWidget):
         self._worker = None
         self._closing = False
         self._grid: dict[str, Any] = {}
+        self.running_trace: str | None = None     # the running engine's --dump-routing trace (from the monitor)
+        self.running_plan: dict[str, Any] | None = None
+        self._mode_chosen = False                 # the user picked a heatmap mode: no automatic switch after that
 
         lay = QVBoxLayout(self)
         lay.setContentsMargins(6, 6, 6, 6)
@@ -130,8 +133,8 @@ class PlacementView(QWidget):
         self.host.setItemData(1, "RTX PRO 6000 Blackwell, 96 GB (97,887 MiB) VRAM, 280 GB RAM: the guides' "
                                  "reference host — not this machine", Qt.ItemDataRole.ToolTipRole)
         self.host.addItem("another host…", "custom")
-        self.host.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        self.host.setMinimumContentsLength(24)
+        # as wide as its longest entry ("the guides' workstation (hypothetical)" was cut at 24 characters)
+        self.host.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
         self.host.currentIndexChanged.connect(self._host_changed)
         row.addWidget(self.host)
         # Both sizes in GiB, as `dsv41 plan --vram-gib/--ram-gib` take them, so the same number gives the same plan
@@ -157,6 +160,14 @@ class PlacementView(QWidget):
         row.addWidget(self.ram)
         row.addWidget(self.ram_gb)
         row.addStretch(1)
+        # start with the plan on screen even when it was made for another host (the engine panel warns, naming it)
+        self.start_with_plan = QPushButton("Start with this plan")
+        self.start_with_plan.setObjectName("startWithPlan")
+        self.start_with_plan.setToolTip("Start the engine with the plan shown here, even one made for another host "
+                                        "(as `dsv41 start --plan FILE` does); a refused plan cannot start")
+        self.start_with_plan.setEnabled(False)
+        self.start_with_plan.clicked.connect(self.start_with_shown_plan)
+        row.addWidget(self.start_with_plan)
         lay.addLayout(row)
         row = QHBoxLayout()
         self.add_usage = QPushButton("Add routing data…")
@@ -164,8 +175,16 @@ class PlacementView(QWidget):
         self.add_usage.clicked.connect(self._pick_usage)
         self.clear_usage = QPushButton("Clear")
         self.clear_usage.clicked.connect(self._clear_usage)
+        # the running engine's routing trace is this tab's data without a click; this plans again from it
+        self.replan_observed = QPushButton("Re-plan from observed routing")
+        self.replan_observed.setObjectName("replanObserved")
+        self.replan_observed.setToolTip("Plan again with the routing the running engine has observed (its "
+                                        "--dump-routing trace) as the frequencies")
+        self.replan_observed.clicked.connect(self.start_replan_observed)
+        self.replan_observed.hide()
         row.addWidget(self.add_usage)
         row.addWidget(self.clear_usage)
+        row.addWidget(self.replan_observed)
         row.addStretch(1)
         lay.addLayout(row)
         self.usage_label = QLabel()
@@ -211,6 +230,7 @@ class PlacementView(QWidget):
         self.mode.addItem("planned routing frequency", "frequency")
         self.mode.addItem("observed routing", "observed")
         self.mode.currentIndexChanged.connect(self._redraw_heatmap)
+        self.mode.activated.connect(lambda _i: setattr(self, "_mode_chosen", True))
         hm_row.addWidget(self.mode)
         hm_row.addStretch(1)
         ll.addLayout(hm_row)
@@ -332,29 +352,45 @@ class PlacementView(QWidget):
         self._persist()
 
     def _usage_text(self) -> None:
-        if self.usage_paths:
+        picks = float(self.observed.sum()) if self.observed is not None else 0.0
+        if self.running_trace:
+            seen = (f"{picks:,.0f} expert picks observed so far" if picks else
+                    "observed picks appear here as the engine serves requests")
+            extra = f"; also: {', '.join(self.usage_paths)}" if self.usage_paths else ""
+            self.usage_label.setText(f"Routing data: the running engine's trace ({self.running_trace}) — {seen}"
+                                     f"{extra}. Re-plan from observed routing uses it.")
+        elif self.usage_paths:
             self.usage_label.setText("Routing data: " + ", ".join(self.usage_paths))
+        elif picks:
+            self.usage_label.setText(f"Routing data: {picks:,.0f} expert picks observed by the monitor (heatmap: "
+                                     "observed routing).")
         else:
             self.usage_label.setText("Routing data: none — the predicted hit rate stays unknown until the engine "
                                      "has seen traffic (add a --dump-routing trace, or plan again once the monitor "
                                      "has observed routing).")
 
     # -- planning ----------------------------------------------------------------------------------------------------
-    def request(self) -> placement.PlanRequest:
+    def request(self, extra_usage: tuple[str, ...] = ()) -> placement.PlanRequest:
         host = self.host.currentData()
         return placement.PlanRequest(host=host, vram_bytes=int(self.vram.value() * GiB) if host == "custom" else None,
                                      ram_bytes=int(self.ram.value() * GiB) if host == "custom" else None,
-                                     usage_paths=tuple(self.usage_paths))
+                                     usage_paths=tuple(self.usage_paths) + tuple(extra_usage))
 
-    def start_plan(self) -> None:
+    def start_replan_observed(self) -> None:
+        """Plan again with the running engine's routing trace (what it has observed) as the frequencies."""
+        if self.running_trace:
+            self.start_plan(extra_usage=(self.running_trace,))
+
+    def start_plan(self, extra_usage: tuple[str, ...] = ()) -> None:
         if self._worker is not None:
             return
+        extra_usage = tuple(x for x in (extra_usage or ()) if isinstance(x, str) and x not in self.usage_paths)
         self._persist()
         self.plan_button.setEnabled(False)
         self.plan_button.setText("Planning…")
         self.summary.setText("Planning: reading the model's headers and the host…")
         hw = self.ctx.hardware if self.host.currentData() == "this" else None
-        self._worker = workers.run_function(placement.make_plan, self.ctx.settings, self.request(), hw,
+        self._worker = workers.run_function(placement.make_plan, self.ctx.settings, self.request(extra_usage), hw,
                                             on_done=self._on_done, on_error=self._on_error,
                                             on_finished=self._on_finished)
 
@@ -370,7 +406,10 @@ class PlacementView(QWidget):
         self.saved_note.setText(_esc(outcome.saved_note))
         self.saved_note.setVisible(bool(outcome.saved_note))
         try:
-            self.ctx.statusMessage.emit(f"{msg}. {outcome.saved_note}" if outcome.saved_note else msg, 10000)
+            # the message alone: where the plan was saved is said in the tab (it ran into the status bar's
+            # indicators when it was appended here)
+            self.ctx.statusMessage.emit(f"{msg} (where it is saved: Placement tab)." if outcome.saved_note else msg,
+                                        10000)
         except (AttributeError, RuntimeError):
             pass
 
@@ -400,8 +439,17 @@ class PlacementView(QWidget):
                 pass
 
     # -- rendering --------------------------------------------------------------------------------------------------
+    def start_with_shown_plan(self) -> None:
+        """Ask the engine panel to start with exactly the plan on screen (``ctx.start_plan``, taken once by
+        ``EnginePanel.start``)."""
+        if not self.plan or self.plan.get("refused"):
+            return
+        self.ctx.start_plan = self.plan
+        self.ctx.requestStart.emit()
+
     def show_plan(self, d: dict[str, Any], saved: bool = False) -> None:
         self.plan = d
+        self.start_with_plan.setEnabled(not d.get("refused"))
         m = d.get("model") or {}
         hw = d.get("hardware") or {}
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d.get("created_at") or time.time()))
@@ -483,8 +531,12 @@ class PlacementView(QWidget):
             if c.shape == (len(layers), ne) and c.sum() > 0:
                 freq = c / c.sum()
         ebl = m.get("expert_bytes_by_layer") or [m.get("expert_bytes", 0)] * len(layers)
+        # planned without routing data, the hot set is only a count (the planner lists experts 0..N of every
+        # layer); which experts the engine keeps hot is unknown until it has seen traffic
+        usage = d.get("usage") or {}
+        hot_known = bool(usage.get("sources") or counts or d.get("usage_note") or d.get("strp_path"))
         self._grid = {"layers": layers, "n_experts": ne, "hot_rank": hot_rank, "freq": freq,
-                      "bytes": np.asarray(ebl, dtype=np.int64)}
+                      "bytes": np.asarray(ebl, dtype=np.int64), "hot_known": hot_known}
 
     def _redraw_heatmap(self) -> None:
         g = self._grid
@@ -507,6 +559,16 @@ class PlacementView(QWidget):
             img = np.log10(o / max(o.sum(), 1e-12) * 1e6 + 1)
             self.image.setColorMap(pg.colormap.get("inferno"))
             levels = (0, max(1e-9, float(img.max())))
+        elif not g.get("hot_known", True):
+            # no routing data: which experts are hot is unknown — one flat, neutral field, said in words, never
+            # a pattern of "experts 0..N of every layer"
+            img = np.full(hot.shape, 0.5)
+            self.image.setColorMap(pg.ColorMap([0.0, 1.0], ["#d9d9d9", "#d9d9d9"]))
+            levels = (0.0, 1.0)
+            per_layer = int(hot.sum()) / max(1, len(g["layers"]))
+            self.hover.setText(f"Hot set unknown: the plan keeps {int(hot.sum()):,} experts in VRAM (~{per_layer:.0f} "
+                               "per layer) but had no routing data to say which — the engine fills them from "
+                               "traffic. Choose \"observed routing\" once it has run, or re-plan from it.")
         else:
             # placement: hot experts bright, cold dim; with frequencies the shade follows the frequency
             base = np.where(hot, 0.8, 0.3)
@@ -541,6 +603,8 @@ class PlacementView(QWidget):
         rank = int(g["hot_rank"][row, expert])
         nbytes = int(g["bytes"][row]) if row < len(g["bytes"]) else 0
         where = f"VRAM (hot, rank {rank + 1:,})" if rank >= 0 else "RAM (cold)"
+        if not g.get("hot_known", True):
+            where = "VRAM or RAM: unknown (planned without routing data)"
         if g["freq"] is not None:
             freq = f"{g['freq'][row, expert]:.4%} of planned picks"
         else:
@@ -576,6 +640,18 @@ class PlacementView(QWidget):
             self.cov_text.show()
 
     # -- observed routing (fed by the monitor) -------------------------------------------------------------------
+    def show_running(self, plan: dict[str, Any] | None, trace: str | None) -> None:
+        """The engine that just became ready: the plan it runs (shown when this tab shows none, or the running
+        one changed) and its routing trace, which becomes this tab's routing data without a click."""
+        self.running_trace = str(trace) if trace else None
+        self.replan_observed.setVisible(bool(self.running_trace))
+        if plan and self._worker is None:      # what runs is what this tab shows (unless a plan is being made)
+            self.running_plan = plan
+            self.show_plan(plan)
+            self.saved_note.setText(_esc("The plan the running engine was started with."))
+            self.saved_note.setVisible(True)
+        self._usage_text()
+
     def update_observed(self, counts) -> None:
         """Observed routing counts, (MoE layers or all blocks) × experts; shown in the heatmap's observed mode and
         compared with the planned hot set. Kept as given, so a plan shown later takes them on its own rows."""
@@ -586,7 +662,12 @@ class PlacementView(QWidget):
         if rows is None:
             return
         self._observed_counts = arr
+        first = self.observed is None or not self.observed.sum()
         self.observed = rows
+        if first and rows.sum() > 0 and not self._mode_chosen and self.mode.currentData() != "observed":
+            # the engine's routing is the tab's data without a click: its first counts switch the heatmap to it
+            self.mode.setCurrentIndex(self.mode.findData("observed"))
+        self._usage_text()
         g = self._grid
         if g and g["layers"] and rows.sum() > 0:
             hot = g["hot_rank"] >= 0

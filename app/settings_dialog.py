@@ -49,31 +49,59 @@ class SettingsDialog(QDialog):
         self.setMinimumWidth(640)
         self.editors: dict[str, QWidget] = {}
         self.secret_values: dict[str, str] = {}
+        self.locked_notes: dict[str, QLabel] = {}
         outer = QVBoxLayout(self)
-        scroll = QScrollArea()
+        self.scroll = scroll = QScrollArea()
         scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
         inner = QWidget()
-        form_box = QVBoxLayout(inner)
+        self.inner = inner
+        # two columns of groups (Engine | the rest): every setting is in view at 1280×800 without scrolling
+        columns = QHBoxLayout(inner)
+        columns.setSpacing(24)
         loaded = ctx.loaded
+        column_of = {"Engine": 0}
+        boxes = [QVBoxLayout(), QVBoxLayout()]
         for group, names in GROUPS.items():
+            form_box = boxes[column_of.get(group, 1)]
             title = QLabel(f"<b>{group}</b>")
             form_box.addWidget(title)
             form = QFormLayout()
             form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
+            form.setVerticalSpacing(6)
             for name in names:
                 editor = self._editor(name, getattr(loaded.settings, name))
                 info = Settings.model_fields[name]
                 tip = f"{info.description}.\nVariable: {field_env(name)}\nAllowed: {field_allowed(name)}"
+                field: QWidget = editor
                 if loaded.env_locked(name):
+                    # greyed alone did not say why: the reason is on screen under the field, and in the tooltip
                     editor.setEnabled(False)
-                    tip += f"\n\nLocked: set by {field_env(name)} in the environment."
+                    why = (f"Locked: set by {field_env(name)} in the environment, which wins over the settings "
+                           f"file. Unset {field_env(name)} (and restart the panel) to change it here.")
+                    tip = f"{why}\n\n{tip}"
+                    field = QWidget()
+                    fl = QVBoxLayout(field)
+                    fl.setContentsMargins(0, 0, 0, 0)
+                    fl.setSpacing(0)
+                    fl.addWidget(editor)
+                    note = QLabel(f"Locked: set by {field_env(name)} in the environment")
+                    note.setObjectName(f"locked_{name}")
+                    note.setStyleSheet("QLabel { color: #8a5a00; }")
+                    note.setToolTip(why)
+                    fl.addWidget(note)
+                    field.setToolTip(tip)
+                    self.locked_notes[name] = note
                 editor.setToolTip(tip)
                 self.editors[name] = editor
                 label = QLabel(info.title or name.replace("_", " "))
                 label.setToolTip(tip)
-                form.addRow(label, editor)
+                form.addRow(label, field)
             form_box.addLayout(form)
-        form_box.addStretch(1)
+            form_box.addSpacing(8)
+        for box in boxes:
+            box.addStretch(1)
+            columns.addLayout(box, 1)
         scroll.setWidget(inner)
         outer.addWidget(scroll, 1)
         self.error_label = QLabel("")
@@ -90,6 +118,21 @@ class SettingsDialog(QDialog):
         self.buttons.accepted.connect(self.save)
         self.buttons.rejected.connect(self.reject)
         outer.addWidget(self.buttons)
+        self._fit_to_screen()
+
+    def _fit_to_screen(self) -> None:
+        """The form in full (no scrolling) when the screen has room, else as much of it as the screen allows."""
+        screen = (self.parentWidget().screen() if self.parentWidget() is not None else None) or self.screen()
+        avail = screen.availableGeometry() if screen is not None else None
+        w = max(1000, self.inner.sizeHint().width() + self.scroll.verticalScrollBar().sizeHint().width())
+        h = self.inner.sizeHint().height() + 2
+        if avail is not None:
+            w = min(w, int(avail.width() * 0.92))
+            h = min(h, int(avail.height() * 0.92) - 160)       # the buttons, the note and the title bar
+        self.scroll.setMinimumSize(w, max(200, h))
+        hint = self.sizeHint()             # (adjustSize() would cap it at 2/3 of the screen)
+        self.resize(min(hint.width(), avail.width()) if avail is not None else hint.width(),
+                    min(hint.height(), avail.height()) if avail is not None else hint.height())
 
     # -- editors --------------------------------------------------------------------------------------------
     def _editor(self, name: str, value: Any) -> QWidget:

@@ -4,10 +4,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from PySide6.QtCore import QCoreApplication, QThreadPool
-from superqt.utils import FunctionWorker, GeneratorWorker, WorkerBase, create_worker
+
+if TYPE_CHECKING:
+    from superqt.utils import FunctionWorker, GeneratorWorker
+
+# superqt is imported on first use (~0.17 s): the main window appears before any worker is needed
 
 # superqt starts workers on Qt's global pool, whose default size is the number of cores (2 on small machines).
 # Our workers are long-lived and I/O-bound (a streaming chat answer, a readiness wait, the metrics poller, a
@@ -35,6 +39,7 @@ def stop_all(wait_ms: int = QUIT_WAIT_MS) -> bool:
     """Ask every running worker to stop (generators stop at their next yield) and wait up to ``wait_ms`` for the
     pool: called when the application quits, so no worker emits into widgets that are being deleted. Returns
     whether every worker finished in time (a blocking call that does not yield may outlast the wait)."""
+    from superqt.utils import WorkerBase
     try:
         WorkerBase.await_workers(wait_ms)
     except RuntimeError:
@@ -50,6 +55,7 @@ def run_generator(fn: Callable[..., Iterator[Any]], *args: Any,
                   **kwargs: Any) -> GeneratorWorker:
     """Start ``fn(*args, **kwargs)`` (a generator function) on a thread; each yielded event reaches
     ``on_event`` on the GUI thread. ``worker.quit()`` asks the generator to stop at its next yield."""
+    from superqt.utils import create_worker
     _ensure_pool()
     kwargs.setdefault("_ignore_errors", on_error is not None)  # handled by on_error: do not re-raise in the GUI
     worker = create_worker(fn, *args, _start_thread=False, **kwargs)
@@ -64,6 +70,7 @@ def run_function(fn: Callable[..., Any], *args: Any,
                  on_finished: Callable[[], None] | None = None,
                  **kwargs: Any) -> FunctionWorker:
     """Run a blocking call (I/O, a probe) off the GUI thread; its return value reaches ``on_done``."""
+    from superqt.utils import create_worker
     _ensure_pool()
     kwargs.setdefault("_ignore_errors", on_error is not None)
     worker = create_worker(fn, *args, _start_thread=False, **kwargs)

@@ -6,6 +6,7 @@ directory, fsync, chmod 0600, rename over the target (atomic on POSIX), fsync th
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -86,3 +87,42 @@ def move_aside(path: Path, reason: str = "corrupt") -> Path:
         n += 1
     os.replace(path, dest)
     return dest
+
+
+class LinkRefused(OSError):
+    """A file the panel reads or writes is a symbolic link: it is refused, never followed."""
+
+
+def _nofollow_open(path: Path, flags: int, mode: int = OWNER_ONLY) -> int:
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = "?"
+            raise LinkRefused(errno.ELOOP, f"{path} is a symbolic link (to {target}); the panel does not read or "
+                                           f"write through links. Remove the link (`rm {path}`) and try again",
+                              str(path)) from None
+        raise
+
+
+def read_bytes_nofollow(path: Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of ``path`` (at most ``max_bytes``), refusing a symbolic link (:class:`LinkRefused`) instead of
+    reading what it points to."""
+    fd = _nofollow_open(Path(path), os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        return f.read() if max_bytes is None else f.read(max_bytes)
+
+
+def open_append_nofollow(path: Path, mode: int = OWNER_ONLY) -> int:
+    """An owner-only file descriptor appending to ``path`` (created if missing), never through a symbolic link
+    (:class:`LinkRefused`); an existing file is tightened to ``mode`` through the descriptor (never via the name)."""
+    fd = _nofollow_open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+    try:
+        os.fchmod(fd, mode)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd

@@ -205,7 +205,8 @@ class ChatError(UserError):
     or the panel's engine is still starting), ``http`` (another status), ``stream_error`` (an error frame
     mid-stream), ``connection_lost``, ``engine_died``, ``stalled`` (read timeout), ``protocol`` (not an event stream
     / not JSON); before sending (:func:`check_target`): ``not_ours`` (a program the panel did not start holds the
-    port), ``key_mismatch`` (the panel's engine runs with another key).
+    port), ``key_mismatch`` (the panel's engine runs with another key), ``unknown`` (the status cannot be read:
+    nothing is sent).
     """
 
     def __init__(self, kind: str, message: str, *, status: int | None = None, engine_message: str | None = None):
@@ -605,12 +606,17 @@ class EngineTarget:
 
 def engine_status(settings):
     """``Supervisor(settings).status()``: the engine the panel started (from its state file, pid and start time
-    verified), or what else holds the settings' port. None when it cannot be read (a broken state file)."""
+    verified), or what else holds the settings' port. Raises :class:`ChatError` ``unknown`` when it cannot be read:
+    not knowing who holds the port is a reason to send nothing (fail closed), never a reason to send anyway."""
     try:
         from .supervisor import Supervisor
         return Supervisor(settings).status()
-    except Exception:  # noqa: BLE001 - no status is "unknown", decided by the caller
-        return None
+    except Exception as exc:  # noqa: BLE001 - any failure to read it means: unknown, so nothing is sent
+        raise ChatError(
+            "unknown",
+            f"Could not tell which program holds the engine's port ({type(exc).__name__}: {exc}), so nothing was "
+            f"sent: not your question, not your API key. Look at `dsv41 status` (or the Engine tab), fix what it "
+            f"names, and ask again.") from None
 
 
 def _port_of(base_url: str) -> int | None:
@@ -649,15 +655,56 @@ def scripted_by_hand(owner: dict[str, Any] | None) -> bool:
     return False
 
 
+def _is_loopback(base_url: str) -> bool:
+    try:
+        host = httpx.URL(base_url).host
+    except (httpx.InvalidURL, TypeError, ValueError):
+        return False
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _engine_holds(st, owner: dict[str, Any] | None) -> bool:
+    """Is the listener ``owner`` (:func:`engine_manager.supervisor.port_owner`) the engine the panel started and
+    that ``st`` verified alive (keeper and engine pid + start time)? Its pid is the engine's, or a process of the
+    engine's own process group (the keeper leads it; Linux never hands a live group's id to a new process)."""
+    if st is None or st.owner != "panel" or not st.running or not owner or not owner.get("pid"):
+        return False
+    pid = int(owner["pid"])
+    if st.pid and pid == st.pid:
+        return True
+    if st.pgid:
+        import os
+        try:
+            return os.getpgid(pid) == st.pgid
+        except OSError:
+            return False
+    return False
+
+
 def check_target(settings, base_url: str, api_key: str | None, *, status=None) -> None:
-    """Refuse (:class:`ChatError`) to send a chat, and with it the API key, to ``base_url`` when the supervisor's
-    status says the port is held by a program the panel did not start (kind ``not_ours``), or that the engine the
-    panel started there runs with another key than the one that would be sent (``key_mismatch``). Silent when
-    nothing says so (nothing listens: the request itself then says "No engine answers")."""
+    """Refuse (:class:`ChatError`) to send a chat, and with it the API key, to ``base_url`` unless the program
+    listening there is known to be ours. Checked on the ports the panel counts as its engine's (the settings' port
+    and the port of the engine it started), on loopback:
+
+    - the listener is the engine the panel started (its verified pid, or a process of its group): allowed, unless
+      that engine runs with another key than the one that would be sent (``key_mismatch``);
+    - the scripted engine run by hand (``dsv41 sim``) by this user: allowed;
+    - anything else — a program the panel did not start, one the system does not name, or a stranger listening
+      where the panel's engine died — ``not_ours``; and when the status cannot be read at all, ``unknown``
+      (fail closed). Nothing listening: silent (the request itself then says "No engine answers")."""
     st = status if status is not None else engine_status(settings)
-    if st is None:
+    port = _port_of(base_url)
+    ours_ports = {settings.port}
+    if st is not None and st.owner == "panel" and st.base_url:
+        ours_ports.add(_port_of(st.base_url))
+    if port is None or port not in ours_ports or not _is_loopback(base_url):
         return
-    if st.owner == "panel" and _same_url(st.base_url, base_url):
+    from .supervisor import describe_owner, port_free, port_owner, suggest_port
+    host = httpx.URL(base_url).host
+    if port_free("127.0.0.1" if host == "localhost" else host, port):
+        return                                   # nothing listens: the request says "No engine answers"
+    owner = port_owner(host, port)
+    if _engine_holds(st, owner):
         if st.key_matches is False and api_key and api_key == settings.api_key:
             raise ChatError(
                 "key_mismatch",
@@ -666,17 +713,19 @@ def check_target(settings, base_url: str, api_key: str | None, *, status=None) -
                 f"takes the current key (`dsv41 stop`, then `dsv41 start`; or Stop and Start in the panel), or put "
                 f"the old key back.")
         return
-    ext = st.external
-    port = _port_of(base_url)
-    if ext is not None and port is not None and port == settings.port and not scripted_by_hand(ext):
-        from .supervisor import describe_owner, suggest_port
-        free = suggest_port(settings.host, settings.port)
-        raise ChatError(
-            "not_ours",
-            f"Port {port} is held by {describe_owner(ext)}, not by an engine this panel started, so nothing was "
-            f"sent there: not your question, not your API key. Stop that program, or give the panel another port "
-            f"(`dsv41 settings set port {free or 'N'}`{', free now' if free else ''}; or Settings in the panel) "
-            f"and start the engine there (`dsv41 start`, or Start in the panel).")
+    if scripted_by_hand(owner):
+        return
+    died = ""
+    if st is not None and st.owner == "panel" and not st.running:
+        died = (f" The engine the panel started there (pid {st.pid}) is not running any more"
+                f"{f' ({st.state})' if st.state else ''}; another program took its port.")
+    free = suggest_port(settings.host, settings.port)
+    raise ChatError(
+        "not_ours",
+        f"Port {port} is held by {describe_owner(owner)}, not by an engine this panel started, so nothing was "
+        f"sent there: not your question, not your API key.{died} Stop that program, or give the panel another port "
+        f"(`dsv41 settings set port {free or 'N'}`{', free now' if free else ''}; or Settings in the panel) "
+        f"and start the engine there (`dsv41 start`, or Start in the panel).")
 
 
 def engine_target(settings, url: str | None = None, *, status=None) -> EngineTarget:

@@ -58,7 +58,7 @@ def verdicts(report: HardwareReport, settings: Settings) -> list[Verdict]:
 
     # GPU and driver ---------------------------------------------------------------------------------------
     if gpu is None:
-        out.append(Verdict("gpu", "NVIDIA GPU", "fail", f"none found: {report.gpu_error or 'unknown reason'}",
+        out.append(Verdict("gpu", "NVIDIA GPU", "fail", f"none: {report.gpu_error or 'unknown reason'}",
                            "The real engine needs an NVIDIA GPU. Without one the panel runs the scripted engine "
                            "(labelled simulated) so everything else can be tried."))
         out.append(Verdict("driver", "NVIDIA driver ≥ 580.65", "fail", "no driver",
@@ -185,7 +185,7 @@ def render_text(report: HardwareReport, vs: list[Verdict]) -> str:
             lines.append(f"GPU {g.index}: {g.name}, {g.vram_total_bytes // MiB:,} MiB, driver {g.driver_version}, "
                          f"bus {g.pci_bus_id}, NUMA node {g.numa_node if g.numa_node is not None else 'unknown'}")
     else:
-        lines.append(f"GPU: none ({report.gpu_error})")
+        lines.append(f"GPU: none — {report.gpu_error}")      # the reason says it once (it used to repeat "no GPU")
     lines.append("")
     width = max(len(v.title) for v in vs) if vs else 10
     for v in vs:

@@ -55,6 +55,8 @@ every start; ``verify="full"`` re-hashes anyway.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import http.client
 import json
@@ -122,6 +124,105 @@ class DiskSpaceError(DownloadError):
             f"{fmt_bytes(self.missing_bytes)} missing. Nothing was written.",
             "Free that much space there, or set DSV41_CACHE_DIR (or --dir) to a bigger disk, or DSV41_MODEL_DIR "
             "to a folder that already holds the seven shards.")
+
+
+class DiskFullError(DownloadError):
+    """The disk filled up while downloading (ENOSPC / over quota): said once, nothing retried; what was written up
+    to the last checkpoint is kept for a resume, and no temporary file is left."""
+
+    def __init__(self, path: Path, more_bytes: int):
+        self.path, self.more_bytes = path, max(0, more_bytes)
+        gb = max(self.more_bytes, 1) / 1e9
+        super().__init__(
+            f"disk full: {gb:.{1 if gb >= 0.1 else 3}f} GB more needed at {path}. The download stopped there; what "
+            "it had written is kept.",
+            "Free that much space (or set DSV41_CACHE_DIR / --dir to a bigger disk), then run the download again: "
+            "it resumes where it stopped.")
+
+
+class FolderBusy(DownloadError):
+    """Another download (CLI or panel, this or another process) is writing into the same folder."""
+
+    def __init__(self, folder: Path, holder: dict[str, Any]):
+        self.folder, self.holder = folder, holder
+        pid = holder.get("pid")
+        cmd = holder.get("command") or ""
+        since = holder.get("since")
+        when = time.strftime(" since %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else ""
+        who = (f"pid {pid}" + (f" ({cmd})" if cmd else "")) if pid else "another process (it did not say which)"
+        super().__init__(
+            f"Another download is writing into {folder}: {who}{when}. Two downloads into one folder would overwrite "
+            "each other's partial files, so this one did not start.",
+            "Wait for that download to finish (or stop it: Ctrl+C in its terminal, or Cancel in the panel), then "
+            "run this one again; it picks up whatever is still missing.")
+
+
+class FolderLock:
+    """An exclusive lock on a download folder (``fcntl.flock`` on ``<folder>/.dsv41-download/lock``), held while
+    a download writes there; the holder records its pid and command in the lock file so a second download can
+    say who holds it. (``flock`` is released by the kernel when the holder dies, so a stale lock cannot block.
+    Written with ``fcntl`` rather than the ``filelock`` package: that one truncates the file when it opens it,
+    which would wipe the holder's name a refused download wants to show.)"""
+
+    def __init__(self, state_dir: Path, folder: Path, command: str):
+        self.path = Path(state_dir) / "lock"
+        self.folder, self.command = folder, command
+        self.fd: int | None = None
+
+    def acquire(self) -> "FolderLock":
+        ensure_private_dir(self.path.parent)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, OWNER_ONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "{}")
+                except (OSError, ValueError):
+                    holder = {}
+                os.close(fd)
+                raise FolderBusy(self.folder, holder if isinstance(holder, dict) else {}) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:                     # the holder before us removes the file as it lets go: lock the current one
+                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": self.command[:200],
+                                      "since": time.time()}).encode(), 0)
+        except OSError:
+            pass                     # the lock holds either way; only the name shown to a second download is lost
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                os.unlink(self.path)     # while still held: nothing is left behind in the folder
+            except OSError:
+                pass
+            os.close(self.fd)        # closing drops the flock
+            self.fd = None
+
+
+def _command_words() -> str:
+    """This process as a person would name it (``dsv41 download --model``; the panel), no secret in it."""
+    import sys
+    argv = [os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv or [])]
+    if argv and argv[0] in ("__main__.py", "-m", "-c"):
+        argv[0] = "dsv41"
+    text = " ".join(argv) or "python"
+    return re.sub(r"(--?(?:token|hf[-_]token|api[-_]key)[= ])\S+", r"\1…(masked)", text)
+
+
+def _disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class HubError(DownloadError):
@@ -747,6 +848,12 @@ class _Fetcher:
         self.max_tries = max_tries
         self.backoff_s = backoff_s
         self.sync_bytes = SYNC_BYTES
+        self.remaining: Callable[[], int] | None = None    # bytes still to fetch, all jobs together
+
+    def _disk_full_error(self, job: _Job) -> DiskFullError:
+        left = self.remaining() if self.remaining is not None else job.size - job.ckpt_at
+        where, free = free_bytes(job.state_dir)
+        return DiskFullError(where, left - free)
 
     def _checkpoint(self, job: _Job, fd: int, offset: int, durable: bool = False) -> None:
         """Record that the partial file holds ``offset`` good bytes.
@@ -792,7 +899,17 @@ class _Fetcher:
             job.state = prev
 
     def run(self, job: _Job) -> None:
-        """Fetch ``job`` into its partial file, verify, rename into place. Raises DownloadError or _Stop."""
+        """Fetch ``job`` into its partial file, verify, rename into place. Raises DownloadError or _Stop; a full
+        disk is :class:`DiskFullError` at once (never retried as if it were the network)."""
+        try:
+            self._run(job)
+        except OSError as exc:
+            if not _disk_full(exc):
+                raise
+            job.state = "failed"
+            raise self._disk_full_error(job) from None
+
+    def _run(self, job: _Job) -> None:
         ensure_private_dir(job.state_dir)
         corrupt = 0
         while True:
@@ -889,6 +1006,8 @@ class _Fetcher:
             except DownloadError:
                 raise
             except Exception as exc:  # noqa: BLE001 - network trouble of any kind: retry with backoff
+                if _disk_full(exc):          # the disk, not the network: nothing to retry
+                    raise
                 if self.control.cancelled:   # the cancel aborted the connection: a stop, not a network error
                     self._checkpoint(job, fd, job.done, durable=True)
                     raise _Stop() from None
@@ -954,7 +1073,12 @@ class _Fetcher:
                         break
             finally:
                 if filled:
-                    os.pwrite(fd, mv[:filled], offset)
+                    try:
+                        _pwrite_all(fd, mv[:filled], offset)
+                    except BaseException:
+                        if owned:
+                            hasher.pool.put(buf)
+                        raise
                     if owned:
                         hasher.offer(offset, buf, filled)
                     job.done = offset + filled
@@ -998,17 +1122,36 @@ def _boot_id() -> str:
     return _BOOT_ID
 
 
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``pwrite`` may write less, e.g. just before the disk is full: the rest
+    then raises ENOSPC instead of being lost silently)."""
+    done = 0
+    while done < len(data):
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        done += n
+
+
 def _write_state(path: Path, obj: dict[str, Any], durable: bool) -> None:
-    """A small state file, replaced atomically (temp + rename); fsynced only when ``durable``."""
+    """A small state file, replaced atomically (temp + rename); fsynced only when ``durable``. A write that fails
+    (a full disk) leaves the previous state file as it was and no temporary file."""
     if durable:
         atomic_write_json(path, obj)
         return
     tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, OWNER_ONLY)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(fd, OWNER_ONLY)            # a temp left behind by a killed run keeps its old mode otherwise
-        f.write(json.dumps(obj))
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, OWNER_ONLY)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, OWNER_ONLY)        # a temp left behind by a killed run keeps its old mode otherwise
+            f.write(json.dumps(obj))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _fsync_dir(d: Path) -> None:
@@ -1197,6 +1340,7 @@ def _run_jobs(jobs: list[_Job], present: list[FileProgress], *, control: Downloa
     fetcher = _Fetcher(control, events, token=token, checkpoint_bytes=checkpoint_bytes,
                        stall_timeout_s=stall_timeout_s, min_speed_bps=min_speed_bps, max_tries=max_tries,
                        backoff_s=backoff_s)
+    fetcher.remaining = lambda: sum(max(0, j.size - j.ckpt_at) for j in jobs if j.state != "verified")
     todo: queue.SimpleQueue = queue.SimpleQueue()
     for j in jobs:
         todo.put(j)
@@ -1453,7 +1597,28 @@ def download_model(settings: Settings, *, target_dir: Path | None = None, jobs: 
         if free < needed + reserve_bytes:
             raise DiskSpaceError(where, free, needed + reserve_bytes)
 
-    # From here on things are written.
+    # From here on things are written: only by one download at a time (the GUI and the CLI alike).
+    lock = FolderLock(state_dir, target, _command_words()).acquire()
+    try:
+        return (yield from _download_locked(
+            res, target, state_dir, existing, pending, control=control, jobs=jobs, token=token, endpoint=endpoint,
+            checkpoint_bytes=checkpoint_bytes, stall_timeout_s=stall_timeout_s, min_speed_bps=min_speed_bps,
+            max_tries=max_tries, backoff_s=backoff_s, progress_interval_s=progress_interval_s, t0=t0))
+    except OSError as exc:           # the disk filled up outside a transfer (the folder's own state file)
+        if not _disk_full(exc):
+            raise
+        where, free = free_bytes(state_dir)
+        raise DiskFullError(where, needed - free) from None
+    finally:
+        lock.release()
+
+
+def _download_locked(res: Resolved, target: Path, state_dir: Path, existing: dict[str, bool | None],
+                     pending: list[RemoteFile], *, control: DownloadControl, jobs: int, token: str | None,
+                     endpoint: str, checkpoint_bytes: int, stall_timeout_s: float, min_speed_bps: float,
+                     max_tries: int, backoff_s: tuple[float, ...], progress_interval_s: float,
+                     t0: float) -> Iterator[Any]:
+    """The writing part of :func:`download_model`, run while its folder lock is held."""
     ensure_private_dir(state_dir)
     atomic_write_json(_state_path(target), {
         "schema": 1, "repo": res.repo, "revision": res.revision, "commit": res.commit, "endpoint": endpoint,
@@ -1598,7 +1763,41 @@ def read_engine_manifest(manifest: dict[str, Any] | os.PathLike | str | None = N
             "DSV41_ENGINE_MANIFEST / --engine-manifest at such a file), or unpack the engine yourself and set "
             "DSV41_ENGINE_DIR.")
     m["sha256"] = sha
+    m["executables"] = _manifest_paths(m.get("executables", []), "executables")
     return m
+
+
+def _manifest_paths(value: Any, key: str) -> list[str]:
+    """The manifest's ``key`` as a list of relative paths inside the release folder; anything else (an absolute
+    path, ``..``, a non-string) is refused in plain words, before anything is downloaded or touched."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ArchiveError(f"The engine manifest's {key!r} must be a list of paths inside the release folder "
+                           f"(got {value!r:.80}).", "Fix the manifest (resources/manifests/engine.json or "
+                           "DSV41_ENGINE_MANIFEST / --engine-manifest).")
+    bad = []
+    for v in value:
+        pp = PurePosixPath(v.replace("\\", "/"))
+        if not v or "\0" in v or pp.is_absolute() or re.match(r"^[A-Za-z]:", v) or ".." in pp.parts:
+            bad.append(v)
+    if bad:
+        raise ArchiveError(f"The engine manifest's {key!r} names {', '.join(repr(b) for b in bad[:3])}: a path "
+                           "that leaves the release folder (absolute, or climbing out with '..'). Nothing was "
+                           "downloaded or changed.", "Fix the manifest: list paths inside the release, such as "
+                           "\"bin/strata\".")
+    return list(value)
+
+
+def _inside(root: Path, rel: str) -> Path:
+    """``root / rel`` resolved (links followed), refused with :class:`ArchiveError` unless it stays in ``root``."""
+    base = root.resolve()
+    p = (root / rel).resolve()
+    if p != base and base not in p.parents:
+        raise ArchiveError(f"The engine manifest names {rel!r}, which resolves to {p}, outside the release folder; "
+                           "it was not touched and nothing was installed.",
+                           "Fix the manifest or the archive (a link inside it points out of the release).")
+    return p
 
 
 def installed_engine(settings: Settings, manifest: dict[str, Any] | None = None) -> Path | None:
@@ -1700,6 +1899,26 @@ def download_engine(settings: Settings, *, manifest: dict[str, Any] | os.PathLik
 
     job = _Job(asset, size, sha, downloads / asset, downloads / STATE_DIR, locate, pin={"url": url},
                max_corrupt_retries=1)
+    lock = FolderLock(downloads / STATE_DIR, downloads, _command_words()).acquire()
+    try:
+        return (yield from _install_engine_locked(settings, m, job, root, downloads, asset, dest, control=control,
+                                                  token=token, checkpoint_bytes=checkpoint_bytes,
+                                                  stall_timeout_s=stall_timeout_s, max_tries=max_tries,
+                                                  backoff_s=backoff_s, progress_interval_s=progress_interval_s,
+                                                  t0=t0))
+    finally:
+        lock.release()
+
+
+def _install_engine_locked(settings: Settings, m: dict[str, Any], job: _Job, root: Path, downloads: Path,
+                           asset: str, dest: Path, *, control: DownloadControl, token: str | None,
+                           checkpoint_bytes: int, stall_timeout_s: float, max_tries: int,
+                           backoff_s: tuple[float, ...], progress_interval_s: float, t0: float) -> Iterator[Any]:
+    """The writing part of :func:`download_engine`, run while its folder lock is held."""
+    version, url, size, sha = m["version"], m["url"], int(m["size"]), m["sha256"]
+    if installed_engine(settings, m) is not None:     # another download installed it while this one waited
+        yield Finished(dest, [dest], 0, time.monotonic() - t0, None, "engine")
+        return dest
     try:
         fetched = yield from _run_jobs([job], [], control=control, n_workers=1, token=token,
                                        checkpoint_bytes=checkpoint_bytes, stall_timeout_s=stall_timeout_s,
@@ -1722,7 +1941,7 @@ def download_engine(settings: Settings, *, manifest: dict[str, Any] | os.PathLik
         entries = [p for p in tmp.iterdir()]
         rel_root = entries[0] if len(entries) == 1 and entries[0].is_dir() else tmp
         for rel in m.get("executables", []):
-            p = rel_root / rel
+            p = _inside(rel_root, rel)
             if not p.is_file():
                 raise ArchiveError(f"The engine archive has no {rel}, which the manifest names as its executable.",
                                    "The release does not match the manifest; check both.")

@@ -341,7 +341,7 @@ def probe_gpus(sysfs: Path = SYSFS, nodes: list[NumaNodeInfo] | None = None
     except Exception as exc:
         name = type(exc).__name__
         if "LibraryNotFound" in name:
-            return [], "no NVIDIA driver found (NVML library libnvidia-ml.so is missing): no NVIDIA GPU", None
+            return [], "no NVIDIA driver (its NVML library, libnvidia-ml.so, is missing)", None
         if "DriverNotLoaded" in name:
             return [], "the NVIDIA driver is installed but not loaded (is a GPU present? try nvidia-smi)", None
         return [], nvml_reason(exc, "NVML could not start"), None

@@ -1,6 +1,7 @@
 """The engine's keeper: a tiny process that starts the engine, owns its output and records how it ended.
 
-    python -I -S keeper.py --log FILE --exit-file FILE [--max-bytes N] [--backups K] -- ENGINE ARGV...
+    python -I -S keeper.py --log FILE --exit-file FILE [--max-bytes N] [--backups K] [--mask-stdin]
+                           [--follow FILE [--follow-prefix TEXT]] -- ENGINE ARGV...
 
 The supervisor starts the keeper as the leader of a new session and process group; the keeper starts the engine
 (behind its NUMA binding prefix) in that same group, so ``kill -TERM -<pgid>`` reaches both. Why a keeper rather
@@ -10,8 +11,18 @@ than the engine writing its own file:
   ``dsv41 start`` returns, or after the panel was killed);
 - **how the engine ended** (exit code, or the signal that killed it — SIGKILL usually means the OOM killer) is
   written atomically to ``--exit-file`` (0600), so a panel that re-attaches later can still explain a crash;
-- the API key (passed in ``DSV41_KEEPER_MASK``, removed from the engine's environment) is masked out of every
-  line the engine prints, so the log never holds the secret.
+- the secrets (the API key) are masked out of every line the engine prints, so the log never holds them. With
+  ``--mask-stdin`` they are read from the keeper's stdin up to end of file — a pipe the supervisor writes and
+  closes: ``MASK <secret>`` lines, and ``ENV NAME=VALUE`` lines for a secret the engine takes from its environment
+  (Strata's ``$STRATA_API_KEY``), set in the engine's environment only — never from the keeper's own environment:
+  ``/proc/<pid>/environ`` is readable for the process's whole life (issue 15 item 2). ``DSV41_KEEPER_MASK``, if a
+  caller still sets it, is honoured and removed from the engine's environment;
+- ``--follow FILE``: a log file the engine writes itself (Strata's server sends the native engine's stderr to its
+  config's ``log`` file, ``serve/server.py`` ``StrataEngine.__init__``, opened for appending) is emptied at launch
+  (so only this run's lines count) and followed into the rotated log, masked, each line prefixed (``[engine] ``),
+  until the engine has ended and the file is drained;
+- every log file is opened with ``O_NOFOLLOW``: a symbolic link planted at a log's path is refused with a plain
+  error, never followed (issue 15 item 4).
 
 The keeper ignores SIGTERM/SIGINT/SIGHUP (with a Python handler, which ``exec`` resets for the engine): it keeps
 copying output until the engine's end of file, so the last lines the engine prints while shutting down are kept.
@@ -26,9 +37,26 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 MASK_ENV = "DSV41_KEEPER_MASK"
+FOLLOW_PREFIX = "[engine] "
+
+
+class LinkRefused(OSError):
+    """A log path is a symbolic link."""
+
+
+def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` that refuses a symbolic link at ``path`` (``O_NOFOLLOW``) with :class:`LinkRefused`."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as exc:
+        if exc.errno == 40 or os.path.islink(path):      # ELOOP: the last component is a symbolic link
+            raise LinkRefused(exc.errno, f"{path} is a symbolic link; the panel does not write through links. "
+                                         "Remove the link (or move it away) and start again") from None
+        raise
 
 
 def _mask(data: bytes, secrets: list[bytes]) -> bytes:
@@ -41,15 +69,20 @@ def _mask(data: bytes, secrets: list[bytes]) -> bytes:
 class RotatingLog:
     def __init__(self, path: str, max_bytes: int, backups: int):
         self.path, self.max_bytes, self.backups = path, max_bytes, backups
+        self.lock = threading.Lock()       # the engine's output and a followed log are written from two threads
         self.f = self._open()
 
     def _open(self):
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = open_nofollow(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         return os.fdopen(fd, "ab", buffering=0)
 
     def write(self, data: bytes) -> None:
         """Append ``data`` (whole lines), rotating so that no file grows past ``max_bytes`` (a single longer
         line gets a file of its own)."""
+        with self.lock:
+            self._write(data)
+
+    def _write(self, data: bytes) -> None:
         while data:
             try:
                 size = os.fstat(self.f.fileno()).st_size
@@ -84,6 +117,58 @@ class RotatingLog:
         self.f.close()
 
 
+class Follower:
+    """Follows a log file the engine writes itself into the rotated log: masked, prefixed, whole lines."""
+
+    def __init__(self, path: str, log: RotatingLog, secrets: list[bytes], prefix: bytes):
+        # this run's lines only: the file is emptied (or created, 0600) before the engine starts
+        os.close(open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+        self.fd = open_nofollow(path, os.O_RDONLY)
+        self.log, self.secrets, self.prefix = log, secrets, prefix
+        self.pending = b""
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _pump(self, final: bool = False) -> bool:
+        got = False
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except InterruptedError:
+                continue
+            if not chunk:
+                break
+            got = True
+            self.pending += chunk
+            cut = self.pending.rfind(b"\n")
+            if cut >= 0:
+                self._emit(self.pending[:cut + 1])
+                self.pending = self.pending[cut + 1:]
+            elif len(self.pending) >= 65536:
+                self._emit(self.pending + b"\n")
+                self.pending = b""
+        if final and self.pending:
+            self._emit(self.pending + b"\n")
+            self.pending = b""
+        return got
+
+    def _emit(self, data: bytes) -> None:
+        lines = data.split(b"\n")[:-1]
+        self.log.write(_mask(b"".join(self.prefix + ln + b"\n" for ln in lines), self.secrets))
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            if not self._pump():
+                self.done.wait(0.1)
+
+    def finish(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=5)
+        self._pump(final=True)
+        os.close(self.fd)
+
+
 def _write_exit(path: str, record: dict) -> None:
     d = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(prefix=".exit.", dir=d)
@@ -108,14 +193,19 @@ def _stamp() -> str:
 
 def main(argv: list[str]) -> int:
     if "--" not in argv:
-        print("keeper: usage: keeper.py --log FILE --exit-file FILE [--max-bytes N] [--backups K] -- ARGV...",
-              file=sys.stderr)
+        print("keeper: usage: keeper.py --log FILE --exit-file FILE [--max-bytes N] [--backups K] [--mask-stdin] "
+              "[--follow FILE [--follow-prefix TEXT]] -- ARGV...", file=sys.stderr)
         return 2
     i = argv.index("--")
     opts, cmd = argv[:i], argv[i + 1:]
-    conf = {"--log": None, "--exit-file": None, "--max-bytes": "10485760", "--backups": "3"}
+    conf = {"--log": None, "--exit-file": None, "--max-bytes": "10485760", "--backups": "3", "--follow": None,
+            "--follow-prefix": FOLLOW_PREFIX}
+    flags = {"--mask-stdin": False}
     it = iter(opts)
     for k in it:
+        if k in flags:
+            flags[k] = True
+            continue
         if k not in conf:
             print(f"keeper: unknown option {k}", file=sys.stderr)
             return 2
@@ -123,10 +213,40 @@ def main(argv: list[str]) -> int:
     if not conf["--log"] or not conf["--exit-file"] or not cmd:
         print("keeper: --log, --exit-file and a command are required", file=sys.stderr)
         return 2
-    log = RotatingLog(conf["--log"], int(conf["--max-bytes"]), int(conf["--backups"]))
-    exit_file = conf["--exit-file"]
     env = dict(os.environ)
     secrets = [s.encode() for s in env.pop(MASK_ENV, "").split("\n") if s]
+    if flags["--mask-stdin"]:               # the supervisor writes the secrets into a pipe and closes it
+        try:
+            data = sys.stdin.buffer.read()
+        except (OSError, ValueError):
+            data = b""
+        for line in data.split(b"\n"):
+            if line.startswith(b"ENV ") and b"=" in line:      # a secret variable for the engine's environment only
+                name, _, value = line[4:].partition(b"=")
+                env[name.decode()] = value.decode()
+                if value:
+                    secrets.append(value)
+            elif line.startswith(b"MASK "):
+                if line[5:]:
+                    secrets.append(line[5:])
+            elif line:
+                secrets.append(line)
+    try:
+        log = RotatingLog(conf["--log"], int(conf["--max-bytes"]), int(conf["--backups"]))
+    except OSError as exc:
+        print(f"keeper: cannot open the engine log: {exc.strerror if isinstance(exc, LinkRefused) else exc}",
+              file=sys.stderr)
+        return 2
+    exit_file = conf["--exit-file"]
+    follower = None
+    if conf["--follow"]:
+        try:
+            follower = Follower(conf["--follow"], log, secrets, str(conf["--follow-prefix"]).encode())
+        except OSError as exc:
+            msg = exc.strerror if isinstance(exc, LinkRefused) else str(exc)
+            log.write(f"[dsv41 keeper {_stamp()}] cannot follow the engine's own log: {msg}\n".encode())
+            print(f"keeper: cannot follow the engine's own log: {msg}", file=sys.stderr)
+            return 2
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_a: None)
@@ -135,6 +255,8 @@ def main(argv: list[str]) -> int:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  env=env, close_fds=True)
     except OSError as exc:
+        if follower is not None:
+            follower.finish()
         log.write(f"[dsv41 keeper {_stamp()}] could not start the engine: {exc}\n".encode())
         _write_exit(exit_file, {"engine_pid": None, "returncode": 127, "signal": None, "signal_name": None,
                                 "ended_at": time.time(), "keeper_pid": os.getpid(), "spawn_error": str(exc)})
@@ -165,6 +287,8 @@ def main(argv: list[str]) -> int:
             break
         except InterruptedError:
             continue
+    if follower is not None:            # the engine's own last words (e.g. "unknown argument: X") before the exit
+        follower.finish()
     sig = -rc if rc < 0 else None
     name = signal.Signals(sig).name if sig else None
     record = {"engine_pid": child.pid, "returncode": rc, "signal": sig, "signal_name": name,

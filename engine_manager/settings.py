@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from . import paths
 from .atomic import atomic_write_json, move_aside, rotate_backup
@@ -241,6 +242,28 @@ class Settings(BaseModel):
     )
 
     # -- validation ----------------------------------------------------------------------------------------
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text(cls, v: Any, info) -> Any:
+        """Text no file or environment could sensibly hold is refused for every setting, with the reason (issue 15,
+        item 10: bytes that are not UTF-8 made `start --dry-run` fail with PydanticSerializationError; a 300-character
+        folder name with an OSError traceback)."""
+        if isinstance(v, Path):
+            v = str(v)
+        if not isinstance(v, str):
+            return v
+        if info.field_name in PATH_FIELDS:
+            problem = paths.path_problem(v)
+        elif paths._has_surrogates(v):
+            problem = "it is not valid UTF-8 text"
+        elif len(v) > MAX_TEXT:
+            problem = f"it is {len(v):,} characters long (at most {MAX_TEXT:,})"
+        else:
+            problem = None
+        if problem:
+            raise PydanticCustomError("dsv41_text", problem)
+        return v
+
     @field_validator("server_engine", mode="before")
     @classmethod
     def _alias_engine(cls, v: Any) -> Any:
@@ -322,11 +345,16 @@ class Settings(BaseModel):
         return out
 
 
+PATH_FIELDS = frozenset(n for n, f in Settings.model_fields.items()
+                         if "Path" in str(f.annotation))
+MAX_TEXT = 4096                     # characters in any text setting (a key, a token, flags, a repository name)
+
+
 def mask_secret(value: str | None) -> str:
     """``sk-abcdef…`` → ``sk-a…(43 chars)``; never the whole secret."""
     if not value:
         return ""
-    return f"{value[:4]}…({len(value)} chars)"
+    return f"{paths.shown(value[:4])}…({len(value)} chars)"
 
 
 def field_env(name: str) -> str:
@@ -338,15 +366,19 @@ def field_allowed(name: str) -> str:
 
 
 ENV_TO_FIELD = {field_env(n): n for n in Settings.model_fields}
+# Every DSV41_* variable the panel's settings read: the settings' own, then the folders of engine_manager.paths.
+ALL_ENV_VARS = tuple(ENV_TO_FIELD) + paths.ENV_VARS
 
 
 class SettingsError(ValueError):
     """A setting's value was refused. ``str()`` is the message for the user."""
 
     def __init__(self, setting: str, value: Any, allowed: str, source: str, env: str | None = None,
-                 path: Path | None = None):
+                 path: Path | None = None, reason: str | None = None):
         self.setting, self.value, self.allowed, self.source, self.env = setting, value, allowed, source, env
-        shown = mask_secret(str(value)) if _is_secret(setting) else value
+        shown = mask_secret(str(value)) if _is_secret(setting) else paths.shown(value)
+        if reason:
+            allowed = f"{allowed} ({reason})"
         if source == "unknown":
             super().__init__(f"There is no setting named {setting!r}. {allowed}")
             return
@@ -357,6 +389,15 @@ class SettingsError(ValueError):
         else:  # a value being saved (the settings dialog, `dsv41 settings set`): nothing was written
             head, tail = f"{setting}={shown!s}", "Nothing was saved."
         super().__init__(f"{head} is not allowed: {setting} must be {allowed}. {tail}")
+
+
+class SettingsFileError(SettingsError):
+    """The settings file cannot be read at all (permissions, a folder in its place...)."""
+
+    def __init__(self, path: Path, exc: OSError, verb: str = "read"):
+        self.setting, self.value, self.allowed, self.source, self.env = "", str(path), "", "file", None
+        ValueError.__init__(self, f"The settings file {path} cannot be {verb} ({exc.strerror or exc}). Fix its "
+                                  "permissions, or point DSV41_CONFIG_DIR at another folder.")
 
 
 def unknown_setting(name: str, value: Any = None) -> SettingsError:
@@ -398,7 +439,8 @@ def _check_one(name: str, value: Any, source: str, path: Path | None = None) -> 
         return getattr(validated, name)
     except ValidationError as exc:
         env = field_env(name) if name in Settings.model_fields else None
-        raise SettingsError(name, value, field_allowed(name), source, env, path) from exc
+        reason = next((e["msg"] for e in exc.errors() if e["type"] == "dsv41_text"), None)
+        raise SettingsError(name, value, field_allowed(name), source, env, path, reason) from exc
 
 
 def _coerce_env(name: str, raw: str) -> Any:
@@ -413,18 +455,32 @@ def _coerce_env(name: str, raw: str) -> Any:
 
 
 def load_settings(env: Mapping[str, str] | None = None, path: Path | None = None,
-                  generate_key: bool = True) -> LoadedSettings:
-    """Load the effective settings. Raises :class:`SettingsError` for a bad value from env or file."""
+                  generate_key: bool = True, lenient: bool = False) -> LoadedSettings:
+    """Load the effective settings. Raises :class:`SettingsError` for a bad value from env or file, and
+    :class:`engine_manager.paths.PathVariableError` for a folder variable that cannot be used.
+
+    ``lenient``: a bad value is skipped (its default is used) with a notice instead of refused — for what must
+    always work whatever else is set, such as ``dsv41 stop`` (issue 15, item 14)."""
     env = os.environ if env is None else env
-    path = Path(path) if path else paths.settings_file()
+    if path:
+        path = Path(path)
+    else:
+        paths.ensure_private_dirs()     # the folder variables are checked here, before anything is read
+        path = paths.settings_file()
     notices: list[str] = []
     file_values: dict[str, Any] = {}
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:
+        raise SettingsFileError(path, exc) from None
+    if exists:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(raw, dict):
                 raise ValueError("top level is not an object")
             file_values = raw
+        except OSError as exc:
+            raise SettingsFileError(path, exc) from None
         except (ValueError, UnicodeDecodeError) as exc:
             moved = move_aside(path, "corrupt")
             notices.append(
@@ -439,13 +495,22 @@ def load_settings(env: Mapping[str, str] | None = None, path: Path | None = None
 
     values: dict[str, Any] = {}
     sources: dict[str, Source] = {}
+
+    def check(name: str, value: Any, source: str, where: Path | None = None) -> None:
+        try:
+            values[name] = _check_one(name, value, source, where)
+            sources[name] = source   # type: ignore[assignment]
+        except SettingsError as exc:
+            if not lenient:
+                raise
+            notices.append(f"{exc} (Ignored here: the {'saved or ' if source == 'env' else ''}default value is "
+                           "used.)")
+
     for name, value in file_values.items():
-        values[name] = _check_one(name, value, "file", path)
-        sources[name] = "file"
+        check(name, value, "file", path)
     for env_name, name in ENV_TO_FIELD.items():
         if env_name in env:
-            values[name] = _check_one(name, _coerce_env(name, env[env_name]), "env")
-            sources[name] = "env"
+            check(name, _coerce_env(name, env[env_name]), "env")
     settings = Settings.model_validate(values)
     for name in Settings.model_fields:
         sources.setdefault(name, "default")
@@ -453,7 +518,10 @@ def load_settings(env: Mapping[str, str] | None = None, path: Path | None = None
     loaded = LoadedSettings(settings, sources, dict(file_values), path, notices)
     if generate_key and not settings.api_key:
         key = "dsv41-" + secrets.token_urlsafe(32)
-        loaded = save_settings(loaded, {"api_key": key}, env=env)
+        try:
+            loaded = save_settings(loaded, {"api_key": key}, env=env)
+        except OSError as exc:
+            raise SettingsFileError(path, exc, "written") from None
         loaded.notices = notices + loaded.notices
     return loaded
 

@@ -22,7 +22,14 @@ The lifecycle::
   with the last 20 log lines); restarts with backoff unless the cause cannot heal by itself or a crash loop is
   detected.
 - **stop**: SIGTERM to the whole group, a grace period, then SIGKILL — and it checks that no process of the group
-  (nor any descendant that left it) is left.
+  (nor any descendant that left it) is left. A stop beats a start in flight in another process: it leaves a stop
+  request (``engine-stop-request.json``) that the starting supervisor checks while it waits, at the engine's exit
+  and before any restart, so that start ends "stopped by request" instead of reporting a crash and restarting.
+- **crash causes** are read from *this run's* log lines only (each start writes ``[dsv41 …] run ID: starting …``;
+  the state file names the run) and its exit status — never from an earlier run's lines in the same log.
+- **files**: the state file is validated as a typed record (:class:`StateRecord`); a bad one (wrong types, not
+  JSON, a symbolic link) is moved aside and the next status/start/stop says so. The log and the state file are
+  opened without following symbolic links.
 - **state file** (``engine-state.json`` in the data dir, atomic, 0600): pid and start time of the engine and of its
   keeper, pgid, port, engine, the masked command line, the binding, a fingerprint of the key (never the key).
   A panel that was killed re-attaches to the live engine it started (pid + start time must match, health decides
@@ -46,6 +53,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shlex
 import signal
 import socket
@@ -63,7 +71,9 @@ import httpx
 import psutil
 
 from . import paths
-from .atomic import atomic_write_json, ensure_private_dir
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .atomic import LinkRefused, atomic_write_json, ensure_private_dir, move_aside, open_append_nofollow, read_bytes_nofollow
 from .engines import get_engine
 from .engines.base import Engine, FailureHint, LaunchSpec, LogEvent
 from .numa import Binding, choose_binding
@@ -78,6 +88,7 @@ RUNNING_STATES = (STARTING, READY, STOPPING, RESTARTING)
 STATE_FILE = "engine-state.json"
 EXIT_FILE = "engine-exit.json"
 LOCK_FILE = "engine.lock"
+STOP_FILE = "engine-stop-request.json"   # `dsv41 stop` leaves it: a start in flight (another process) obeys it
 LOG_NAME = "engine.log"
 STATE_SCHEMA = 1
 KEEPER = Path(__file__).with_name("keeper.py")
@@ -400,6 +411,83 @@ def classify_exit(engine: Engine | None, exit: ExitInfo, log_tail: list[str]) ->
                        f"The last lines of its log say:\n{last}\n\nThe whole log: `dsv41 logs` or the Log tab.")
 
 
+# -- the state file as a typed record ------------------------------------------------------------------------
+
+class StateRecord(BaseModel):
+    """The state file (``engine-state.json``) as the supervisor writes it: every field it reads, with its type.
+    A file that does not fit (``{"keeper_pid": "1x"}``, a list, half a record) is moved aside, never half-used."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+    schema_version: int | None = Field(None, alias="schema")
+    owner: str | None = None
+    state: str | None = None
+    updated_at: float | int | None = None
+    engine: str | None = None
+    label: str | None = None
+    simulated: bool | None = None
+    pid: int | None = Field(None, gt=0)
+    pid_start_time: float | int | None = None
+    keeper_pid: int | None = Field(None, gt=0)
+    keeper_start_time: float | int | None = None
+    pgid: int | None = Field(None, gt=0)
+    host: str | None = None
+    port: int | None = Field(None, ge=0, le=65535)
+    base_url: str | None = None
+    health_path: str | None = None
+    argv: list[str] | None = None
+    env: dict[str, str] | None = None
+    files: dict[str, str] | None = None
+    cwd: str | None = None
+    binding: dict[str, Any] | None = None
+    log_path: str | None = None
+    exit_file: str | None = None
+    started_at: float | int | None = None
+    ready_at: float | int | None = None
+    supervisor_pid: int | None = None
+    key_fingerprint: str | None = None
+    message: str | None = None
+    last_failure: dict[str, Any] | None = None
+    stop_requested: dict[str, Any] | bool | None = None
+    run_id: str | None = None
+
+    @model_validator(mode="after")
+    def _keeper_needs_its_start_time(self) -> "StateRecord":
+        if self.keeper_pid is not None and self.keeper_start_time is None:
+            raise ValueError("keeper_pid without keeper_start_time")
+        return self
+
+
+def _why_invalid(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        parts = []
+        for e in exc.errors()[:3]:
+            where = ".".join(str(x) for x in e.get("loc", ())) or "the record"
+            parts.append(f"{where}: {e.get('msg')}" + (f" (got {e['input']!r:.40})" if "input" in e and
+                                                      not isinstance(e["input"], dict) else ""))
+        return "; ".join(parts)
+    return str(exc)
+
+
+RUN_MARK = re.compile(r"^\[dsv41 [^\]]*\] (?:run (?P<run>\S+): )?starting ")
+
+
+def run_lines(lines: list[str], run_id: str | None) -> list[str]:
+    """The lines of one run of the engine in the log: after its start line (``[dsv41 …] run ID: starting …``)
+    and before the next run's. Without its start line in view (rotated away, or an older record without a run
+    id): everything after the last start line that is not some other run's. Crash causes are read from these
+    only, never from an earlier run's lines."""
+    marks = [(i, m.group("run")) for i, ln in enumerate(lines) if (m := RUN_MARK.match(ln))]
+    mine = [i for i, r in marks if run_id is not None and r == run_id]
+    if mine:
+        start = mine[-1] + 1
+        later = [i for i, _ in marks if i >= start]
+        return lines[start:later[0] if later else len(lines)]
+    if run_id is not None and marks:             # ours rotated away: what comes before the next run is ours
+        return lines[:marks[0][0]]
+    return lines[marks[-1][0] + 1:] if marks else list(lines)
+
+
 # -- small process helpers ------------------------------------------------------------------------------------
 
 def _ctime(pid: int) -> float | None:
@@ -557,8 +645,8 @@ class LogTail:
 
     def _open(self, offset: int | None) -> None:
         try:
-            f = open(self.path, "rb")
-        except FileNotFoundError:
+            f = os.fdopen(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
+        except OSError:             # missing, or a symbolic link (never followed)
             self._f, self._ino = None, None
             return
         st = os.fstat(f.fileno())
@@ -598,8 +686,8 @@ class LogTail:
                 newer.insert(0, rotated)
             for rotated in newer:
                 try:
-                    data += rotated.read_bytes()
-                except FileNotFoundError:
+                    data += read_bytes_nofollow(rotated)
+                except OSError:
                     pass
             self._open(0)
             if self._f is not None:
@@ -631,11 +719,11 @@ def read_log_tail(path: Path | None = None, max_bytes: int = 2_000_000) -> list[
     need = max_bytes
     for p in (path, path.with_name(path.name + ".1")):
         try:
-            with open(p, "rb") as f:
+            with os.fdopen(os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 f.seek(max(0, size - need))
                 data = f.read()
-        except FileNotFoundError:
+        except OSError:             # missing, or a symbolic link (never followed)
             continue
         chunks.insert(0, data)
         need -= len(data)
@@ -670,6 +758,21 @@ def usable_plan(engine_name: str, plan: dict[str, Any] | None) -> dict[str, Any]
     if engine_name != "sim" and (plan.get("hardware") or {}).get("hypothetical"):
         return None
     return plan
+
+
+def plan_host_warning(plan: dict[str, Any] | None, hardware: Any = None) -> str | None:
+    """For a plan the user chose to start with (``dsv41 start --plan FILE``, the Placement tab's "Start with this
+    plan"): a warning naming the host it was made for when that is not this machine (a hypothetical host, or
+    another host name); None when it was made here."""
+    if not plan:
+        return None
+    hwd = plan.get("hardware") or {}
+    label = str(hwd.get("label") or "an unknown host")
+    here = getattr(getattr(hardware, "host", None), "hostname", None)
+    if not hwd.get("hypothetical") and here and f"({here})" in label:
+        return None
+    return (f"this plan was made for {label}, not for this machine" + (f" ({here})" if here else "")
+            + "; starting with it as asked — the engine may not fit here.")
 
 
 def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple[dict[str, Any] | None, list[str]]:
@@ -745,6 +848,7 @@ class _Handle:
     recent: deque = field(default_factory=lambda: deque(maxlen=400))
     argv_shown: list[str] | None = None      # masked, binding prefix included (from the state file when attached)
     env_shown: dict[str, str] | None = None
+    run_id: str | None = None                # marks this run's first line in the log (see run_lines)
 
     def shown_argv(self) -> list[str]:
         if self.argv_shown is not None:
@@ -874,6 +978,11 @@ class Supervisor:
         self._binding_cache: dict[tuple, Binding] = {}
         self._http: httpx.Client | None = None
         self._plans: dict[tuple, tuple[dict[str, Any] | None, list[str]]] = {}
+        self._state_notes: list[str] = []       # a bad state file moved aside: said once, by whoever asks next
+        self._since = time.time()               # stop requests older than this run/watch are not for it
+        self._token = f"{os.getpid()}:{id(self)}:{time.time_ns()}"
+        self._stop_file_seen: tuple | None = None
+        self._stop_file_req: dict[str, Any] | None = None
 
     # -- http ------------------------------------------------------------------------------------------------
     def http(self) -> httpx.Client:
@@ -901,6 +1010,10 @@ class Supervisor:
     @property
     def lock_path(self) -> Path:
         return self.data_dir / LOCK_FILE
+
+    @property
+    def stop_request_path(self) -> Path:
+        return self.data_dir / STOP_FILE
 
     @property
     def log_path(self) -> Path:
@@ -940,15 +1053,93 @@ class Supervisor:
         return StateChanged(state, prev, message, h.spec.engine if h else None, h.engine_pid if h else None)
 
     def _read_json(self, path: Path) -> dict[str, Any] | None:
-        import json
         try:
-            d = json.loads(path.read_text(encoding="utf-8"))
+            d = json.loads(read_bytes_nofollow(path, 16 * 2**20).decode("utf-8"))
             return d if isinstance(d, dict) else None
         except (OSError, ValueError):
             return None
 
     def _read_state_file(self) -> dict[str, Any] | None:
-        return self._read_json(self.state_path)
+        """The state file's record, validated (:class:`StateRecord`); None when there is none. A bad one (not
+        JSON, wrong types, a symbolic link) is moved aside and a note says so (:meth:`_pop_state_notes`)."""
+        path = self.state_path
+        try:
+            raw = read_bytes_nofollow(path, 16 * 2**20)
+        except FileNotFoundError:
+            return None
+        except LinkRefused:
+            why = "it is a symbolic link, which the panel never follows"
+        except OSError as exc:
+            self._note_state(f"The engine state file {path} cannot be read ({exc.strerror or exc}); the panel goes "
+                             f"on as if no engine were recorded. Fix its permissions or remove it.")
+            return None
+        else:
+            try:
+                d = json.loads(raw.decode("utf-8"))
+                if not isinstance(d, dict):
+                    raise ValueError(f"it holds a JSON {type(d).__name__}, not a record")
+                StateRecord.model_validate(d)
+                return d
+            except (ValueError, ValidationError) as exc:
+                why = _why_invalid(exc)
+        try:
+            where = f"moved aside to {move_aside(path, 'bad')}"
+        except OSError as exc:
+            where = f"and could not be moved aside ({exc.strerror or exc}); remove it"
+        self._note_state(f"The engine state file {path} was not valid ({why}); it was {where}. The panel went on "
+                         f"as if no engine were recorded: if one still runs, `dsv41 status` shows what holds "
+                         f"the port.")
+        return None
+
+    def _note_state(self, text: str) -> None:
+        if text not in self._state_notes:
+            self._state_notes.append(text)
+
+    def _pop_state_notes(self) -> Iterator[Event]:
+        notes, self._state_notes = self._state_notes, []
+        for n in notes:
+            yield Note(n, "warning")
+
+    # -- stop requests from another process (a `dsv41 stop` while this one starts the engine) -----------------
+    def _write_stop_request(self) -> None:
+        try:
+            ensure_private_dir(self.data_dir)
+            atomic_write_json(self.stop_request_path, {"by_pid": os.getpid(), "by": self._token, "at": time.time()})
+        except OSError:
+            pass        # the stop itself goes on; only a start in flight elsewhere would miss it
+
+    def _stop_requested_elsewhere(self) -> dict[str, Any] | None:
+        """A stop request written (by another supervisor, usually another process) since this one's run/watch
+        began: a start in flight must obey it rather than report the engine's end as a crash and restart it."""
+        try:
+            st = os.stat(self.stop_request_path, follow_symlinks=False)
+        except OSError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._stop_file_seen:
+            self._stop_file_seen = key
+            self._stop_file_req = self._read_json(self.stop_request_path)
+        req = self._stop_file_req
+        if not req or req.get("by") == self._token:
+            return None
+        at = req.get("at")
+        return req if isinstance(at, (int, float)) and at >= self._since else None
+
+    def _stopped_by_request(self, h: _Handle | None, req: dict[str, Any]) -> Iterator[Event]:
+        """Another `dsv41 stop` asked for the engine to stop while this supervisor starts (or restarts) it: it
+        stops here too (the engine goes either way), says so, and nothing is restarted."""
+        self._stop_req.set()
+        who = req.get("by_pid")
+        msg = f"stopped by request (`dsv41 stop`{f', pid {who}' if who else ''}); not restarted"
+        if h is not None:
+            if not h.exited():
+                yield from self._terminate(h, grace=self.grace_s, quiet=True)
+            yield from self._final_lines(h)
+            self._forget(h)
+        self._write_state_file(None, STOPPED, engine=h.spec.engine if h else None, message=msg)
+        yield from _emit(self._set_state(STOPPED, msg))
+        yield Stopped(msg[:1].upper() + msg[1:] + ".")
+        return "stopped"
 
     def _write_state_file(self, h: _Handle | None, state: str, **extra: Any) -> None:
         if h is None:
@@ -966,6 +1157,7 @@ class Supervisor:
                 "log_path": str(self.log_path), "exit_file": str(self.exit_path),
                 "started_at": h.started_at, "ready_at": h.ready_at,
                 "supervisor_pid": os.getpid(), "key_fingerprint": key_fingerprint(h.spec.api_key),
+                "run_id": h.run_id,
             }
         rec.update(extra)
         atomic_write_json(self.state_path, rec)
@@ -980,6 +1172,8 @@ class Supervisor:
     def _read_exit_file(self, keeper_pid: int | None) -> ExitInfo | None:
         d = self._read_json(self.exit_path)
         if d is None or (keeper_pid is not None and d.get("keeper_pid") != keeper_pid):
+            return None
+        if not all(d.get(k) is None or type(d.get(k)) is int for k in ("returncode", "signal")):
             return None
         return ExitInfo(d.get("returncode"), d.get("signal"), d.get("signal_name"), "exit-file")
 
@@ -1039,6 +1233,7 @@ class Supervisor:
             return self._status_of(h, state, message)
         rec = self._read_state_file()
         st = EngineStatus(STOPPED, log_path=str(self.log_path), port=self.settings.port)
+        bad = " ".join(n.text for n in self._pop_state_notes())
         if rec and rec.get("keeper_pid"):
             alive = record_alive(rec)
             st = self._status_from_record(rec, alive)
@@ -1067,6 +1262,8 @@ class Supervisor:
                    f"{describe_owner(owner)}. The panel shows it but never stops it.")
             # after a crash, what happened stays first (the port may still be closing a moment after the exit)
             st.message = f"{st.message} {ext}" if st.state == CRASHED and st.message else ext
+        if bad:
+            st.message = f"{bad} {st.message}".strip()
         return st
 
     def snapshot(self) -> EngineStatus | None:
@@ -1174,7 +1371,8 @@ class Supervisor:
                       port_note))
         keeper = [sys.executable, "-I", "-S", str(KEEPER), "--log", str(self.log_path), "--exit-file",
                   str(self.exit_path), "--max-bytes", str(self.log_max_bytes), "--backups", str(self.log_backups),
-                  "--"]
+                  "--mask-stdin"] + (["--follow", spec.files["engine_log"]] if spec.files.get("engine_log") else []) \
+            + ["--"]
         steps.append((f"start the engine in a new session and process group — binding: {b.summary()}",
                       keeper + spec.masked_argv(b.prefix),
                       f"working directory: {spec.cwd or os.getcwd()}\nthe keeper (first part) copies the engine's "
@@ -1202,6 +1400,7 @@ class Supervisor:
         """Start the engine and wait until ready; with ``watch`` keep supervising it until :meth:`stop` or
         :meth:`detach` (a crash is classified and, with auto-restart, restarted with backoff)."""
         self._reset_requests()
+        self._since = time.time()
         self._crashes.clear()
         self.last_failure = None
         eng = self._engine(engine)
@@ -1217,6 +1416,7 @@ class Supervisor:
         match; health decides ready or still starting — and supervise it like :meth:`run`. With the engine
         dead, clean up (kill stragglers of its group) and report how it ended."""
         self._reset_requests()
+        self._since = time.time()
         h = yield from self._attach()
         if h is None:
             return self.status(check_health=False)
@@ -1268,6 +1468,7 @@ class Supervisor:
     # -- attach / clean up ----------------------------------------------------------------------------------
     def _attach(self) -> Iterator[Event]:
         rec = self._read_state_file()
+        yield from self._pop_state_notes()
         if not rec or not rec.get("keeper_pid"):
             if rec and rec.get("state") == CRASHED and isinstance(rec.get("last_failure"), dict):
                 try:
@@ -1293,8 +1494,9 @@ class Supervisor:
         h = _Handle(eng, spec, binding, rec["keeper_pid"], rec["keeper_start_time"],
                     rec.get("pgid") or rec["keeper_pid"], rec.get("pid"), rec.get("pid_start_time"),
                     rec.get("started_at") or time.time(), attached=True,
-                    argv_shown=list(rec.get("argv") or []), env_shown=dict(rec.get("env") or {}))
-        h.recent.extend(read_log_tail(self.log_path, 64_000)[-200:])
+                    argv_shown=list(rec.get("argv") or []), env_shown=dict(rec.get("env") or {}),
+                    run_id=rec.get("run_id"))
+        h.recent.extend(run_lines(read_log_tail(self.log_path, 64_000), h.run_id)[-200:])
         h.tail = LogTail(self.log_path, None)
         try:
             healthy = eng.readiness(self.http(), spec).state == "ready"
@@ -1350,7 +1552,7 @@ class Supervisor:
             except Exception:  # an unknown engine name: the generic signatures still apply
                 eng = None
         ex = self._read_exit_file(rec.get("keeper_pid")) or ExitInfo(None, None, None, "unknown")
-        tail = read_log_tail(self.log_path, 64_000)[-200:]
+        tail = run_lines(read_log_tail(self.log_path, 64_000), rec.get("run_id"))[-200:]
         hint = classify_exit(eng, ex, tail)
         return ex, Crashed(hint.cause, hint.title, hint.fix, ex.returncode, ex.signal,
                            [ln for ln in tail if not ln.startswith("[dsv41")][-20:])
@@ -1361,6 +1563,9 @@ class Supervisor:
         :class:`ExitInfo` when the engine died while starting."""
         if self._stop_req.is_set():
             return "stopped"
+        req = self._stop_requested_elsewhere()
+        if req is not None:
+            return (yield from self._stopped_by_request(None, req))
         yield from _emit(self._set_state(STARTING, f"starting {eng.label or eng.name}"))
         if plan and plan.get("refused"):
             yield from self._fail("placement_refused", f"The placement was refused: {plan['refused']}",
@@ -1377,7 +1582,18 @@ class Supervisor:
                 yield from self._fail("busy", "Another dsv41 is starting the engine right now.",
                                       "Wait for it to finish, then look at `dsv41 status`.")
                 return "failed"
+            try:                                # who starts it (a `dsv41 stop` meanwhile names it)
+                lockf.seek(0)
+                lockf.truncate()
+                lockf.write(f"{os.getpid()}\n")
+                lockf.flush()
+            except OSError:
+                pass
             rec = self._read_state_file()
+            yield from self._pop_state_notes()
+            req = self._stop_requested_elsewhere()
+            if req is not None:
+                return (yield from self._stopped_by_request(None, req))
             if rec and rec.get("keeper_pid"):
                 if record_alive(rec):
                     attach = True
@@ -1425,6 +1641,10 @@ class Supervisor:
                 yield Note(line)
         workdir = self.runs_dir / eng.name
         ensure_private_dir(workdir)
+        if getattr(eng, "prepare", None) is not None:      # Strata: the model's pack, made once by the release's tool
+            ok = yield from self._prepare(eng, plan)
+            if not ok:
+                return None
         try:
             spec = eng.build_launch(self.settings, plan, workdir)
         except Exception as exc:
@@ -1440,32 +1660,88 @@ class Supervisor:
             return None
         return (yield from self._spawn(eng, spec, binding))
 
+    def _prepare(self, eng: Engine, plan: dict[str, Any] | None) -> Iterator[Event]:
+        """Run the engine's provisioning (``eng.prepare``: Strata's pack, :mod:`engine_manager.provision`) when
+        it is needed, as Notes, Progress and LogLines. Returns False after a ``failed`` event."""
+        from .errors import UserError
+
+        gen = eng.prepare(self.settings, plan)
+        t0 = time.monotonic()
+        try:
+            for ev in gen:
+                if self._stop_req.is_set():
+                    gen.close()
+                    yield from self._fail("stopped", "Stopped while the model was being prepared; it is prepared "
+                                          "again at the next start.", "Start again when you want the engine.")
+                    return False
+                if ev.phase == "progress":
+                    yield Progress(time.monotonic() - t0, 0.0, f"preparing the model: {ev.done} of {ev.total}",
+                                   ev.fraction, ev.eta_s, pid=ev.pid)
+                elif ev.phase == "output":
+                    yield LogLines([f"[dsv41 prepare] {ev.text}"])
+                elif ev.phase == "done" and ev.skipped:
+                    continue
+                else:
+                    yield Note(ev.text)
+        except UserError as exc:
+            yield from self._fail("prepare_failed", str(exc),
+                                  "Fix what the message names, then start again (or run `dsv41 prepare`).")
+            return False
+        finally:
+            gen.close()
+        return True
+
     def _fail(self, cause: str, message: str, fix: str, tail: list[str] | None = None) -> Iterator[Event]:
         yield from _emit(self._set_state(STOPPED, message))
         yield StartFailed(cause, message, fix, tail or [])
 
     def _spawn(self, eng: Engine, spec: LaunchSpec, binding: Binding | None) -> Iterator[Event]:
+        req = self._stop_requested_elsewhere()
+        if req is not None:                  # a `dsv41 stop` came while this start prepared: nothing is started
+            yield from self._stopped_by_request(None, req)
+            return None
         prefix = binding.prefix if binding else []
-        with open(self.log_path, "ab") as f:
-            offset = f.tell()
-            f.write((f"[dsv41 {time.strftime('%Y-%m-%d %H:%M:%S')}] starting {spec.label or spec.engine}: "
-                     f"{shlex.join(spec.masked_argv(prefix))}\n"
+        run_id = f"{int(time.time())}-{os.getpid()}-{secrets.token_hex(3)}"
+        try:
+            logfd = open_append_nofollow(self.log_path)
+        except OSError as exc:
+            yield from self._fail("log_refused", f"The engine log cannot be opened: {exc.strerror or exc}.",
+                                  f"Make {self.log_path} a plain file the panel can write (remove a link or a "
+                                  "wrong file there), then start again.")
+            return None
+        with os.fdopen(logfd, "ab") as f:
+            offset = os.fstat(f.fileno()).st_size
+            f.write((f"[dsv41 {time.strftime('%Y-%m-%d %H:%M:%S')}] run {run_id}: starting "
+                     f"{spec.label or spec.engine}: {shlex.join(spec.masked_argv(prefix))}\n"
                      f"[dsv41] binding: {binding.summary() if binding else 'none'}\n").encode())
-        os.chmod(self.log_path, 0o600)
         try:
             self.exit_path.unlink()
         except FileNotFoundError:
             pass
         env = dict(os.environ)
-        env.update(spec.env)
-        env["DSV41_KEEPER_MASK"] = "\n".join(spec.secrets())
+        secret_values = set(spec.secrets())
+        # a secret the engine reads from its environment ($STRATA_API_KEY) goes through the keeper's pipe too, so
+        # it is in the engine's environment only, not the keeper's
+        secret_env = {k: v for k, v in spec.env.items() if v in secret_values}
+        env.update({k: v for k, v in spec.env.items() if k not in secret_env})
+        env.pop("DSV41_KEEPER_MASK", None)
         env["DSV41_NUMA_BINDING"] = binding.strategy if binding else "none"   # an engine may report it
+        # the secrets to mask reach the keeper through a pipe on its stdin (read to EOF, then closed), never its
+        # environment: /proc/<pid>/environ stays readable for the keeper's whole life (issue 15 item 2)
         argv = [sys.executable, "-I", "-S", str(KEEPER), "--log", str(self.log_path), "--exit-file",
                 str(self.exit_path), "--max-bytes", str(self.log_max_bytes), "--backups", str(self.log_backups),
-                "--", *prefix, *spec.argv]
-        errfd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                "--mask-stdin"]
+        if spec.files.get("engine_log"):    # a log the engine writes itself (Strata's config "log"): followed
+            argv += ["--follow", spec.files["engine_log"]]
+        argv += ["--", *prefix, *spec.argv]
         try:
-            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errfd,
+            errfd = open_append_nofollow(self.log_path)
+        except OSError as exc:
+            yield from self._fail("log_refused", f"The engine log cannot be opened: {exc.strerror or exc}.",
+                                  f"Make {self.log_path} a plain file the panel can write, then start again.")
+            return None
+        try:
+            popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errfd,
                                      env=env, cwd=spec.cwd or None, start_new_session=True, close_fds=True)
         except OSError as exc:
             yield from self._fail("spawn_failed", f"Could not start the engine's keeper: {exc}",
@@ -1473,10 +1749,17 @@ class Supervisor:
             return None
         finally:
             os.close(errfd)
+        try:
+            assert popen.stdin is not None
+            popen.stdin.write(("".join(f"MASK {s}\n" for s in secret_values)
+                               + "".join(f"ENV {k}={v}\n" for k, v in secret_env.items())).encode())
+            popen.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass                    # the keeper died at once: the exit file and the log say why
         started = time.time()
         kctime = _ctime(popen.pid) or started
         epid, ectime = _find_child(popen)
-        h = _Handle(eng, spec, binding, popen.pid, kctime, popen.pid, epid, ectime, started, popen)
+        h = _Handle(eng, spec, binding, popen.pid, kctime, popen.pid, epid, ectime, started, popen, run_id=run_id)
         h.tail = LogTail(self.log_path, offset)
         with self._lock:
             self._handle = h
@@ -1530,6 +1813,9 @@ class Supervisor:
                 return "detached"
             if self._stop_req.is_set():
                 return "stopped"
+            req = self._stop_requested_elsewhere()
+            if req is not None:
+                return (yield from self._stopped_by_request(h, req))
             batch = self._drain(h)
             if batch is not None:
                 last_out = time.time()
@@ -1540,6 +1826,9 @@ class Supervisor:
                 yield from self._final_lines(h)
                 if self._stop_req.is_set():
                     return "stopped"
+                req = self._stop_requested_elsewhere()
+                if req is not None:
+                    return (yield from self._stopped_by_request(h, req))
                 return self._exit_info(h)
             now = time.time()
             elapsed = now - h.started_at
@@ -1550,6 +1839,9 @@ class Supervisor:
                 except Exception:          # adapters map "refused" to loading; anything else: not yet
                     r = None
                 if r is not None and r.state == "ready":
+                    req = self._stop_requested_elsewhere()
+                    if req is not None:           # never mark it ready over a stop that came meanwhile
+                        return (yield from self._stopped_by_request(h, req))
                     h.ready_at = time.time()
                     self._write_state_file(h, READY)
                     yield from _emit(self._set_state(READY, f"ready after {h.ready_at - h.started_at:.1f} s "
@@ -1597,7 +1889,7 @@ class Supervisor:
                 yield from self._final_lines(h)
                 if self._stop_req.is_set():
                     return "stopped"        # our own stop() reports the rest
-                if self._stopped_elsewhere():
+                if self._stopped_elsewhere() or self._stop_requested_elsewhere() is not None:
                     return (yield from self._stopped_by_other(h))
                 return self._exit_info(h)
             if self._stop_req.is_set():
@@ -1654,7 +1946,7 @@ class Supervisor:
         if h is not None:
             yield from self._reap_group(h)        # never leave a child behind
         if not tail:
-            tail = read_log_tail(self.log_path, 64_000)[-200:]
+            tail = run_lines(read_log_tail(self.log_path, 64_000), h.run_id if h is not None else None)[-200:]
         hint = classify_exit(eng, info, tail)
         now = time.time()
         self._crashes.append(now)
@@ -1663,7 +1955,9 @@ class Supervisor:
         n = len(self._crashes)
         permanent = hint.cause in PERMANENT_CAUSES
         loop = n >= self.crash_limit
-        will = bool(self.auto_restart and not permanent and not loop and not self._stop_req.is_set())
+        stop_req = self._stop_requested_elsewhere()
+        will = bool(self.auto_restart and not permanent and not loop and not self._stop_req.is_set()
+                    and stop_req is None)
         delay = min(self.backoff_max_s, self.backoff_base_s * (2 ** (n - 1))) if will else None
         crash = Crashed(hint.cause, hint.title, hint.fix, info.returncode, info.signal,
                         [ln for ln in tail if not ln.startswith("[dsv41")][-20:], while_starting, will, delay, n)
@@ -1687,7 +1981,7 @@ class Supervisor:
         t_end = time.monotonic() + (delay or 0.0)
         next_tick = 0.0
         while True:
-            if self._stop_req.is_set() or self._detach_req.is_set():
+            if self._stop_req.is_set() or self._detach_req.is_set() or self._stop_requested_elsewhere():
                 self._write_state_file(None, STOPPED, engine=eng.name if eng else None, message="restart cancelled")
                 yield from _emit(self._set_state(STOPPED, "restart cancelled"))
                 yield Stopped("Auto-restart cancelled; the engine is stopped.")
@@ -1734,11 +2028,33 @@ class Supervisor:
         self._stop_req.set()
         if force:
             self._force_req.set()
+        self._write_stop_request()          # a start in flight in another process obeys it (stop beats start)
         with self._lock:
             h = self._handle
             was = self._state
         if h is None:
             rec = self._read_state_file()
+            yield from self._pop_state_notes()
+            if not (rec and rec.get("keeper_pid") and record_alive(rec)):
+                holder = self._start_in_flight()
+                if holder is not None:
+                    yield Note(f"A start is in progress ({holder}); it was asked to stop and stops by itself. "
+                               "Waiting for it…")
+                    end = time.monotonic() + self.grace_s + 15.0
+                    while time.monotonic() < end and self._start_in_flight() is not None:
+                        rec = self._read_state_file()
+                        if rec and rec.get("keeper_pid") and record_alive(rec):
+                            break               # it has started the engine meanwhile: stop that here
+                        time.sleep(self.poll_s)
+                    rec = self._read_state_file()
+                    yield from self._pop_state_notes()
+                    still = self._start_in_flight()
+                    if still is not None and not (rec and rec.get("keeper_pid") and record_alive(rec)):
+                        msg = (f"The start in progress ({still}) was asked to stop; it stops by itself before the "
+                               "engine answers (it is still preparing). `dsv41 status` shows when it has.")
+                        yield from _emit(self._set_state(STOPPED, msg))
+                        yield Stopped(msg)
+                        return self.status(check_health=False)
             if rec and rec.get("keeper_pid"):
                 if record_alive(rec):
                     try:
@@ -1777,6 +2093,23 @@ class Supervisor:
         yield from _emit(self._set_state(STOPPED, msg))
         yield Stopped(msg, forced, leftovers)
         return self.status(check_health=False)
+
+    def _start_in_flight(self) -> str | None:
+        """Who holds the start lock now ("pid N"), or None when no start is in progress."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        with os.fdopen(fd, "r") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = f.read(32).strip()
+                return f"pid {pid}" if pid.isdigit() else "another dsv41"
+            except OSError:
+                return None
+            fcntl.flock(f, fcntl.LOCK_UN)
+        return None
 
     def _terminate(self, h: _Handle, grace: float, quiet: bool = False) -> Iterator[Event]:
         """SIGTERM the group (SIGKILL at once when ``grace`` is 0), wait, then SIGKILL; every descendant too,

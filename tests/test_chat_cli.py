@@ -281,3 +281,74 @@ def test_history_export_to_a_file(shared_sim, tmp_path):
     r = dsv41("history", "export", "1", "--format", "md", "-o", str(target), env=env)
     assert r.returncode == 0 and target.read_text().startswith("# hello")
     assert oct(target.stat().st_mode & 0o777) == "0o600"
+
+
+RECORDER = r"""
+import socket, sys, threading
+port, out = int(sys.argv[1]), sys.argv[2]
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", port))
+srv.listen(16)
+print("LISTENING", flush=True)
+lock = threading.Lock()
+def serve(conn):
+    conn.settimeout(2.0)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        try:
+            data += conn.recv(65536)
+        except OSError:
+            pass
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+    except OSError:
+        pass
+    finally:
+        with lock, open(out, "ab") as f:        # every byte any client sent: headers and body
+            f.write(b"--- connection ---\n" + data + b"\n")
+        conn.close()
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def test_after_the_panels_engine_died_a_stranger_on_its_port_gets_no_key_and_no_question(panel_sim, tmp_path):
+    """Issue 15 item 1: start, kill -9 the engine, another program listens on the port. `dsv41 chat` sent
+    ``Authorization: Bearer <key>`` and the question to it, `dsv41 monitor --once` four more requests: the state
+    file still said "started by the panel" at that address. Now the listener must BE the recorded engine (its pid,
+    or a process of its group): nothing is sent, and both commands say why in plain words."""
+    from engine_manager.settings import load_settings
+    import psutil
+
+    key = load_settings().settings.api_key
+    port = panel_sim.port
+    os.kill(panel_sim.pid, signal.SIGKILL)
+    keeper = psutil.Process(panel_sim.keeper_pid)
+    keeper.wait(timeout=30)
+    rec_file = tmp_path / "received.bin"
+    rec_file.write_bytes(b"")
+    stranger = subprocess.Popen([sys.executable, "-c", RECORDER, str(port), str(rec_file)], stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    try:
+        assert stranger.stdout.readline().strip() == "LISTENING"
+        question = "what is my bank password q8Zr"
+        r = dsv41("chat", question, env=env_for())
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert f"Port {port} is held by pid {stranger.pid}" in r.stderr, r.stderr
+        assert "not your question, not your API key" in r.stderr and "not running any more" in r.stderr
+        m = dsv41("monitor", "--once", env=env_for())
+        assert m.returncode == 1, m.stdout + m.stderr
+        assert "dsv41 monitor:" in m.stderr and f"held by pid {stranger.pid}" in m.stderr
+        assert key not in r.stderr + r.stdout + m.stderr + m.stdout
+        got = rec_file.read_bytes()
+        assert key.encode() not in got and question.encode() not in got and b"Authorization" not in got
+        assert got == b"", got[:300]                 # not even a connection
+    finally:
+        os.killpg(stranger.pid, signal.SIGKILL)
+        stranger.wait(timeout=10)

@@ -491,13 +491,22 @@ def test_pause_resume_and_cancel_then_resume(hub, shards):
 
 
 def test_cli_ctrl_c_leaves_a_resumable_state(hub, shards, tmp_path):
-    hub.add_fault(kind="slow", rate_bps=300_000, times=None)
+    """Ctrl+C mid-download leaves checkpointed partials that the next run resumes. The hub holds every shard
+    halfway (a stall until the client goes away), so the download cannot finish before the signal however slow
+    the machine; the child gets SIGINT at its default even when the suite runs as a background job."""
+    from terminal_sigint import popen_interruptible
+
+    hub.add_fault(kind="stall", at=SHARD // 2, times=None)            # 256 KiB in: 4 checkpoints of 64 KiB before it
     env = _subprocess_env(hub.url)
-    p = subprocess.Popen([sys.executable, "-m", "engine_manager", "download", "--model", "--checkpoint-mib", "0.0625"],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = popen_interruptible([sys.executable, "-m", "engine_manager", "download", "--model", "--checkpoint-mib",
+                             "0.0625"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = dl.default_model_dir(_settings())
     deadline = time.monotonic() + 60
-    while hub.bytes_sent() < 300_000 and time.monotonic() < deadline:
+    while (not any(off for _, off in _partials(folder).values()) and p.poll() is None
+           and time.monotonic() < deadline):
         time.sleep(0.02)
+    assert p.poll() is None, p.communicate()            # held by the hub: it cannot have finished
+    assert any(off for _, off in _partials(folder).values()), "no checkpoint within 60 s"
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)
     assert p.returncode == 130, (out, err)
@@ -756,3 +765,111 @@ def test_cancel_aborts_a_stalled_connection_and_local_status_counts_kept_bytes(h
     # the stop wrote what had arrived (200 KiB, where the server stalled) and checkpointed it
     assert not st.verified and len(st.kept) == 2 and set(st.kept.values()) == {200 * 1024}
     assert st.partial_bytes == sum(st.kept.values()) and st.sizes == {p.name: p.stat().st_size for p in shards}
+
+
+# -- hardening (issue 15) ------------------------------------------------------------------------------------------
+
+def _fill(folder: Path) -> Path:
+    """Fill the filesystem of ``folder`` to the last byte (a real ENOSPC for whoever writes next)."""
+    filler = folder / "filler.bin"
+    chunk = b"\0" * 65536
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            assert exc.errno == 28, exc                  # ENOSPC
+    with open(filler, "ab", buffering=0) as f:           # and the last partial block
+        try:
+            while True:
+                f.write(b"\0")
+        except OSError:
+            pass
+    return filler
+
+
+def test_disk_full_mid_download_says_how_much_keeps_the_state_and_retries_nothing(hub, shards, tmp_path,
+                                                                                   monkeypatch):
+    """Issue 15 item 11: a disk that fills up during the download gave an ENOSPC traceback from ``_write_state``
+    after ENOSPC had been retried as if it were the network, and left 0-byte ``.tmp`` files. Now: "disk full: N GB
+    more needed at PATH" at once, no retry, no temporary file, and a second run resumes."""
+    from conftest import require_or_skip
+    small = tmp_path / "small"
+    if not _mount_tmpfs(small, "6m"):          # a real 6 MiB filesystem; the shards need 3.5 MiB
+        require_or_skip("a tmpfs cannot be mounted here (needs root); the full disk must be a real one")
+    try:
+        monkeypatch.setenv("DSV41_CACHE_DIR", str(small / "cache"))
+        s = _settings()
+        hub.add_fault(kind="slow", rate_bps=600_000, times=None)
+        events, filler = [], None
+        with pytest.raises(dl.DiskFullError) as ei:
+            for ev in dl.download_model(s, endpoint=hub.url, jobs=2, reserve_bytes=0, checkpoint_bytes=64 * 1024,
+                                        **FAST):
+                events.append(ev)
+                if filler is None and isinstance(ev, dl.Progress) and ev.done_bytes > 100_000:
+                    filler = _fill(small)          # another program fills the disk meanwhile
+        msg = str(ei.value)
+        assert msg.startswith("disk full: ") and " GB more needed at " in msg and str(small) in msg, msg
+        assert "resumes" in msg
+        assert not _of(events, dl.Retrying)                 # a full disk is not a network error
+        folder = dl.default_model_dir(s)
+        leftovers = [p.name for p in folder.rglob("*") if p.name.endswith(".tmp")]
+        assert leftovers == []
+        kept = _partials(folder)
+        assert kept and any(off > 0 for _, off in kept.values()) or \
+            any((folder / n).is_file() for n in _expected(shards)), kept
+        filler.unlink()
+        hub.clear_faults()
+        total = sum(p.stat().st_size for p in shards)
+        again = _run(dl.download_model(s, endpoint=hub.url, reserve_bytes=0, **FAST))
+        assert isinstance(again[-1], dl.Finished) and again[-1].fetched_bytes < total     # resumed
+        _assert_complete(folder, shards)
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True, timeout=20)
+
+
+def test_a_second_download_into_the_same_folder_is_refused_and_names_the_first(hub, shards):
+    """Issue 15 item 12: two `dsv41 download` into one folder truncated each other's ``.part`` files and one
+    crashed at ``os.replace``. The folder is locked; the second says who holds it (pid and command)."""
+    hub.add_fault(kind="slow", rate_bps=300_000, times=None)
+    env = _subprocess_env(hub.url)
+    first = subprocess.Popen([sys.executable, "-m", "engine_manager", "download", "--model"], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while hub.bytes_sent() < 100_000 and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.02)
+        assert first.poll() is None
+        second = subprocess.run([sys.executable, "-m", "engine_manager", "download", "--model"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1, second.stdout + second.stderr
+        err = second.stderr
+        assert "Traceback" not in err and "Another download is writing into" in err, err
+        assert f"pid {first.pid}" in err and "download --model" in err and "did not start" in err
+        hub.clear_faults()
+        out, ferr = first.communicate(timeout=120)
+        assert first.returncode == 0, ferr
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=10)
+    _assert_complete(dl.default_model_dir(_settings()), shards)
+
+
+def test_a_state_write_on_a_full_disk_leaves_the_old_state_and_no_temp_file(tmp_path):
+    """Issue 15 item 11, the checkpoint itself: ``_write_state`` on a full disk left a 0-byte ``.tmp`` file."""
+    from conftest import require_or_skip
+    small = tmp_path / "small"
+    if not _mount_tmpfs(small, "1m"):
+        require_or_skip("a tmpfs cannot be mounted here (needs root); the full disk must be a real one")
+    try:
+        state = small / "x.part.json"
+        dl._write_state(state, {"offset": 1}, False)
+        _fill(small)
+        with pytest.raises(OSError) as ei:
+            dl._write_state(state, {"offset": 2, "pad": "x" * 200_000}, False)
+        assert ei.value.errno == 28
+        assert json.loads(state.read_text()) == {"offset": 1}          # the last good checkpoint stays
+        assert [p.name for p in small.iterdir() if p.name.endswith(".tmp")] == []
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True, timeout=20)

@@ -18,6 +18,7 @@ from engine_manager import hardware
 from engine_manager import supervisor as sv
 from engine_manager.settings import load_settings
 from supervisor_helpers import listening, live_group, wait_until
+from terminal_sigint import popen_interruptible
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,8 +112,8 @@ def test_port_in_use_is_refused_with_who_and_what_to_do(port):
 
 
 def test_foreground_prints_the_log_and_stops_on_ctrl_c(port):
-    p = subprocess.Popen([sys.executable, "-m", "engine_manager", "start", "--foreground"], cwd=str(ROOT),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = popen_interruptible([sys.executable, "-m", "engine_manager", "start", "--foreground"], cwd=str(ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
         for line in p.stdout:
@@ -259,8 +260,8 @@ def test_logs_follow_exits_130_on_ctrl_c(port):
     log = sv.Supervisor(load_settings().settings).log_path
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("[dsv41] an earlier line\n")
-    p = subprocess.Popen([sys.executable, "-m", "engine_manager", "logs", "-f"], cwd=str(ROOT),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = popen_interruptible([sys.executable, "-m", "engine_manager", "logs", "-f"], cwd=str(ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert "an earlier line" in p.stdout.readline()
         with open(log, "a") as f:
@@ -273,3 +274,18 @@ def test_logs_follow_exits_130_on_ctrl_c(port):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_doctor_says_no_gpu_once_per_line():
+    """On a machine without the NVIDIA driver (this one: NVML's library is absent), `dsv41 doctor` gives the reason
+    once; it used to print "GPU: none (no NVIDIA driver found (…is missing): no NVIDIA GPU)"."""
+    gpus, reason, _ = hardware.probe_gpus()
+    if gpus or not reason or "libnvidia-ml" not in reason:
+        pytest.skip(f"needs a machine without the NVIDIA driver (here: {len(gpus)} GPU(s), {reason!r})")
+    cp = dsv41("doctor")
+    lines = [ln for ln in cp.stdout.splitlines() if "libnvidia-ml.so" in ln]
+    assert len(lines) == 2, cp.stdout                      # the summary line and the GPU check
+    for ln in lines:
+        said = ln.lower()
+        assert said.count("none") + said.count("no nvidia gpu") + said.count("not found") <= 1, ln
+        assert said.count("no nvidia") == 1, ln

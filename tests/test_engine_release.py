@@ -146,6 +146,42 @@ def test_missing_executable_is_refused(hub, tmp_path):
     assert not dl.engine_release_dir(s, "v0.1.0").exists()
 
 
+@pytest.mark.parametrize("entry", ["../../victim", "bin/../../../victim", "ABS"])
+def test_manifest_executables_outside_the_release_are_refused_and_nothing_is_touched(hub, tmp_path, entry):
+    """Issue 15 item 3: an ``executables`` entry climbing out of the release folder (``../victim``) made the panel
+    chmod a file outside it (0644 → 0755). Refused in plain words before anything is fetched; the file keeps its
+    mode."""
+    archive = write_demo_release(tmp_path / "r.tar.gz")
+    manifest = release_manifest(hub, archive)
+    s = _settings()
+    victim = _engine_root(s) / "victim"          # where "../../victim" lands from the unpacked release's root
+    victim.parent.mkdir(parents=True, exist_ok=True)
+    victim.write_bytes(b"not an executable\n")
+    victim.chmod(0o644)
+    manifest["executables"] = ["bin/strata-demo", str(victim) if entry == "ABS" else entry]
+    with pytest.raises(dl.ArchiveError) as ei:
+        list(dl.download_engine(s, manifest=manifest, **FAST))
+    msg = str(ei.value)
+    assert "leaves the release folder" in msg and "executables" in msg
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o644
+    assert not dl.engine_release_dir(s, "v0.1.0").exists() and hub.bytes_sent() == 0
+
+
+def test_an_executable_that_resolves_outside_the_release_is_not_touched(tmp_path):
+    """The second guard, at chmod time: a path inside the release that resolves (through a link) outside it."""
+    root = tmp_path / "rel"
+    (root / "bin").mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x")
+    victim.chmod(0o644)
+    (root / "bin" / "tool").symlink_to(victim)
+    with pytest.raises(dl.ArchiveError) as ei:
+        dl._inside(root, "bin/tool")
+    assert "outside the release folder" in str(ei.value)
+    assert dl._inside(root, "bin") == (root / "bin").resolve()
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o644
+
+
 def test_the_shipped_manifest_is_a_marked_placeholder_and_is_refused():
     raw = json.loads((Path(dl.paths.resources_dir()) / "manifests" / "engine.json").read_text())
     assert raw["version"] == "v0.1.0" and raw["placeholder"] is True and "PLACEHOLDER" in raw["note"]

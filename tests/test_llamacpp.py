@@ -7,6 +7,7 @@ except under CI (``CI=true``), where they fail: CI must not go green by skipping
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import http.server
 import json
@@ -406,9 +407,60 @@ def test_prometheus_page_parses():
     assert parse_prometheus('x:y{position="0"} 3\n# HELP z\nbad line\n') == {'x:y{position="0"}': 3.0}
 
 
+def test_live_decode_rate_agrees_with_the_engine_over_a_bursty_cpu_decode():
+    """A real recording (tests/data/llamacpp/bursty_cpu_decode.json): the CPU build's decode on a busy 2-core
+    machine comes in bursts (quarter-seconds of 0 or 1 token, then hundreds), so the delta between two polls read
+    0, 4, 0, 4 … tok/s while the engine's own timing said ~29 tok/s. The live rate is each request's tokens over
+    the time since it began (as llama.cpp's ``timings`` are), so at every poll from 2 s in it agrees with the
+    engine's figure of that moment (the last streamed chunk's ``predicted_n / predicted_ms``) within 10 %."""
+    rec = cap_json("bursty_cpu_decode.json")
+    eng_t = [x[0] for x in rec["timings"]]
+    t_first = eng_t[0]
+    template = cap_json("slots_busy1.json")["body"]["slots"][0]          # a real slot's fields
+    prev, live, engine, deltas = None, [], [], []
+    for t_sent, metrics_s, slots_s, done, n_decoded in rec["polls"]:
+        t = t_sent + metrics_s + slots_s / 2
+        slot = {**template, "id": 0, "id_task": 7, "is_processing": n_decoded is not None,
+                "next_token": [{**template["next_token"][0], "n_decoded": n_decoded or 0}]}
+        s = sample_from(t, [slot], {"llamacpp:tokens_predicted_total": float(done)}, prev)
+        if n_decoded and prev is not None and prev.extra["slots"].get(0, {}).get("task") == 7:
+            deltas.append((n_decoded - prev.extra["slots"][0]["n_decoded"]) / (t - prev.t))
+        prev = s
+        i = bisect.bisect_right(eng_t, t) - 1
+        if n_decoded and t - t_first >= 2 and i >= 0:
+            live.append(s.decode_tok_s)
+            engine.append(rec["timings"][i][1] / rec["timings"][i][2] * 1000)
+    assert len(live) > 100
+    ratios = sorted(a / b for a, b in zip(live, engine))
+    assert 0.9 <= ratios[len(ratios) // 2] <= 1.1, ratios[len(ratios) // 2]
+    assert 0.9 <= ratios[len(ratios) // 10] and ratios[-len(ratios) // 10] <= 1.1
+    # the recording is what the issue describes: the two-poll deltas' median is far below the engine's figure
+    assert sorted(deltas)[len(deltas) // 2] < 0.5 * engine[-1]
+
+
+def test_live_decode_rate_window():
+    """A request longer than RATE_WINDOW_S shows the pace of its last RATE_WINDOW_S seconds, not of its start."""
+    from engine_manager.engines import llamacpp as lc
+
+    template = cap_json("slots_busy1.json")["body"]["slots"][0]
+
+    def slot(n):
+        return [{**template, "id": 0, "id_task": 3, "is_processing": True,
+                 "next_token": [{**template["next_token"][0], "n_decoded": n}]}]
+
+    prev = sample_from(0.0, [{**template, "id": 0, "is_processing": False}], None, None)
+    n, t = 0, 0.0
+    while t < 3 * lc.RATE_WINDOW_S:
+        t += 0.25
+        n += 100 if t <= lc.RATE_WINDOW_S else 10          # 400 tok/s, then 40 tok/s
+        prev = sample_from(t, slot(n), None, prev)
+    assert prev.decode_tok_s == pytest.approx(40, rel=0.02)
+    assert len(prev.extra["slots"][0]["points"]) <= lc.RATE_WINDOW_S / lc._RATE_POINT_S + 2
+
+
 def test_live_decode_rate_from_slot_deltas():
-    """Two real readings of /slots while two requests decoded: tok/s is the n_decoded delta over the readings'
-    time, per slot and together — not /metrics' running-average gauge."""
+    """Two real readings of /slots while two requests decoded (the first the first to see them): tok/s is the
+    n_decoded delta over the readings' time, per slot and together — not /metrics' running-average gauge."""
     b1, b2 = cap_json("slots_busy1.json")["body"], cap_json("slots_busy2.json")["body"]
     prom = parse_prometheus((CAP / "metrics_busy.txt").read_text())
     s1 = sample_from(b1["t"], b1["slots"], prom, None)

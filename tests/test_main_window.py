@@ -96,3 +96,188 @@ def test_geometry_and_splitter_survive_restart(qtbot):
     assert (win2.width(), win2.height()) == (1200, 760)
     assert win2.splitter.sizes() == sizes
     win2.close()
+
+
+# -- start-up (issue 16, item 5) -----------------------------------------------------------------------------------
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+HEAVY = ("pyqtgraph", "numpy", "superqt", "httpx", "engine_manager.supervisor", "engine_manager.metrics")
+
+
+def _run_panel(args, timeout=90):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("DSV41_UNDER_XVFB", None)
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("seconds", ["0", "0.05", "0.2"])
+def test_quit_after_at_start_up_quits(seconds):
+    """`dsv41-panel --quit-after 0` (or any quit in the first ~0.2 s, before the pages are built) used to hang
+    forever; it must exit 0 promptly. (A fresh config: no model, so the first-run wizard would want to show.)"""
+    import subprocess
+
+    try:
+        p = _run_panel(["--quit-after", seconds], timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"dsv41-panel --quit-after {seconds} did not exit within 60 s: {exc.stdout!r} {exc.stderr!r}")
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_quit_after_is_not_blocked_by_the_first_run_wizard():
+    """With no model the Getting-started wizard shows at start-up; `--quit-after` is for automation, so the wizard
+    stays closed and the panel quits on time (the wizard used to keep it running)."""
+    import subprocess
+
+    try:
+        p = _run_panel(["--quit-after", "2.5", "--report-startup"], timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the panel did not quit: {exc.stdout!r} {exc.stderr!r}")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "startup shown_at=" in p.stdout and "startup built_at=" in p.stdout, p.stdout + p.stderr
+
+
+def test_the_window_is_painted_before_the_heavy_pages_are_imported(tmp_path):
+    """The window appears first: at its first paint none of the pages' heavy imports (pyqtgraph, numpy, superqt,
+    httpx, the supervisor, the metrics) has been made; the pages are built right after, in place of their
+    placeholders, and the menus get their actions."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "lazy.py"
+    script.write_text(
+        "import sys\n"
+        "from PySide6.QtCore import QEvent, QObject, QTimer\n"
+        "from PySide6.QtWidgets import QApplication, QWidget\n"
+        "app = QApplication([sys.argv[0]])\n"
+        "from app.context import AppContext\n"
+        "from app.main_window import MainWindow\n"
+        "from engine_manager.settings import load_settings\n"
+        "win = MainWindow(AppContext(load_settings()), lazy=True, show_first_run=False)\n"
+        f"HEAVY = {HEAVY!r}\n"
+        "class F(QObject):\n"
+        "    def eventFilter(self, obj, ev):\n"
+        "        if ev.type() == QEvent.Type.Paint and isinstance(obj, QWidget) and obj.window() is win:\n"
+        "            app.removeEventFilter(self)\n"
+        "            print('at paint: built', win.built, 'heavy', [m for m in HEAVY if m in sys.modules], flush=True)\n"
+        "        return False\n"
+        "f = F(app); app.installEventFilter(f)\n"
+        "def built():\n"
+        "    names = [a.objectName() for a in win.menuBar().actions()[0].menu().actions()]\n"
+        "    print('built: tabs', [type(win.tabs.widget(i)).__name__ for i in range(win.tabs.count())],\n"
+        "          'export' , 'actionExportMetrics' in names, flush=True)\n"
+        "    win.close(); app.quit()\n"
+        "win.pagesBuilt.connect(lambda: QTimer.singleShot(0, built))\n"
+        "win.show()\n"
+        "QTimer.singleShot(60000, app.quit)\n"
+        "app.exec()\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=90)
+    out = p.stdout + p.stderr
+    assert "at paint: built False heavy []" in p.stdout, out
+    assert "built: tabs ['MonitorView', 'PlacementView', 'DownloadPanel', 'LogView'] export True" in p.stdout, out
+
+
+def test_page_attributes_build_a_lazy_window_on_first_use(qtbot):
+    from app.context import AppContext
+    from app.main_window import MainWindow
+    from engine_manager.settings import load_settings
+
+    win = MainWindow(AppContext(load_settings()), lazy=True, show_first_run=False)
+    qtbot.addWidget(win)
+    assert not win.built
+    assert type(win.monitor_view).__name__ == "MonitorView" and win.built
+    assert win.tabs.widget(0) is win.monitor_view and win.splitter.widget(2) is win.chat_pane
+    win.close()
+
+
+# -- text that is not cut off (issue 16, item 4) ------------------------------------------------------------------
+def test_log_view_opens_at_the_start_of_its_lines_and_wraps(qtbot):
+    """The Log tab used to open scrolled to the right (the cursor at the end of the last, long line), every line's
+    start cut off, with no wrapping. Now: wrapped, the view at the left edge and at the newest line; Wrap off
+    gives one row per line, still starting at the left."""
+    from app.context import AppContext
+    from app.log_view import LogView
+    from engine_manager.settings import load_settings
+    from engine_manager.supervisor import log_path
+
+    path = log_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"[{i:04d}] phase: loading expert shard {i} " + "x" * 300 + f" end-of-line-{i}" for i in range(200)]
+    path.write_text("\n".join(lines) + "\n")
+    view = LogView(AppContext(load_settings()))
+    qtbot.addWidget(view)
+    view.resize(700, 400)
+    view.show()
+    qtbot.waitExposed(view)
+    qtbot.waitUntil(lambda: view.line_count() >= 200, timeout=10_000)
+    qtbot.wait(50)
+    text = view.text
+    assert text.lineWrapMode() == text.LineWrapMode.WidgetWidth and view.wrap.isChecked()
+    assert text.horizontalScrollBar().value() == 0
+    vbar = text.verticalScrollBar()
+    assert vbar.value() == vbar.maximum() and vbar.maximum() > 0           # following: the newest line in view
+    view.wrap.setChecked(False)
+    qtbot.wait(50)
+    assert text.lineWrapMode() == text.LineWrapMode.NoWrap
+    hbar = text.horizontalScrollBar()
+    assert hbar.maximum() > 0 and hbar.value() == 0                         # long lines, shown from their start
+    view.append_lines(["another " + "y" * 400])
+    assert hbar.value() == 0 and vbar.value() == vbar.maximum()
+
+
+def test_settings_dialog_shows_every_setting_without_scrolling(qtbot):
+    """It showed ~12 rows in a small scroll area; on a 1600×1000 screen every setting is in view."""
+    from app.context import AppContext
+    from app.settings_dialog import SettingsDialog
+    from engine_manager.settings import load_settings
+
+    dlg = SettingsDialog(AppContext(load_settings()))
+    qtbot.addWidget(dlg)
+    dlg.show()
+    qtbot.waitExposed(dlg)
+    assert dlg.scroll.verticalScrollBar().maximum() == 0, "the form scrolls"
+    assert dlg.scroll.horizontalScrollBar().maximum() == 0, "the form scrolls sideways"
+    for name, editor in dlg.editors.items():
+        top_left = editor.mapTo(dlg, editor.rect().topLeft())
+        assert dlg.rect().contains(top_left), name
+
+
+def test_locked_setting_says_why_on_screen(qtbot, monkeypatch):
+    """A setting fixed by the environment was only greyed: it now says which variable fixes it, under the field and
+    in its tooltip, and how to change it."""
+    monkeypatch.setenv("DSV41_SLOTS", "3")
+    from app.context import AppContext
+    from app.settings_dialog import SettingsDialog
+    from engine_manager.settings import load_settings
+
+    dlg = SettingsDialog(AppContext(load_settings()))
+    qtbot.addWidget(dlg)
+    dlg.show()
+    qtbot.waitExposed(dlg)
+    note = dlg.locked_notes["slots"]
+    assert note.isVisible() and "DSV41_SLOTS" in note.text()
+    tip = dlg.editors["slots"].toolTip()
+    assert tip.startswith("Locked: set by DSV41_SLOTS") and "Unset DSV41_SLOTS" in tip
+    assert "default_max_tokens" not in dlg.locked_notes
+
+
+def test_downloads_progress_header_is_whole_in_a_narrow_tab(qtbot):
+    """At 1280×800 the fixed columns took the stretching Progress column's room: its header read "ogre". The tab
+    as narrow as it can be made still shows the whole header."""
+    from app.context import AppContext
+    from app.download_panel import DownloadPanel
+    from engine_manager.settings import load_settings
+
+    panel = DownloadPanel(AppContext(load_settings()))
+    qtbot.addWidget(panel)
+    panel.resize(560, 700)                     # what the Downloads tab got in a 1280-px window
+    panel.show()
+    qtbot.waitExposed(panel)
+    qtbot.wait(50)
+    hh = panel.table.horizontalHeader()
+    assert hh.sectionSize(2) >= hh.fontMetrics().horizontalAdvance("Progress") + 8, hh.sectionSize(2)
+    panel.shutdown()

@@ -48,8 +48,9 @@ def test_renders_a_plan(view, lay):
     assert "cold experts (pinned)" in view.ram_legend.text()
     assert view.image.image.shape == (384, 40)             # experts across, MoE layers down
     cell = view.describe_cell(0, 0)
-    assert "layer 3" in cell and "expert 0" in cell and "12.22 MiB" in cell and "VRAM" in cell
-    assert "RAM (cold)" in view.describe_cell(39, 383) and "frequency unknown" in view.describe_cell(39, 383)
+    # planned without routing data: which experts are hot is unknown (not "experts 0..N of every layer")
+    assert "layer 3" in cell and "expert 0" in cell and "12.22 MiB" in cell and "unknown" in cell
+    assert "RAM (cold)" not in view.describe_cell(39, 383) and "frequency unknown" in view.describe_cell(39, 383)
     assert "No routing data" in view.cov_text.text() and view.cov_text.isVisibleTo(view)
     assert view.cov_text.wordWrap()                          # a label that wraps, not text cut at the plot's edge
     assert "37.5%" in view.llama.text()
@@ -156,3 +157,55 @@ def test_old_ram_in_gb_state_is_converted(qtbot):
     v = PlacementView(AppContext(load_settings()))
     qtbot.addWidget(v)
     assert v.ram.value() == pytest.approx(192 * GB / GiB, abs=0.05) and v.vram.value() == pytest.approx(48.0)
+
+
+def test_hot_set_without_routing_data_is_drawn_as_unknown(view, lay):
+    """Issue 16 item 2: a plan without routing data lists experts 0..N of every layer as its hot set; the heatmap
+    drew that as two flat blocks, a pattern that does not exist. It is one flat field, said to be unknown; with
+    frequencies the placement is drawn (and told) as it is."""
+    view.show_plan(P.plan(lay, P.reference_hardware(), None, None).to_dict())
+    assert view.mode.currentData() == "placement"
+    img = np.asarray(view.image.image)
+    assert np.unique(img).size == 1, "a hot set without routing data drawn as a pattern"
+    assert "Hot set unknown" in view.hover.text()
+    rng = np.random.default_rng(3)
+    c = np.zeros((43, 384))
+    c[3:] = rng.zipf(1.5, (40, 384))
+    view.show_plan(P.plan(lay, P.reference_hardware(), FrequencyTable(c), None).to_dict())
+    img = np.asarray(view.image.image)
+    assert np.unique(img).size > 2
+    assert "VRAM (hot, rank 1)" in "".join(view.describe_cell(r, e) for r in range(40) for e in range(384)
+                                           if view._grid["hot_rank"][r, e] == 0)
+
+
+def test_running_engine_plan_and_trace_are_the_tabs_data_without_a_click(view, lay, qtbot, tmp_path):
+    """The running engine's plan is shown (not "No plan yet" beside a Monitor that shows its prediction), its
+    routing trace is the routing data, the first observed counts switch the heatmap to them, and "Re-plan from
+    observed routing" plans with the trace."""
+    from engine_manager import routing
+
+    running = P.plan(lay, P.reference_hardware(), None, None).to_dict()
+    trace = tmp_path / "routing.trace"
+    rng = np.random.default_rng(5)
+    with open(trace, "wb") as f:                    # a real --dump-routing trace (format 1 records)
+        for _ in range(400):
+            for layer in range(3, 43):
+                experts = rng.choice(64, size=6, replace=False).astype("<i4")
+                f.write(np.array([layer, 6], "<i4").tobytes() + experts.tobytes()
+                        + np.full(6, 1 / 6, "<f4").tobytes())
+    view.show_running(running, str(trace))
+    assert view.plan is running and "No plan yet" not in view.summary.text()
+    assert str(trace) in view.usage_label.text() and "running engine" in view.usage_label.text()
+    assert view.replan_observed.isVisibleTo(view)
+    counts, _stats = routing.count_trace(trace.read_bytes(), 43, 384)
+    assert counts.sum() > 0
+    view.update_observed(counts)
+    assert view.mode.currentData() == "observed"               # no click
+    assert np.unique(np.asarray(view.image.image)).size > 2
+    assert f"{counts.sum():,.0f} expert picks observed" in view.usage_label.text()
+    view.host.setCurrentIndex(view.host.findData("reference"))
+    with qtbot.waitSignal(view.ctx.planChanged, timeout=60_000) as blocker:
+        view.replan_observed.click()
+    d = blocker.args[0]
+    assert str(trace) in " ".join(d["usage"]["sources"]) and d["predicted_hit_rate"] is not None
+    assert np.unique(np.asarray(view.image.image)).size > 2

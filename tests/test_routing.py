@@ -239,3 +239,135 @@ def test_rank_by_density_prefers_hits_per_byte():
     assert R.rank_by_density(counts, nbytes).tolist() == [1, 0]
     # without counts: smaller first, then the tie order
     assert R.rank_by_density(None, np.array([[5, 5, 1]]), np.array([2, 1, 0])).tolist() == [2, 1, 0]
+
+
+# -- format 2 (tag records) and Strata's profile reader ---------------------------------------------------------------
+
+def test_format2_tag_records_are_skipped_and_counted(tmp_path):
+    """A ``--dump-routing`` trace of format 2 starts with a tag record: a negative layer (−2) in the ordinary record
+    shape — int32 layer, int32 k, k int32, k float32 — which is how Niko1221/Strata's own reader walks every record
+    (``tools/make_profile.py`` ``read_trace`` @42bf2ff: ``8 + 8k`` bytes, only ``0 <= layer`` counted). Tags may
+    carry any k and any ids; they never refuse the trace and are counted in the notes."""
+    data_recs = [(1, [0, 1], [0.5, 0.5]), (1, [3, 3], [0.5, 0.5]), (0, [2, 1], [0.5, 0.5])]
+    tag_start = (-2, [2, 99999], [0.0, 0.0])          # ids out of any model's range: a tag is never checked
+    tag_mid = (-3, [7], [1.5])                        # another k in the middle of a run
+    data = _manual_trace([tag_start] + data_recs[:2] + [tag_mid] + data_recs[2:])
+    counts, stats = R.count_trace(data, 2, 4)
+    assert counts.tolist() == [[0, 1, 1, 0], [1, 1, 0, 2]]
+    assert (stats.records, stats.tags, sorted(stats.tag_layers)) == (3, 2, [-3, -2])
+    p = tmp_path / "v2.trace"
+    p.write_bytes(data)
+    ft = R.read_trace(p, 2, 4)
+    assert ft.total == 6 and any("2 tag records (format 2, layer -3, -2) skipped" in n for n in ft.notes)
+    # the same trace without its tags counts the same
+    assert np.array_equal(R.count_trace(_manual_trace(data_recs), 2, 4)[0], counts)
+    only_tags = tmp_path / "tags.trace"
+    only_tags.write_bytes(_manual_trace([tag_start]))
+    with pytest.raises(RoutingError, match=r"no complete routing record \(only 1 tag record\)"):
+        R.read_trace(only_tags, 2, 4)
+
+
+def test_format2_vectorised_runs_match_the_walk():
+    """Runs between tag records are counted vectorised; the result equals a record-by-record walk."""
+    rng = np.random.default_rng(7)
+    recs = [(-2, [0] * 6, [0.0] * 6)]
+    for i in range(400):
+        recs.append((int(rng.integers(0, 5)), rng.integers(0, 16, 6).tolist(), [1 / 6] * 6))
+        if i % 97 == 0:
+            recs.append((-5, [1, 2], [0.0, 0.0]))
+    data = _manual_trace(recs)
+    fast, stats = R.count_trace(data, 5, 16)
+    slow = np.zeros((5, 16))
+    for layer, ids, _ in recs:
+        if layer >= 0:
+            for e in ids:
+                slow[layer, e] += 1
+    assert np.array_equal(fast, slow) and stats.records == 400 and stats.tags == 1 + 5
+
+
+def _strata_profile_shape(path):
+    """Strata's ``profile_shape`` (serve/server.py @2291cb3) as its docstring and code read: (layers, experts) from
+    the 24-byte header, None when missing, not STRP, or shorter than ``24 + 4 × n_ranked`` bytes. Written here from
+    that reading, independently of engine_manager.routing."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+            f.seek(0, 2)
+            size = f.tell()
+    except OSError:
+        return None
+    if len(head) < 24 or head[:4] != b"STRP":
+        return None
+    _, nl, ne, _, n = struct.unpack("<5I", head[4:])
+    return (nl, ne) if size >= 24 + 4 * n else None
+
+
+def _strata_read_profile(blob):
+    """``tools/make_profile.py`` ``read_profile``'s layout: ``<5I`` at 4, then ``<HH`` pairs from 24; and
+    ``write_profile``'s rank table of ``<i`` per (layer, expert), −1 unranked."""
+    ver, nl, ne, slots, n = struct.unpack_from("<5I", blob, 4)
+    pairs = [struct.unpack_from("<HH", blob, 24 + 4 * i) for i in range(n)]
+    ranks = struct.unpack_from(f"<{nl * ne}i", blob, 24 + 4 * n)
+    return ver, nl, ne, slots, pairs, ranks
+
+
+def test_strp_matches_stratas_reader_byte_for_byte(tmp_path):
+    """The panel's profile read back with Strata's documented layout: same header, pairs and rank table, and the
+    file is exactly as long as that layout says; Strata's ``profile_shape`` reads the same shape."""
+    ranked = [(3, 17), (40, 383), (3, 0), (7, 5)]
+    p = R.write_strp(tmp_path / "p.strp", ranked, 43, 384, 2)
+    blob = p.read_bytes()
+    ver, nl, ne, slots, pairs, ranks = _strata_read_profile(blob)
+    assert (ver, nl, ne, slots, pairs) == (1, 43, 384, 2, ranked)
+    assert len(blob) == 24 + 4 * len(ranked) + 4 * nl * ne
+    assert [ranks[layer * ne + e] for layer, e in ranked] == [0, 1, 2, 3] and sum(r >= 0 for r in ranks) == 4
+    assert R.profile_shape(p) == _strata_profile_shape(p) == (43, 384)
+    for name, data in [("short.strp", blob[:24 + 4 * len(ranked) - 1]), ("magic.strp", b"PRTS" + blob[4:]),
+                       ("tiny.strp", blob[:10])]:
+        q = tmp_path / name
+        q.write_bytes(data)
+        assert R.profile_shape(q) is None and _strata_profile_shape(q) is None
+    assert R.profile_shape(tmp_path / "missing.strp") is None
+
+
+def test_a_profile_of_another_shape_is_refused_as_the_engine_does(tmp_path):
+    """The engine reads ``--expert-profile`` for the model's layers × experts (generate.cpp @0083bb7
+    ``read_expert_profile(o.expert_profile, g.n_layers, g.n_expert, …)``; its error ends the start) and Strata's
+    ``read_profile`` refuses ``<nl>x<ne>, not <NL>x<NE>``. The panel refuses the same before a start or a plan —
+    by the header, even when the rest of the file is damaged."""
+    p = R.write_strp(tmp_path / "p.strp", [(3, 1)], 43, 384, 1)
+    R.check_profile_shape(p, 43, 384)
+    with pytest.raises(RoutingError, match=r"43 layers × 384 experts; the model has 40 × 384.*another model"):
+        R.check_profile_shape(p, 40, 384)
+    damaged = tmp_path / "damaged.strp"
+    damaged.write_bytes(p.read_bytes()[:-100])          # the rank table cut short, the header intact
+    with pytest.raises(RoutingError, match="another model"):
+        R.load_usage([damaged], 40, 384)
+    with pytest.raises(RoutingError, match="not a Strata profile"):
+        R.check_profile_shape(tmp_path / "nothing.strp", 43, 384)
+
+
+def test_plan_usage_takes_a_format2_trace_through_the_cli(tmp_path):
+    """``dsv41 plan --usage TRACE`` (the real command, a subprocess) plans from a format-2 trace: the tag record is
+    skipped and said in the plan's notes."""
+    import os
+    import subprocess
+    import sys
+
+    from engine_manager.replica import ReplicaSpec, write_replica
+
+    model = tmp_path / "model"
+    write_replica(model, ReplicaSpec())
+    rng = np.random.default_rng(2)
+    recs = [(-2, [1, 0], [0.0, 0.0])]
+    recs += [(int(b), rng.choice(64, 6, replace=False).tolist(), [1 / 6] * 6) for b in range(3, 43) for _ in range(20)]
+    trace = tmp_path / "routing.trace"
+    trace.write_bytes(_manual_trace(recs))
+    r = subprocess.run([sys.executable, "-m", "engine_manager", "plan", "--model-dir", str(model),
+                        "--vram-gib", "97887MiB", "--ram-gib", "280GB", "--usage", str(trace), "--json",
+                        "--no-save"], capture_output=True, text=True, timeout=300, env=dict(os.environ),
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["predicted_hit_rate"] == pytest.approx(1.0) and d["usage"]["sources"] == [str(trace)]
+    assert any("1 tag record (format 2, layer -2) skipped" in n for n in d["notes"])

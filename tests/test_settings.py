@@ -168,3 +168,113 @@ def test_settings_path_and_list_work_while_a_value_is_refused():
     r = subprocess.run([sys.executable, "-m", "engine_manager", "settings", "show"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "DSV41_DEFAULT_MAX_TOKENS" in r.stderr
+
+
+# -- issue 15: junk in folder variables and text settings, stop with a bad setting, private folders ----------------
+
+def _cli(*args: str, env: dict | None = None, envb: dict | None = None):
+    """``python -m engine_manager ARGS`` as a real process; ``envb``: variables given as raw bytes."""
+    import subprocess
+    import sys
+
+    e = {os.fsencode(k): os.fsencode(v) for k, v in (env or os.environ).items()}
+    for k, v in (envb or {}).items():
+        e[os.fsencode(k)] = v
+    return subprocess.run([sys.executable, "-m", "engine_manager", *args], env=e, capture_output=True,
+                          timeout=120)
+
+
+def test_an_over_long_config_dir_is_refused_naming_the_variable(tmp_path):
+    """Item 10: a 300-character folder name in DSV41_CONFIG_DIR was an OSError (ENAMETOOLONG) traceback."""
+    env = dict(os.environ, DSV41_CONFIG_DIR=str(tmp_path / ("c" * 300)))
+    for args in (["settings", "show"], ["settings", "path"], ["status"]):
+        r = _cli(*args, env=env)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "Traceback" not in err, err
+        assert "DSV41_CONFIG_DIR" in err and "at most 255" in err, err
+
+
+@pytest.mark.parametrize("var", ["DSV41_CACHE_DIR", "DSV41_ENGINE_DIR", "DSV41_ENGINE_MANIFEST", "DSV41_SIM_ARGS",
+                                 "DSV41_DATA_DIR", "DSV41_MODEL_REPO"])
+def test_bytes_that_are_not_utf8_are_refused_naming_the_variable(var):
+    """Item 10: `start --dry-run` failed with PydanticSerializationError on such bytes."""
+    r = _cli("start", "--dry-run", envb={var: b"/tmp/bad\xff\xfename"})
+    err = r.stderr.decode()
+    assert "Traceback" not in err, err
+    assert r.returncode == 2 and var in err and "not valid UTF-8" in err and "\\xff\\xfe" in err, err
+
+
+def test_a_huge_value_is_refused_and_shown_cut():
+    with pytest.raises(SettingsError) as ei:
+        load_settings(env={"DSV41_SIM_ARGS": "x" * 100_000})
+    msg = str(ei.value)
+    assert "DSV41_SIM_ARGS" in msg and "100,000 characters" in msg and len(msg) < 600
+
+
+def test_lenient_loading_skips_a_bad_value_and_says_so():
+    p = paths.settings_file()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"slots": 99, "port": 9000}))
+    with pytest.raises(SettingsError):
+        load_settings()
+    loaded = load_settings(lenient=True, generate_key=False)
+    assert loaded.settings.slots == 1 and loaded.settings.port == 9000
+    assert any("slots=99" in n for n in loaded.notices)
+
+
+def test_stop_works_with_an_unrelated_bad_setting_in_the_file():
+    """Item 14: `"slots": 99` in the settings file made `dsv41 stop` exit 2 without stopping anything."""
+    p = paths.settings_file()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"slots": 99}))
+    r = _cli("stop")
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "slots=99" in err                       # said, not hidden
+    r = _cli("status")
+    assert r.returncode == 2 and "slots=99" in r.stderr.decode()    # everything else still refuses it
+
+
+def test_the_panels_folders_are_made_private(tmp_path, monkeypatch):
+    """Item 4 (folders): the data folder is created 0700, and existing config/data/logs/runs folders that were
+    0755 (``mkdir(parents=True)`` gave parents the umask's mode) are tightened."""
+    data = tmp_path / "share" / "dsv41"
+    monkeypatch.setenv("DSV41_DATA_DIR", str(data))
+    load_settings()
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    for d in (paths.config_dir(), data, data / "logs", data / "runs"):
+        d.mkdir(exist_ok=True)
+        d.chmod(0o755)
+    elsewhere = tmp_path / "not-ours"
+    elsewhere.mkdir(mode=0o755)
+    elsewhere.chmod(0o755)
+    (data / "logs").rmdir()
+    (data / "logs").symlink_to(elsewhere)          # a link is left alone: its target is not the panel's
+    load_settings()
+    for d in (paths.config_dir(), data, data / "runs"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o755
+
+
+def test_settings_set_fixes_the_value_the_file_has_wrong():
+    """With `"slots": 99` in the file every command refused it, `dsv41 settings set slots 2` included: the way the
+    message offers to fix it did not work. Setting that very value now does; setting another still refuses."""
+    p = paths.settings_file()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"slots": 99}))
+    r = _cli("settings", "set", "port", "9001")
+    assert r.returncode == 2 and "slots=99" in r.stderr.decode()
+    r = _cli("settings", "set", "slots", "2")
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(p.read_text())["slots"] == 2
+
+
+def test_a_folder_variable_pointed_at_home_does_not_close_home(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o755)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("DSV41_CONFIG_DIR", str(home))
+    load_settings()
+    assert stat.S_IMODE(home.stat().st_mode) == 0o755
+    assert (home / "settings.json").exists()

@@ -673,3 +673,176 @@ def test_usable_plan_never_starts_a_refused_or_foreign_host_plan():
     assert usable_plan("sim", other) is other          # the scripted engine may model another host
     assert all(usable_plan(e, refused) is None for e in ("sim", "strata", "llamacpp"))
     assert usable_plan("sim", None) is None
+
+
+# -- hardening (issue 15) ----------------------------------------------------------------------------------------
+
+def dsv41_cli(*args, timeout=90) -> subprocess.CompletedProcess:
+    """The real CLI in another process, with this test's settings and data dirs (they are in the environment)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "engine_manager", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_stop_during_a_start_wins_and_nothing_is_restarted(port, monkeypatch):
+    """Issue 15 item 5: `dsv41 stop` while a `dsv41 start` (another process) waits for the engine to load. The
+    stop said "Stopped.", then the start reported a crash ("exited on its own (exit code 0)"), restarted the engine,
+    and it ended up running. The stop must win: the start ends with "stopped by request", nothing restarts."""
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 60")       # a slow start: the stop comes while it loads
+    sup = make(auto_restart=True, grace_s=5.0)
+    run = Runner(sup.run(sim_engine(), watch=True))
+    run.wait_for(lambda e: e.kind == "progress")
+    rec = sup._read_state_file()
+    assert rec and rec["state"] == "starting" and sv.record_alive(rec)
+    r = dsv41_cli("stop", "--grace", "5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Stopped" in r.stdout
+    st = run.join(timeout=60)
+    assert not kinds(run.events, "crashed") and not kinds(run.events, "restarting"), \
+        [e.to_dict() for e in kinds(run.events, "crashed")]
+    msgs = [e.message for e in kinds(run.events, "stopped")]
+    assert any("Stopped by request" in m and "not restarted" in m for m in msgs), msgs
+    assert st.state == "stopped"
+    assert_gone(rec["pgid"], port)
+    after = make().status(check_health=False)
+    assert after.state == "stopped" and not after.last_failure
+
+
+EXIT3_ENGINE = r"""
+import http.server, os, sys, threading, time
+port, trigger = int(sys.argv[1]), sys.argv[2]
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers()
+        self.wfile.write(b'{"status": "ok", "loaded": true, "service": "tiny"}')
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", port), H)
+threading.Thread(target=srv.serve_forever, daemon=True).start()
+print("READY tiny engine", flush=True)
+while not os.path.exists(trigger):
+    time.sleep(0.02)
+print("tiny engine: giving up on purpose", flush=True)
+os._exit(3)
+"""
+
+
+def test_the_crash_cause_comes_from_this_runs_log_only(port, monkeypatch, tmp_path):
+    """Issue 15 item 6: a `--fail-bind` run, then an engine that exits with code 3 while no panel watches:
+    `status` said "port is already in use", read from the earlier run's lines in the same log."""
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0 --fail-bind")
+    evs, _ = drain(make(auto_restart=False).run(sim_engine()))
+    assert kinds(evs, "crashed")[0].cause == "port_in_use"          # the earlier run: really a port problem
+    trigger = tmp_path / "exit-now"
+    base = sim_engine()
+
+    class Exit3(type(base)):
+        def build_launch(self, settings, plan, workdir):
+            spec = super().build_launch(settings, None, workdir)
+            spec.argv = [sys.executable, "-I", "-S", "-c", EXIT3_ENGINE, str(settings.port), str(trigger)]
+            return spec
+
+    evs, st = drain(make().run(Exit3(), watch=False))
+    assert st.state == "ready", [e.to_dict() for e in evs][-5:]
+    trigger.write_text("now")
+    assert wait_until(lambda: not sv._alive(st.keeper_pid), timeout=20)
+    log = sv.read_log_tail(make().log_path)
+    assert any("already in use" in ln for ln in log)                # the old run's words are still in the log
+    now = make().status(check_health=False)
+    assert now.state == "crashed"
+    lf = now.last_failure
+    assert lf["cause"] != "port_in_use" and "in use" not in lf["title"], lf
+    assert lf["returncode"] == 3 and "exit code 3" in now.message
+    assert "giving up on purpose" in lf["fix"]                      # this run's own last lines are shown
+
+
+@pytest.mark.parametrize("bad", ['{"keeper_pid": "1x"}', '{"keeper_pid": 12, "port": "80"}', "[1, 2]",
+                                 "{not json", '{"keeper_pid": 5}'])
+def test_a_malformed_state_file_is_moved_aside_and_said_status_stop_start_work(port, bad):
+    """Issue 15 item 13: ``{"keeper_pid": "1x"}`` made `status`, `stop` and `start` fail with a TypeError. The
+    record is validated as a typed one (pydantic); a bad one is moved aside and the commands say so."""
+    state = paths.data_dir() / sv.STATE_FILE
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(bad)
+    r = dsv41_cli("status")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "was not valid" in r.stdout and "moved aside to" in r.stdout, r.stdout
+    assert not state.exists()
+    aside = list(state.parent.glob(sv.STATE_FILE + ".bad-*"))
+    assert len(aside) == 1 and aside[0].read_text() == bad           # kept, never deleted
+    state.write_text(bad)
+    r = dsv41_cli("stop")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "was not valid" in r.stdout and "not running" in r.stdout
+    state.write_text(bad)
+    evs, st = drain(make().run(sim_engine(), watch=False))
+    assert st.state == "ready", [e.to_dict() for e in evs][-5:]
+    assert any("was not valid" in e.text for e in kinds(evs, "note"))
+    drain(make().stop())
+
+
+def test_a_symlinked_log_or_state_file_is_refused_not_followed(port, tmp_path):
+    """Issue 15 item 4 (the supervisor's part): a symlinked ``logs/engine.log`` had the engine's output appended
+    to the link's target and the target chmod'ed; a symlinked state file was read through. Both are refused."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    victim.chmod(0o644)
+    sup = make()
+    sup.logs_dir.mkdir(parents=True, exist_ok=True)
+    sup.log_path.symlink_to(victim)
+    evs, st = drain(sup.run(sim_engine(), watch=False))
+    failed = kinds(evs, "failed")
+    assert failed and failed[0].cause == "log_refused" and "symbolic link" in failed[0].message, \
+        [e.to_dict() for e in evs]
+    assert st.state == "stopped" and not listening(port)
+    assert victim.read_text() == "precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
+    sup.log_path.unlink()
+    # the state file: a link to a record of a live process is not believed, and the target is left alone
+    fake = tmp_path / "fake-state.json"
+    me = psutil.Process()
+    fake.write_text(json.dumps({"keeper_pid": me.pid, "keeper_start_time": me.create_time(), "pgid": os.getpgid(0),
+                                "state": "ready", "engine": "sim", "port": port}))
+    sup.state_path.parent.mkdir(parents=True, exist_ok=True)
+    sup.state_path.symlink_to(fake)
+    st = make().status(check_health=False)
+    assert st.state == "stopped" and "symbolic link" in st.message and "moved aside" in st.message
+    assert not sup.state_path.is_symlink() and fake.is_file()
+    evs, _ = drain(make().stop())                                  # never signals the process the link named
+    assert me.is_running()
+
+
+def test_a_stop_while_a_start_prepares_keeps_the_engine_from_starting(port, tmp_path):
+    """Issue 15 item 5, the earlier moment: `dsv41 stop` while a start (another process's view: it holds the start
+    lock) still prepares the launch, before any engine process exists. The stop names the start in progress and
+    waits for it; the start then starts nothing and ends "stopped by request"."""
+    trigger = tmp_path / "go-on"
+    base = sim_engine()
+
+    class SlowToPrepare(type(base)):
+        def build_launch(self, settings, plan, workdir):
+            end = time.monotonic() + 60
+            while not trigger.exists() and time.monotonic() < end:
+                time.sleep(0.02)
+            return super().build_launch(settings, plan, workdir)
+
+    sup = make(grace_s=2.0)
+    run = Runner(sup.run(SlowToPrepare(), watch=False))
+    assert wait_until(lambda: sup._start_in_flight() is not None, timeout=30)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    stop = subprocess.Popen([sys.executable, "-m", "engine_manager", "stop", "--grace", "2"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: sup.stop_request_path.exists(), timeout=60)
+        trigger.write_text("go")
+        out, err = stop.communicate(timeout=90)
+    finally:
+        if stop.poll() is None:
+            stop.kill()
+            stop.wait(timeout=10)
+    assert stop.returncode == 0, out + err
+    assert f"A start is in progress (pid {os.getpid()})" in out, out
+    st = run.join(timeout=60)
+    assert not kinds(run.events, "ready") and not kinds(run.events, "crashed")
+    assert not [e for e in kinds(run.events, "note") if e.text.startswith("Started ")]     # no process was made
+    assert any("Stopped by request" in e.message for e in kinds(run.events, "stopped"))
+    assert st.state == "stopped" and not listening(port)

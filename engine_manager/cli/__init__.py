@@ -14,6 +14,7 @@ from functools import cached_property
 
 from .. import __version__
 from ..errors import PlacementRefused, UserError
+from ..paths import PathVariableError
 from ..settings import LoadedSettings, SettingsError, load_settings
 
 # Order is the order of `dsv41 --help`.
@@ -37,6 +38,19 @@ class Context:
     @property
     def settings(self):
         return self.loaded.settings
+
+    @cached_property
+    def settings_for_stop(self):
+        """The settings, with any bad value skipped (its default used, and said): stopping the engine needs only
+        the state file, so an unrelated bad setting must not block it (issue 15, item 14). A folder variable
+        that cannot be used is still refused: the state file lives there."""
+        try:
+            return self.settings
+        except SettingsError:
+            loaded = load_settings(generate_key=False, lenient=True)
+            for n in loaded.notices:
+                print(f"note: {n}", file=sys.stderr)
+            return loaded.settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context()
     try:
         return int(args.func(args, ctx) or 0)
-    except SettingsError as exc:
+    except (SettingsError, PathVariableError) as exc:
         print(f"dsv41: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except PlacementRefused as exc:

@@ -1,9 +1,13 @@
 """``dsv41 start | stop | status | logs | binding``: run the engine from a terminal.
 
-- ``dsv41 start [--engine sim|strata|llamacpp] [--dry-run] [--foreground]``: start the engine and return once it
-  is ready (it keeps running in its own session; ``dsv41 stop`` stops it). ``--foreground`` stays, prints the
-  engine's log, restarts it after a crash (auto_restart) and stops it on Ctrl+C. ``--dry-run`` prints every
-  command it would run here. Without a GPU the scripted engine (simulated) is the default, and it says so.
+- ``dsv41 start [--engine sim|strata|llamacpp] [--plan FILE] [--dry-run] [--foreground]``: start the engine and
+  return once it is ready (it keeps running in its own session; ``dsv41 stop`` stops it). ``--foreground`` stays,
+  prints the engine's log, restarts it after a crash (auto_restart) and stops it on Ctrl+C. ``--dry-run`` prints
+  every command it would run here. ``--plan FILE`` starts with a saved plan (``dsv41 plan --out FILE``), even one
+  made for another host (a warning names it). Without a GPU the scripted engine (simulated) is the default, and
+  it says so. The Strata engine's model pack is prepared first when it is needed (see ``dsv41 prepare``).
+- ``dsv41 prepare [--plan FILE] [--force]``: prepare the model for the Strata engine with the release's own
+  ``tools/iq_pack.py`` (once; the panel records its completion and redoes an unfinished or changed pack).
 - ``dsv41 stop [--force]``: SIGTERM to the engine's process group, grace period, SIGKILL (``--force``: at once).
 - ``dsv41 status [--json]``: state, engine, pid, port, base_url, binding, uptime, last failure; for llama.cpp
   also where llama-server put each buffer, read from its log.
@@ -21,9 +25,14 @@ from .. import fmt, hardware
 from .. import supervisor as sv
 from ..engines import ENGINE_NAMES
 from ..numa import choose_binding
+from ..errors import UserError
 from ..settings import resolve_engine
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+class PlanFileError(UserError):
+    """A ``--plan FILE`` that is missing or not a plan: a usage error (exit 2), said in plain words."""
 
 
 def register(sub) -> None:
@@ -41,8 +50,24 @@ def register(sub) -> None:
                         "the key masked) and start nothing; exit 3 when the plan is refused (said at the top)")
     p.add_argument("--foreground", action="store_true",
                    help="stay attached: print the engine log, restart after crashes, stop on Ctrl+C")
+    p.add_argument("--plan", metavar="FILE",
+                   help="start with this saved plan (`dsv41 plan --out FILE`), even one made for another host "
+                        "(a warning names the host it was made for); a refused plan is not started (exit 3)")
     p.add_argument("--json", action="store_true", help="print the events as JSON lines")
     p.set_defaults(func=run_start)
+
+    p = sub.add_parser("prepare", help="prepare the model for the Strata engine (its pack, once)",
+                       description="Run the engine release's own tools/iq_pack.py on the model's shard 1 (found "
+                                   "from the split metadata) into <data dir>/packs/<model>, printing its progress. "
+                                   "Done once: the panel records its own completion (file sizes) and makes the "
+                                   "pack again only when that record is missing or the files changed. "
+                                   "`dsv41 start --engine strata` does this itself when needed. Exit 0 ready, "
+                                   "1 failed, 130 interrupted.")
+    p.add_argument("--plan", metavar="FILE", help="the plan whose model to prepare (default: DSV41_MODEL_DIR, "
+                                                  "else the downloaded model)")
+    p.add_argument("--force", action="store_true", help="make the pack again even when it is complete")
+    p.add_argument("--json", action="store_true", help="print the events as JSON lines")
+    p.set_defaults(func=run_prepare)
 
     p = sub.add_parser("stop", help="stop the engine this panel started",
                        description="SIGTERM to the engine's process group, a grace period, then SIGKILL; checks that "
@@ -103,6 +128,11 @@ class Printer:
             print(json.dumps(ev.to_dict(), default=str), file=self.out, flush=True)
             return
         k = ev.kind
+        if k == "progress" and ev.phase.startswith("preparing"):
+            eta = f", about {_fmt_s(ev.eta_s)} left" if ev.eta_s else ""
+            frac = f" ({ev.fraction:.0%})" if ev.fraction is not None else ""
+            self._line(f"{ev.phase}{frac}{eta}")
+            return
         if k == "log":
             if self.show_log:
                 for ln in ev.lines:
@@ -179,9 +209,19 @@ def run_start(args, ctx) -> int:
         print(text, file=out, flush=True)
 
     engine = _choose_engine(args, settings, hw, say)
+    plan = None
+    if getattr(args, "plan", None):
+        try:
+            plan = load_plan_file(args.plan)
+        except PlanFileError as exc:
+            print(f"dsv41 start: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        warning = sv.plan_host_warning(plan, hw)
+        if warning:
+            say(f"warning: {warning}")
     sup = sv.Supervisor(settings, hardware=hw)
     if args.dry_run:
-        dr = sup.dry_run(engine)
+        dr = sup.dry_run(engine, plan)
         if args.json:
             print(json.dumps(dr.to_dict(), indent=2, default=str))
         else:
@@ -191,7 +231,7 @@ def run_start(args, ctx) -> int:
     result = None
     failed: sv.StartFailed | None = None
     gave_up = False
-    gen = sup.run(engine, watch=args.foreground)
+    gen = sup.run(engine, plan, watch=args.foreground)
     try:
         while True:
             try:
@@ -223,8 +263,64 @@ def run_start(args, ctx) -> int:
     return EXIT_FAIL
 
 
+def load_plan_file(path: str) -> dict:
+    """A saved plan (``dsv41 plan --out FILE``, the Placement tab's save) as a dict; ``UsageError`` in plain
+    words when the file is missing or is not a plan."""
+    from pathlib import Path
+
+    from .. import placement
+
+    p = Path(path).expanduser()
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PlanFileError(f"The plan file {p} does not exist. Make one with `dsv41 plan --out {p}`.") from None
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise PlanFileError(f"The plan file {p} cannot be read as JSON ({exc}). Make it again with "
+                            f"`dsv41 plan --out {p}`.") from None
+    if not isinstance(doc, dict) or doc.get("schema") != placement.SCHEMA or not isinstance(doc.get("model"), dict):
+        raise PlanFileError(f"{p} is not a plan saved by this panel (no schema {placement.SCHEMA} / model). Make "
+                            f"one with `dsv41 plan --out {p}`.")
+    return doc
+
+
+def run_prepare(args, ctx) -> int:
+    from .. import provision
+    from ..engines import get_engine
+
+    settings = ctx.settings
+    try:
+        plan = load_plan_file(args.plan) if args.plan else None
+    except PlanFileError as exc:
+        print(f"dsv41 prepare: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    eng = get_engine("strata")
+    gen = eng.prepare(settings, plan, force=args.force)
+    try:
+        while True:
+            try:
+                ev = next(gen)
+            except StopIteration as stop:
+                pack = stop.value
+                break
+            if args.json:
+                print(json.dumps(ev.to_dict(), default=str), flush=True)
+            else:
+                text = provision.describe(ev)
+                if text:
+                    print(text, flush=True)
+    except KeyboardInterrupt:
+        gen.close()
+        print("\ninterrupted: the pack is not finished; `dsv41 prepare` makes it again", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if not args.json:
+        print(f"pack: {pack}")
+    return EXIT_OK
+
+
 def run_stop(args, ctx) -> int:
-    sup = sv.Supervisor(ctx.settings, grace_s=args.grace)
+    # an unrelated bad setting must not block stopping (issue 15, item 14): Context.settings_for_stop
+    sup = sv.Supervisor(getattr(ctx, "settings_for_stop", None) or ctx.settings, grace_s=args.grace)
     printer = Printer()
     external = False
     for ev in sup.stop(force=args.force):

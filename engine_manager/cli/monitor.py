@@ -70,11 +70,14 @@ def fmt_line(tick: M.Tick) -> str:
     # prefill while no prompt is being read is the last request's, not a live rate: say so
     prefill = "last prefill" if tick.notes.get("prefill_live") is False else "prefill"
     users = f"users {f('slots_busy', '{:.0f}')}"
-    if v.get("slots_busy") == 0:
+    idle = v.get("slots_busy") == 0
+    if idle:
         users += " (idle)"
+    # nothing decodes while every slot is idle: no rate (a window still emptying read "decode 10.1 tok/s … idle")
+    decode = "—" if idle else f('decode_tok_s', unit=' tok/s')
     parts = [
         time.strftime("%H:%M:%S", time.localtime(tick.t)),
-        f"decode {f('decode_tok_s', unit=' tok/s')}",
+        f"decode {decode}",
         f"{prefill} {f('prefill_tok_s', '{:.0f}', unit=' tok/s')}",
         users,
         f"hit {f('hit_rate', '{:.1f}', 100, '%')} (rolling {f('hit_rate_rolling', '{:.1f}', 100, '%')})",
@@ -134,6 +137,15 @@ def run(args, ctx) -> int:
     if args.hz is not None and not (0.25 <= args.hz <= 10):
         print(f"dsv41 monitor: --hz {args.hz} is outside 0.25–10; use a rate in that range.", file=sys.stderr)
         return 2
+    if not args.url:
+        # the monitor's requests carry the API key: only to the engine the panel started (or `dsv41 sim`), never
+        # to a program that took the port after that engine died (--url is the user's own call)
+        from ..chat import ChatError, check_target
+        try:
+            check_target(settings, base_url, settings.api_key)
+        except ChatError as exc:
+            print(f"dsv41 monitor: {exc}", file=sys.stderr)
+            return 1
     hub = M.build_hub(engine, base_url, settings.api_key, spec=getattr(st, "spec", None),
                       pid=getattr(st, "pid", None), binding=getattr(st, "binding", None),
                       log_path=getattr(st, "log_path", None) or None, gpu_index=settings.gpu_index, hz=hz,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from .. import paths
-from ..settings import Settings, field_allowed, field_env, save_settings
+from ..settings import Settings, SettingsError, field_allowed, field_env, load_settings, save_settings
 
 
 def register(sub) -> None:
@@ -45,14 +45,21 @@ def run(args, ctx) -> int:
             print(f"{n:<{w1}}  {field_env(n):<{w2}}  {field_allowed(n)}")
             print(f"{'':<{w1}}  {info.title}: {info.description}")
         return 0
-    loaded = ctx.loaded
     if action == "set":
         name = _field_name(args.name)
+        try:
+            loaded = ctx.loaded
+        except SettingsError as exc:
+            if exc.source != "file" or exc.setting != name:
+                raise
+            # the value being set is the one refused in the file: setting it is how to fix it
+            loaded = load_settings(lenient=True, generate_key=False)
         new = save_settings(loaded, {name: args.value})
         if new.env_locked(name):
             print(f"saved, but {field_env(name)} in the environment overrides it")
         print(f"{name} = {new.settings.masked()[name]}  (saved to {new.path})")
         return 0
+    loaded = ctx.loaded
     masked = loaded.settings.masked()
     if getattr(args, "json", False):
         print(json.dumps({"settings": masked, "sources": loaded.sources, "path": str(loaded.path)}, indent=2))

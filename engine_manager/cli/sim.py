@@ -1,8 +1,9 @@
 """``dsv41 sim [--plan FILE] [--port N] [sim flags...]``: run the scripted engine (simulated) in the foreground.
 
 Every flag of ``python -m engine_manager.sim`` is accepted (fault switches included; see that module's
-docstring). Host, port and API key default to the panel's settings, so the panel's chat and monitor can talk to
-it. Ctrl-C stops it.
+docstring). Host, port, API key and the default max_tokens default to the panel's settings, so the panel's chat
+and monitor can talk to it. Ctrl-C stops it. Nothing here reads the environment at import: a bad
+``DSV41_DEFAULT_MAX_TOKENS`` stops only this command (exit 2, naming it), never ``dsv41 --version`` or ``stop``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def run(args, ctx) -> int:
         args.port = s.port
     if args.api_key is None and not args.api_key_file:
         args.api_key = s.api_key        # in-process argv below: never on a command line `ps` shows
+    if args.default_max_tokens is None:     # the setting (DSV41_DEFAULT_MAX_TOKENS, validated where it is loaded)
+        args.default_max_tokens = s.default_max_tokens
     host = f"[{args.host}]" if ":" in args.host else args.host
     if args.port and not port_free(args.host, args.port):
         alt = suggest_port(args.host, args.port)

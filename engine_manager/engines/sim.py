@@ -6,9 +6,11 @@ Launch: ``<this python> -m engine_manager.sim --plan <workdir>/plan.json --host 
 <workdir>/sim-api-key --dump-routing <workdir>/routing.trace --dump-routing-max-mb 64`` plus the settings it models
 (slots, context, KV type, CPU numerics, VRAM reserve, default max_tokens). Extra sim
 flags (fault switches, ``--speed``, ``--skew`` ...) can come from ``DSV41_SIM_ARGS`` in the environment, which the
-process inherits. Metrics and log lines are Strata's, so the Strata mapping is reused; the sim additionally
-reports swaps on HTTP (its ``sim`` block), which :meth:`SimEngine.poll` turns into ``swaps_total`` /
-``swaps_per_s`` / ``swap_mb_s``.
+process inherits. Its endpoints, fields, nulls and log lines are Strata's (``tests/test_sim_conformance.py`` diffs
+them against ``tests/data/strata``), so the panel reads it through the Strata adapter's own code:
+:meth:`SimEngine.poll` *is* ``StrataEngine.poll``. As in Strata, expert swaps are not on HTTP: the metrics hub
+counts them from the engine log (``adapt: ... swapped N experts`` lines). Its only extra is the documented
+``"simulated": true`` marker (and ``service`` ``strata-sim``), which the labels use.
 
 The routing trace feeds the Placement heatmap's observed routing (the monitor's ``RoutingSource``). It costs
 ~2 KB per generated token, so it is capped: the sim moves it to ``routing.trace.1`` at start and whenever it
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,10 @@ from ..errors import PlacementRefused
 from .base import Engine, FailureHint, LaunchSpec, LogEvent, Readiness, Sample
 from .strata import (
     FAILURE_PATTERNS,
-    auth_headers,
+    StrataEngine,
     check_readiness,
     classify,
     parse_strata_log_line,
-    sample_from_metrics,
-    sample_from_prometheus,
 )
 
 LABEL = "Scripted engine (SIMULATED — no GPU, modelled speeds)"
@@ -91,6 +90,9 @@ def sim_argv(plan_path: str | None, host: str, port: int, key_file: str | None,
 
 
 def apply_sim_block(s: Sample, doc: dict[str, Any], previous: Sample | None) -> Sample:
+    """Swaps from the ``sim`` block that the scripted engine's first version (``sim-1``) sent on HTTP; kept for
+    its recorded captures (``tests/data/sim``). The current sim (``sim-2``) sends none, as Strata sends none: a
+    document without the block leaves the sample as it is."""
     sim = doc.get("sim") if isinstance(doc.get("sim"), dict) else {}
     swaps, sbytes = sim.get("swaps_total"), sim.get("swap_bytes_total")
     if isinstance(swaps, int):
@@ -158,15 +160,8 @@ class SimEngine(Engine):
         return check_readiness(client, spec, service_hint="strata")
 
     def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
-        t = time.time()
-        r = client.get(spec.base_url + "/metrics", headers={**auth_headers(spec), "Accept": "application/json"},
-                       timeout=5.0)
-        r.raise_for_status()
-        if "json" not in r.headers.get("content-type", "json"):
-            return sample_from_prometheus(r.text, self.name, t, simulated=True)
-        doc = r.json()
-        s = sample_from_metrics(doc, self.name, previous, t, simulated=True)
-        return apply_sim_block(s, doc, previous)
+        """The Strata adapter's own poll (the same requests, the same mapping), labelled simulated."""
+        return StrataEngine.poll(self, client, spec, previous)
 
     def parse_log_line(self, line: str) -> LogEvent | None:
         return parse_strata_log_line(line, self.failure_patterns)

@@ -1,10 +1,14 @@
 """The deepseek-one-gpu / Strata engine behind the panel's interface (ENGINE_CONTRACT.md §2).
 
-Launch: ``<python> <engine>/serve/server.py --config <workdir>/strata-config.json --host 127.0.0.1 --port N
---gpu G`` with the key in the environment as ``STRATA_API_KEY``. The config JSON is Strata's setup config (``exe`` =
-the native engine binary, ``args`` = its arguments: the model's first shard, then the engine flags the plan
-decides: ``--expert-cache``, ``--expert-profile`` (the planner's STRP file), ``--vram-reserve-mib``, ``--batch``,
-``--max-context``, ``--kv``, ``--cpu-numerics``).
+Launch (as Strata's setup/launcher start it; Niko1221/Strata ``serve/server.py`` ``main()``, ``StrataEngine``,
+``engine_args``, ``child_env``): ``<python> <release>/serve/server.py --engine strata --config
+<run dir>/strata-config.json --host 127.0.0.1 --port N --gpu G`` (``--engine`` defaults to ``mock``: without it the server answers every chat with a
+canned greeting) with the key in the environment as ``STRATA_API_KEY``. The config: ``exe`` (the native engine
+binary), ``args`` (``--pack PACK --native SHARD1`` first, then what the plan decides: ``--expert-profile``,
+``--expert-cache``, ``--vram-reserve-mib``, ``--max-context``, ``--kv``, ``--cpu-numerics gpu`` only when set —
+``--batch`` comes from ``parallel``), ``cwd``, ``tokenizer`` (``PACK/tokenizer``), ``model_name``, ``log`` (the native
+engine's stderr; the keeper follows it into the panel's log), ``lib_dirs`` where the release has them, ``parallel``.
+The pack is made once by the release's ``tools/iq_pack.py`` (:mod:`engine_manager.provision`, :meth:`prepare`).
 
 The key: the contract names ``--api-key KEY``, but a command line is readable by every local user (``ps``), and the
 keeper's command line repeats the engine's. Strata's ``serve/server.py`` takes the same key from the environment:
@@ -16,13 +20,14 @@ Readiness: in normal (eager) mode the server opens its port only after the engin
 refused = still loading*; ``/health`` 200 with ``loaded`` true = ready.
 
 Metrics: ``/metrics`` JSON (``live``, ``requests[]``, ``engine``, ``hardware``, ``totals``) or Prometheus text
-(``strata:*``, ``vllm:*``) map onto :class:`~engine_manager.engines.base.Sample` with the contract's field names.
-Expert swaps are not on HTTP in Strata: they come from the adaptive tier's log lines (:meth:`parse_log_line`),
-so :meth:`poll` leaves ``swaps_*`` missing for a real Strata.
+(``strata:*``, ``vllm:*``) map onto :class:`~engine_manager.engines.base.Sample` by Strata's real fields
+(:func:`sample_from_metrics`; every field and its source: ``tests/data/strata/SOURCES.md``). Strata reports no
+swaps on HTTP and prints none per swap (its adaptive tier is silent), so ``swaps_*`` stay missing for a real
+Strata; it reports the expert-cache hit rate only when a request finishes, so there is no live hit rate.
 
-Log formats beyond what the contract states (phase lines, the adaptive tier's swap report) are matched
-tolerantly; the scripted engine (``engine_manager.sim``) prints the forms matched here. There is no real Strata on
-the build machines: the adapter is tested against the contract's field names and against the scripted engine.
+Log lines (:func:`parse_strata_log_line`) are matched in the engine's real stderr formats (generate.cpp) and the
+server's output; the scripted engine's phase and swap lines too. There is no real Strata on the build machines:
+the adapter is tested against fixtures transcribed from Strata's code (``tests/data/strata/``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import struct
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..atomic import atomic_write_bytes, atomic_write_json
 from ..errors import PlacementRefused
@@ -51,38 +56,61 @@ DEFAULT_RELEASE = "v0.1.0"                 # the guides' engine release (prebuil
 CONFIG_NAME = "strata-config.json"
 KEY_ENV = "STRATA_API_KEY"        # what serve/server.py reads when --api-key is not given
 PROFILE_NAME = "expert-profile.strp"
-FIRST_SHARD = "DeepSeek-V4.1-Flash-Q2_K-00001-of-00007.gguf"
 ENGINE_BINARIES = ("bin/strata", "build/bin/strata", "build/strata", "strata", "bin/strata-engine")
+# the engine's own stderr: Strata's server sends the native engine's stderr to the config's "log" file (serve/server.py
+# StrataEngine.__init__: stderr=open(log, "a"), else DEVNULL); the keeper follows it into the panel's engine log
+ENGINE_LOG_NAME = "strata-engine.log"
+MODEL_NAME = "DeepSeek-V4.1-Flash"
+# where a release keeps shared libraries (serve/server.py child_env(): "lib_dirs" are prepended to LD_LIBRARY_PATH)
+LIB_DIRS = ("lib", "lib64", "bin/lib")
 
 # Strata's hardware block reports NVML's PCIe KB/s divided by 1024; × 1.024 gives 10^6 bytes/s (Sample's MB/s).
 STRATA_MB_TO_MB = 1.024
 
 
 # ------------------------------------------------------------------------------------------------ failures
+# Matched against the engine's REAL stderr (the config's ``log`` file) and the server's own output. Formats:
+# tests/data/strata/SOURCES.md (Niko1221/Strata src/program/generate.cpp @0083bb7 ``main``'s option loop and
+# serve loop; serve/server.py @2291cb3 ``listen_problem``, ``start_failure_hint``, ``StrataEngine.death_note``).
 def _p(regex: str, cause: str, title: str, fix: str) -> LogPattern:
     return LogPattern(re.compile(regex, re.I), FailureHint(cause, title, fix))
 
 
 FAILURE_PATTERNS: list[LogPattern] = [
-    _p(r"CUDA (error: )?out of memory|cudaMalloc\w* failed|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED",
-       "cuda_oom", "The GPU ran out of memory (CUDA out of memory / cudaMalloc failed)",
+    # generate.cpp main(): `unknown argument: <arg>` (then usage, exit 2); `<flag> needs a value` (exit 2)
+    _p(r"^\s*unknown argument: \S+|^\s*--[\w-]+ needs a value\b|unrecognized arguments|error: argument --",
+       "bad_engine_flag", "The engine refused a command-line argument",
+       "The engine release does not accept an argument the panel passed (the log line names it): download the "
+       "pinned engine release again, or remove that setting (e.g. CPU numerics) and start again."),
+    # generate.cpp: per-site allocation failures ("session state allocation failed", ...), CUDA's own words,
+    # server.py DRAFT_HEAD_FAIL ("the draft head does not fit")
+    _p(r"CUDA (error: )?out of memory|\bout of memory: cuda|cudaMalloc\w* failed|cudaErrorMemoryAllocation|"
+       r"CUBLAS_STATUS_ALLOC_FAILED|\ballocation failed\b|the draft head does not fit|"
+       r"MiB of VRAM free with everything loaded - LOW",
+       "cuda_oom", "The GPU ran out of memory (a VRAM allocation failed)",
        "Lower the expert cache (fewer hot experts), the context length or the slots on the Placement tab, or "
        "raise --vram-reserve-mib; close other programs using the GPU (nvidia-smi shows them)."),
+    # generate.cpp serve loop watchdog: "no progress for N s during a request (...) ... (issue #29)"
+    _p(r"no progress for \d+ s during a request|issue #29\)",
+       "engine_stalled", "The engine stopped itself: it made no progress during a request",
+       "Start again; if it repeats, save the engine log (Log tab) and report it with the engine version."),
     _p(r"driver version is insufficient|cudaErrorInsufficientDriver|driver (is )?too old|"
        r"needs? (NVIDIA )?driver|requires (NVIDIA )?driver",
        "driver_too_old", "The NVIDIA driver is too old for this engine",
        "Install NVIDIA driver 580.65 or newer (CUDA 13), reboot, and start again (`dsv41 doctor` checks it)."),
+    # server.py listen_problem(): "port N is already in use - is Strata (or another server) already running?"
     _p(r"port \d+.*(already in use|in use)|Address already in use|EADDRINUSE",
        "port_in_use", "The engine's port is already in use",
        "Stop the other server on that port (`ss -ltnp` shows which) or choose another port in Settings."),
-    _p(r"placement refused|expert profile refused|profile .*(differ|mismatch)|refus\w+ (the )?profile",
+    _p(r"placement refused|expert profile refused|profile .*(differ|mismatch)|refus\w+ (the )?profile|"
+       r"not a Strata profile|\d+x\d+, not \d+x\d+",
        "placement_refused", "The engine refused the placement (expert profile or plan)",
        "Make the plan again for this model (Placement tab or `dsv41 plan`) so the profile matches its layers "
        "and experts, then start again."),
-    _p(r"unrecognized arguments|error: argument --|unknown (engine )?(flag|option|argument)",
-       "bad_engine_flag", "The engine refused a command-line flag",
-       "The engine release may be older than the panel expects: download the pinned release again, or remove "
-       "the flag named in the log."),
+    _p(r"vocab\.json",
+       "tokenizer_missing", "The engine's tokenizer files are missing",
+       "Prepare the model again (first-run flow or `dsv41 download`): the pack's tokenizer folder is written by "
+       "the release's tools/iq_pack.py."),
     _p(r"No such file or directory.*\.gguf|failed to (open|read|load) .*\.gguf|model file .*not found",
        "model_missing", "The model files were not found",
        "Download the model (Downloads tab / `dsv41 download`) or point DSV41_MODEL_DIR at the folder that holds "
@@ -99,10 +127,14 @@ OOM_KILLED = FailureHint(
 
 
 def classify(patterns: list[LogPattern], returncode: int | None, log_tail: list[str]) -> FailureHint | None:
+    """The newest log line that names a known cause wins, and the hint's title carries that line — the engine's
+    own words (e.g. ``unknown argument: --cpu-numerics``); a SIGKILL with none is the OOM killer."""
     for line in reversed(log_tail):
         for pat in patterns:
             if pat.regex.search(line):
-                return pat.hint
+                said = line.strip()
+                said = said if len(said) <= 160 else said[:157] + "..."
+                return FailureHint(pat.hint.cause, f"{pat.hint.title} — the engine said: {said}", pat.hint.fix)
     if returncode in (-9, 137):
         return OOM_KILLED
     return None
@@ -112,12 +144,29 @@ def classify(patterns: list[LogPattern], returncode: int | None, log_tail: list[
 _READY = re.compile(r"^\s*(\[[^\]]*\]\s*)?READY\b|\bserver (is )?ready\b|Uvicorn running on", re.I)
 _PHASE = re.compile(r"^\s*(?:\[[^\]]*\]\s*)?phase:\s*(?P<text>.+)$", re.I)
 _LOADING = re.compile(r"^\s*(loading|reading|mapping|filling|pinning|allocating|warming|downloading)\b", re.I)
+# serve.py narrate_start() / Service._ensure_loaded_native() on the server's stdout; generate.cpp's load lines
+_STRATA_PHASE = re.compile(r"^\s*\[strata\] (?P<text>(starting the engine|filling the GPU's expert cache|experts loaded|"
+                           r"almost ready|still starting|loading|the engine had stopped|the engine is running)"
+                           r".*)$|^\s*strata generate: (?P<gen>(loaded [\d.]+ GiB at|expert arena:|profile .*ranked "
+                           r"pairs|PCIe probe).*)$", re.I)
 _PCT = re.compile(r"\((\d{1,3})%\)|\b(\d{1,3})%")
+# the scripted engine's swap report (Strata prints none per swap: SOURCES.md "Swaps")
 _SWAP = re.compile(r"\badapt\w*\b.*?\b(?:swapped (?P<a>\d+) experts?|(?P<b>\d+) (?:expert )?swaps?)\b", re.I)
 _SIZE = re.compile(r"\(?([\d.]+) ?(KiB|MiB|GiB|KB|MB|GB)\b")
 _INFO = re.compile(r"^\s*INFO\b(?P<rest>.*)$")
 _KV = re.compile(r"(\w+)=(\S+)")
+# server.py Service.run's stdout: "[strata] done: N tokens ... expert cache X% hit (+Y% of the routed experts over
+# PCIe)" — one finished request
 _HIT = re.compile(r"expert cache ([\d.]+)% hit(?: \(\+([\d.]+)% of the routed experts over PCIe\))?", re.I)
+# generate.cpp serve loop, after DONE: "strata serve: decode expert cache hit rate: 90.0% (H hits / L lookups)"
+_DECODE_HIT = re.compile(r"decode expert cache hit rate: ([\d.]+)% \((\d+) hits / (\d+) lookups\)")
+# generate.cpp: "strata serve: prompt N tokens = R reused + F read in MS ms (X tok/s), G generated in MS ms (Y tok/s)"
+_REQUEST = re.compile(r"prompt (?P<prompt>\d+) tokens = (?P<reused>\d+) reused \+ \d+(?: of \d+)? read in "
+                      r"(?P<pms>[\d.]+) ms \((?P<pp>[\d.]+) tok/s\), (?P<gen>\d+) generated in (?P<gms>[\d.]+) ms "
+                      r"\((?P<tg>[\d.]+) tok/s\)")
+# generate.cpp resident RAM mode, cumulative: "... N exchanged with the VRAM tier ..."
+_EXCHANGED = re.compile(r"resident RAM: [\d.]+ GiB of experts in RAM, (\d+) exchanged with the VRAM tier")
+_UNKNOWN_ARG = re.compile(r"^\s*unknown argument: (?P<arg>\S+)")
 _UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
@@ -132,7 +181,12 @@ def _num(v: str) -> Any:
 
 
 def parse_strata_log_line(line: str, patterns: list[LogPattern] | None = None) -> LogEvent | None:
-    """Phases, READY, adaptive-tier swaps, INFO key=value lines, per-request hit lines, known failures."""
+    """One line of the engine log (the engine's stderr, the server's output) → what the panel shows or counts.
+
+    Strata's real lines (tests/data/strata/SOURCES.md): per-request summaries and hit rates (``info``; a finished
+    request's, never a live figure), the resident mode's cumulative exchange count (``info``, ``swaps_cumulative``:
+    not per-swap events, so never counted as swaps), start phases, refused arguments and failures (``error`` with
+    the cause). The scripted engine's phase and swap lines are matched too."""
     text = line.rstrip("\r\n")
     if not text.strip():
         return None
@@ -143,27 +197,43 @@ def parse_strata_log_line(line: str, patterns: list[LogPattern] | None = None) -
         data = {k: _num(v) for k, v in _KV.findall(m.group("rest"))}
         kind = "placement" if any(k.startswith("expert") for k in data) else "info"
         return LogEvent(kind, text.strip(), data=data)
+    m = _UNKNOWN_ARG.match(text)
+    if m:
+        return LogEvent("error", text.strip(), data={"cause": "bad_engine_flag", "argument": m.group("arg")})
+    m = _DECODE_HIT.search(text)
+    if m:
+        return LogEvent("info", text.strip(), data={"hit_rate": float(m.group(1)) / 100, "hits": int(m.group(2)),
+                                                     "lookups": int(m.group(3)), "finished_request": True})
+    m = _REQUEST.search(text)
+    if m:
+        return LogEvent("info", text.strip(), data={
+            "prompt_tokens": int(m["prompt"]), "reused": int(m["reused"]), "prompt_ms": float(m["pms"]),
+            "prefill_tok_s": float(m["pp"]), "generated": int(m["gen"]), "decode_ms": float(m["gms"]),
+            "decode_tok_s": float(m["tg"]), "finished_request": True})
+    m = _EXCHANGED.search(text)
+    if m:
+        return LogEvent("info", text.strip(), data={"swaps_cumulative": int(m.group(1))})
     m = _SWAP.search(text)
     if m:
         n = int(m.group("a") or m.group("b"))
         size = _SIZE.search(text[m.end():]) or _SIZE.search(text)
         nbytes = int(float(size.group(1)) * _UNITS[size.group(2)]) if size else 0
         return LogEvent("swap", text.strip(), swaps=n, swap_bytes=nbytes)
-    m = _PHASE.match(text)
-    if m or _LOADING.match(text):
-        body = m.group("text").strip() if m else text.strip()
-        pct = _PCT.search(body)
-        data = {"pct": int(pct.group(1) or pct.group(2))} if pct else {}
-        return LogEvent("phase", body, data=data)
     m = _HIT.search(text)
     if m:
-        data = {"hit_rate": float(m.group(1)) / 100}
+        data = {"hit_rate": float(m.group(1)) / 100, "finished_request": True}
         if m.group(2) is not None:
             data["pcie_share"] = float(m.group(2)) / 100
         return LogEvent("info", text.strip(), data=data)
     for pat in patterns if patterns is not None else FAILURE_PATTERNS:
         if pat.regex.search(text):
             return LogEvent("error", text.strip(), data={"cause": pat.hint.cause})
+    m = _PHASE.match(text) or _STRATA_PHASE.match(text)
+    if m or _LOADING.match(text):
+        body = ((m.group("text") or m.groupdict().get("gen")) if m else text).strip()
+        pct = _PCT.search(body)
+        data = {"pct": int(pct.group(1) or pct.group(2))} if pct else {}
+        return LogEvent("phase", body, data=data)
     return None
 
 
@@ -187,7 +257,8 @@ def _rate01(v: Any) -> float | None:
 
 
 def newest_request(requests: Any) -> dict[str, Any] | None:
-    """The request with the latest ``time`` wherever it sits (else the first entry)."""
+    """The finished request with the latest ``time`` wherever it sits (Strata lists them newest first:
+    serve/server.py ``Service.metrics`` ``hist[::-1]``)."""
     rows = [r for r in (requests or []) if isinstance(r, dict)] if isinstance(requests, list) else []
     if not rows:
         return None
@@ -195,10 +266,52 @@ def newest_request(requests: Any) -> dict[str, Any] | None:
     return max(timed, key=lambda r: float(r["time"])) if timed else rows[0]
 
 
+def recent_hit_rate(requests: Any) -> tuple[float | None, int]:
+    """The hit rate over the finished requests listed (Strata keeps the newest 12 in ``requests[]``), weighted by
+    the tokens each decoded (hits and lookups are counted per decoded token). → (rate, requests used)."""
+    rows = [r for r in (requests or []) if isinstance(r, dict)] if isinstance(requests, list) else []
+    num = den = 0.0
+    used = 0
+    for r in rows:
+        h = _rate01(r.get("hit_rate"))
+        w = _f(r.get("engine_generated"))
+        w = w if w is not None else _f(r.get("output_tokens"))
+        if h is None or not w or w <= 0:
+            continue
+        num, den, used = num + h * w, den + w, used + 1
+    return (num / den if den > 0 else None), used
+
+
+# Strata's slot states (serve/server.py StrataEngine.slots_view): "idle" (with held_tokens), "reading", "decoding"
+BUSY_STATES = ("reading", "generating")
+
+
+def slot_is_busy(slot: dict[str, Any]) -> bool:
+    """What Strata itself counts as busy: ``state != "idle"`` (the test ``/slots``' ``is_processing`` and
+    ``Service.metrics``' ``outside_slots`` use)."""
+    return isinstance(slot, dict) and slot.get("state") != "idle"
+
+
 def sample_from_metrics(doc: dict[str, Any], engine: str, previous: Sample | None = None,
                         t: float | None = None, simulated: bool = False,
                         status: dict[str, Any] | None = None) -> Sample:
-    """Map Strata's ``/metrics`` JSON (and optionally ``/v1/status``) to a Sample. Missing stays None."""
+    """Map Strata's ``/metrics`` JSON (serve/server.py ``Service.metrics`` @2291cb3; fields in
+    tests/data/strata/SOURCES.md) to a Sample. Missing stays None, never 0.
+
+    - decode rate: ``live.tok_s`` (a 2-s window, all requests together; null unless generating → missing). When the
+      newest request is still reading while others decode (``live.state`` "reading"), the sum of the decoding slots'
+      ``tok_s`` (means since each slot's first token) stands in; ``extra["decode_tok_s_source"]`` says which.
+    - busy slots: the slots Strata marks busy (``state != "idle"``; idle slots are listed too). A lone request on
+      the solo path sits in no slot (every slot idle, ``live.running`` 1): one busy. Without ``--batch`` (no
+      ``slots``): one busy while ``live.state`` is reading/generating.
+    - per-slot rates: each decoding slot's ``tok_s``; missing on the solo path (no slot holds the request).
+    - hit rate: Strata reports one only when a request finishes (``requests[].hit_rate`` from the engine's DONE line;
+      no live source). ``hit_rate`` is therefore missing while a request runs and is the newest finished request's
+      while idle (the Monitor labels it "last"); ``extra`` carries ``hit_rate_last`` (+ ``hit_rate_last_at``) and
+      ``hit_rate_recent`` over the listed finished requests, token-weighted (+ ``hit_rate_recent_requests``), and
+      ``hit_rate_live`` None with ``hit_rate_live_missing`` saying why.
+    - PCIe: ``hardware.gpu_pcie_rx_mb``/``tx_mb`` (NVML KB/s ÷ 1024).
+    ``status`` (``/v1/status``) fills the VRAM figures when ``hardware`` has none."""
     t = time.time() if t is None else t
     live = doc.get("live") if isinstance(doc.get("live"), dict) else {}
     eng = doc.get("engine") if isinstance(doc.get("engine"), dict) else {}
@@ -207,40 +320,49 @@ def sample_from_metrics(doc: dict[str, Any], engine: str, previous: Sample | Non
     last = newest_request(doc.get("requests"))
     s = Sample(t=t, engine=engine, simulated=simulated)
     s.state = live.get("state") if isinstance(live.get("state"), str) else None
-    s.decode_tok_s = _f(live.get("tok_s"))
+    busy_state = s.state in BUSY_STATES
     s.queued = _i(live.get("queued"))
-    # prefill: live rate while a prompt is being read (prompt_read delta), else the last request's
+    slots = live.get("slots") if isinstance(live.get("slots"), list) else None
+    slot_rows = [x for x in (slots or []) if isinstance(x, dict) and _i(x.get("slot")) is not None]
+    decoding = {int(x["slot"]): float(x["tok_s"]) for x in slot_rows
+                if x.get("state") == "decoding" and _f(x.get("tok_s")) is not None}
+    # decode rate
+    s.decode_tok_s = _f(live.get("tok_s"))
+    source = "live.tok_s" if s.decode_tok_s is not None else None
+    if s.decode_tok_s is None and decoding:
+        s.decode_tok_s, source = sum(decoding.values()), "slots.tok_s"
+    # busy slots and per-slot rates
+    running = _i(live.get("running"))
+    solo = False
+    if slots is not None:
+        in_slots = sum(1 for x in slot_rows if slot_is_busy(x))
+        solo = in_slots == 0 and busy_state and (running is None or running > 0)
+        s.slots_busy = 1 if solo else in_slots
+        s.decode_tok_s_per_slot = None if solo else decoding
+    elif s.state is not None:
+        s.slots_busy = 1 if busy_state else 0
+    s.slots_total = _i(live.get("parallel")) or _i(eng.get("batch_slots")) or (len(slot_rows) or None)
+    if s.slots_total is None and s.state is not None:
+        s.slots_total = 1                     # no --batch: one request at a time (/v1/status concurrency.serving)
+    # prefill: live while a prompt is read (prompt_read delta, else the engine's PP mean), else the last request's
     pr, pt = _i(live.get("prompt_read")), _i(live.get("prompt_total"))
     prev_pr = previous.extra.get("prompt_read") if previous else None
     prev_pt = previous.extra.get("prompt_total") if previous else None
     if s.state == "reading" and pr is not None and prev_pr is not None and prev_pt == pt and previous \
-            and t > previous.t and pr >= prev_pr:
+            and t > previous.t and pr > prev_pr:
         s.prefill_tok_s = (pr - prev_pr) / (t - previous.t)
-    elif last and _f(last.get("prompt_ms")) and _f(last.get("prompt_tokens")) is not None:
-        read = float(last["prompt_tokens"]) - float(_f(last.get("reused")) or 0)
-        s.prefill_tok_s = read / (float(last["prompt_ms"]) / 1000) if float(last["prompt_ms"]) > 0 else None
-    else:
+    elif s.state == "reading" and _f(live.get("prefill_tok_s_mean")) is not None:
         s.prefill_tok_s = _f(live.get("prefill_tok_s_mean"))
-    # hit rate: in-flight slots when the engine lists them (the scripted engine does), else the newest request
-    slots = live.get("slots") if isinstance(live.get("slots"), list) else None
-    if slots:
-        per = {int(x["slot"]): float(x["decode_tok_s"]) for x in slots
-               if isinstance(x, dict) and _i(x.get("slot")) is not None and _f(x.get("decode_tok_s")) is not None}
-        s.decode_tok_s_per_slot = per or None
-        weighted = [(float(x["hit_rate"]), float(_f(x.get("generated")) or 0)) for x in slots
-                    if isinstance(x, dict) and _rate01(x.get("hit_rate")) is not None]
-        wsum = sum(w for _, w in weighted)
-        if weighted and wsum > 0:
-            s.hit_rate = sum(h * w for h, w in weighted) / wsum
-    if s.hit_rate is None and last:
-        s.hit_rate = _rate01(last.get("hit_rate"))
-    s.slots_total = _i(eng.get("batch_slots")) or _i(eng.get("slots"))
-    if slots is not None:
-        s.slots_busy = len(slots)
-    elif status and isinstance(status.get("activity"), dict):
-        s.slots_busy = _i(status["activity"].get("in_flight"))
-    elif s.state in ("idle", "unloaded"):
-        s.slots_busy = 0
+    elif last and _f(last.get("prompt_ms")):
+        read = _f(last.get("prompt_read"))
+        if read is None and _f(last.get("prompt_tokens")) is not None:
+            read = float(last["prompt_tokens"]) - float(_f(last.get("reused")) or 0)
+        ms = float(last["prompt_ms"])
+        s.prefill_tok_s = read / (ms / 1000) if read is not None and ms > 0 else None
+    # hit rate: no live source in Strata (SOURCES.md "Swaps / Live hit rate")
+    hit_last = _rate01(last.get("hit_rate")) if last else None
+    hit_recent, recent_n = recent_hit_rate(doc.get("requests"))
+    s.hit_rate = None if busy_state else hit_last
     rx, tx = _f(hw.get("gpu_pcie_rx_mb")), _f(hw.get("gpu_pcie_tx_mb"))
     s.pcie_rx_mb_s = rx * STRATA_MB_TO_MB if rx is not None else None
     s.pcie_tx_mb_s = tx * STRATA_MB_TO_MB if tx is not None else None
@@ -257,25 +379,43 @@ def sample_from_metrics(doc: dict[str, Any], engine: str, previous: Sample | Non
     s.extra = {k: v for k, v in {
         "prompt_read": pr, "prompt_total": pt,
         "tok_s_mean": _f(live.get("tok_s_mean")), "prefill_tok_s_mean": _f(live.get("prefill_tok_s_mean")),
-        "generated": _i(live.get("generated")),
+        "generated": _i(live.get("generated")), "running": running, "solo": solo if slots is not None else None,
+        "decode_tok_s_source": source,
         "last_decode_tok_s": _f(last.get("decode_tok_s")) if last else None,
-        "last_hit_rate": _rate01(last.get("hit_rate")) if last else None,
+        "last_hit_rate": hit_last, "hit_rate_last": hit_last,
+        "hit_rate_last_at": _f(last.get("time")) if last and hit_last is not None else None,
+        "hit_rate_recent": hit_recent, "hit_rate_recent_requests": recent_n if hit_recent is not None else None,
+        "hit_rate_live_missing": ("Strata reports the expert-cache hit rate when a request finishes, not while "
+                                  "it runs") if busy_state else None,
         "last_pcie_share": _rate01(last.get("pcie_share")) if last else None,
         "last_finish": last.get("finish") if last else None,
         "gpu_util_pct": _f(hw.get("gpu_util")), "cpu_pct": _f(hw.get("cpu")),
+        "gpu_pcie_gen": _i(hw.get("gpu_pcie_gen")), "gpu_pcie_width": _i(hw.get("gpu_pcie_width")),
         "expert_slots": _i(eng.get("expert_slots")), "expert_cache_mib": _f(eng.get("expert_cache_mib")),
     }.items() if v is not None}
     return s
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """``name{labels} value`` lines → {name: value} (labels dropped, values summed over label sets)."""
+    """``name{labels} value`` lines → {name: value} (labels dropped, values summed over label sets). A family
+    whose samples are one-per-state (``strata:live_state``, ``strata:live_slots``) is better read with
+    :func:`parse_prometheus_labelled`."""
     out: dict[str, float] = {}
+    for name, _labels, v in _prometheus_rows(text):
+        out[name] = out.get(name, 0.0) + v
+    return out
+
+
+_PROM_ROW = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_PROM_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _prometheus_rows(text: str):
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        m = re.match(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+        m = _PROM_ROW.match(line)
         if not m:
             continue
         try:
@@ -284,36 +424,71 @@ def parse_prometheus(text: str) -> dict[str, float]:
             continue
         if v != v:        # NaN: the exporter had no value
             continue
-        out[m.group(1)] = out.get(m.group(1), 0.0) + v
+        yield m.group(1), dict(_PROM_LABEL.findall(m.group(2) or "")), v
+
+
+def parse_prometheus_labelled(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """``name`` → [(labels, value), ...] for every sample."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for name, labels, v in _prometheus_rows(text):
+        out.setdefault(name, []).append((labels, v))
     return out
 
 
 def sample_from_prometheus(text: str, engine: str, t: float | None = None, simulated: bool = False) -> Sample:
+    """Strata's ``/metrics`` text (serve/prometheus.py ``render`` @6c0f3ce): vLLM names plus ``strata:*``.
+    ``strata:last_hit_rate`` is the newest *finished* request's (``requests[0].hit_rate``): it goes to
+    ``extra["hit_rate_last"]`` and to ``hit_rate`` only while nothing runs, as in :func:`sample_from_metrics`."""
     m = parse_prometheus(text)
+    rows = parse_prometheus_labelled(text)
     s = Sample(t=time.time() if t is None else t, engine=engine, simulated=simulated)
-    s.decode_tok_s = m.get("strata:live_tok_s")
-    s.hit_rate = m.get("strata:last_hit_rate") if 0 <= m.get("strata:last_hit_rate", -1) <= 1 else None
+    state = [lab.get("state") for lab, v in rows.get("strata:live_state", []) if v == 1]
+    s.state = state[0] if len(state) == 1 else None
+    busy_state = s.state in BUSY_STATES
+    tok = m.get("strata:live_tok_s")
+    # render() writes `live.tok_s or 0`: a 0 while nothing is generating is "no rate", not a measured 0
+    s.decode_tok_s = tok if tok is not None and (tok > 0 or s.state == "generating") else None
+    last_hit = m.get("strata:last_hit_rate")
+    last_hit = last_hit if last_hit is not None and 0 <= last_hit <= 1 else None
+    s.hit_rate = None if busy_state else last_hit
     used = m.get("strata:gpu_mem_used_bytes")
     s.vram_used_bytes = int(used) if used is not None else None
     total = m.get("strata:gpu_mem_total_bytes")
     s.vram_total_bytes = int(total) if total is not None else None
+    ram, ram_total = m.get("strata:ram_used_bytes"), m.get("strata:ram_total_bytes")
+    s.ram_used_bytes = int(ram) if ram is not None else None
+    s.ram_total_bytes = int(ram_total) if ram_total is not None else None
     run = m.get("vllm:num_requests_running")
     s.slots_busy = int(run) if run is not None else None
     wait = m.get("vllm:num_requests_waiting")
     s.queued = int(wait) if wait is not None else None
     gen = m.get("vllm:generation_tokens_total")
     s.tokens_generated_total = int(gen) if gen is not None else None
+    done = m.get("vllm:request_success_total")
+    s.requests_total = int(done) if done is not None else None
     if "strata:last_decode_tok_s" in m:
         s.extra["last_decode_tok_s"] = m["strata:last_decode_tok_s"]
+    if last_hit is not None:
+        s.extra["hit_rate_last"] = s.extra["last_hit_rate"] = last_hit
     return s
 
 
 def auth_headers(spec: LaunchSpec) -> dict[str, str]:
+    """serve/server.py ``Handler._authorized`` accepts ``Authorization: Bearer KEY`` (or ``x-api-key``)."""
     return {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
 
 
-def check_readiness(client: Any, spec: LaunchSpec, service_hint: str | None = None) -> Readiness:
-    """GET /health once: connection refused → loading; 200 with loaded → ready."""
+NOT_STRATA = "not a Strata server"
+
+
+def check_readiness(client: Any, spec: LaunchSpec, service_hint: str | None = None,
+                    expect_service: str | None = None) -> Readiness:
+    """GET /health once (open, no key: serve/server.py ``do_GET``). Connection refused → loading (eager mode opens
+    the port only after the engine's READY); 200 with ``loaded: true`` → ready; ``loaded: false`` → loading or
+    unloaded, **never ready** (a lazy server, or one whose engine died). ``expect_service``: the body's
+    ``service`` must be that (Strata answers ``"strata"``; the same body as ``/api/health``, by which Strata's own
+    manager identifies a Strata server) — anything else is "not a Strata server" on that port. ``service_hint``
+    only notes a different service."""
     import httpx
 
     try:
@@ -334,9 +509,14 @@ def check_readiness(client: Any, spec: LaunchSpec, service_hint: str | None = No
         return Readiness("failed", f"/health did not answer JSON: is another server on port {spec.port}?")
     if not isinstance(body, dict):
         return Readiness("failed", "/health answered an unexpected document")
-    if body.get("loaded") is False or str(body.get("status", "ok")).lower() in ("loading", "starting"):
-        return Readiness("loading", f"engine says {body.get('status') or 'not loaded'}")
     svc = body.get("service")
+    if expect_service and svc != expect_service:
+        what = f"its /health says service {svc!r}" if svc is not None else "its /health names no service"
+        return Readiness("failed", f"{NOT_STRATA} on port {spec.port}: {what} (Strata answers "
+                                   f"{expect_service!r}). Stop the other server or choose another port in Settings.")
+    if body.get("loaded") is not True:
+        why = "not loaded" if body.get("loaded") is False else f"status {body.get('status')!r}, no loaded flag"
+        return Readiness("loading", f"engine {why}: loading or unloaded (the server is up, the model is not)")
     detail = f"{svc or 'engine'} ready: {body.get('model') or '?'}"
     if service_hint and svc and not str(svc).startswith(service_hint):
         detail += f" (note: service is {svc!r}, expected {service_hint!r})"
@@ -413,45 +593,114 @@ class StrataEngine(Engine):
         return sys.executable
 
     def model_file(self, settings: Any, plan: dict[str, Any] | None) -> str | None:
-        if getattr(settings, "model_dir", None):
-            d = Path(settings.model_dir).expanduser()
-            first = d / FIRST_SHARD
-            if first.exists():
-                return str(first)
-            found = sorted(d.glob("*-00001-of-*.gguf")) or sorted(d.glob("*.gguf"))
-            return str(found[0]) if found else str(first)
+        """Shard 1 of the model's split (``--native SHARD1``), found from the split metadata
+        (:func:`engine_manager.gguf_split.first_shard`: the file whose ``split.no`` is 0), never from a file name:
+        the model folder setting first, else the plan's model file's folder. A folder that cannot be read gives
+        the plan's file as it is (preflight then says what is missing)."""
+        from ..gguf_split import SplitError, first_shard
+
         model = (plan or {}).get("model") or {}
-        return model.get("file") or None
+        planned = model.get("file") or None
+        if getattr(settings, "model_dir", None):
+            where: str | Path | None = Path(settings.model_dir).expanduser()
+        elif planned:
+            where = planned
+        else:                                   # the download cache (placement.find_model)
+            try:
+                from ..placement import find_model
+
+                where = find_model(settings)
+            except Exception:  # noqa: BLE001 - no model found is said by preflight
+                where = None
+        if where is None:
+            return None
+        try:
+            return str(first_shard(where))
+        except SplitError:
+            return str(planned) if planned else None
+
+    def pack_dir(self, model: str | None) -> Path | None:
+        """``<data dir>/packs/<model>``: the pack ``tools/iq_pack.py`` makes from the model (``--pack``)."""
+        if not model:
+            return None
+        from ..provision import pack_dir_for
+
+        return pack_dir_for(Path(model))
+
+    def prepare(self, settings: Any, plan: dict[str, Any] | None, force: bool = False) -> Iterator[Any]:
+        """Provision the model's pack with the release's own tool when the panel's sentinel says it is needed
+        (:func:`engine_manager.provision.provision`). Yields its events; returns the pack folder. Raises a
+        ``UserError`` in plain words when it cannot be done."""
+        from ..provision import ProvisionError, provision
+
+        model = self.model_file(settings, plan)
+        if not model:
+            raise ProvisionError("There is no model to prepare: set DSV41_MODEL_DIR to the folder with the model's "
+                                 "shards, or download the model (`dsv41 download`).")
+        edir = self.engine_dir(settings)
+        if not edir.is_dir():
+            raise ProvisionError(f"The Strata engine release is not installed: {edir} does not exist. Download it "
+                                 "(`dsv41 download --engine`) or set DSV41_ENGINE_DIR to the unpacked release.")
+        return (yield from provision(edir, model, python=self.python(edir), pack=self.pack_dir(model),
+                                     force=force))
 
     def preflight(self, spec: LaunchSpec) -> list[str]:
-        """Plain-words problems that would stop this launch (missing engine, binary, model, profile)."""
+        """Plain-words problems that would stop this launch: release, server, binary, model, pack."""
         problems = []
+        edir = Path(spec.cwd) if spec.cwd else None
         server = Path(spec.argv[1]) if len(spec.argv) > 1 else None
+        if edir is not None and not edir.is_dir():
+            problems.append(f"The Strata engine release is not installed: {edir} does not exist. Download the "
+                            "engine release (Downloads tab or `dsv41 download --engine`) or set DSV41_ENGINE_DIR "
+                            "to the unpacked release.")
+            return problems
         if server is None or not server.is_file():
             problems.append(f"The Strata engine is not installed: {server} does not exist. Download the engine "
                             "release (Downloads tab or `dsv41 download --engine`) or set DSV41_ENGINE_DIR to "
                             "the unpacked release.")
         cfg = spec.files.get("config")
-        if cfg:
+        if not cfg:
+            return problems
+        try:
+            data = json.loads(Path(cfg).read_text())
+        except (OSError, ValueError) as exc:
+            problems.append(f"The generated config {cfg} cannot be read: {exc}")
+            return problems
+        if not Path(data.get("exe", "")).is_file():
+            problems.append(f"The engine binary {data.get('exe')} is missing from the release folder: download "
+                            "the engine release again.")
+        args = [str(a) for a in data.get("args") or []]
+        native = args[args.index("--native") + 1] if "--native" in args[:-1] else None
+        pack = args[args.index("--pack") + 1] if "--pack" in args[:-1] else None
+        if not native:
+            problems.append("No model file: set DSV41_MODEL_DIR or download the model.")
+        elif not Path(native).is_file():
+            problems.append(f"The model file {native} does not exist: download the model or set DSV41_MODEL_DIR.")
+        elif pack:
+            from ..gguf_split import SplitError, find_split
+            from ..provision import TOOL, pack_state
+
             try:
-                data = json.loads(Path(cfg).read_text())
-                if not Path(data.get("exe", "")).is_file():
-                    problems.append(f"The engine binary {data.get('exe')} is missing from the release folder.")
-                if data.get("model") and not Path(data["model"]).exists():
-                    problems.append(f"The model file {data['model']} does not exist: download the model or set "
-                                    "DSV41_MODEL_DIR.")
-                elif not data.get("model"):
-                    problems.append("No model file: set DSV41_MODEL_DIR or download the model.")
-            except (OSError, ValueError) as exc:
-                problems.append(f"The generated config {cfg} cannot be read: {exc}")
+                ready, why = pack_state(Path(pack), find_split(native))
+            except SplitError as exc:
+                ready, why = False, str(exc)
+            if not ready:
+                can = edir is not None and (edir / TOOL).is_file()
+                problems.append(f"The model is not prepared for the Strata engine ({why})"
+                                + (": `dsv41 prepare` (or `dsv41 start`) prepares it." if can else
+                                   f", and it cannot be: the release has no {TOOL}. Download the engine release "
+                                   "again or set DSV41_ENGINE_DIR to a complete one."))
         return problems
 
     # -- launch ------------------------------------------------------------------------------------------------
     def engine_args(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> tuple[list[str], dict]:
-        """The engine's own arguments (the ``args`` of the config) and the generated files."""
+        """The engine's own arguments after ``--pack``/``--native`` (the rest of the config's ``args``) and the
+        generated files. Flags as Strata's ``src/program/generate.cpp`` option loop knows them (every unknown
+        argument is fatal there). ``--batch`` is never put here: the server appends it from the config's
+        ``parallel`` (ENGINE_CONTRACT.md §2)."""
         files: dict[str, str] = {}
         plan = plan or {}
-        args: list[str] = list(plan.get("strata_args") or [])
+        args: list[str] = [str(a) for a in plan.get("strata_args") or []]
         profile = plan.get("strp_path")
         if profile and Path(profile).exists():
             files["profile"] = str(profile)
@@ -466,17 +715,22 @@ class StrataEngine(Engine):
             files["profile"] = profile
         else:
             profile = None
+        for flag in ("--pack", "--native", "--batch", "--slots"):   # placed by build_launch / the server
+            args = _set_flag(args, flag, None)
         args = _set_flag(args, "--expert-profile", profile)
         hot = plan.get("hot_experts")
         args = _set_flag(args, "--expert-cache", hot if hot is not None else "auto")
         args = _set_flag(args, "--vram-reserve-mib", int(settings.vram_reserve_mib))
-        args = _set_flag(args, "--batch", int(settings.slots))
         args = _set_flag(args, "--max-context", int(settings.context_length))
         args = _set_flag(args, "--kv", settings.kv_type)
-        args = _set_flag(args, "--cpu-numerics", settings.cpu_numerics)
+        # the fork's default is "fork"; plain Strata refuses the flag: pass it only when it changes something
+        args = _set_flag(args, "--cpu-numerics", "gpu" if settings.cpu_numerics == "gpu" else None)
         return args, files
 
     def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
+        """``<python> <release>/serve/server.py --engine strata --config CFG --host H --port N --gpu G`` with the
+        key in ``$STRATA_API_KEY`` only (serve/server.py ``main()``: ``--engine`` defaults to ``mock``;
+        ``--api-key`` defaults to ``$STRATA_API_KEY``)."""
         if plan and plan.get("refused"):
             raise PlacementRefused(f"The placement was refused: {plan['refused']}")
         workdir = Path(workdir)
@@ -489,23 +743,31 @@ class StrataEngine(Engine):
             if a == "--dump-routing":
                 files["routing_trace"] = str(edir / args[i + 1])
         model = self.model_file(settings, plan)
-        config = {
+        pack = self.pack_dir(model)
+        head = (["--pack", str(pack)] if pack else []) + (["--native", model] if model else [])
+        engine_log = workdir / ENGINE_LOG_NAME
+        name = ((plan or {}).get("model") or {}).get("name") or MODEL_NAME
+        config: dict[str, Any] = {
             "exe": str(self.engine_binary(edir)),
-            "args": ([model] if model else []) + args,
+            "args": head + args,
             "cwd": str(edir),
-            "model": model,
-            "backend": "cuda",
-            "max_context": int(settings.context_length),
-            "port": int(settings.port),
+            "tokenizer": str(pack / "tokenizer") if pack else None,
+            "model_name": str(name),
+            "log": str(engine_log),
+            "parallel": int(settings.slots),
         }
+        libs = [str(edir / d) for d in LIB_DIRS if (edir / d).is_dir()]
+        if libs:
+            config["lib_dirs"] = libs
         cfg_path = workdir / CONFIG_NAME
         atomic_write_json(cfg_path, config)
         files["config"] = str(cfg_path)
+        files["engine_log"] = str(engine_log)
         if plan:
             plan_path = workdir / "plan.json"
             atomic_write_json(plan_path, plan)
             files["plan"] = str(plan_path)
-        argv = [self.python(edir), str(edir / "serve" / "server.py"), "--config", str(cfg_path),
+        argv = [self.python(edir), str(edir / "serve" / "server.py"), "--engine", "strata", "--config", str(cfg_path),
                 "--host", settings.host, "--port", str(settings.port), "--gpu", str(settings.gpu_index)]
         env = {"PYTHONUNBUFFERED": "1"}
         if settings.api_key:        # Strata's --api-key defaults to $STRATA_API_KEY: off the command line (ps)
@@ -516,11 +778,14 @@ class StrataEngine(Engine):
 
     # -- running -----------------------------------------------------------------------------------------------
     def readiness(self, client: Any, spec: LaunchSpec) -> Readiness:
-        return check_readiness(client, spec)
+        """/health: ready only with ``loaded: true`` from a server whose ``service`` is ``"strata"``."""
+        return check_readiness(client, spec, expect_service="strata")
 
     def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
-        """GET /metrics (JSON); GET /v1/status too when /metrics does not list the busy slots. Raises
-        ``httpx.HTTPError`` when the engine does not answer or answers an error."""
+        """GET /metrics (JSON; key needed); GET /v1/status too only when ``hardware`` has no GPU memory figures
+        (no NVML on the server: ``/v1/status`` has ``machine.gpu`` null then too, but a server with its own
+        telemetry off may still say). Raises ``httpx.HTTPError`` when the engine does not answer or answers an
+        error."""
         t = time.time()
         r = client.get(spec.base_url + "/metrics", headers={**auth_headers(spec), "Accept": "application/json"},
                        timeout=5.0)
@@ -528,16 +793,17 @@ class StrataEngine(Engine):
         if "json" not in r.headers.get("content-type", "json"):
             return sample_from_prometheus(r.text, self.name, t, simulated=self.simulated)
         doc = r.json()
+        doc = doc if isinstance(doc, dict) else {}
         status = None
-        live = doc.get("live") if isinstance(doc, dict) else None
-        if not (isinstance(live, dict) and isinstance(live.get("slots"), list)):
+        hw = doc.get("hardware") if isinstance(doc.get("hardware"), dict) else {}
+        if hw.get("gpu_mem_used") is None:
             try:
                 rs = client.get(spec.base_url + "/v1/status", headers=auth_headers(spec), timeout=5.0)
                 status = rs.json() if rs.status_code == 200 else None
             except Exception:  # noqa: BLE001 - /v1/status is optional
                 status = None
-        return sample_from_metrics(doc if isinstance(doc, dict) else {}, self.name, previous, t,
-                                   simulated=self.simulated, status=status)
+        return sample_from_metrics(doc, self.name, previous, t, simulated=self.simulated,
+                                   status=status if isinstance(status, dict) else None)
 
     def parse_log_line(self, line: str) -> LogEvent | None:
         return parse_strata_log_line(line, self.failure_patterns)

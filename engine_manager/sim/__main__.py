@@ -11,9 +11,12 @@ Serving:
   --api-key-file FILE       the same key read from FILE (first line): keeps it off the command line, where `ps`
                             shows it to every local user (the panel starts the sim this way)
   --slots N | --batch N     concurrent slots, 1..8 (default: the plan's settings.slots, else 1)
-  --queue N                 requests that may wait for a slot before 409 model_busy (default 8)
+  --queue N                 accepted, ignored: chat requests always queue FIFO (Strata: 409 model_busy is only
+                            for /v1/load and /v1/unload while a request runs or waits)
   --max-context N           context per slot (default: the plan's, else 32768)
-  --default-max-tokens N    max_tokens when a request gives none (default 4096)
+  --default-max-tokens N    max_tokens when a request gives none (default: $DSV41_DEFAULT_MAX_TOKENS, read
+                            only here and only when this flag is absent - a bad value exits 2 naming it -
+                            else 4096)
   --load-time S             wall seconds of loading before the port opens (default 1.0)
   --speed F                 run F times faster than modelled time (tests); reported figures stay modelled
   --reply-tokens N          every reply is exactly N tokens (or max_tokens if smaller): for benchmarks
@@ -38,12 +41,19 @@ Fault switches (the supervisor's and chat client's test doubles):
   --sigkill-after-tokens N  SIGKILL itself after N generated tokens (all requests together)
   --die-after-tokens N      print a fatal line and exit with --die-code (default 1) after N tokens
   --stall-after-tokens N --stall-s S   the engine stops for S wall seconds once, mid-stream
-  --error-after-tokens N    every reply ends after N tokens with a `data: {"error": ...}` frame, then [DONE]
+  --error-after-tokens N    every reply ends after N tokens with a `data: {"error": {"type": "server_error",
+                            ...}}` frame, then [DONE] (not streamed: 503 server_error)
 Extra arguments may also come from the environment variable DSV41_SIM_ARGS (split like a shell would),
 appended after the command line's, e.g. DSV41_SIM_ARGS="--die-after-tokens 20".
 
 Log lines (stdout): ``phase: ...`` while loading, ``INFO key=value ...``, ``READY http://host:port ...``,
-``adapt: round(s) ...: swapped N experts into VRAM (X MiB over PCIe, T ms); ...``, ``request N done: ...``.
+``adapt: round(s) ...: swapped N experts into VRAM (X MiB over PCIe, T ms); ...`` (the adaptive tier's swaps: as in
+Strata, swaps are only in the log, never on HTTP), ``[strata] done: N tokens in S s (R tok/s) (finish,
+cancel=False), expert cache H% hit [simulated]`` (Strata's per-request line).
+
+Topics: each question is classified into a topic of ``corpus.py`` (offload, host, setup, code, general); each topic
+routes through its own distribution (``offload.py``), so a conversation that changes topic makes the adaptive
+tier swap experts into VRAM (the swaps plot and the routing heatmap move).
 Exit codes: 0 after SIGTERM/SIGINT, 2 bad usage / port in use / refused plan, 1 a load failure, -9 SIGKILL faults.
 """
 
@@ -59,7 +69,7 @@ import threading
 import time
 from pathlib import Path
 
-from .offload import Layout, OffloadModel, read_strp
+from .offload import N_TOPICS, Layout, OffloadModel, read_strp
 from .server import Engine, Faults, Options, PortInUse, bind, log, serve
 
 LOAD_FAILURES = {
@@ -87,10 +97,11 @@ def build_parser(add_help: bool = True, prog: str = "python -m engine_manager.si
       help="read the key from FILE (first line; keep it 0600): the key stays off the command line")
     a("--slots", "--batch", dest="slots", type=int, default=None, metavar="N",
       help="concurrent slots 1..8 (default: the plan's, else 1)")
-    a("--queue", type=int, default=8, metavar="N", help="requests that may wait for a slot before 409 (default 8)")
+    a("--queue", type=int, default=8, metavar="N",
+      help="accepted for compatibility, ignored: chat requests always queue (FIFO), as Strata's do")
     a("--max-context", type=int, default=None, metavar="N", help="context per slot (default: the plan's, else 32768)")
-    a("--default-max-tokens", type=int, default=int(os.environ.get("DSV41_DEFAULT_MAX_TOKENS", "4096") or 4096),
-      metavar="N", help="max_tokens when a request gives none (default 4096)")
+    a("--default-max-tokens", type=int, default=None, metavar="N",
+      help="max_tokens when a request gives none (default: $DSV41_DEFAULT_MAX_TOKENS, else 4096)")
     a("--load-time", type=float, default=1.0, metavar="S", help="seconds of loading before the port opens (default 1)")
     a("--speed", type=float, default=1.0, metavar="F",
       help="run F times faster than modelled time (tests); reported figures stay modelled")
@@ -154,6 +165,28 @@ def read_key_file(path: str) -> str:
     return key
 
 
+DEFAULT_MAX_TOKENS_ENV = "DSV41_DEFAULT_MAX_TOKENS"
+MAX_TOKENS_LIMIT = 1_048_576
+
+
+def default_max_tokens(parser: argparse.ArgumentParser) -> int:
+    """``$DSV41_DEFAULT_MAX_TOKENS`` (the guides' setting), read only when the sim runs without
+    ``--default-max-tokens``: a bad value is a usage error (exit 2) that names the variable. Importing this module
+    (every ``dsv41`` command does) never reads it."""
+    raw = os.environ.get(DEFAULT_MAX_TOKENS_ENV)
+    if raw is None or not raw.strip():
+        return 4096
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_TOKENS_LIMIT:
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
+        parser.error(f"{DEFAULT_MAX_TOKENS_ENV}={shown!r} is not allowed: it must be an integer from 1 to "
+                     f"{MAX_TOKENS_LIMIT}; fix or unset the variable, or pass --default-max-tokens N")
+    return value
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = os.environ.get("DSV41_SIM_ARGS", "").strip()
@@ -165,6 +198,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"argument --slots: {args.slots} is not in 1..8")
     if args.speed <= 0:
         parser.error("argument --speed: must be > 0")
+    if args.default_max_tokens is None:
+        args.default_max_tokens = default_max_tokens(parser)
+    elif not 1 <= args.default_max_tokens <= MAX_TOKENS_LIMIT:
+        parser.error(f"argument --default-max-tokens: {args.default_max_tokens} is not in 1..{MAX_TOKENS_LIMIT}")
     if args.api_key_file:
         if args.api_key:
             parser.error("argument --api-key-file: give either --api-key or --api-key-file, not both")
@@ -195,14 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     if layout.refused:
         log(f"error: placement refused: {layout.refused}")
         return 2
+    # Strata's words (serve/server.py main() / listen_problem): "port N is already in use - is Strata (or another
+    # server) already running? Close it, or start this one with a different --port", exit 2
     if args.fail_bind:
-        parser.error(f"argument --port: port {args.port} on {args.host} is already in use "
-                     "(fault switch --fail-bind) [simulated]")
+        parser.error(f"port {args.port} is already in use - is Strata (or another server) already running? "
+                     "Close it, or start this one with a different --port (fault switch --fail-bind) [simulated]")
     try:
         srv = bind(args.host, args.port)
     except PortInUse as exc:
-        parser.error(f"argument --port: port {args.port} on {args.host} is already in use ({exc}); "
-                     "stop the other server or choose another port")
+        parser.error(f"port {args.port} is already in use - is Strata (or another server) already running? "
+                     f"Close it, or start this one with a different --port ({args.host}: {exc})")
 
     stop = threading.Event()
 
@@ -256,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                              profile_pairs=profile_pairs, adapt_every=args.adapt_every,
                              adapt_swaps=args.adapt_swaps, adapt_decay=args.adapt_decay,
                              cpu_numerics=args.cpu_numerics, numa_bound=args.numa == "bound",
-                             routing_seed=args.routing_seed)
+                             routing_seed=args.routing_seed, topics=N_TOPICS)
     except ValueError as exc:
         parser.error(str(exc))
     hot_mib = int(model.hot.sum()) * layout.expert_bytes / (1 << 20)

@@ -26,6 +26,15 @@ Skews (``--skew``): ``reference`` (q = 8, spread 0.15, base exponent *solved* so
 (layer, expert) pairs carry 90% of the lookups — s ≈ 1.455), ``mild`` (the same, 75%), ``steep`` (97%),
 ``flat`` (uniform routing: hit rate = share of experts held), ``zm:S[,Q]`` (explicit exponent and offset).
 
+Topics
+------
+A request's topic (``corpus.py``: general, offload, host, setup, code) picks its routing distribution. Topic 0 is
+the distribution above; topic ``t`` > 0 takes the same per-layer weights but moves ``TOPIC_DRIFT`` (25%) of each
+layer's favourites — the ranks a hot set of the reference share holds — to experts ranked just below them, and
+those experts up in their place (seeded by ``seed`` and ``t``). A hot set made for topic 0 then hits ~77% of a
+topic-``t`` token's lookups instead of ~90%, and the adaptive tier swaps the newly popular experts in (~100 in
+the first rounds after the change): the swaps plot and the routing heatmap follow the conversation.
+
 Hot set and adaptive tier
 -------------------------
 The hot set (of the plan's size) starts from an STRP profile when one is given, else from the plan's
@@ -81,6 +90,8 @@ REF_MAX_CONTEXT = 32768
 
 N_PERMS = 16            # orderings per layer used by the systematic sampler
 DEFAULT_SEED = 41
+N_TOPICS = 5            # routing distributions: one per topic of the corpus (engine_manager/sim/corpus.py)
+TOPIC_DRIFT = 0.25      # share of a layer's favourites that another topic routes elsewhere
 
 
 # ------------------------------------------------------------------------------------------------ distribution
@@ -177,7 +188,8 @@ class RoutingDistribution:
     """Per-layer skewed routing with exact inclusion probabilities (see the module docstring)."""
 
     def __init__(self, n_layers: int, n_experts: int, k: int, skew: str | Skew = "reference",
-                 seed: int = DEFAULT_SEED, routing_seed: int | None = None):
+                 seed: int = DEFAULT_SEED, routing_seed: int | None = None, topics: int = 1,
+                 drift: float = TOPIC_DRIFT):
         if not (1 <= k <= n_experts):
             raise ValueError(f"experts used per token ({k}) must be 1..{n_experts}")
         self.n_layers, self.n_experts, self.k = n_layers, n_experts, k
@@ -196,14 +208,39 @@ class RoutingDistribution:
         # increasing array: row (l, m) is offset by (l·N_PERMS + m)·(k + 1)
         self.perms = np.stack([np.stack([rng.permutation(n_experts) for _ in range(N_PERMS)])
                                for _ in range(n_layers)])                     # (L, M, E)
-        ordered = np.take_along_axis(np.repeat(self.pi[:, None, :], N_PERMS, axis=1), self.perms, axis=2)
-        cums = np.cumsum(ordered, axis=2)
-        cums[:, :, -1] = k + 1e-9          # guard against rounding at the row's end
         offsets = (np.arange(n_layers * N_PERMS, dtype=np.float64) * (k + 1)).reshape(n_layers, N_PERMS, 1)
-        self._flat_cums = (cums + offsets).ravel()
         self._row_offsets = offsets.reshape(n_layers, N_PERMS)
+        # topics: topic 0 is the distribution above; topic t > 0 moves a share (``drift``) of each layer's
+        # favourites (the ranks a hot set of the reference share holds) to experts ranked just below them, and
+        # those experts up in their place (seeded by ``seed`` and t), so a change of topic changes which experts
+        # are worth holding in VRAM
+        self.n_topics = max(1, int(topics))
+        self.drift = float(drift)
+        self.topic_pi = [self.pi]
+        band = max(1, int(round(self.skew.hot_fraction * n_experts)))
+        for t in range(1, self.n_topics):
+            trng = np.random.default_rng([seed, t])
+            r2e = self.rank_to_expert.copy()
+            n_move = min(int(round(self.drift * band)), max(0, n_experts - band))
+            for l in range(n_layers):
+                if n_move <= 0:
+                    break
+                up = trng.choice(np.arange(band, min(n_experts, 3 * band)), n_move, replace=False)
+                down = trng.choice(np.arange(band), n_move, replace=False)
+                r2e[l, up], r2e[l, down] = r2e[l, down].copy(), r2e[l, up].copy()
+            pi_t = np.empty_like(by_rank)
+            for l in range(n_layers):
+                pi_t[l, r2e[l]] = by_rank[l]
+            self.topic_pi.append(pi_t)
+        self._flat_cums = [self._cums(p, offsets) for p in self.topic_pi]
         # the draws: fresh each run unless fixed (the *distribution* above is fixed by ``seed``)
         self._rng = np.random.default_rng(routing_seed)
+
+    def _cums(self, pi: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        ordered = np.take_along_axis(np.repeat(pi[:, None, :], N_PERMS, axis=1), self.perms, axis=2)
+        cums = np.cumsum(ordered, axis=2)
+        cums[:, :, -1] = self.k + 1e-9     # guard against rounding at the row's end
+        return (cums + offsets).ravel()
 
     def _solve_exponent(self, spreads: np.ndarray) -> float:
         sk = self.skew
@@ -225,25 +262,48 @@ class RoutingDistribution:
                 hi = mid
         return (lo + hi) / 2
 
-    def sample(self, n_tokens: int) -> np.ndarray:
-        """Experts for ``n_tokens`` tokens: an int array ``(n_tokens, n_layers, k)`` of distinct expert ids
-        per (token, layer)."""
+    def topic(self, t: int | None) -> int:
+        """A topic number folded into this distribution's topics (None: topic 0)."""
+        return int(t or 0) % self.n_topics
+
+    def sample_mixed(self, topics: list[int | None]) -> np.ndarray:
+        """Experts for one token per entry of ``topics`` (each drawn from its topic's distribution), in order:
+        ``(len(topics), n_layers, k)``."""
+        folded = [self.topic(t) for t in topics]
+        if len(set(folded)) <= 1:
+            return self.sample(len(folded), folded[0] if folded else 0)
+        out = np.empty((len(folded), self.n_layers, self.k), dtype=np.int64)
+        for t in sorted(set(folded)):
+            rows = [i for i, x in enumerate(folded) if x == t]
+            out[rows] = self.sample(len(rows), t)
+        return out
+
+    def sample(self, n_tokens: int, topic: int = 0) -> np.ndarray:
+        """Experts for ``n_tokens`` tokens of ``topic``: an int array ``(n_tokens, n_layers, k)`` of distinct
+        expert ids per (token, layer)."""
+        flat_cums = self._flat_cums[self.topic(topic)]
         L, M, k = self.n_layers, N_PERMS, self.k
         m = self._rng.integers(0, M, size=(n_tokens, L))
         u = self._rng.random((n_tokens, L))
         base = self._row_offsets[np.arange(L)[None, :], m]                      # (T, L)
         thresholds = (base + u)[:, :, None] + np.arange(k)[None, None, :]       # (T, L, k)
-        pos = np.searchsorted(self._flat_cums, thresholds.ravel(), side="right")
+        pos = np.searchsorted(flat_cums, thresholds.ravel(), side="right")
         row_start = ((np.arange(L)[None, :] * M + m) * self.n_experts)[:, :, None]
         idx = np.clip(pos.reshape(n_tokens, L, k) - row_start, 0, self.n_experts - 1)
         layer_ix = np.broadcast_to(np.arange(L)[None, :, None], idx.shape)
         m_ix = np.broadcast_to(m[:, :, None], idx.shape)
         return self.perms[layer_ix, m_ix, idx]
 
-    def gate_weights(self, experts: np.ndarray) -> np.ndarray:
-        """Plausible router weights for a trace: proportional to π, normalised per (token, layer)."""
+    def gate_weights(self, experts: np.ndarray, topics: list[int | None] | None = None) -> np.ndarray:
+        """Plausible router weights for a trace: proportional to the token's topic's π, normalised per
+        (token, layer)."""
         L = self.n_layers
-        w = self.pi[np.arange(L)[None, :, None], experts].astype(np.float32)
+        if topics is None or self.n_topics == 1:
+            w = self.pi[np.arange(L)[None, :, None], experts].astype(np.float32)
+        else:
+            stack = np.stack(self.topic_pi)                                       # (T, L, E)
+            tix = np.asarray([self.topic(t) for t in topics])[:, None, None]
+            w = stack[tix, np.arange(L)[None, :, None], experts].astype(np.float32)
         return w / w.sum(axis=2, keepdims=True)
 
     def ideal_hot(self, n_hot: int) -> np.ndarray:
@@ -408,9 +468,11 @@ class OffloadModel:
                  cost: CostModel | None = None, initial_hot: str = "auto", profile_pairs=None,
                  adapt_every: int = 4, adapt_swaps: int = 96, adapt_decay: float = 0.7, min_gain: float = 3.0,
                  noise_z: float = 2.0,
-                 cpu_numerics: str = "fork", numa_bound: bool = True, routing_seed: int | None = None):
+                 cpu_numerics: str = "fork", numa_bound: bool = True, routing_seed: int | None = None,
+                 topics: int = 1, drift: float = TOPIC_DRIFT):
         self.layout = layout
-        self.dist = RoutingDistribution(layout.n_moe, layout.n_experts, layout.k, skew, seed, routing_seed)
+        self.dist = RoutingDistribution(layout.n_moe, layout.n_experts, layout.k, skew, seed, routing_seed,
+                                        topics=topics, drift=drift)
         self.cost = cost or CostModel()
         L, E = layout.n_moe, layout.n_experts
         self.n_hot = max(0, min(layout.n_hot, L * E))
@@ -471,9 +533,12 @@ class OffloadModel:
         return self.dist.expected_hit_rate(self.hot)
 
     # -- steps -------------------------------------------------------------------------------------------------
-    def decode_step(self, b: int, want_experts: bool = False) -> StepResult:
+    def decode_step(self, b: int, want_experts: bool = False, topics: list[int | None] | None = None) \
+            -> StepResult:
+        """One shared step of ``b`` tokens; ``topics`` (one per token) picks each token's routing
+        distribution (default: topic 0 for all)."""
         L, k, eb = self.layout.n_moe, self.layout.k, self.layout.expert_bytes
-        experts = self.dist.sample(b)                                            # (B, L, k)
+        experts = self.dist.sample_mixed(list(topics)) if topics is not None else self.dist.sample(b)  # (B, L, k)
         layer_ix = np.broadcast_to(np.arange(L)[None, :, None], experts.shape)
         hit = self.hot[layer_ix, experts]                                        # (B, L, k)
         hits = hit.reshape(b, -1).sum(axis=1)
@@ -568,5 +633,5 @@ __all__ = [
     "CostModel", "GUIDE_TABLE", "Layout", "OffloadModel", "RoutingDistribution", "SKEWS", "Skew", "StepResult",
     "expected_distinct", "expected_frequencies", "modelled_throughput", "parse_skew", "predicted_hit_rate",
     "read_strp", "trace_record", "REF_EXPERT_BYTES", "REF_HOT", "REF_MOE_LAYERS", "REF_N_EXPERTS",
-    "REF_EXPERTS_USED",
+    "REF_EXPERTS_USED", "N_TOPICS", "TOPIC_DRIFT",
 ]

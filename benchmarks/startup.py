@@ -1,0 +1,114 @@
+"""How long the panel's window takes to appear, against a bare PySide6 window, in one run (issue 16, item 5).
+
+Each trial starts a fresh Python process and measures, on the same wall clock, from just before the process is
+started to the first paint of its window:
+
+* **bare**: ``QApplication`` + an empty ``QMainWindow`` shown — the floor any PySide6 window pays (interpreter,
+  PySide6's import, the X connection, the first paint);
+* **panel**: ``python -m app --report-startup --quit-after S`` — the real ``dsv41-panel`` start (settings loaded,
+  the window's frame shown, its pages built after the first paint). ``built`` is when the pages were built.
+
+Trials alternate bare / panel so both see the same load on a shared machine; the medians are compared.
+Goal: panel shown ≤ 1.5 × bare shown.
+
+Run: ``xvfb-run -a -s "-screen 0 1600x1000x24" .venv/bin/python benchmarks/startup.py [--trials 7]``
+(with a display already set, it uses that). Writes nothing but stdout; ``--out FILE`` also saves the report.
+The panel runs with throw-away config/data folders, so the first-run wizard and your own state stay out of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BARE = textwrap.dedent("""
+    import sys, time
+    from PySide6.QtCore import QEvent, QObject, QTimer
+    from PySide6.QtWidgets import QApplication, QMainWindow, QWidget
+    app = QApplication([sys.argv[0]])
+    win = QMainWindow()
+    win.setWindowTitle("bare")
+    win.resize(1440, 900)
+    class FirstPaint(QObject):
+        def eventFilter(self, obj, ev):
+            if ev.type() == QEvent.Type.Paint and isinstance(obj, QWidget) and obj.window() is win:
+                app.removeEventFilter(self)
+                print(f"startup shown_at={time.time():.6f}", flush=True)
+            return False
+    f = FirstPaint(app)
+    app.installEventFilter(f)
+    win.show()
+    QTimer.singleShot(int(float(sys.argv[1]) * 1000), app.quit)
+    app.exec()
+""")
+
+
+def _parse(out: str) -> dict[str, float]:
+    got = {}
+    for line in out.splitlines():
+        if line.startswith("startup "):
+            k, _, v = line.split(" ", 1)[1].partition("=")
+            got[k] = float(v)
+    return got
+
+
+def trial(argv: list[str], env: dict[str, str], timeout_s: float) -> dict[str, float]:
+    t0 = time.time()
+    p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    got = _parse(p.stdout)
+    if "shown_at" not in got:
+        raise SystemExit(f"no window reported by {argv[:3]} (exit {p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return {k: v - t0 for k, v in got.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--hold", type=float, default=1.5, help="seconds each window stays open after it is shown")
+    ap.add_argument("--out", type=Path, help="also save the report here")
+    args = ap.parse_args(argv)
+    if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+        raise SystemExit('no display: run under xvfb-run -a -s "-screen 0 1600x1000x24"')
+    tmp = Path(tempfile.mkdtemp(prefix="dsv41-startup-"))
+    env = dict(os.environ, DSV41_CONFIG_DIR=str(tmp / "config"), DSV41_DATA_DIR=str(tmp / "data"),
+               PYTHONPATH=str(ROOT))
+    bare_cmd = [sys.executable, "-c", BARE, str(args.hold)]
+    panel_cmd = [sys.executable, "-m", "app", "--report-startup", "--quit-after", str(args.hold + 2.0)]
+    # one of each first, not counted: the disk cache warms for both
+    trial(bare_cmd, env, 60)
+    trial(panel_cmd, env, 60)
+    bare, shown, built = [], [], []
+    for _ in range(args.trials):
+        bare.append(trial(bare_cmd, env, 60)["shown_at"])
+        r = trial(panel_cmd, env, 60)
+        shown.append(r["shown_at"])
+        if "built_at" in r:
+            built.append(r["built_at"])
+    mb, ms = statistics.median(bare), statistics.median(shown)
+    lines = [
+        f"startup benchmark, {args.trials} trials each, alternating ({time.strftime('%Y-%m-%d %H:%M')}, "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})",
+        f"  bare PySide6 window shown: median {mb:.3f} s  (all: {', '.join(f'{x:.3f}' for x in bare)})",
+        f"  dsv41-panel window shown:  median {ms:.3f} s  (all: {', '.join(f'{x:.3f}' for x in shown)})",
+        f"  dsv41-panel pages built:   median {statistics.median(built):.3f} s" if built else
+        "  dsv41-panel pages built:   not reported",
+        f"  ratio shown/bare: {ms / mb:.2f}x  (goal <= 1.5x: {'met' if ms / mb <= 1.5 else 'NOT met'})",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

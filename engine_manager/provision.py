@@ -1,0 +1,371 @@
+"""Provisioning: turn the verified model shards into the pack the Strata engine loads, with the release's own tool.
+
+Strata's setup (Niko1221/Strata ``setup.py``, native-pack branch) runs ``python tools/iq_pack.py --gguf SHARD1 --out
+PACK`` once after the download; the pack holds ``index.txt``, ``dense.bin``, ``conversions.json``,
+``native_experts.txt`` and ``tokenizer/`` (``iq_pack.py`` ``main()`` runs ``tools/strata_tokenizer.py`` itself), and
+the server's config then names ``PACK/tokenizer`` (``serve/server.py`` ``main()`` refuses ``--engine strata``
+without ``tokenizer/vocab.json``). The panel does the same, with the release's Python and the release's tool (the
+panel never re-implements it), and:
+
+- finds shard 1 from the split metadata (:mod:`engine_manager.gguf_split`), never from a file name;
+- turns the tool's output into :class:`ProvisionEvent` s (a line, and progress with an ETA where the tool prints
+  counts: ``iq_pack.py`` prints ``  layer L ...`` every 8 layers while it writes ``experts.bin``);
+- gates on its **own sentinel**, not on a file merely existing: Strata's setup treats a pack as done when
+  ``native_experts.txt`` exists, but several of its writers are not atomic (``dense.bin``, ``index.txt``, the
+  tokenizer files; ``iq_pack.py`` publishes only ``native_experts.txt`` through a temporary name), so a killed run
+  can leave files that exist and are wrong. The tool writes into a staging folder; only after it exited 0 is the
+  folder renamed into place and the sentinel ``.dsv41-provisioned.json`` (marker, the source shards' sizes, every
+  pack file's size; atomic, 0600) written. A pack whose sentinel is missing, unreadable or whose files no longer
+  match is made again.
+
+Qt-free: the CLI (``dsv41 prepare``, ``dsv41 start --engine strata``), the supervisor's start path and the GUI
+(first-run flow, Downloads tab, through ``app.workers.run_generator``) all run :func:`provision`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Iterator
+
+from .atomic import atomic_write_json, ensure_private_dir
+from .errors import UserError
+from .gguf_split import Split, find_split
+
+SENTINEL = ".dsv41-provisioned.json"
+MARKER = "dsv41-strata-pack/1"
+STEP = "pack"
+TOOL = Path("tools") / "iq_pack.py"
+# Strata's completion marker, published last through a temporary name (tools/iq_pack.py main()), and what the
+# server needs at start (serve/server.py main(): tokenizer/vocab.json; setup.py's config names PACK/tokenizer)
+REQUIRED = ("native_experts.txt", "index.txt", "tokenizer/vocab.json")
+
+
+class ProvisionError(UserError):
+    """Provisioning failed; ``str()`` says what the tool said and what to do."""
+
+
+@dataclass
+class ProvisionEvent:
+    """One thing provisioning has to say. ``phase``: ``check`` (is it needed, and why), ``start`` (the tool
+    runs: ``argv``, ``pid``), ``output`` (a line the tool printed), ``progress`` (``done`` of ``total`` with
+    ``fraction`` and ``eta_s``), ``done`` (``skipped`` when the pack was already there)."""
+
+    kind: ClassVar[str] = "provision"
+    phase: str
+    text: str
+    step: str = STEP
+    pack_dir: str | None = None
+    argv: list[str] | None = None
+    pid: int | None = None
+    done: int | None = None
+    total: int | None = None
+    fraction: float | None = None
+    eta_s: float | None = None
+    elapsed_s: float | None = None
+    skipped: bool = False
+    t: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = self.kind
+        return d
+
+
+# ------------------------------------------------------------------------------------------------ where
+def _safe_name(text: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "model"
+    return name[:120]
+
+
+def model_key(shard1: Path) -> str:
+    """The pack folder's name for a model: shard 1's name without ``.gguf`` and the ``-0000N-of-0000M`` part."""
+    stem = shard1.name[:-5] if shard1.name.endswith(".gguf") else shard1.name
+    return _safe_name(re.sub(r"-\d{5}-of-\d{5}$", "", stem))
+
+
+def packs_dir() -> Path:
+    from . import paths
+
+    return paths.data_dir() / "packs"
+
+
+def pack_dir_for(shard1: Path) -> Path:
+    """``<data dir>/packs/<model>``: where the pack of the model whose shard 1 is ``shard1`` lives."""
+    return packs_dir() / model_key(Path(shard1))
+
+
+# ------------------------------------------------------------------------------------------------ sentinel
+def _pack_files(pack: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for root, dirs, files in os.walk(pack, followlinks=False):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+        for f in files:
+            p = Path(root) / f
+            rel = p.relative_to(pack).as_posix()
+            if rel == SENTINEL or p.is_symlink():
+                continue
+            out[rel] = p.stat().st_size
+    return dict(sorted(out.items()))
+
+
+def _source_sizes(split: Split) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in split.shards}
+
+
+def pack_state(pack: Path, split: Split) -> tuple[bool, str]:
+    """(ready, why): the pack is ready only when the panel's sentinel is there, names this model's shards with
+    their sizes, and every file it lists still has its recorded size."""
+    pack = Path(pack)
+    if pack.is_symlink():
+        return False, f"{pack} is a symbolic link; the panel makes its own pack there"
+    sentinel = pack / SENTINEL
+    if not sentinel.is_file():
+        if (pack / "native_experts.txt").exists():
+            return False, ("the pack exists but the panel never saw it finish (no completion record): an earlier "
+                           "run may have been stopped part-way, so it is made again")
+        return False, "the model has not been prepared for the Strata engine yet"
+    try:
+        rec = json.loads(sentinel.read_text())
+    except (OSError, ValueError) as exc:
+        return False, f"its completion record cannot be read ({exc}), so it is made again"
+    if not isinstance(rec, dict) or rec.get("marker") != MARKER or not isinstance(rec.get("files"), dict):
+        return False, "its completion record is not the panel's, so it is made again"
+    if rec.get("source") != _source_sizes(split):
+        return False, "the model's shards changed since the pack was made, so it is made again"
+    if rec.get("shard1_path") not in (None, str(split.first.absolute())):
+        return False, (f"the pack was made from another copy of the model ({rec.get('shard1_path')}), so it is made "
+                       "again")
+    for rel, size in rec["files"].items():
+        p = pack / rel
+        try:
+            if p.is_symlink() or p.stat().st_size != size:
+                return False, f"{rel} in the pack changed since it was made, so the pack is made again"
+        except OSError:
+            return False, f"{rel} is missing from the pack, so the pack is made again"
+    missing = [r for r in REQUIRED if r not in rec["files"]]
+    if missing:
+        return False, f"the pack lacks {', '.join(missing)}, so it is made again"
+    return True, "the pack is ready"
+
+
+def needs_provision(pack: Path, model_path: os.PathLike | str) -> tuple[bool, str]:
+    ready, why = pack_state(pack, find_split(model_path))
+    return (not ready), why
+
+
+# ------------------------------------------------------------------------------------------------ output
+_LAYER = re.compile(r"^\s*layer\s+(\d+)\b", re.I)
+_COUNT = re.compile(r"\b(\d+)\s*(?:/|of)\s*(\d+)\b")
+
+
+def _n_layers(split: Split) -> int | None:
+    """The model's block count from shard 1's header (``<arch>.block_count``), for the tool's layer lines."""
+    try:
+        from .layout import read_shard_header
+
+        md = read_shard_header(split.first).metadata
+        arch = md.get("general.architecture")
+        n = md.get(f"{arch}.block_count")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+    except Exception:  # noqa: BLE001 - progress only
+        return None
+
+
+def parse_progress(line: str, n_layers: int | None) -> tuple[int, int] | None:
+    """(done, total) from one line of the tool's output, or None. ``  layer L ...`` (``iq_pack.py`` ``main()``,
+    printed every 8 layers while ``experts.bin`` is written) counts as L+1 of the model's layers; ``N/M`` or
+    ``N of M`` counts as it says."""
+    m = _LAYER.match(line)
+    if m and n_layers:
+        return min(int(m.group(1)) + 1, n_layers), n_layers
+    m = _COUNT.search(line)
+    if m:
+        done, total = int(m.group(1)), int(m.group(2))
+        if 0 <= done <= total and total > 0:
+            return done, total
+    return None
+
+
+def _plain_failure(rc: int, lines: list[str], tool: Path) -> str:
+    tail = [ln for ln in lines if ln.strip()][-6:]
+    said = ""
+    for ln in reversed(tail):       # a Python traceback's last line is the error itself
+        if re.match(r"^\w+(Error|Exception)\b", ln.strip()):
+            said = ln.strip()
+            break
+    if not said and tail:
+        said = tail[-1].strip()
+    how = f"exit code {rc}"
+    if rc < 0:
+        try:
+            how = f"killed by signal {-rc} ({signal.Signals(-rc).name})"
+        except ValueError:
+            how = f"killed by signal {-rc}"
+    return (f"Preparing the model for the Strata engine failed: the release's {tool.name} stopped with {how}"
+            + (f" and said: {said}" if said else " and printed nothing")
+            + ". Check that every model shard is downloaded and verified (`dsv41 download` resumes and verifies), "
+              "that the disk has room for the pack, then run `dsv41 prepare` again.")
+
+
+# ------------------------------------------------------------------------------------------------ run
+def tool_argv(python: str, release: Path, shard1: Path, out: Path) -> list[str]:
+    """``<release python> <release>/tools/iq_pack.py --gguf SHARD1 --out OUT`` (Strata ``setup.py``, native
+    pack)."""
+    return [python, str(release / TOOL), "--gguf", str(shard1), "--out", str(out)]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def provision(release: os.PathLike | str, model_path: os.PathLike | str, *, python: str | None = None,
+              pack: os.PathLike | str | None = None, force: bool = False) -> Iterator[ProvisionEvent]:
+    """Make the Strata pack of the model at ``model_path`` (its folder or any shard) with ``release``'s own
+    ``tools/iq_pack.py``, unless the panel's sentinel says it is there and unchanged. Yields
+    :class:`ProvisionEvent` s; returns the pack folder. Raises :class:`ProvisionError` (plain words) when the
+    release has no tool or the tool fails. Closing the generator kills the tool."""
+    release = Path(release).expanduser()
+    split = find_split(model_path)
+    pack = Path(pack) if pack is not None else pack_dir_for(split.first)
+    ready, why = pack_state(pack, split)
+    if ready and not force:
+        yield ProvisionEvent("done", f"The model's Strata pack is ready ({pack}).", pack_dir=str(pack), skipped=True)
+        return pack
+    yield ProvisionEvent("check", f"Preparing the model for the Strata engine: {why}.", pack_dir=str(pack))
+    tool = release / TOOL
+    if not tool.is_file():
+        raise ProvisionError(f"The engine release in {release} has no {TOOL} (the tool that prepares the model's "
+                             "pack). Download the engine release again (`dsv41 download --engine`) or set "
+                             "DSV41_ENGINE_DIR to an unpacked Strata release.")
+    python = python or sys.executable
+    ensure_private_dir(pack.parent)
+    lock = _lock(pack)          # one provisioning of a pack at a time (the GUI, `dsv41 prepare`, a start)
+    try:
+        return (yield from _run_tool(release, split, pack, python, tool))
+    finally:
+        os.close(lock)
+
+
+def _lock(pack: Path) -> int:
+    path = pack.parent / f".{pack.name}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise ProvisionError(f"Cannot open the lock file {path} ({exc.strerror or exc}); a symbolic link or a wrong "
+                             "file is in the way: remove it and try again.") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ProvisionError(f"Another dsv41 (the panel, `dsv41 prepare` or `dsv41 start`) is preparing {pack.name} "
+                             "right now. Wait for it to finish, then try again.") from None
+    return fd
+
+
+def _run_tool(release: Path, split: Split, pack: Path, python: str, tool: Path) -> Iterator[ProvisionEvent]:
+    staging = pack.parent / f".{pack.name}.partial"
+    if staging.is_symlink():
+        staging.unlink()
+    elif staging.exists():
+        shutil.rmtree(staging)
+    ensure_private_dir(staging)
+    argv = tool_argv(python, release, split.first, staging)
+    n_layers = _n_layers(split)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_KEEPER", "STRATA_API_KEY"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(argv, cwd=str(release), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, close_fds=True, start_new_session=True)
+    except OSError as exc:
+        raise ProvisionError(f"Could not run the release's {TOOL} with {python}: {exc}. Check the engine release "
+                             "(DSV41_ENGINE_DIR) and its Python.") from None
+    yield ProvisionEvent("start", f"Running the release's {TOOL.name} on {split.first.name} "
+                                  f"({split.count} shard{'s' * (split.count != 1)}) …",
+                         pack_dir=str(pack), argv=argv, pid=proc.pid)
+    lines: deque[str] = deque(maxlen=40)
+    assert proc.stdout is not None
+    try:
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            lines.append(line)
+            elapsed = time.monotonic() - t0
+            yield ProvisionEvent("output", line, pack_dir=str(pack), pid=proc.pid, elapsed_s=elapsed)
+            got = parse_progress(line, n_layers)
+            if got:
+                done, total = got
+                frac = done / total
+                eta = elapsed * (1 - frac) / frac if frac > 0 else None
+                yield ProvisionEvent("progress", f"{done} of {total}", pack_dir=str(pack), pid=proc.pid,
+                                     done=done, total=total, fraction=frac, eta_s=eta, elapsed_s=elapsed)
+        rc = proc.wait()
+    finally:
+        _kill(proc)             # a closed generator (cancel, Ctrl+C) leaves no tool running
+        proc.stdout.close()
+    if rc != 0:
+        raise ProvisionError(_plain_failure(rc, list(lines), tool))
+    missing = [r for r in REQUIRED if not (staging / r).is_file()]
+    if missing:
+        raise ProvisionError(f"The release's {TOOL.name} exited without error but did not write "
+                             f"{', '.join(missing)} in the pack. The release may be incomplete: download it again "
+                             "(`dsv41 download --engine`).")
+    files = _pack_files(staging)
+    if pack.is_symlink():
+        pack.unlink()
+    elif pack.exists():
+        shutil.rmtree(pack)
+    os.replace(staging, pack)
+    atomic_write_json(pack / SENTINEL, {"marker": MARKER, "step": STEP, "tool": [str(a) for a in argv[1:2]],
+                                        "shard1": split.first.name, "shard1_path": str(split.first.absolute()),
+                                        "source": _source_sizes(split),
+                                        "files": files, "finished_at": time.time()})
+    yield ProvisionEvent("done", f"The model's Strata pack is ready ({pack}, {fmt_bytes(sum(files.values()))}, "
+                                 f"{time.monotonic() - t0:.1f} s).", pack_dir=str(pack),
+                         elapsed_s=time.monotonic() - t0)
+    return pack
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def describe(ev: ProvisionEvent) -> str | None:
+    """One line for a person (CLI), or None for events a terminal need not show."""
+    if ev.phase == "progress":
+        eta = f", about {_dur(ev.eta_s)} left" if ev.eta_s is not None else ""
+        return f"preparing: {ev.done} of {ev.total} ({ev.fraction:.0%}){eta}"
+    if ev.phase == "output":
+        return f"  | {ev.text}"
+    return ev.text
+
+
+def _dur(s: float | None) -> str:
+    from .fmt import duration
+
+    return duration(s)
