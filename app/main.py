@@ -22,7 +22,8 @@ def _reexec_under_xvfb(argv: list[str]) -> int | None:
     if not xvfb or os.environ.get("DSV41_UNDER_XVFB"):
         return None
     env = dict(os.environ, DSV41_UNDER_XVFB="1")
-    os.execvpe(xvfb, [xvfb, "-a", "-s", "-screen 0 1600x1000x24", sys.executable, "-m", "app", *argv], env)
+    from engine_manager.frozen import panel_argv     # the bundle re-runs its own executable
+    os.execvpe(xvfb, [xvfb, "-a", "-s", "-screen 0 1600x1000x24", *panel_argv(), *argv], env)
     return 0  # not reached
 
 

@@ -1,5 +1,11 @@
 import sys
 
-from .cli import main
+# absolute imports: the bundle (packaging/dsv41-panel.spec) runs this file as a top-level script, not as a package
+from engine_manager.frozen import restore_environment, run_module_if_asked
+
+restore_environment()
+run_module_if_asked()
+
+from engine_manager.cli import main  # noqa: E402
 
 sys.exit(main())

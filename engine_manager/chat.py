@@ -444,6 +444,7 @@ class ChatClient:
         cancel.on_cancel(on_cancel)
         got_any = False
         saw_end = False
+        saw_usage = False
         t_first: float | None = None
         t_last: float | None = None
         n_chunks = 0
@@ -508,6 +509,7 @@ class ChatClient:
                                           _num(usage, "total_tokens", int))
                             stats.prompt_tokens = u.prompt_tokens
                             stats.completion_tokens = u.completion_tokens
+                            saw_usage = True
                             yield u
                         timings = chunk.get("timings")
                         if isinstance(timings, Mapping):
@@ -520,8 +522,11 @@ class ChatClient:
                             yield ti
                         if cancel.cancelled:
                             break
-                    if not saw_end and not cancel.cancelled and stats.finish_reason is None:
-                        # A body that just ends (no [DONE], no finish_reason) is a server that went away.
+                    if not saw_end and not saw_usage and not cancel.cancelled:
+                        # Strata (HTTP/1.0) ends every answer by closing the connection, after a last chunk that
+                        # always carries `usage`, then `data: [DONE]` (serve/server.py @2291cb3 `openai_chunks`,
+                        # `Handler._openai`); llama-server sends a usage chunk and [DONE] too. A body that ends
+                        # with neither - even after a finish_reason - is an engine that died mid-answer.
                         raise self._broken(httpx.RemoteProtocolError("the stream ended without [DONE]"), got_any)
             except ChatError:
                 if cancel.cancelled:

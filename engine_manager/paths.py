@@ -152,8 +152,14 @@ def resources_dir() -> Path:
     """The ``resources/`` folder: beside the source tree, else under ``<prefix>/share/dsv41-panel``."""
     if getattr(sys, "frozen", False):  # a PyInstaller bundle (packaging/dsv41-panel.spec)
         return Path(getattr(sys, "_MEIPASS", Path(sys.executable).parent)) / "resources"
-    here = Path(__file__).resolve().parent.parent / "resources"
-    if here.is_dir():
-        return here
-    shared = Path(sys.prefix) / "share" / APP_NAME / "resources"
-    return shared
+    # a clone (editable install): beside the packages; a wheel installed into a venv or by pipx: <venv>/share/...
+    # (pyproject's data-files); `pip install --user`: <user base>/share/...; a system install: <prefix>/share/...
+    import site
+    candidates = [Path(__file__).resolve().parent.parent / "resources"]
+    candidates += [Path(base) / "share" / APP_NAME / "resources"
+                   for base in (sys.prefix, getattr(site, "USER_BASE", None) or "", sys.base_prefix, "/usr/local",
+                                "/usr") if base]
+    for c in candidates:
+        if (c / "manifests").is_dir():
+            return c
+    return candidates[1]       # where a wheel puts them (the error that follows names this folder)

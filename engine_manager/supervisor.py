@@ -92,6 +92,7 @@ STOP_FILE = "engine-stop-request.json"   # `dsv41 stop` leaves it: a start in fl
 LOG_NAME = "engine.log"
 STATE_SCHEMA = 1
 KEEPER = Path(__file__).with_name("keeper.py")
+from .frozen import module_argv  # noqa: E402  the keeper's command line, also in the one-folder bundle
 
 #: how the messages name each engine
 ENGINE_WORDS = {"sim": "the scripted engine (simulated)", "strata": "Strata", "llamacpp": "llama.cpp"}
@@ -1369,7 +1370,7 @@ class Supervisor:
             port_note = f"IN USE now by {describe_owner(port_owner(spec.host, spec.port))}"
         steps.append((f"check that {spec.host}:{spec.port} is free", ["ss", "-ltnp", f"sport = :{spec.port}"],
                       port_note))
-        keeper = [sys.executable, "-I", "-S", str(KEEPER), "--log", str(self.log_path), "--exit-file",
+        keeper = module_argv("engine_manager.keeper", script=KEEPER) + ["--log", str(self.log_path), "--exit-file",
                   str(self.exit_path), "--max-bytes", str(self.log_max_bytes), "--backups", str(self.log_backups),
                   "--mask-stdin"] + (["--follow", spec.files["engine_log"]] if spec.files.get("engine_log") else []) \
             + ["--"]
@@ -1669,7 +1670,7 @@ class Supervisor:
         t0 = time.monotonic()
         try:
             for ev in gen:
-                if self._stop_req.is_set():
+                if self._stop_req.is_set() or self._stop_requested_elsewhere() is not None:
                     gen.close()
                     yield from self._fail("stopped", "Stopped while the model was being prepared; it is prepared "
                                           "again at the next start.", "Start again when you want the engine.")
@@ -1728,7 +1729,7 @@ class Supervisor:
         env["DSV41_NUMA_BINDING"] = binding.strategy if binding else "none"   # an engine may report it
         # the secrets to mask reach the keeper through a pipe on its stdin (read to EOF, then closed), never its
         # environment: /proc/<pid>/environ stays readable for the keeper's whole life (issue 15 item 2)
-        argv = [sys.executable, "-I", "-S", str(KEEPER), "--log", str(self.log_path), "--exit-file",
+        argv = module_argv("engine_manager.keeper", script=KEEPER) + ["--log", str(self.log_path), "--exit-file",
                 str(self.exit_path), "--max-bytes", str(self.log_max_bytes), "--backups", str(self.log_backups),
                 "--mask-stdin"]
         if spec.files.get("engine_log"):    # a log the engine writes itself (Strata's config "log"): followed

@@ -1,5 +1,5 @@
 """engine_manager.chat against real servers: the scripted engine as a separate process (stream, cancel, error frame,
-401, 400, 409, engine killed, stall) and a raw loopback socket server for SSE framing edge cases."""
+401, 400, FIFO queueing, engine killed, stall) and a raw loopback socket server for SSE framing edge cases."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from chat_support import foreign_server, panel_sim, shared_sim, start_sim  # noqa: F401 - fixtures
 
 from engine_manager import history as hist
+from engine_manager.sim import corpus
 from engine_manager.chat import (
     CancelToken, ChatClient, ChatError, ChatOptions, ContentDelta, FinishReason, ReasoningDelta, StreamDone,
     StreamOpened, TimingsInfo, TurnEnded, TurnStarted, UsageInfo, run_turn,
@@ -41,8 +42,14 @@ def test_stream_yields_reasoning_then_content_and_stats(start_sim):
     r_at = [i for i, e in enumerate(evs) if isinstance(e, ReasoningDelta)]
     c_at = [i for i, e in enumerate(evs) if isinstance(e, ContentDelta)]
     assert r_at and c_at and max(r_at) < min(c_at), "reasoning must stream before the answer"
+    # the scripted engine answers with its curated sentences for the question's topic, labelled as canned
+    topic = corpus.topic_of(Q[0]["content"])
+    assert topic.name == "offload"
     answer = "".join(got["content"])
-    assert "expert offload" in answer                     # the sim echoes the question's topic
+    assert answer.startswith(corpus.LABEL)
+    assert set(corpus.sentences(answer)[1:]) <= set(topic.answer) | {corpus.CLOSER}
+    assert len(corpus.sentences(answer)) >= 2
+    assert set(corpus.sentences("".join(got["reasoning"]))) <= set(topic.reasoning)
     assert [e.reason for e in evs if isinstance(e, FinishReason)] == ["stop"]
     usage = [e for e in evs if isinstance(e, UsageInfo)][-1]
     timings = [e for e in evs if isinstance(e, TimingsInfo)][-1]
@@ -127,11 +134,13 @@ def test_error_frame_mid_stream_raises_with_the_engines_message(start_sim):
 
 
 def test_wrong_key_is_401_in_plain_words(shared_sim):
+    """The engine's own words are Strata's (serve/server.py @2291cb3 ``Handler._authorized``: 401
+    ``authentication_error`` "missing or wrong API key"; tests/data/strata/error_401.json)."""
     with ChatClient(shared_sim.base_url, "wrong-key-0123456789") as c, pytest.raises(ChatError) as ei:
         list(c.stream(Q))
     e = ei.value
     assert e.kind == "auth" and e.status == 401
-    assert "refused the API key" in str(e) and "invalid or missing API key" in str(e)
+    assert "refused the API key" in str(e) and "missing or wrong API key" in str(e)
     assert "wrong-key" not in str(e)
 
 
@@ -143,27 +152,64 @@ def test_tools_are_refused_with_400(shared_sim):
     assert "tool calls are not supported" in str(ei.value)
 
 
-def test_busy_engine_is_409(start_sim):
-    sim = start_sim("--queue", "0", "--reply-tokens", "3000", speed=1.0, slots=1)
+def test_a_second_chat_waits_its_turn_instead_of_being_refused(start_sim):
+    """Strata queues chat requests first in, first out and never answers a chat with 409 (serve/server.py
+    @2291cb3 ``Service.run`` waits in ``Service.fifo``; 409 ``model_busy`` is only for ``/v1/load``/``/v1/unload``).
+    With one slot busy, a second chat is accepted, shown as queued in ``/metrics``, and answered once the first
+    one ends: the client reports no error and the two answers do not interleave."""
+    import httpx
+    sim = start_sim("--reply-tokens", "3000", speed=1.0, slots=1)
     token = CancelToken()
+    log: list[tuple[str, str]] = []          # (which chat, what arrived), in arrival order across both threads
+    lock = threading.Lock()
     first_token = threading.Event()
+    result: dict[str, object] = {}
 
-    def hold():
-        with ChatClient(sim.base_url, sim.key) as c:
-            for ev in c.stream(Q, ChatOptions(max_tokens=3000), token):
-                if isinstance(ev, (ReasoningDelta, ContentDelta)):
-                    first_token.set()
+    def chat(name, opts, cancel=None):
+        try:
+            with ChatClient(sim.base_url, sim.key) as c:
+                for ev in c.stream(Q, opts, cancel):
+                    if isinstance(ev, (ReasoningDelta, ContentDelta)):
+                        with lock:
+                            log.append((name, ev.text))
+                        first_token.set()
+                    elif isinstance(ev, StreamDone):
+                        result[name] = ev.stats
+        except Exception as exc:            # noqa: BLE001 - reported by the assertions below
+            result[name] = exc
 
-    t = threading.Thread(target=hold)
-    t.start()
+    a = threading.Thread(target=chat, args=("A", ChatOptions(max_tokens=3000), token))
+    a.start()
+    b = None
     try:
         assert first_token.wait(20)
-        with ChatClient(sim.base_url, sim.key) as c, pytest.raises(ChatError) as ei:
-            list(c.stream(Q))
-        assert ei.value.kind == "busy" and ei.value.status == 409 and "slots are busy" in str(ei.value)
+        b = threading.Thread(target=chat, args=("B", ChatOptions(max_tokens=20)))
+        b.start()
+        deadline = time.monotonic() + 30
+        queued = 0
+        while time.monotonic() < deadline and not queued:
+            live = httpx.get(sim.base_url + "/metrics", headers={"Authorization": f"Bearer {sim.key}"},
+                             timeout=5).json()["live"]
+            queued = live.get("queued") or 0
+            if not queued:
+                time.sleep(0.05)
+        assert queued == 1, "the second chat waits in the engine's queue"
+        assert "B" not in result, "a queued chat is not refused (no 409 for chat)"
+        with lock:
+            assert all(name == "A" for name, _ in log), "the queued chat gets nothing before the first one ends"
     finally:
         token.cancel()
-        t.join(10)
+        a.join(20)
+        if b is not None:
+            b.join(60)
+    stats_a = result["A"]
+    assert not isinstance(stats_a, Exception) and stats_a.cancelled, f"the first chat: {stats_a}"
+    stats_b = result["B"]
+    assert not isinstance(stats_b, Exception), f"the queued chat failed: {stats_b}"
+    assert stats_b.finish_reason in ("stop", "length") and not stats_b.cancelled
+    names = [name for name, _ in log]
+    assert names.count("B") == stats_b.completion_tokens > 0
+    assert names == sorted(names), "first in, first out: all of A's text, then all of B's"
 
 
 @pytest.mark.parametrize("fault", ["--die-after-tokens", "--sigkill-after-tokens"])
@@ -199,8 +245,8 @@ class RawServer:
     """A loopback HTTP server that answers one request with raw byte pieces (sent with pauses, so the client
     reads them in separate TCP segments) and records the request body."""
 
-    def __init__(self, head: bytes, pieces: list[bytes], close: bool = True):
-        self.head, self.pieces, self.close = head, pieces, close
+    def __init__(self, head: bytes, pieces: list[bytes], close: bool = True, die: bool = False):
+        self.head, self.pieces, self.close, self.die = head, pieces, close, die
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(4)
@@ -227,6 +273,9 @@ class RawServer:
                 time.sleep(0.01)
             if not self.close:
                 time.sleep(30)
+            if self.die:                 # the whole server goes: its port no longer answers, then the stream ends
+                self.sock.shutdown(socket.SHUT_RDWR)      # (wakes the health thread's accept; close alone would not)
+                self.sock.close()
 
     def _health(self) -> None:
         """Later connections (the client's "is the engine still there?" probe) get a 200 /health."""
@@ -287,6 +336,33 @@ def test_stream_that_just_ends_is_connection_lost_not_complete():
         srv.stop()
     assert ei.value.kind == "connection_lost"           # the server still answers /health: not dead
     assert "connection to the engine was lost while answering" in str(ei.value)
+
+
+SSE_HEAD_10 = (b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+               b"X-Accel-Buffering: no\r\n\r\n")       # Strata's: HTTP/1.0, the server closes the connection
+
+
+@pytest.mark.parametrize("die,kind,words", [(True, "engine_died", "stopped while answering"),
+                                            (False, "connection_lost", "lost while answering")])
+def test_http10_stream_closed_before_usage_and_done_is_an_interrupted_answer(die, kind, words):
+    """Strata answers over HTTP/1.0 and ends every stream by closing the connection, after a last chunk that always
+    carries ``usage`` and then ``data: [DONE]`` (serve/server.py @2291cb3 ``openai_chunks``, ``Handler._openai``;
+    tests/data/strata/sse_stream.txt). A close after two content frames - the second already with a
+    finish_reason - but with neither usage nor [DONE] is an engine that went away mid-answer, never a complete one."""
+    frames = [_frame({"choices": [{"index": 0, "delta": {"content": "Half "}, "finish_reason": None}]}),
+              _frame({"choices": [{"index": 0, "delta": {"content": "an answer"}, "finish_reason": "stop"}]})]
+    srv = RawServer(SSE_HEAD_10, frames, die=die)
+    got: list = []
+    try:
+        with ChatClient(srv.url, "k" * 20) as c, pytest.raises(ChatError) as ei:
+            for ev in c.stream(Q):
+                got.append(ev)
+    finally:
+        srv.stop()
+    assert ei.value.kind == kind and words in str(ei.value) and "What arrived is kept" in str(ei.value)
+    assert "".join(e.text for e in got if isinstance(e, ContentDelta)) == "Half an answer"
+    assert not any(isinstance(e, StreamDone) for e in got)
+    assert ei.value.stats is not None and ei.value.stats.completion_tokens == 2
 
 
 def test_not_an_event_stream_is_a_protocol_error():
@@ -452,6 +528,9 @@ def test_interrupted_answer_counts_the_tokens_that_arrived(start_sim):
     assert "Regenerate" not in m.error                          # the stored words fit the CLI and the pane
 
 
+EDITED = "How do I bind the engine to the NUMA node of the GPU?"
+
+
 def test_regenerate_and_edit_replace_what_followed(shared_sim):
     store = hist.HistoryStore()
     first = _turn(store, shared_sim, options=ChatOptions(max_tokens=20))[-1]
@@ -464,11 +543,15 @@ def test_regenerate_and_edit_replace_what_followed(shared_sim):
     assert len(after) == 4 and after[3].id != before[3].id and regen[-1].status == hist.STATUS_COMPLETE
     assert [m.id for m in after[:3]] == [m.id for m in before[:3]]
     edit = list(run_turn(store, cid, base_url=shared_sim.base_url, api_key=shared_sim.key, mode="edit",
-                         edit_message_id=before[0].id, user_text="Explain the KV cache",
-                         options=ChatOptions(max_tokens=400)))
+                         edit_message_id=before[0].id, user_text=EDITED, options=ChatOptions(max_tokens=400)))
     msgs = store.messages(cid)
-    assert [m.role for m in msgs] == ["user", "assistant"] and msgs[0].content == "Explain the KV cache"
-    assert edit[-1].status == hist.STATUS_COMPLETE and "KV cache" in msgs[1].content
+    assert [m.role for m in msgs] == ["user", "assistant"] and msgs[0].content == EDITED
+    # the new answer is to the edited question: the scripted engine's canned sentences for its topic (host),
+    # not for the first question's (offload)
+    host, said = corpus.topic_named("host"), corpus.sentences(msgs[1].content)
+    assert corpus.topic_of(EDITED) is host and corpus.topic_of(before[0].content) is not host
+    assert edit[-1].status == hist.STATUS_COMPLETE and said[0] == corpus.LABEL
+    assert len(said) >= 2 and set(said[1:]) <= set(host.answer) | {corpus.CLOSER}
 
 
 # ------------------------------------------------------------------------------------------------ which engine (m3)

@@ -14,6 +14,7 @@ import time
 from chat_support import ROOT, foreign_server, panel_sim, shared_sim, start_sim  # noqa: F401 - fixtures
 
 from engine_manager import history as hist
+from engine_manager.sim import corpus
 
 
 def env_for(sim=None, key=None, port=None) -> dict[str, str]:
@@ -41,7 +42,12 @@ def test_chat_streams_reasoning_then_answer_and_prints_stats(shared_sim):
     assert "\x1b[" not in out
     assert out.index("[reasoning]") < out.index("[answer]")
     answer = out.split("[answer]", 1)[1]
-    assert "expert offload" in answer
+    # the scripted engine's canned answer for the question's topic (engine_manager.sim.corpus), labelled as such
+    said, offload = corpus.sentences(answer), corpus.topic_named("offload")
+    assert corpus.topic_of("Explain expert offload on one GPU") is offload
+    assert said[0] == corpus.LABEL and len(said) >= 2 and set(said[1:]) <= set(offload.answer) | {corpus.CLOSER}
+    thought = corpus.sentences(out.split("[answer]", 1)[0].split("[reasoning]", 1)[1])
+    assert thought[0] == offload.reasoning[0] and set(thought) <= set(offload.reasoning)
     assert "tokens" in r.stderr and "tok/s" in r.stderr and "first token" in r.stderr
     assert "saved as conversation 1" in r.stderr
     store = hist.HistoryStore()

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import QLabel, QStyle, QStyleOptionButton
 from app.chat_pane import EMPTY_LIST_HINT, ChatPane, MarkdownRenderer, _theme
 from app.context import AppContext
 from engine_manager import history as hist
+from engine_manager.sim import corpus
 from engine_manager.settings import load_settings
 
 pytestmark = pytest.mark.gui
@@ -75,6 +76,22 @@ def listed(p: ChatPane) -> list:
     return [it for it in items if isinstance(it.data(Qt.ItemDataRole.UserRole), int)]
 
 
+# The scripted engine answers with its curated sentences for the question's topic (engine_manager.sim.corpus): the
+# reasoning opens with the topic's first reasoning sentence, the answer with the canned-answer label.
+THINKING = corpus.topic_named("offload").reasoning[0][:50]      # "The question is about how the model's experts…"
+ANSWER_START = corpus.LABEL[:45]                                 # "This is a canned answer from the scripted engine"
+
+
+def _canned_for(question: str, answer: str, whole: bool = True) -> bool:
+    """``answer`` is the scripted engine's reply to ``question``: the label, then sentences of the question's
+    topic only (the last one may be cut by a token limit unless ``whole``)."""
+    said = corpus.sentences(answer)
+    pool = set(corpus.topic_of(question).answer) | {corpus.CLOSER}
+    body, last = (said[1:], None) if whole else (said[1:-1], said[-1])
+    return (len(said) >= 2 and said[0] == corpus.LABEL and set(body) <= pool
+            and (last is None or any(s.startswith(last) for s in pool)))
+
+
 def test_type_send_stream_reasoning_and_stop(qtbot, pane, ctx, start_sim):
     sim = start_sim("--reply-tokens", "3000", speed=1.0)
     ctx.set_ready(sim.base_url, sim.key)
@@ -87,12 +104,12 @@ def test_type_send_stream_reasoning_and_stop(qtbot, pane, ctx, start_sim):
     assert pane.send_button.isEnabled()
     qtbot.keyClick(pane.composer, Qt.Key.Key_Return)
     assert pane.composer.toPlainText() == ""
-    qtbot.waitUntil(lambda: "Reasoning…" in doc(pane) and "The user asks about" in doc(pane), timeout=20000)
+    qtbot.waitUntil(lambda: "Reasoning…" in doc(pane) and THINKING in doc(pane), timeout=20000)
     assert pane.stop_button.isEnabled() and not pane.send_button.isEnabled()
     # the answer begins: the reasoning folds into a block that can be opened
-    qtbot.waitUntil(lambda: "Here is a short answer about" in doc(pane), timeout=20000)
+    qtbot.waitUntil(lambda: ANSWER_START in doc(pane), timeout=20000)
     qtbot.waitUntil(lambda: "▸ Reasoning" in doc(pane), timeout=5000)
-    assert "The user asks about" not in doc(pane)
+    assert THINKING not in doc(pane)
     qtbot.waitUntil(lambda: "Streaming:" in pane.live_label.text() and "tok/s" in pane.live_label.text(),
                     timeout=5000)
     qtbot.mouseClick(pane.stop_button, Qt.MouseButton.LeftButton)
@@ -102,15 +119,16 @@ def test_type_send_stream_reasoning_and_stop(qtbot, pane, ctx, start_sim):
     m = pane.store.messages(pane.current_conversation_id())
     assert [x.role for x in m] == ["user", "assistant"]
     assert m[0].content == "Explain expert offload\non one GPU"
-    assert m[1].status == hist.STATUS_STOPPED and "Here is a short answer" in m[1].content
+    assert m[1].status == hist.STATUS_STOPPED and m[1].content.startswith(corpus.LABEL[:len(m[1].content)])
+    assert ANSWER_START in m[1].content and m[1].reasoning.startswith(corpus.topic_named("offload").reasoning[0])
     assert m[1].stats["cancelled"] is True
     # the reasoning block opens on a click on its line, and closes on the next
     click_link(qtbot, pane, f"dsv41:toggle-reasoning/{m[1].id}")
     qtbot.waitUntil(lambda: "▾ Reasoning" in doc(pane), timeout=5000)
-    assert "The user asks about" in doc(pane)
+    assert THINKING in doc(pane)
     click_link(qtbot, pane, f"dsv41:toggle-reasoning/{m[1].id}")
     qtbot.waitUntil(lambda: "▸ Reasoning" in doc(pane), timeout=5000)
-    assert "The user asks about" not in doc(pane)
+    assert THINKING not in doc(pane)
     qtbot.waitUntil(lambda: len(listed(pane)) == 1, timeout=5000)
     assert pane.conv_list.item(0).text().startswith("Explain expert offload")
 
@@ -136,7 +154,8 @@ def test_no_engine_says_why_and_offers_start(qtbot, pane, ctx, shared_sim):
 def test_several_conversations_stream_at_once(qtbot, pane, ctx, start_sim):
     sim = start_sim("--reply-tokens", "150", speed=2.0, slots=4)
     ctx.set_ready(sim.base_url, sim.key)
-    questions = ["Tell me about NUMA", "Tell me about PCIe", "Tell me about VRAM"]
+    questions = ["Tell me about NUMA", "Tell me about PCIe", "Tell me about Python"]     # three topics
+    assert len({corpus.topic_of(q).name for q in questions}) == 3
     for i, q in enumerate(questions):
         if i:
             pane.new_conversation()
@@ -149,12 +168,15 @@ def test_several_conversations_stream_at_once(qtbot, pane, ctx, start_sim):
     for c in convs:
         user, answer = pane.store.messages(c.id)
         assert answer.status == hist.STATUS_COMPLETE and answer.stats["completion_tokens"] == 150
-        assert user.content.split()[-1] in answer.content      # each answer echoes its own question
+        assert _canned_for(user.content, answer.content, whole=False)    # each answer is to its own question
     # the hidden conversations were drawn as Markdown when they finished; showing one shows its answer
     other = next(c.id for c in convs if c.id != pane.current_conversation_id())
     pane.open_conversation(other)
     assert pane.store.messages(other)[1].content.split()[0] in doc(pane)
     qtbot.waitUntil(lambda: len(listed(pane)) == 3, timeout=5000)
+
+
+EDITED = "How do I bind the engine to the NUMA node of the GPU?"
 
 
 def test_regenerate_and_edit_and_resend(qtbot, pane, ctx, shared_sim):
@@ -169,13 +191,16 @@ def test_regenerate_and_edit_and_resend(qtbot, pane, ctx, shared_sim):
                     and pane.store.messages(cid)[1].id != first[1].id, timeout=30000)
     pane._on_anchor(QUrl(f"dsv41:edit/{first[0].id}"))
     assert pane.edit_banner.isVisibleTo(pane) and pane.composer.toPlainText() == "Explain expert offload"
-    pane.composer.setPlainText("Explain the KV cache")
+    pane.composer.setPlainText(EDITED)
     qtbot.keyClick(pane.composer, Qt.Key.Key_Return)
     assert not pane.edit_banner.isVisibleTo(pane)
     qtbot.waitUntil(lambda: pane.streaming_count() == 0, timeout=30000)
     msgs = pane.store.messages(cid)
-    assert [m.content for m in msgs][0] == "Explain the KV cache" and len(msgs) == 2
-    assert "KV cache" in msgs[1].content and "KV cache" in doc(pane)
+    assert [m.content for m in msgs][0] == EDITED and len(msgs) == 2
+    # the new answer is to the edited question (its topic, host, is not the first question's)
+    assert corpus.topic_of(EDITED) is not corpus.topic_of("Explain expert offload")
+    assert _canned_for(EDITED, msgs[1].content) and EDITED in doc(pane)
+    assert corpus.sentences(msgs[1].content)[1] in doc(pane)
     assert "Explain expert offload" not in doc(pane)
 
 
@@ -196,12 +221,12 @@ def test_shutdown_while_streaming_marks_the_answer_interrupted(qtbot, ctx, start
     qtbot.waitUntil(lambda: p.store is not None, timeout=10000)
     ctx.set_ready(sim.base_url, sim.key)
     assert p.send("Explain expert offload")
-    qtbot.waitUntil(lambda: "Here is a short answer" in doc(p), timeout=20000)
+    qtbot.waitUntil(lambda: ANSWER_START in doc(p), timeout=20000)
     cid = p.current_conversation_id()
     p.shutdown()
     a = hist.HistoryStore().messages(cid)[1]
     assert a.status == hist.STATUS_INTERRUPTED and "panel was closed" in a.error
-    assert "Here is a short answer" in a.content
+    assert ANSWER_START in a.content
 
 
 def test_code_blocks_copy_and_markdown_is_safe(qtbot, pane):

@@ -143,6 +143,57 @@ class Running:
         return s
 
 
+def chat_while_polling(spec, base_url: str, api_key: str):
+    """One streamed reply of REPLY_TOKENS while the Monitor's engine source polls /slots and /metrics at ~20 Hz:
+    (samples, [(tokens so far, the engine's own tok/s so far) from every streamed chunk], text, StreamDone)."""
+    samples = []
+    stop_poll = threading.Event()
+    src = sources.EngineSource(ENGINE, spec)
+
+    def poll():
+        while not stop_poll.is_set():
+            samples.append(src.read().payload)
+            stop_poll.wait(0.05)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    text, done, engine_rates = [], None, []
+    try:
+        with chat.ChatClient(base_url, api_key) as client:
+            for ev in client.stream([{"role": "user", "content": "Say something long."}],
+                                    chat.ChatOptions(max_tokens=REPLY_TOKENS, temperature=0,
+                                                     extra={"timings_per_token": True})):
+                if isinstance(ev, chat.ContentDelta):
+                    text.append(ev.text)
+                elif isinstance(ev, chat.TimingsInfo) and ev.predicted_n and ev.predicted_ms:
+                    engine_rates.append((ev.predicted_n, ev.predicted_n / ev.predicted_ms * 1000))
+                elif isinstance(ev, chat.StreamDone):
+                    done = ev
+        time.sleep(0.3)
+    finally:
+        stop_poll.set()
+        poller.join(5)
+        src.close()
+    return samples, engine_rates, text, done
+
+
+def live_vs_engine(samples, engine_rates) -> list[float]:
+    """live rate / the engine's own rate at the same token count, for each poll that saw the decode move since
+    the poll before (see the test), 0.5 s to RATE_WINDOW_S into the request."""
+    ratios, prev_n = [], None
+    for s in samples:
+        (slot,) = [v for v in (s.extra.get("slots") or {}).values() if v.get("points")] or [None]
+        if slot is None or s.state != "generating" or not s.decode_tok_s:
+            prev_n = None
+            continue
+        n, since = slot["n_decoded"], slot["points"][0][0]
+        moved, prev_n = prev_n is not None and n > prev_n, n
+        at_n = [r for k, r in engine_rates if k <= n]
+        if moved and at_n and 0.5 <= s.t - since <= RATE_WINDOW_S:
+            ratios.append(s.decode_tok_s / at_n[-1])
+    return ratios
+
+
 def test_llamacpp_end_to_end(tiny, free_port, monkeypatch):
     # per-tensor placement lines in the log
     settings = make_settings(tiny, free_port, DSV41_LLAMACPP_LOG_VERBOSITY="5")
@@ -185,34 +236,7 @@ def test_llamacpp_end_to_end(tiny, free_port, monkeypatch):
         assert js["llamacpp_placement"]["text"] == placed.text()
 
         # a streamed chat while the monitor's engine source polls /slots and /metrics
-        samples = []
-        stop_poll = threading.Event()
-        src = sources.EngineSource(ENGINE, spec)
-
-        def poll():
-            while not stop_poll.is_set():
-                samples.append(src.read().payload)
-                stop_poll.wait(0.05)
-
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
-        text = []
-        done = None
-        engine_rates = []         # (tokens so far, the engine's own tok/s so far) from every streamed chunk
-        with chat.ChatClient(st.base_url, settings.api_key) as client:
-            for ev in client.stream([{"role": "user", "content": "Say something long."}],
-                                    chat.ChatOptions(max_tokens=REPLY_TOKENS, temperature=0,
-                                                     extra={"timings_per_token": True})):
-                if isinstance(ev, chat.ContentDelta):
-                    text.append(ev.text)
-                elif isinstance(ev, chat.TimingsInfo) and ev.predicted_n and ev.predicted_ms:
-                    engine_rates.append((ev.predicted_n, ev.predicted_n / ev.predicted_ms * 1000))
-                elif isinstance(ev, chat.StreamDone):
-                    done = ev
-        time.sleep(0.3)
-        stop_poll.set()
-        poller.join(5)
-        src.close()
+        samples, engine_rates, text, done = chat_while_polling(spec, st.base_url, settings.api_key)
         reply = "".join(text)
         assert done is not None and done.stats.completion_tokens == REPLY_TOKENS
         assert len(reply) >= 500 and set(reply) <= set(string.printable) - set("\t\n\r\x0b\x0c")
@@ -233,18 +257,13 @@ def test_llamacpp_end_to_end(tiny, free_port, monkeypatch):
         # falls while the engine, which has made no token, says nothing new until the next one. From 0.5 s into
         # the request (a shorter span holds few tokens) up to RATE_WINDOW_S (beyond it the live figure is of the
         # last RATE_WINDOW_S seconds only, by design).
-        ratios, prev_n = [], None
-        for s in samples:
-            (slot,) = [v for v in s.extra["slots"].values() if v.get("points")] or [None]
-            if slot is None or s.state != "generating" or not s.decode_tok_s:
-                prev_n = None
-                continue
-            n, since = slot["n_decoded"], slot["points"][0][0]
-            moved, prev_n = prev_n is not None and n > prev_n, n
-            at_n = [r for k, r in engine_rates if k <= n]
-            if moved and at_n and 0.5 <= s.t - since <= RATE_WINDOW_S:
-                ratios.append(s.decode_tok_s / at_n[-1])
-        assert ratios, f"no poll saw the decode move 0.5 s or more into the reply ({len(generating)} polls in it)"
+        ratios = live_vs_engine(samples, engine_rates)
+        for _ in range(2):      # a poller starved on a busy machine may miss a short reply: another reply then
+            if ratios:
+                break
+            more, engine_rates, _, _ = chat_while_polling(spec, st.base_url, settings.api_key)
+            ratios = live_vs_engine(more, engine_rates)
+        assert ratios, f"no poll saw the decode move 0.5 s or more into three replies ({len(generating)} polls)"
         med = sorted(ratios)[len(ratios) // 2]
         assert 0.9 <= med <= 1.1, (med, len(ratios), done.stats.engine_tok_s)
     finally:

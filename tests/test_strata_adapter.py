@@ -328,3 +328,38 @@ def test_the_hit_rate_card_says_last_request_and_recent(qtbot, name, busy):
         assert card.detail.text().startswith(f"last 3 requests {recent:.1f} %")
     finally:
         view.shutdown()
+
+
+def test_the_engines_own_lines_are_read_through_the_keepers_prefix():
+    """The keeper copies the config's ``log`` file (Strata's ``StrataEngine.__init__`` appends the engine's stderr
+    there) into the panel's log prefixed ``[engine] `` (``keeper.FOLLOW_PREFIX``). The engine's refusal
+    (generate.cpp option loop: ``unknown argument: X``) must still be recognised and be the crash cause."""
+    from engine_manager import keeper
+    from engine_manager.engines.strata import ENGINE_LINE_PREFIX, parse_strata_log_line
+
+    assert ENGINE_LINE_PREFIX == keeper.FOLLOW_PREFIX
+    eng = get_engine("strata")
+    line = keeper.FOLLOW_PREFIX + "unknown argument: --cpu-numerics"
+    ev = parse_strata_log_line(line)
+    assert ev is not None and ev.kind == "error"
+    hint = eng.classify_failure(2, ["[strata] starting the engine", line])
+    assert hint is not None and "unknown argument: --cpu-numerics" in hint.title
+
+
+def test_strata_cumulative_exchange_lines_become_swaps_on_the_monitor():
+    """Strata prints no line per swap; its resident mode repeats a cumulative "N exchanged with the VRAM tier" after
+    each request (generate.cpp, per-request summary; tests/data/strata/engine_log.txt). The swaps series counts the
+    growth between two such lines — never the repeated total — and a per-swap log (the scripted engine's
+    ``adapt:`` lines) is counted from those lines only."""
+    from engine_manager.metrics.sources import LogSwapSource
+
+    def exch(n: int) -> str:
+        return (f"[engine] strata serve: resident RAM: 112.40 GiB of experts in RAM, {n} exchanged with the VRAM "
+                "tier, 0 blob reads from the file")
+
+    src = LogSwapSource(get_engine("strata"))
+    for n in (1184, 1184, 1200, 1250):
+        src.push_line(exch(n))
+    assert src.swaps_total == 66          # 1184 is the baseline; +16, +50
+    src.push_line(exch(10))               # the engine started again: its count starts from 0
+    assert src.swaps_total == 76

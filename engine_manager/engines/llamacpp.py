@@ -723,8 +723,15 @@ def sample_from(t: float, slots: list[dict] | None, prom: dict[str, float] | Non
             sid, task = int(x["id"]), int(x.get("id_task", -1))
             per_slot[sid] = {"task": task, "n_decoded": n_dec}
             if n_dec > 0:
-                per_slot[sid]["points"] = _rate_points(t, n_dec, prev_slots.get(sid) or prev_slots.get(str(sid)),
-                                                       task, previous)
+                old = prev_slots.get(sid) or prev_slots.get(str(sid))
+                per_slot[sid]["points"] = _rate_points(t, n_dec, old, task)
+                if old and old.get("task") == task and old.get("points"):
+                    per_slot[sid]["first"] = old.get("first") or old["points"][0]
+                    per_slot[sid]["after"] = old.get("after")
+                else:
+                    per_slot[sid]["first"] = [t, n_dec]
+                    if previous is not None and previous.engine == "llamacpp" and previous.t < t:
+                        per_slot[sid]["after"] = previous.t     # the poll before saw none of its tokens
             if n_dec > 0:
                 generating += 1
             else:
@@ -770,9 +777,11 @@ def sample_from(t: float, slots: list[dict] | None, prom: dict[str, float] | Non
             rates: dict[int, float] = {}
             for sid, cur in per_slot.items():
                 pts = cur.get("points")
-                if pts and t > pts[0][0]:
-                    rates[sid] = max(0, cur["n_decoded"] - pts[0][1]) / (t - pts[0][0])
-                elif not pts:
+                if pts:
+                    rate = _request_rate(t, cur["n_decoded"], pts, cur.get("first") or pts[0], cur.get("after"))
+                    if rate is not None:
+                        rates[sid] = rate
+                else:
                     rates[sid] = 0.0        # reading its prompt
             s.decode_tok_s_per_slot = rates
             if any(cur.get("points") for cur in per_slot.values()):
@@ -783,13 +792,9 @@ def sample_from(t: float, slots: list[dict] | None, prom: dict[str, float] | Non
     return s
 
 
-def _rate_points(t: float, n_decoded: int, old: dict | None, task: int, previous: Sample | None
-                 ) -> list[list[float]]:
-    """(time, tokens) points of one generating slot's request, oldest first; the first is the base of its live
-    rate. A request first seen generating starts from the poll before, which saw none of its tokens: all of them
-    were decoded since, so none is left out (llama.cpp's own figure counts every token from the first; leaving out
-    the first interval's, often the fastest, read 0.72 of it in a test), and the time it adds is at most the gap
-    between that poll and the first token. Points are kept a second apart, at most RATE_WINDOW_S back."""
+def _rate_points(t: float, n_decoded: int, old: dict | None, task: int) -> list[list[float]]:
+    """(time, tokens) points of one generating slot's request, oldest first, from the first poll that saw it
+    generating; kept a second apart, at most RATE_WINDOW_S back."""
     if old and old.get("task") == task and old.get("points"):
         pts = [list(p) for p in old["points"]]
         if t - pts[-1][0] >= _RATE_POINT_S:
@@ -797,9 +802,31 @@ def _rate_points(t: float, n_decoded: int, old: dict | None, task: int, previous
         while len(pts) > 1 and t - pts[1][0] >= RATE_WINDOW_S:
             pts.pop(0)
         return pts
-    if previous is not None and previous.engine == "llamacpp" and previous.t < t:
-        return [[previous.t, 0]]
     return [[t, n_decoded]]
+
+
+def _request_rate(t: float, n: int, pts: list[list[float]], first: list[float], after: float | None
+                  ) -> float | None:
+    """A generating request's tokens over the time since its first token, as llama.cpp's own timing counts them.
+
+    When its first token came is known only to lie after ``after`` (the poll before, which saw none of its
+    tokens) and before the first poll that saw it (``first``: ``n1`` tokens at ``t1``); it is put where the pace
+    seen since ``t1`` says the ``n1`` tokens began, within those bounds — exact for a steady decode at any poll
+    rate, and no token is left out (leaving out the first interval's, often the fastest, read 0.72 of the
+    engine's figure in a test; counting from ``after`` read 0.53 when the poller lost 0.5 s there). A request
+    older than RATE_WINDOW_S: its tokens over the window's points instead."""
+    t1, n1 = first
+    if t - t1 > RATE_WINDOW_S:
+        tb, nb = pts[0]
+        return max(0, n - nb) / (t - tb) if t > tb else None
+    if t <= t1:         # the first poll to see it: everything since the poll before
+        return n / (t - after) if after is not None and t > after else None
+    pace = (n - n1) / (t - t1)
+    start = t1 - n1 / pace if pace > 0 else (after if after is not None else t1)
+    if after is not None:
+        start = max(start, after)
+    start = min(start, t1)
+    return n / (t - start) if t > start else None
 
 
 def _int(v: float | None) -> int | None:

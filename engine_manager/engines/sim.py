@@ -23,7 +23,6 @@ The key goes in a 0600 file (``--api-key-file``), as for llama.cpp: a command li
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +79,8 @@ def write_key_file(path: Path, api_key: str) -> Path:
 def sim_argv(plan_path: str | None, host: str, port: int, key_file: str | None,
              extra: list[str] | None = None) -> list[str]:
     """The sim's command line. The key is never on it: ``key_file`` names the 0600 file that holds it."""
-    argv = [sys.executable, "-m", "engine_manager.sim"]
+    from ..frozen import module_argv     # in the one-folder bundle: `<bundle>/dsv41 -m engine_manager.sim`
+    argv = module_argv("engine_manager.sim")
     if plan_path:
         argv += ["--plan", str(plan_path)]
     argv += ["--host", host, "--port", str(port)]

@@ -109,8 +109,8 @@ FAILURE_PATTERNS: list[LogPattern] = [
        "and experts, then start again."),
     _p(r"vocab\.json",
        "tokenizer_missing", "The engine's tokenizer files are missing",
-       "Prepare the model again (first-run flow or `dsv41 download`): the pack's tokenizer folder is written by "
-       "the release's tools/iq_pack.py."),
+       "Prepare the model again (`dsv41 prepare --force`, or the Downloads tab's \"Prepare the model\" box): "
+       "the pack's tokenizer folder is written by the release's tools/iq_pack.py."),
     _p(r"No such file or directory.*\.gguf|failed to (open|read|load) .*\.gguf|model file .*not found",
        "model_missing", "The model files were not found",
        "Download the model (Downloads tab / `dsv41 download`) or point DSV41_MODEL_DIR at the folder that holds "
@@ -126,10 +126,20 @@ OOM_KILLED = FailureHint(
     "(fewer slots, shorter context), then start again.")
 
 
+# The keeper copies the engine's own log (the config's ``log`` file) into the panel's log with this prefix
+# (``engine_manager.keeper.FOLLOW_PREFIX``); the engine's words are matched without it.
+ENGINE_LINE_PREFIX = "[engine] "
+
+
+def _unprefixed(line: str) -> str:
+    return line[len(ENGINE_LINE_PREFIX):] if line.startswith(ENGINE_LINE_PREFIX) else line
+
+
 def classify(patterns: list[LogPattern], returncode: int | None, log_tail: list[str]) -> FailureHint | None:
     """The newest log line that names a known cause wins, and the hint's title carries that line — the engine's
     own words (e.g. ``unknown argument: --cpu-numerics``); a SIGKILL with none is the OOM killer."""
     for line in reversed(log_tail):
+        line = _unprefixed(line)
         for pat in patterns:
             if pat.regex.search(line):
                 said = line.strip()
@@ -187,7 +197,7 @@ def parse_strata_log_line(line: str, patterns: list[LogPattern] | None = None) -
     request's, never a live figure), the resident mode's cumulative exchange count (``info``, ``swaps_cumulative``:
     not per-swap events, so never counted as swaps), start phases, refused arguments and failures (``error`` with
     the cause). The scripted engine's phase and swap lines are matched too."""
-    text = line.rstrip("\r\n")
+    text = _unprefixed(line.rstrip("\r\n"))
     if not text.strip():
         return None
     if _READY.search(text):

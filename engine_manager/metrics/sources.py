@@ -404,6 +404,8 @@ class LogSwapSource(Source):
         self._bytes = 0
         self._bytes_known = False
         self.swaps_total = 0
+        self._cumulative: int | None = None
+        self._swap_lines = False
         self._attached = False
         self._last = time.monotonic()
         self._f = None
@@ -428,11 +430,26 @@ class LogSwapSource(Source):
         with self._lock:
             self._attached = True
             if ev.kind == "swap":
-                self._swaps += int(ev.swaps)
-                self.swaps_total += int(ev.swaps)
-                if ev.swap_bytes:
-                    self._bytes += int(ev.swap_bytes)
-                    self._bytes_known = True
+                self._swap_lines = True
+                self._add_swaps(int(ev.swaps), int(ev.swap_bytes or 0))
+                return
+            cum = ev.data.get("swaps_cumulative") if isinstance(ev.data, dict) else None
+            if isinstance(cum, int) and not isinstance(cum, bool) and cum >= 0 and not self._swap_lines:
+                # Strata prints no line per swap: its resident mode repeats a cumulative "N exchanged with the
+                # VRAM tier" after each request (tests/data/strata/SOURCES.md). Count the growth between two such
+                # lines; the first one seen is the baseline; a smaller value means the engine started again.
+                # A log that also has per-swap lines (the scripted engine's "adapt:") is counted from those only.
+                prev = self._cumulative
+                self._cumulative = cum
+                if prev is not None:
+                    self._add_swaps(cum - prev if cum >= prev else cum, 0)
+
+    def _add_swaps(self, n: int, nbytes: int) -> None:
+        self._swaps += n
+        self.swaps_total += n
+        if nbytes:
+            self._bytes += nbytes
+            self._bytes_known = True
 
     # -- file tail ------------------------------------------------------------------------------------------
     def _open(self, at_end: bool) -> None:

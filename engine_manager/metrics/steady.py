@@ -1,7 +1,8 @@
 """The steady-state decode rate: the figure the guides' comparison judges, and the newest reply's own rate.
 
 The engine's live decode rate (``decode_tok_s``) is a window average — Strata and the scripted engine count the
-tokens of the last 2 s, llama.cpp's adapter the tokens since the previous poll. While users start or finish,
+tokens of the last 2 s, llama.cpp's adapter each running request's tokens since its first token (at most the last
+120 s; ``engines/llamacpp.py`` says why a per-poll delta is not used). While users start or finish,
 that window holds idle time or a prompt being read, so it reads low (a 1.5-s reply at 63 tok/s never shows more
 than ~45 tok/s at 1 Hz). Comparing it with the guides' figures would call every short chat "below the guides".
 
