@@ -114,7 +114,25 @@ def main(argv: list[str] | None = None) -> int:
         QTimer.singleShot(int(args.screenshot_delay * 1000), shoot)
     if args.quit_after is not None:
         QTimer.singleShot(max(0, int(args.quit_after * 1000)), quit_now)
-    return app.exec()
+    rc = app.exec()
+    return _leave(rc)
+
+
+def _leave(rc: int, wait_ms: int = 8000) -> int:
+    """After the event loop: let every worker thread end before Python tears the Qt wrappers down. A quit in the
+    first moments (``--quit-after 0.2``) left workers started by the page build running while the interpreter
+    finalised: their signal objects were deleted under them ("Signal source has been deleted") and the process
+    died with SIGSEGV. Workers are asked to stop and waited for; one still blocked in a call that cannot be
+    interrupted after ``wait_ms`` is left behind with ``os._exit`` (output flushed) instead of a crash."""
+    from PySide6.QtCore import QThreadPool
+
+    from .workers import stop_all
+    stop_all(wait_ms)
+    if not QThreadPool.globalInstance().waitForDone(wait_ms):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 def report_startup(app, win) -> None:

@@ -98,6 +98,7 @@ def _plot_specs() -> list[PlotSpec]:
         PlotSpec("hit", "Hot-set hit rate", "%", [
             Series("hit_rate", "observed", "#9ecae1", **pct),
             Series("hit_rate_rolling", "rolling 60 s", "#08519c", **pct),
+            Series("hit_rate_last", "newest finished request", "#31a354", style=DASH, **pct),
         ], y_max=100.0),
         PlotSpec("swaps", "PCIe expert swaps", "swaps/s", [
             Series("swaps_per_s", "swaps/s", "#d62728", fmt="{:.2f}", unit="/s"),

@@ -33,6 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+TOPIC_QUESTIONS = (
+    ("How does expert offload work between the GPU and RAM?", "Why do some experts stay in VRAM?",
+     "What happens on a miss in the expert cache?"),
+    ("How should I bind the engine to the GPU's NUMA node?", "How much host RAM does this machine need?",
+     "Which CPU threads should the engine use on this host?"),
+)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=45.0, help="how long the load runs before the picture")
@@ -43,6 +51,11 @@ def main() -> int:
     p.add_argument("--size", default="1600x1000", help="window size WxH (default 1600x1000)")
     p.add_argument("--long-prompt-tokens", type=int, default=2000,
                    help="every third question of the first user carries a document this long (0: none)")
+    p.add_argument("--topics", action="store_true",
+                   help="issue 16's demo: the users ask about two topics (expert offload, then the host's NUMA "
+                        "setup), switching together every --topic-every seconds, so the adaptive hot set swaps")
+    p.add_argument("--topic-every", type=float, default=60.0)
+    p.add_argument("--placement-out", default=None, help="also grab the Placement tab to this PNG at the end")
     args = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="dsv41-shot-"))
@@ -98,6 +111,9 @@ def main() -> int:
             while not stop.is_set():
                 turn += 1
                 question = f"Explain topic {i} briefly."
+                if args.topics:
+                    phase = int((time.monotonic() - t_start[0]) // args.topic_every) % 2
+                    question = TOPIC_QUESTIONS[phase][(turn + i) % len(TOPIC_QUESTIONS[phase])]
                 if document and i == 0 and turn % 3 == 1:
                     question = f"Summarise this document for topic {i}:\n\n{document}"
                 try:
@@ -114,11 +130,13 @@ def main() -> int:
                 time.sleep(0.3 * i)          # users pause between questions: busy slots vary
 
     started = [False]
+    t_start = [time.monotonic()]
 
     def on_ready(base: str, key: str) -> None:
         if started[0]:
             return
         started[0] = True
+        t_start[0] = time.monotonic()
         print(f"engine ready at {base}; {args.users} chats start", flush=True)
         for i in range(args.users):
             threading.Thread(target=chat, args=(i, base, key), daemon=True).start()
@@ -128,6 +146,10 @@ def main() -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         win.grab().save(str(out))
+        if args.placement_out:
+            win.show_tab("Placement")
+            QTimer.singleShot(1500, lambda: (win.grab().save(str(args.placement_out)),
+                                             print(f"saved {args.placement_out}", flush=True)))
         t = win.monitor_view.last_tick
         print(f"saved {out} ({win.width()}×{win.height()}); {tokens[0]} streamed chunks; last tick: "
               f"decode {t.values['decode_tok_s'] if t else None} tok/s, hit {t.values['hit_rate'] if t else None}",
@@ -138,7 +160,7 @@ def main() -> int:
         if c is not None:
             print(f"guides card: {c.verdict} — {c.headline} [{c.basis}]", flush=True)
         stop.set()
-        QTimer.singleShot(100, finish)
+        QTimer.singleShot(2500 if args.placement_out else 100, finish)
 
     def finish() -> None:
         t0 = time.monotonic()

@@ -259,8 +259,10 @@ def http_error(status: int, body_text: str, base_url: str) -> ChatError:
                 f"the panel, or fix the key.")
         kind = "auth"
     elif status == 409:
-        text = (f"The engine is busy (HTTP 409): all its slots are answering other requests.{said} Wait for an "
-                f"answer to finish, or start the engine with more slots.")
+        # Strata queues chat requests (first in, first out) and answers 409 model_busy only to /v1/load and
+        # /v1/unload (serve/server.py _post @2291cb3): a 409 here comes from an engine loading or unloading its model
+        text = (f"The engine is busy (HTTP 409): it is loading or unloading its model, or it is not a Strata "
+                f"engine that queues requests.{said} Try again in a moment.")
         kind = "busy"
     elif status == 503:
         text = (f"The engine is not ready to answer (HTTP 503): it is still loading, or it died.{said} Look at the "

@@ -363,3 +363,20 @@ def test_strata_cumulative_exchange_lines_become_swaps_on_the_monitor():
     assert src.swaps_total == 66          # 1184 is the baseline; +16, +50
     src.push_line(exch(10))               # the engine started again: its count starts from 0
     assert src.swaps_total == 76
+
+
+def test_the_newest_finished_requests_hit_rate_is_a_series_while_requests_run():
+    """While requests run back to back Strata has no hit rate to give (it reports one per finished request,
+    ``Service.run`` → ``requests[].hit_rate``), so the observed series is missing; the Monitor's hit-rate plot
+    draws the newest finished request's figure as its own series instead of staying empty."""
+    import time
+
+    from engine_manager.metrics.sources import sample_values
+
+    sample = sample_from_metrics(_doc("metrics_generating_solo.json"), "strata", None, t=time.time())
+    values = sample_values(sample)
+    assert values["hit_rate"] is None
+    from engine_manager.engines.strata import newest_request
+
+    newest = newest_request(_doc("metrics_generating_solo.json")["requests"])
+    assert values["hit_rate_last"] == pytest.approx(newest["hit_rate"])

@@ -37,6 +37,7 @@ ENGINE_COLUMNS: tuple[Column, ...] = (
     _c("prefill_tok_s", "tok/s", "prefill (prompt reading)", "engine"),
     *(_c(f"slot{i}_tok_s", "tok/s", f"decode, slot {i}", "engine") for i in range(MAX_SLOTS)),
     _c("hit_rate", "", "hot-set hit rate (observed)", "engine"),
+    _c("hit_rate_last", "", "hot-set hit rate of the newest finished request", "engine"),
     _c("engine_swaps_per_s", "1/s", "expert swaps (engine)", "engine"),
     _c("swaps_total", "", "expert swaps since start", "engine"),
     _c("engine_swap_mb_s", "MB/s", "swap traffic (engine)", "engine"),

@@ -50,12 +50,19 @@ class Source(ABC):
 
 
 # -- the engine's metric endpoints ---------------------------------------------------------------------------
+def _rate(v: object) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0 else None
+
+
 def sample_values(s: Sample) -> dict[str, float | None]:
     """Map the adapters' common :class:`Sample` onto the engine columns (``None`` stays missing)."""
     v: dict[str, float | None] = {
         "decode_tok_s": s.decode_tok_s,
         "prefill_tok_s": s.prefill_tok_s,
         "hit_rate": s.hit_rate,
+        # Strata reports a hit rate only when a request finishes (requests[].hit_rate): while requests run back to
+        # back, hit_rate is missing and this is the figure there is
+        "hit_rate_last": _rate(s.extra.get("hit_rate_last")) if isinstance(s.extra, dict) else None,
         "engine_swaps_per_s": s.swaps_per_s,
         "swaps_total": s.swaps_total,
         "engine_swap_mb_s": s.swap_mb_s,
