@@ -427,6 +427,10 @@ class _Buf:
             raise LayoutError(self.path, f"{what} at offset {self.at - n:,} is not UTF-8 text",
                               "The header is damaged; download the file again") from None
 
+    def _absurd_string(self, n: int, what: str, item: int, offset: int) -> LayoutError:
+        return LayoutError(self.path, f"absurd string length {n:,} in {what} (item {item:,}) at offset {offset:,}",
+                           "The header is damaged; download the file again")
+
     def skip_strings(self, count: int, what: str) -> None:
         """Skip ``count`` length-prefixed strings, exactly as a sequential walk would.
 
@@ -441,8 +445,7 @@ class _Buf:
             for i in range(count):
                 n = self.u64(f"length of {what} (item {i})")
                 if n > MAX_STRING:
-                    raise LayoutError(self.path, f"absurd string length {n:,} in {what} (item {i}) at offset "
-                                                 f"{self.at - 8:,}", "The header is damaged; download the file again")
+                    raise self._absurd_string(n, what, i, self.at - 8)
                 self.skip(n, f"{what} (item {i})")
             return
         e, remaining = self.at, count
@@ -478,9 +481,7 @@ class _Buf:
                     else:
                         (n,) = struct.unpack_from("<Q", chunk, cur)
                         if n > MAX_STRING:
-                            raise LayoutError(self.path, f"absurd string length {n:,} in {what} (item "
-                                                         f"{count - remaining:,}) at offset {e + cur:,}",
-                                              "The header is damaged; download the file again")
+                            raise self._absurd_string(n, what, count - remaining, e + cur)
                         cur += 8 + n
                         remaining -= 1
                         misses += 1
@@ -492,9 +493,7 @@ class _Buf:
                             while remaining and cur < limit:
                                 (n,) = unpack("<Q", chunk, cur)
                                 if n > MAX_STRING:
-                                    raise LayoutError(self.path, f"absurd string length {n:,} in {what} (item "
-                                                                 f"{count - remaining:,}) at offset {e + cur:,}",
-                                                      "The header is damaged; download the file again")
+                                    raise self._absurd_string(n, what, count - remaining, e + cur)
                                 cur += 8 + n
                                 remaining -= 1
                 e += cur

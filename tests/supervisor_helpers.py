@@ -25,6 +25,14 @@ class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 srv = http.server.HTTPServer(("127.0.0.1", port), H)
+if mode.startswith("exit3-when:"):      # ready, then exit with code 3 once the named file appears
+    import os, time
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    print("READY tiny engine", flush=True)
+    while not os.path.exists(mode.split(":", 1)[1]):
+        time.sleep(0.02)
+    print("tiny engine: giving up on purpose", flush=True)
+    os._exit(3)
 print("READY tiny engine", flush=True)
 srv.serve_forever(poll_interval=0.05)
 """

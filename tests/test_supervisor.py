@@ -708,25 +708,6 @@ def test_a_stop_during_a_start_wins_and_nothing_is_restarted(port, monkeypatch):
     assert after.state == "stopped" and not after.last_failure
 
 
-EXIT3_ENGINE = r"""
-import http.server, os, sys, threading, time
-port, trigger = int(sys.argv[1]), sys.argv[2]
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers()
-        self.wfile.write(b'{"status": "ok", "loaded": true, "service": "tiny"}')
-    def log_message(self, *a):
-        pass
-srv = http.server.HTTPServer(("127.0.0.1", port), H)
-threading.Thread(target=srv.serve_forever, daemon=True).start()
-print("READY tiny engine", flush=True)
-while not os.path.exists(trigger):
-    time.sleep(0.02)
-print("tiny engine: giving up on purpose", flush=True)
-os._exit(3)
-"""
-
-
 def test_the_crash_cause_comes_from_this_runs_log_only(port, monkeypatch, tmp_path):
     """Issue 15 item 6: a `--fail-bind` run, then an engine that exits with code 3 while no panel watches:
     `status` said "port is already in use", read from the earlier run's lines in the same log."""
@@ -734,15 +715,7 @@ def test_the_crash_cause_comes_from_this_runs_log_only(port, monkeypatch, tmp_pa
     evs, _ = drain(make(auto_restart=False).run(sim_engine()))
     assert kinds(evs, "crashed")[0].cause == "port_in_use"          # the earlier run: really a port problem
     trigger = tmp_path / "exit-now"
-    base = sim_engine()
-
-    class Exit3(type(base)):
-        def build_launch(self, settings, plan, workdir):
-            spec = super().build_launch(settings, None, workdir)
-            spec.argv = [sys.executable, "-I", "-S", "-c", EXIT3_ENGINE, str(settings.port), str(trigger)]
-            return spec
-
-    evs, st = drain(make().run(Exit3(), watch=False))
+    evs, st = drain(make().run(tiny_engine(f"exit3-when:{trigger}"), watch=False))
     assert st.state == "ready", [e.to_dict() for e in evs][-5:]
     trigger.write_text("now")
     assert wait_until(lambda: not sv._alive(st.keeper_pid), timeout=20)
