@@ -534,7 +534,8 @@ class PlacementView(QWidget):
         # planned without routing data, the hot set is only a count (the planner lists experts 0..N of every
         # layer); which experts the engine keeps hot is unknown until it has seen traffic
         usage = d.get("usage") or {}
-        hot_known = bool(usage.get("sources") or counts or d.get("usage_note") or d.get("strp_path"))
+        # (a saved plan always has a Strata profile file: that alone says nothing about which experts are hot)
+        hot_known = bool(usage.get("sources") or counts or d.get("usage_note"))
         self._grid = {"layers": layers, "n_experts": ne, "hot_rank": hot_rank, "freq": freq,
                       "bytes": np.asarray(ebl, dtype=np.int64), "hot_known": hot_known}
 

@@ -211,8 +211,12 @@ class Plan:
         return ["--override-tensor", rf"blk\.({alt})\.ffn_.*_exps\.=CPU"]
 
     def write_strp(self, path: os.PathLike | str) -> Path:
-        """Write the Strata profile (every pair in the plan's order; slots = the hot set) and point the plan at it."""
-        self.strp_path = write_strp(path, self.ranked_pairs(), self.layout.n_layers, self.n_experts, self.n_hot)
+        """Write the Strata profile (the hot set's pairs in the plan's order; slots = the hot set) and point the plan
+        at it. Strata's ``read_expert_profile`` refuses a profile that ranks more pairs than it has slots
+        (src/core/expert_cache.cpp @2249c24): every pair of the plan used to be written, and the engine refused
+        every saved plan's profile."""
+        self.strp_path = write_strp(path, self.ranked_pairs()[: self.n_hot], self.layout.n_layers, self.n_experts,
+                                    self.n_hot)
         return self.strp_path
 
     def summary_line(self) -> str:

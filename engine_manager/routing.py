@@ -88,6 +88,11 @@ def strp_bytes(ranked: Sequence[tuple[int, int]] | np.ndarray, n_layers: int, n_
     ranks.reshape(-1)[flat] = np.arange(arr.shape[0], dtype="<i4")
     if not 0 <= slots <= 0xFFFFFFFF:
         raise RoutingError(None, f"slots {slots} out of range")
+    if arr.shape[0] > slots:
+        # Strata's read_expert_profile refuses it ("the header claims more ranked pairs than slots",
+        # src/core/expert_cache.cpp @2249c24): the engine would not start with such a file
+        raise RoutingError(None, f"{arr.shape[0]:,} ranked pairs but {slots:,} slots: a Strata profile ranks at "
+                                 "most as many pairs as it has slots")
     head = STRP_HEADER.pack(STRP_MAGIC, STRP_VERSION, n_layers, n_experts, int(slots), arr.shape[0])
     return head + arr.astype("<u2").tobytes() + ranks.tobytes()
 
@@ -111,6 +116,10 @@ def parse_strp(data: bytes, path: os.PathLike | str | None = None) -> StrpProfil
                            "Write the profile again with this panel (dsv41 plan --strp FILE)")
     if not (0 < nl <= MAX_LAYERS and 0 < ne <= MAX_EXPERTS):
         raise RoutingError(path, f"absurd size {nl} layers × {ne} experts")
+    if n > slots:
+        raise RoutingError(path, f"ranks {n:,} pairs but has {slots:,} slots; Strata refuses such a profile (\"the "
+                                 "header claims more ranked pairs than slots\")",
+                           "Make the plan again with this panel (Placement tab or `dsv41 plan`)")
     if n > nl * ne:
         raise RoutingError(path, f"ranks {n:,} pairs but the model has only {nl * ne:,}")
     want = STRP_HEADER.size + 4 * n + 4 * nl * ne

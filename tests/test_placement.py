@@ -150,8 +150,10 @@ def test_strp_artefact_in_the_plans_order(lay, tmp_path):
     p = P.plan(lay, P.reference_hardware(), FrequencyTable(counts), None, strp_path=path)
     prof = read_strp(path)
     assert (prof.n_layers, prof.n_experts) == (43, 384)
-    assert prof.slots == p.n_hot and prof.n_ranked == 15_360
-    assert prof.pairs()[: p.n_hot] == p.hot_set()
+    # the hot set only: Strata's read_expert_profile refuses more ranked pairs than slots (expert_cache.cpp
+    # @2249c24); all 15,360 pairs used to be written and the engine refused every saved plan's profile
+    assert prof.slots == p.n_hot and prof.n_ranked == p.n_hot
+    assert prof.pairs() == p.hot_set()
     assert p.strata_args()[-2:] == ["--expert-profile", str(path)]
     assert p.to_dict()["strp_path"] == str(path)
 

@@ -159,7 +159,7 @@ def test_old_ram_in_gb_state_is_converted(qtbot):
     assert v.ram.value() == pytest.approx(192 * GB / GiB, abs=0.05) and v.vram.value() == pytest.approx(48.0)
 
 
-def test_hot_set_without_routing_data_is_drawn_as_unknown(view, lay):
+def test_hot_set_without_routing_data_is_drawn_as_unknown(view, lay, tmp_path):
     """Issue 16 item 2: a plan without routing data lists experts 0..N of every layer as its hot set; the heatmap
     drew that as two flat blocks, a pattern that does not exist. It is one flat field, said to be unknown; with
     frequencies the placement is drawn (and told) as it is."""
@@ -168,6 +168,12 @@ def test_hot_set_without_routing_data_is_drawn_as_unknown(view, lay):
     img = np.asarray(view.image.image)
     assert np.unique(img).size == 1, "a hot set without routing data drawn as a pattern"
     assert "Hot set unknown" in view.hover.text()
+    # the same plan saved with its Strata profile (the Placement tab and `dsv41 plan` always write one): a profile
+    # file says nothing about which experts are hot — still unknown (it was drawn as the two blocks)
+    saved = P.plan(lay, P.reference_hardware(), None, None, strp_path=tmp_path / "p.strp").to_dict()
+    assert saved["strp_path"]
+    view.show_plan(saved)
+    assert np.unique(np.asarray(view.image.image)).size == 1 and "Hot set unknown" in view.hover.text()
     rng = np.random.default_rng(3)
     c = np.zeros((43, 384))
     c[3:] = rng.zipf(1.5, (40, 384))

@@ -102,6 +102,9 @@ def test_usage_trace_gives_a_hit_rate_and_strp(model, capsys, tmp_path):
     assert d["predicted_hit_rate"] == pytest.approx(1.0)      # every routed expert (< 64 per layer) fits the hot set
     assert d["strp_path"] == str(strp) and "--expert-profile" in d["strata_args"]
     assert read_strp(strp).slots == d["hot_experts"]
+    # Strata's read_expert_profile refuses a profile ranking more pairs than it has slots (expert_cache.cpp
+    # @2249c24): a saved plan's profile used to rank every pair, and the engine refused it at every start
+    assert read_strp(strp).n_ranked <= read_strp(strp).slots
 
 
 def test_bad_usage_file_exit_2(model, capsys, tmp_path):

@@ -28,13 +28,13 @@ def _manual_strp(ranked, nl, ne, slots) -> bytes:
 
 def test_strp_exact_bytes_and_round_trip(tmp_path):
     ranked = [(3, 17), (3, 250), (5, 0), (42, 383), (4, 1)]
-    want = _manual_strp(ranked, 43, 384, 3)
-    assert R.strp_bytes(ranked, 43, 384, 3) == want
-    p = R.write_strp(tmp_path / "p.strp", ranked, 43, 384, 3)
+    want = _manual_strp(ranked, 43, 384, 6)
+    assert R.strp_bytes(ranked, 43, 384, 6) == want
+    p = R.write_strp(tmp_path / "p.strp", ranked, 43, 384, 6)
     assert p.read_bytes() == want
     assert (p.stat().st_mode & 0o777) == 0o600
     prof = R.read_strp(p)
-    assert (prof.n_layers, prof.n_experts, prof.slots, prof.n_ranked) == (43, 384, 3, 5)
+    assert (prof.n_layers, prof.n_experts, prof.slots, prof.n_ranked) == (43, 384, 6, 5)
     assert prof.pairs() == ranked
     assert prof.ranks[42, 383] == 3 and prof.ranks[0, 0] == -1
     assert len(want) == 24 + 4 * 5 + 4 * 43 * 384
@@ -47,7 +47,7 @@ def test_strp_empty_ranking(tmp_path):
 
 
 def _blob(**kw) -> bytes:
-    b = bytearray(_manual_strp([(0, 1), (1, 2)], 2, 4, 1))
+    b = bytearray(_manual_strp([(0, 1), (1, 2)], 2, 4, 2))
     if "magic" in kw:
         b[0:4] = kw["magic"]
     if "version" in kw:
@@ -96,6 +96,12 @@ def test_strp_write_refuses_bad_input():
         R.strp_bytes([(0, 1), (0, 1)], 2, 4, 1)
     with pytest.raises(RoutingError, match="outside"):
         R.strp_bytes([(2, 1)], 2, 4, 1)
+    # Strata's read_expert_profile: "the header claims more ranked pairs than slots" (src/core/expert_cache.cpp
+    # @2249c24) — the engine refuses such a file, so the panel never writes one and never reads one as valid
+    with pytest.raises(RoutingError, match="slots"):
+        R.strp_bytes([(0, 1), (0, 2)], 2, 4, 1)
+    with pytest.raises(RoutingError, match="more ranked pairs than slots"):
+        R.parse_strp(_manual_strp([(0, 1), (0, 2)], 2, 4, 1))
 
 
 # -- traces --------------------------------------------------------------------------------------------------------
@@ -206,7 +212,7 @@ def test_frequency_file_round_trip_and_errors(tmp_path):
 def test_load_usage_sniffs_and_checks_the_model(tmp_path):
     t = R.write_trace(tmp_path / "t.bin", [(1, [0, 1], [0.5, 0.5])])
     f = FrequencyTable(np.ones((2, 4))).save(tmp_path / "f.json")
-    s = R.write_strp(tmp_path / "p.strp", [(1, 3), (1, 2)], 2, 4, 1)
+    s = R.write_strp(tmp_path / "p.strp", [(1, 3), (1, 2)], 2, 4, 2)
     assert [R.sniff(x) for x in (t, f, s)] == ["trace", "frequencies", "strp"]
     u = R.load_usage([t, f, s], 2, 4)
     assert u.has_frequencies and u.frequencies.total == 10 and u.ranking == [(1, 3), (1, 2)]
@@ -315,10 +321,11 @@ def test_strp_matches_stratas_reader_byte_for_byte(tmp_path):
     """The panel's profile read back with Strata's documented layout: same header, pairs and rank table, and the
     file is exactly as long as that layout says; Strata's ``profile_shape`` reads the same shape."""
     ranked = [(3, 17), (40, 383), (3, 0), (7, 5)]
-    p = R.write_strp(tmp_path / "p.strp", ranked, 43, 384, 2)
+    p = R.write_strp(tmp_path / "p.strp", ranked, 43, 384, 4)
     blob = p.read_bytes()
     ver, nl, ne, slots, pairs, ranks = _strata_read_profile(blob)
-    assert (ver, nl, ne, slots, pairs) == (1, 43, 384, 2, ranked)
+    assert (ver, nl, ne, slots, pairs) == (1, 43, 384, 4, ranked)
+    assert len(pairs) <= slots             # read_expert_profile refuses more ranked pairs than slots
     assert len(blob) == 24 + 4 * len(ranked) + 4 * nl * ne
     assert [ranks[layer * ne + e] for layer, e in ranked] == [0, 1, 2, 3] and sum(r >= 0 for r in ranks) == 4
     assert R.profile_shape(p) == _strata_profile_shape(p) == (43, 384)

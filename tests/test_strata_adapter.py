@@ -380,3 +380,17 @@ def test_the_newest_finished_requests_hit_rate_is_a_series_while_requests_run():
 
     newest = newest_request(_doc("metrics_generating_solo.json")["requests"])
     assert values["hit_rate_last"] == pytest.approx(newest["hit_rate"])
+
+
+def test_a_profile_the_engine_refuses_is_a_placement_refusal_not_retried():
+    """Strata's ``read_expert_profile`` (src/core/expert_cache.cpp @2249c24) ends the start with
+    ``strata generate: read_expert_profile: <why>``; another try cannot fix the profile, so it is the placement's
+    cause (permanent: the supervisor does not restart) — seen with a saved plan's profile that ranked more pairs
+    than slots, which the engine refused at every one of five automatic restarts."""
+    from engine_manager.supervisor import PERMANENT_CAUSES
+
+    eng = get_engine("strata")
+    line = "[engine] strata generate: read_expert_profile: the header claims more ranked pairs than slots"
+    hint = eng.classify_failure(1, ["[strata] engine started: …", line])
+    assert hint is not None and hint.cause == "placement_refused" and hint.cause in PERMANENT_CAUSES
+    assert "more ranked pairs than slots" in hint.title

@@ -132,10 +132,20 @@ def test_start_with_a_saved_plan_provisions_once_runs_strata_and_stops_clean(env
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert group_left(st["pgid"]) == []
 
-    # a second start does not prepare again
-    cp = dsv41(env, "start", "--engine", "strata", "--plan", str(plan_file))
+    # a second start does not prepare again; its plan is one `dsv41 plan` saved, as the Placement tab saves one,
+    # with its Strata profile file — which Strata's read_expert_profile must accept (it refused the old profiles,
+    # which ranked every pair: "the header claims more ranked pairs than slots", expert_cache.cpp @2249c24)
+    saved_file = tmp_path / "saved-plan.json"
+    cp = dsv41(env, "plan", "--model-dir", str(replica), "--vram-gib", "95.6", "--ram-gib", "280", "--out",
+               str(saved_file))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    saved = json.loads(saved_file.read_text())
+    assert saved["strp_path"] and Path(saved["strp_path"]).is_file()
+    cp = dsv41(env, "start", "--engine", "strata", "--plan", str(saved_file))
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert "Preparing the model" not in cp.stdout + cp.stderr
+    cfg2 = json.loads((data / "runs" / "strata" / "strata-config.json").read_text())
+    assert saved["strp_path"] in cfg2["args"]
     st2 = json.loads(dsv41(env, "status", "--json").stdout)
     assert dsv41(env, "stop").returncode == 0 and group_left(st2["pgid"]) == []
 

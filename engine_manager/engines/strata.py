@@ -103,7 +103,7 @@ FAILURE_PATTERNS: list[LogPattern] = [
        "port_in_use", "The engine's port is already in use",
        "Stop the other server on that port (`ss -ltnp` shows which) or choose another port in Settings."),
     _p(r"placement refused|expert profile refused|profile .*(differ|mismatch)|refus\w+ (the )?profile|"
-       r"not a Strata profile|\d+x\d+, not \d+x\d+",
+       r"not a Strata profile|\d+x\d+, not \d+x\d+|read_expert_profile: ",
        "placement_refused", "The engine refused the placement (expert profile or plan)",
        "Make the plan again for this model (Placement tab or `dsv41 plan`) so the profile matches its layers "
        "and experts, then start again."),
