@@ -23,7 +23,9 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
-def atomic_write_bytes(path: Path, data: bytes, mode: int = OWNER_ONLY) -> None:
+def atomic_write_bytes(path: Path, data: bytes, mode: int = OWNER_ONLY, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` through a temporary file (never left behind, even on a full disk). With
+    ``durable`` the data and the rename are fsynced; without, a crash may lose the write but never tears it."""
     path = Path(path)
     ensure_private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -31,8 +33,9 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = OWNER_ONLY) -> None:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -40,6 +43,8 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = OWNER_ONLY) -> None:
         except FileNotFoundError:
             pass
         raise
+    if not durable:
+        return
     try:
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -50,12 +55,12 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = OWNER_ONLY) -> None:
         pass
 
 
-def atomic_write_text(path: Path, text: str, mode: int = OWNER_ONLY) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"), mode)
+def atomic_write_text(path: Path, text: str, mode: int = OWNER_ONLY, durable: bool = True) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), mode, durable)
 
 
-def atomic_write_json(path: Path, obj: Any, mode: int = OWNER_ONLY) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", mode)
+def atomic_write_json(path: Path, obj: Any, mode: int = OWNER_ONLY, durable: bool = True) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", mode, durable)
 
 
 def rotate_backup(path: Path, backup_dir: Path, keep: int) -> Path | None:

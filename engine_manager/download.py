@@ -1136,22 +1136,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 def _write_state(path: Path, obj: dict[str, Any], durable: bool) -> None:
     """A small state file, replaced atomically (temp + rename); fsynced only when ``durable``. A write that fails
     (a full disk) leaves the previous state file as it was and no temporary file."""
-    if durable:
-        atomic_write_json(path, obj)
-        return
-    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, OWNER_ONLY)
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(fd, OWNER_ONLY)        # a temp left behind by a killed run keeps its old mode otherwise
-            f.write(json.dumps(obj))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write_json(path, obj, durable=durable)
 
 
 def _fsync_dir(d: Path) -> None:

@@ -45,3 +45,21 @@ def free_port() -> int:
 @pytest.fixture
 def data_dir() -> Path:
     return DATA
+
+
+@pytest.fixture
+def sims():
+    """Start scripted engines (``SimProcess``, real processes on loopback) with ``sims(*argv, **kw)``; every one
+    is stopped at the end of the test."""
+    from engine_manager.sim.launch import SimProcess
+
+    started: list[SimProcess] = []
+
+    def start(*args: str, **kw) -> SimProcess:
+        sp = SimProcess(args, **kw).start()
+        started.append(sp)
+        return sp
+
+    yield start
+    for sp in started:
+        sp.stop()

@@ -39,20 +39,6 @@ from engine_manager.sim.offload import (
 SIM = get_engine("sim")
 
 
-@pytest.fixture
-def sims():
-    started: list[SimProcess] = []
-
-    def start(*args: str, **kw) -> SimProcess:
-        sp = SimProcess(args, **kw).start()
-        started.append(sp)
-        return sp
-
-    yield start
-    for sp in started:
-        sp.stop()
-
-
 def spec_of(sp: SimProcess) -> LaunchSpec:
     return LaunchSpec(engine="sim", argv=sp.argv, host=sp.host, port=sp.port, api_key=sp.api_key, simulated=True)
 

@@ -142,17 +142,9 @@ class Stream:
 
 
 @pytest.fixture
-def sims():
-    started: list[SimProcess] = []
-
-    def start(*args: str, **kw) -> SimProcess:
-        sp = SimProcess(args, **kw).start()
-        started.append(sp)
-        return sp.wait_ready()
-
-    yield start
-    for sp in started:
-        sp.stop()
+def sims(sims):
+    """conftest's ``sims``, each engine waited for until it answers."""
+    return lambda *args, **kw: sims(*args, **kw).wait_ready()
 
 
 def finish_one(sp: SimProcess, content: str = GENERAL_Q, max_tokens: int = 8) -> dict:
