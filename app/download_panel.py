@@ -1,8 +1,8 @@
 """The Downloads tab: the seven model shards (a progress bar, speed, ETA and a verified tick each), the total,
 pause / resume / cancel, the engine release, and "use a folder that already has the shards".
 
-All work runs in ``engine_manager.download`` generators on a worker (``app.workers.run_generator``); this widget
-only renders their events and forwards the user's intents (``DownloadControl``).
+All work runs in ``engine_manager.download`` generators on a worker (``app.workers.TaskOwner``); this widget
+only renders their events and forwards the user's intents (a ``CancelToken``).
 
 Closing the window mid-download (``shutdown()``): the download is cancelled (partial files keep their checkpoints;
 the cancel also aborts connections that wait for bytes), and the panel waits — at most ``SHUTDOWN_WAIT_S`` — for the
@@ -11,7 +11,6 @@ no-op once the panel is closing, so a late signal changes nothing."""
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -23,9 +22,12 @@ from PySide6.QtWidgets import (
     QPushButton, QSizePolicy, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget,
 )
 
+from engine_manager import fmt
 from engine_manager import download as dl
+from engine_manager.cancel import CancelToken
+from engine_manager.gguf_split import short_name
 
-from .workers import run_function, run_generator
+from .workers import TaskOwner
 
 COLS = ("", "Shard", "Progress", "Size", "Speed", "ETA", "State")
 STATE_WORDS = {
@@ -36,25 +38,8 @@ STATE_WORDS = {
 }
 # the widest text each fixed-width column shows (sizes, speeds and ETAs as engine_manager.fmt writes them), so
 # the columns keep one width whatever state the rows are in
-COLUMN_SAMPLES = {0: "✓", 1: "shard 00001-of-00007", 3: "999.9 MB", 4: "999.9 MB/s", 5: "111:06:40"}
+COLUMN_SAMPLES = {0: "✓", 1: "shard 10 of 10", 3: "999.9 MB", 4: "999.9 MB/s", 5: "111:06:40"}
 SHUTDOWN_WAIT_S = 5.0       # how long closing the window waits for a download to stop (it takes ~0.2 s here)
-
-
-def _tracked(fn: Callable[..., Iterator[Any]], stopped: threading.Event) -> Callable[..., Iterator[Any]]:
-    """``fn`` as a generator function that sets ``stopped`` when it ends (however it ends)."""
-    def run(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        try:
-            return (yield from fn(*args, **kwargs))
-        finally:
-            stopped.set()
-    run.__name__ = getattr(fn, "__name__", "run")
-    return run
-
-
-def _short(name: str) -> str:
-    stem = name[:-5] if name.endswith(".gguf") else name
-    parts = stem.rsplit("-", 3)
-    return "shard " + "-".join(parts[-3:]) if len(parts) == 4 and parts[-2] == "of" else name
 
 
 class ErrorBox(QFrame):
@@ -122,15 +107,13 @@ class DownloadPanel(QWidget):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx
-        self.control: dl.DownloadControl | None = None
-        self.worker = None
+        self.control: CancelToken | None = None
+        self.tasks = TaskOwner(self)          # "download" (model, engine, verify), "prepare", "local" (disk reads)
         self.kind: str | None = None          # "model", "engine", "verify"
         self.rows: dict[str, int] = {}
         self.bars: dict[str, QProgressBar] = {}
         self.last_progress: dl.Progress | None = None
         self._closing = False
-        self._stopped = threading.Event()
-        self.prep_worker = None
         self._build()
         ctx.settingsChanged.connect(lambda _l: self.refresh())
         self.refresh()
@@ -272,7 +255,7 @@ class DownloadPanel(QWidget):
     def refresh(self) -> None:
         if self.worker is not None or self._closing:
             return
-        run_function(self._read_local, on_done=self._show_local)
+        self.tasks.start("local", self._read_local, on_done=self._show_local)
 
     def _read_local(self) -> dict[str, Any]:
         s = self.ctx.settings
@@ -309,12 +292,12 @@ class DownloadPanel(QWidget):
         have = sum(st.sizes.get(n, 0) for n in st.present) + st.partial_bytes
         if total:
             self.total_bar.setValue(int(have / total * 1000))
-            self.total_label.setText(f"{dl.fmt_bytes(have)} of {dl.fmt_bytes(total)} on disk")
+            self.total_label.setText(f"{fmt.bytes_si(have)} of {fmt.bytes_si(total)} on disk")
         if st.verified:
             self.status.setText("All seven shards are here and verified. Nothing to download.")
             self.total_bar.setValue(1000)
         elif st.present or st.partial_bytes:
-            self.status.setText(f"{len(st.present)} of 7 shards present, {dl.fmt_bytes(st.partial_bytes)} of partial "
+            self.status.setText(f"{len(st.present)} of 7 shards present, {fmt.bytes_si(st.partial_bytes)} of partial "
                                 f"files kept ({len(st.kept)} shard(s) partly downloaded): Download resumes them.")
         else:
             self.status.setText("The model is not downloaded yet: 264.5 GB in seven files. Or use a folder that "
@@ -322,7 +305,7 @@ class DownloadPanel(QWidget):
         if info["engine"]:
             version, where, size = info["engine"]
             self.engine_label.setText(f"Strata {version}: installed and verified in <code>{_esc(str(where))}</code>"
-                                      if where else f"Strata {version} ({dl.fmt_bytes(size)}): not installed.")
+                                      if where else f"Strata {version} ({fmt.bytes_si(size)}): not installed.")
             self.engine_btn.setEnabled(where is None)
         else:
             self.engine_label.setText(f"Engine release: {_esc(info['engine_error'] or '')}")
@@ -338,7 +321,7 @@ class DownloadPanel(QWidget):
             r = self.table.rowCount()
             self.table.insertRow(r)
             self.rows[n] = r
-            item = QTableWidgetItem(_short(n))
+            item = QTableWidgetItem(short_name(n))
             item.setToolTip(n)
             self.table.setItem(r, 1, item)
             bar = QProgressBar()
@@ -370,9 +353,9 @@ class DownloadPanel(QWidget):
             bar.setRange(0, 1000)
             bar.setValue(int(frac * 1000))
         if size is not None:
-            self.table.item(r, 3).setText(dl.fmt_bytes(size))
-        self.table.item(r, 4).setText(f"{dl.fmt_bytes(speed)}/s" if speed else "")
-        self.table.item(r, 5).setText(dl.fmt_eta(eta) if state == "downloading" and eta is not None else "")
+            self.table.item(r, 3).setText(fmt.bytes_si(size))
+        self.table.item(r, 4).setText(f"{fmt.bytes_si(speed)}/s" if speed else "")
+        self.table.item(r, 5).setText(fmt.clock(eta) if state == "downloading" and eta is not None else "")
         self.table.item(r, 6).setText(STATE_WORDS.get(state, state))
         self.table.item(r, 6).setToolTip(STATE_WORDS.get(state, state))   # whole, where the column shortens it
 
@@ -400,19 +383,27 @@ class DownloadPanel(QWidget):
     def busy(self) -> bool:
         return self.worker is not None
 
+    @property
+    def worker(self) -> Any:
+        """The running download, model or engine, or folder check (None when idle)."""
+        return self.tasks.get("download")
+
+    @property
+    def prep_worker(self) -> Any:
+        """The running Strata preparation (None when idle)."""
+        return self.tasks.get("prepare")
+
     def _run(self, fn: Callable[..., Iterator[Any]], *args: Any, on_done: Callable[[Any], None],
              **kwargs: Any) -> None:
-        self._stopped = threading.Event()
-        self.worker = run_generator(_tracked(fn, self._stopped), *args, control=self.control,
-                                    on_event=self._on_event, on_done=on_done, on_error=self._on_error,
-                                    on_finished=self._on_finished, **kwargs)
+        self.tasks.start("download", fn, *args, control=self.control, on_event=self._on_event, on_done=on_done,
+                         on_error=self._on_error, on_finished=self._on_finished, **kwargs)
 
     def start_model(self, repin: bool = False) -> None:
         """Download the missing shards; ``repin``: pin what the revision is now (the pinned commit is gone)."""
         if self.worker is not None or self._closing:
             return
         self.error.hide()
-        self.control = dl.DownloadControl()
+        self.control = CancelToken()
         self.status.setText("Re-pinning: resolving the revision on the hub again…" if repin else
                             "Checking the model folder…")
         self._set_busy(True, "model")
@@ -422,7 +413,7 @@ class DownloadPanel(QWidget):
         if self.worker is not None or self._closing:
             return
         self.error.hide()
-        self.control = dl.DownloadControl()
+        self.control = CancelToken()
         self.engine_bar.show()
         self.engine_bar.setValue(0)
         self.engine_label.setText("Downloading the engine release…")
@@ -464,7 +455,7 @@ class DownloadPanel(QWidget):
         if self.worker is not None or self._closing:
             return
         self.error.hide()
-        self.control = dl.DownloadControl()
+        self.control = CancelToken()
         self._pending_folder = Path(folder)
         self.status.setText(f"Checking {folder}: every shard's sha256 against the hub (this reads all 264.5 GB "
                             "once; it is remembered afterwards)…")
@@ -486,16 +477,16 @@ class DownloadPanel(QWidget):
             self.last_progress = ev
             if self.kind == "engine":
                 self.engine_bar.setValue(int(ev.fraction * 1000))
-                self.engine_label.setText(f"Downloading the engine release: {dl.fmt_bytes(ev.done_bytes)} of "
-                                          f"{dl.fmt_bytes(ev.total_bytes)} · ETA {dl.fmt_eta(ev.eta_s)}")
+                self.engine_label.setText(f"Downloading the engine release: {fmt.bytes_si(ev.done_bytes)} of "
+                                          f"{fmt.bytes_si(ev.total_bytes)} · ETA {fmt.clock(ev.eta_s)}")
             else:
                 for f in ev.files:
                     frac = f.done_bytes / f.size_bytes if f.size_bytes else 1.0
                     self._set_row(f.name, frac, f.size_bytes, f.speed_bps, f.eta_s, f.state)
                 self.total_bar.setValue(int(ev.fraction * 1000))
                 paused = self.control is not None and self.control.paused
-                rate = "paused" if paused else f"{dl.fmt_bytes(ev.speed_bps)}/s · ETA {dl.fmt_eta(ev.eta_s)}"
-                self.total_label.setText(f"{dl.fmt_bytes(ev.done_bytes)} of {dl.fmt_bytes(ev.total_bytes)} · {rate}")
+                rate = "paused" if paused else f"{fmt.bytes_si(ev.speed_bps)}/s · ETA {fmt.clock(ev.eta_s)}"
+                self.total_label.setText(f"{fmt.bytes_si(ev.done_bytes)} of {fmt.bytes_si(ev.total_bytes)} · {rate}")
                 if self.control is not None and self.control.paused:
                     self.status.setText("Paused. Resume goes on where it stopped.")
                 elif self.control is not None and not self.control.cancelled:
@@ -512,10 +503,10 @@ class DownloadPanel(QWidget):
         elif isinstance(ev, dl.Checking):
             frac = ev.done_bytes / ev.total_bytes if ev.total_bytes else 1.0
             self.status.setText(f"Checking files already on disk: {frac * 100:.0f}% of "
-                                f"{dl.fmt_bytes(ev.total_bytes)} hashed")
+                                f"{fmt.bytes_si(ev.total_bytes)} hashed")
         elif isinstance(ev, dl.DiskChecked):
-            self.status.setText(f"{dl.fmt_bytes(ev.free_bytes)} free at {ev.path}; "
-                                f"{dl.fmt_bytes(ev.needed_bytes)} needed.")
+            self.status.setText(f"{fmt.bytes_si(ev.free_bytes)} free at {ev.path}; "
+                                f"{fmt.bytes_si(ev.needed_bytes)} needed.")
         elif isinstance(ev, dl.FileVerified):
             if self.kind != "engine":
                 self._set_row(ev.name, 1.0, None, None, None, "verified")
@@ -523,7 +514,7 @@ class DownloadPanel(QWidget):
             self._set_row(ev.name, 0.0, None, None, None, "bad")
             self.ctx.statusMessage.emit(f"{ev.name}: sha256 mismatch — {ev.action}", 8000)
         elif isinstance(ev, dl.Retrying):
-            self.status.setText(f"{_short(ev.name)}: {ev.reason}; retry {ev.attempt} in {ev.delay_s:.0f} s")
+            self.status.setText(f"{short_name(ev.name)}: {ev.reason}; retry {ev.attempt} in {ev.delay_s:.0f} s")
         elif isinstance(ev, dl.Notice):
             self.ctx.statusMessage.emit(ev.text, 10000)
         elif isinstance(ev, dl.Paused):
@@ -531,7 +522,7 @@ class DownloadPanel(QWidget):
         elif isinstance(ev, dl.Resumed):
             self.status.setText("Resumed.")
         elif isinstance(ev, dl.Stopped):
-            self.status.setText(f"Stopped. {dl.fmt_bytes(ev.kept_bytes)} of {dl.fmt_bytes(ev.total_bytes)} kept; "
+            self.status.setText(f"Stopped. {fmt.bytes_si(ev.kept_bytes)} of {fmt.bytes_si(ev.total_bytes)} kept; "
                                 "Download resumes from there (also after closing the panel).")
         elif isinstance(ev, dl.Finished):
             if ev.what == "engine":
@@ -540,7 +531,7 @@ class DownloadPanel(QWidget):
                                           "</code>")
                 self.engineFinished.emit(ev)
             else:
-                fetched = f"{dl.fmt_bytes(ev.fetched_bytes)} downloaded" if ev.fetched_bytes else "nothing to download"
+                fetched = f"{fmt.bytes_si(ev.fetched_bytes)} downloaded" if ev.fetched_bytes else "nothing to download"
                 self.status.setText(f"All seven shards verified in {ev.target_dir} ({fetched}).")
                 self.total_bar.setValue(1000)
                 self.modelFinished.emit(ev)
@@ -589,13 +580,12 @@ class DownloadPanel(QWidget):
     def _on_finished(self) -> None:
         if self._closing:
             return
-        self.worker = None
         self.control = None
         was = self.kind
         self._set_busy(False)
         if was == "engine" and not self.error.isVisible():
             self.engine_bar.hide()
-        run_function(self._read_local, on_done=self._engine_only)
+        self.tasks.start("local", self._read_local, on_done=self._engine_only)
 
     def _engine_only(self, info: dict[str, Any]) -> None:
         """After a run: refresh the engine line (the shard rows keep the run's final states)."""
@@ -623,9 +613,8 @@ class DownloadPanel(QWidget):
         self.prep_bar.setRange(0, 0)
         self.prep_bar.show()
         self.prep_label.setText("Preparing the model for the Strata engine…")
-        self.prep_worker = run_generator(eng.prepare, settings, plan, force=force, on_event=self._prep_event,
-                                         on_done=self._prep_done, on_error=self._prep_error,
-                                         on_finished=self._prep_finished)
+        self.tasks.start("prepare", eng.prepare, settings, plan, force=force, on_event=self._prep_event,
+                         on_done=self._prep_done, on_error=self._prep_error, on_finished=self._prep_finished)
 
     def _prep_event(self, ev: Any) -> None:
         if self._closing:
@@ -633,7 +622,7 @@ class DownloadPanel(QWidget):
         if ev.phase == "progress" and ev.fraction is not None:
             self.prep_bar.setRange(0, 1000)
             self.prep_bar.setValue(int(ev.fraction * 1000))
-            eta = f" · about {dl.fmt_eta(ev.eta_s)} left" if ev.eta_s is not None else ""
+            eta = f" · about {fmt.clock(ev.eta_s)} left" if ev.eta_s is not None else ""
             self.prep_label.setText(f"Preparing the model: {ev.done} of {ev.total}{eta}")
         elif ev.phase == "output":
             self.prep_label.setText(f"Preparing the model: {_esc(ev.text)}")
@@ -660,7 +649,6 @@ class DownloadPanel(QWidget):
         self.prepareFailed.emit(msg)
 
     def _prep_finished(self) -> None:
-        self.prep_worker = None
         if not self._closing:
             self.prep_btn.setEnabled(True)
 
@@ -686,28 +674,22 @@ class DownloadPanel(QWidget):
         while the application tears its objects down. From here on every slot of this panel is a no-op, so a
         signal that still arrives changes nothing. Returns True when the worker stopped in time."""
         self._closing = True
-        if self.prep_worker is not None:       # closing the generator kills the release's tool
-            try:
-                self.prep_worker.quit()
-            except RuntimeError:
-                pass
+        self.tasks.cancel("prepare")           # closing the generator kills the release's tool
+        self.tasks.cancel("local")
         worker, control = self.worker, self.control
         if control is not None:
             control.cancel()
         if worker is None:
+            self.tasks.shutdown()
             return True
-        stopped = self._stopped.wait(wait_s)
-        if stopped:
-            # the generator has returned; the worker emits its last signals right after (microseconds)
-            deadline = time.monotonic() + 0.5
-            while getattr(worker, "is_running", False) and time.monotonic() < deadline:
-                time.sleep(0.005)
-        else:
-            try:
-                worker.quit()        # stuck in a call that cannot be interrupted: stop at its next event
-            except RuntimeError:
-                pass
-        self.worker = None
+        # the cancel aborts the connections, so the generator returns within ~0.2 s here; superqt's worker clears
+        # is_running once it has, and emits its last signals right after (microseconds)
+        deadline = time.monotonic() + wait_s
+        while getattr(worker, "is_running", False) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        stopped = not getattr(worker, "is_running", False)
+        self.tasks.cancel("download")          # stuck in a call that cannot be interrupted: stop at its next event
+        self.tasks.shutdown()                  # no task is left: callbacks that still arrive are dropped
         self.control = None
         self.status.setText("Stopped for closing; partial files are kept and the next Download resumes them.")
         return stopped

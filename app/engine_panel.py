@@ -1,17 +1,22 @@
 """The engine controls of the control column: pick the engine, one click to start or stop it, watch it get ready.
 
 Everything here renders what ``engine_manager.supervisor`` says and forwards clicks to it; the supervisor's
-generators run on worker threads (``app.workers``). The panel owns the window's :class:`Supervisor`
-(``ctx.supervisor``), re-emits its state events as ``ctx.engineStateChanged``, its log lines as ``ctx.engineLog``,
-and calls ``ctx.set_ready(base_url, key)`` when the engine is ready (``set_ready(None, None)`` when it is not).
+generators run on worker threads (``app.workers.TaskOwner``). The panel drives the window's
+:class:`~engine_manager.session.EngineSession` (``ctx.session``; its supervisor is ``ctx.supervisor``): every event
+goes to ``session.feed``, which keeps the ready engine (``ctx.running``, ``ctx.engineRunning``) and whose log lines
+the context re-emits as ``ctx.engineLog``. The panel emits ``ctx.engineStateChanged`` whenever its badge changes.
 On start-up it re-attaches to an engine a previous panel (or ``dsv41 start``) left running. Under llama.cpp it
 also shows where llama-server put each buffer, as its log says (folded by ``engines.llamacpp.PlacementSummary``).
+
+At its top, "Watching" (:class:`app.connections_view.ConnectionsView`, issue 19) picks the engine the Monitor and
+the chat work on: this panel's own, or a saved connection to an engine it did not start. While a connection is
+watched, Start/Stop are disabled (their tooltip says why): they only ever act on the panel's own engine, and no
+Stop is ever sent to an attached one.
 """
 
 from __future__ import annotations
 
 import html
-import re
 import time
 from typing import Any
 
@@ -40,7 +45,8 @@ from engine_manager import supervisor as sv
 from engine_manager.engines.llamacpp import PlacementSummary, placement_from_log
 from engine_manager.settings import resolve_engine
 
-from .workers import run_function, run_generator
+from .connections_view import ConnectionsView
+from .workers import TaskOwner
 
 
 def _text_label(name: str, text_format: Qt.TextFormat | None = None) -> QLabel:
@@ -150,14 +156,13 @@ class EnginePanel(QWidget):
         super().__init__(parent)
         self.ctx = ctx
         self.setObjectName("enginePanel")
-        self.sup = sv.Supervisor(ctx.settings, hardware=ctx.hardware)
-        ctx.supervisor = self.sup
+        self.session = ctx.session
+        self.sup = ctx.session.supervisor
         self._state = sv.STOPPED
-        self._run_worker = None
-        self._stop_worker = None
-        self._status_busy = False
+        # background tasks by key: "run" (run/watch: owns the engine), "stop", "status" (the idle poll), "dry",
+        # "placement"; callbacks are dropped once the panel shuts down
+        self.tasks = TaskOwner(self)
         self._close_after_stop = None
-        self._shutting_down = False
         self._stop_started: float | None = None
         self._last_notes: list[str] = []
         self._emitted_state = sv.STOPPED        # the state the rest of the window was last told (status bar …)
@@ -169,6 +174,8 @@ class EnginePanel(QWidget):
         ctx.requestStart.connect(self.start)
         ctx.settingsChanged.connect(self._settings_changed)
         ctx.hardwareChanged.connect(self._hardware_changed)
+        ctx.watchChanged.connect(lambda _name: self._render_state(self._state, ""))
+        ctx.engineLockChanged.connect(lambda _why: self._render_state(self._state, ""))
         self.poll_timer = QTimer(self)
         self.poll_timer.setInterval(POLL_MS)
         self.poll_timer.timeout.connect(self._poll_status)
@@ -185,6 +192,12 @@ class EnginePanel(QWidget):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 4, 0, 0)
         lay.setSpacing(6)
+        self.connections = ConnectionsView(self.ctx)
+        lay.addWidget(self.connections)
+        line = QFrame()
+        line.setFrameShape(QFrame.Shape.HLine)
+        line.setFrameShadow(QFrame.Shadow.Sunken)
+        lay.addWidget(line)
         row = QHBoxLayout()
         row.addWidget(QLabel("Engine"))
         self.engine_box = QComboBox()
@@ -309,7 +322,8 @@ class EnginePanel(QWidget):
             self.addAction(a)
 
     def actions_for_menu(self) -> list[QAction]:
-        return [self.start_action, self.stop_action, self.force_action, self.dry_action]
+        return [self.start_action, self.stop_action, self.force_action, self.dry_action,
+                *self.connections.actions_for_menu()]
 
     # -- helpers ----------------------------------------------------------------------------------------------------
     def selected_engine(self) -> str:
@@ -338,10 +352,27 @@ class EnginePanel(QWidget):
         return self._state
 
     def is_running(self) -> bool:
-        return self._state in sv.RUNNING_STATES or self._run_worker is not None
+        return self._state in sv.RUNNING_STATES or self.tasks.running("run")
 
     # -- intents ----------------------------------------------------------------------------------------------------
+    def _watch_refusal(self) -> str | None:
+        """Why Start/Stop are not offered now: something else drives the engine (the benchmark), or a connection
+        (an engine this panel did not start) is watched."""
+        lock = getattr(self.ctx, "engine_lock", None)
+        if lock:
+            return lock
+        name = getattr(self.ctx, "watching", None)
+        if not name:
+            return None
+        return (f"You are watching {name!r}, an engine this panel did not start: it is never started or stopped "
+                "from here. Choose “This panel's engine” under Watching (Ctrl+Shift+H) to start or stop the "
+                "panel's own engine.")
+
     def toggle(self) -> None:
+        why = self._watch_refusal()
+        if why:
+            self.ctx.statusMessage.emit(why, 8000)
+            return
         if self._state == sv.STOPPING:
             self.force_stop()
         elif self.is_running():
@@ -350,7 +381,11 @@ class EnginePanel(QWidget):
             self.start()
 
     def start(self) -> None:
-        if self.is_running() or self._stop_worker is not None:
+        if self.is_running() or self.tasks.running("stop"):
+            return
+        why = self._watch_refusal()
+        if why:                              # (the chat pane's Start, a shortcut): never while a connection is shown
+            self.ctx.statusMessage.emit(why, 8000)
             return
         self.banner.hide()
         self._refused_cause = None
@@ -370,43 +405,45 @@ class EnginePanel(QWidget):
         warning = sv.plan_host_warning(chosen, self.ctx.hardware) if chosen is not None else None
         if warning:
             self._add_note(warning[0].upper() + warning[1:], "warning")
-        self._run_worker = run_generator(self.sup.run, engine, plan,
-                                         on_event=self._on_event,
-                                         on_done=self._run_done, on_error=self._on_error,
-                                         on_finished=self._run_finished)
+        self.tasks.start("run", self.sup.run, engine, plan, on_event=self._on_event, on_done=self._run_done,
+                         on_error=self._on_error, on_finished=self._run_finished)
 
     def stop(self) -> None:
+        why = self._watch_refusal()
+        if why:
+            self.ctx.statusMessage.emit(why, 8000)
+            return
         self._refused_cause = None
         if self._state == sv.STOPPING:
             self.force_stop()
             return
-        if self._stop_worker is not None:
+        if self.tasks.running("stop"):
             return
         if not self.is_running() and self._state not in (sv.CRASHED,):
             return
         self._stop_started = time.monotonic()
-        self._stop_worker = run_generator(self.sup.stop, on_event=self._on_event, on_error=self._on_error,
-                                          on_finished=self._stop_finished)
+        self.tasks.start("stop", self.sup.stop, on_event=self._on_event, on_error=self._on_error,
+                         on_finished=self._stop_finished)
 
     def force_stop(self) -> None:
-        if self._stop_worker is not None:
+        if self.tasks.running("stop"):
             self.sup.request_force()
             return
         if not self.is_running():
             return
         self._stop_started = time.monotonic()
-        self._stop_worker = run_generator(self.sup.stop, True, on_event=self._on_event, on_error=self._on_error,
-                                          on_finished=self._stop_finished)
+        self.tasks.start("stop", self.sup.stop, True, on_event=self._on_event, on_error=self._on_error,
+                         on_finished=self._stop_finished)
 
     def reattach(self) -> None:
         """Find an engine a previous panel or `dsv41 start` left running (pid + start time + health must match)
         and supervise it; after a dead one, clean up and show how it ended."""
-        if self._run_worker is not None or self._shutting_down:
+        if self.tasks.running("run") or self.tasks.shut_down:
             return
         self.sup.settings = self.ctx.settings
         self.sup.auto_restart = self.auto_restart.isChecked()
-        self._run_worker = run_generator(self.sup.watch, on_event=self._on_event, on_done=self._run_done,
-                                         on_error=self._on_error, on_finished=self._run_finished)
+        self.tasks.start("run", self.sup.watch, on_event=self._on_event, on_done=self._run_done,
+                         on_error=self._on_error, on_finished=self._run_finished)
 
     def dry_run(self) -> None:
         self.sup.settings = self.ctx.settings
@@ -414,8 +451,9 @@ class EnginePanel(QWidget):
         self.dry_button.setEnabled(False)
         self.ctx.statusMessage.emit("Preparing the dry run (probing the binding)…", 3000)
         engine = self.resolved_engine()
-        run_function(self.sup.dry_run, engine, sv.usable_plan(engine, self.ctx.plan), on_done=self._show_dry_run,
-                     on_error=self._on_error, on_finished=lambda: self.dry_button.setEnabled(True))
+        self.tasks.start("dry", self.sup.dry_run, engine, sv.usable_plan(engine, self.ctx.plan),
+                         on_done=self._show_dry_run, on_error=self._on_error,
+                         on_finished=lambda: self.dry_button.setEnabled(True))
 
     def _show_dry_run(self, dr: sv.DryRun) -> None:
         self.last_dry_run = DryRunDialog(dr.render(), self)
@@ -423,72 +461,69 @@ class EnginePanel(QWidget):
         self.last_dry_run.show()
 
     # -- events from the supervisor ----------------------------------------------------------------------------------
-    def _on_event(self, ev: Any) -> None:
-        k = getattr(ev, "kind", "")
-        if k == "log":
-            if self.placement.add_log_lines(ev.lines, ev.events):
-                self._show_placement()
-            self.ctx.engineLog.emit(ev)
-            return
-        if k == "state":
-            self._render_state(ev.state, ev.message, ev)
-        elif k == "progress":
-            self._show_progress(ev)
-        elif k == "ready":
-            self.progress.hide()
-            self.phase.hide()
-            if not (ev.attached and self._refused_cause == "engine_running"):
-                self.banner.hide()              # (a refused start's reason stays: it names the engine now shown)
-            self.ctx.set_ready(ev.base_url, self.ctx.settings.api_key)
-            self.ctx.statusMessage.emit(f"Engine ready at {ev.base_url}"
-                                        + (" (re-attached)" if ev.attached else f" after {fmt_s(ev.elapsed_s)}"),
-                                        6000)
-            self._refresh_details()
-        elif k == "crashed":
-            extra = ""
-            if ev.will_restart:
-                # the countdown itself is one line (the phase line above the banner), fed by the supervisor's
-                # Restarting events: the banner says what happens, not a second, drifting number
-                extra = (f"The panel restarts it automatically (crash {ev.crashes_in_window}; it gives up after "
-                         f"{self.sup.crash_limit} within {self.sup.crash_window_s / 60:.0f} min).")
-                self._show_restart_countdown(ev.restart_in_s or 0.0, ev.crashes_in_window)
-            self.banner.show_problem(ev.title, self._gui_fix(ev.cause, ev.fix), extra)
-            self._clear_ready()
-        elif k == "restarting":
-            self._show_restart_countdown(ev.remaining_s, ev.attempt)
-        elif k == "gave_up":
-            self.banner.show_problem(self.banner.title.text() or "The engine keeps crashing", self.banner.fix.text(),
-                                     ev.message)
-        elif k == "failed":
-            extra = ("Last log lines:\n" + "\n".join(ev.log_tail[-8:])) if ev.log_tail else ""
-            if ev.cause == "engine_running":
-                self._refused_cause = ev.cause
-            self.banner.show_problem(ev.message, self._gui_fix(ev.cause, ev.fix), extra,
-                                     severe=ev.cause not in ("port_in_use", "busy", "engine_running"),
-                                     show_log=ev.cause not in ("port_in_use", "busy", "engine_running"))
-            self.progress.hide()
-            self.phase.hide()
-        elif k == "stopping":
-            left = max(0.0, ev.grace_s - ev.elapsed_s)
-            self.phase.setText(f"{ev.signal_name} sent {fmt_s(ev.elapsed_s)} ago; {ev.remaining} process(es) left"
-                               + (f" — SIGKILL in {fmt_s(left)} (or Force stop now)" if ev.signal_name == "SIGTERM"
-                                  else ""))
-            self.phase.show()
-        elif k == "stopped":
-            self.progress.hide()
-            self.phase.hide()
-            self.banner.hide()                        # a stop the user asked for ends the crash story
-            self.ctx.statusMessage.emit(ev.message, 5000)
-            self._clear_ready()
-        elif k == "attached":
-            self.ctx.statusMessage.emit(ev.message, 8000)
-            self._emitted_state = ev.state
-            self.ctx.engineStateChanged.emit(ev)
-            if ev.engine == "llamacpp":             # its loading lines went by before this panel watched
-                run_function(placement_from_log, self.sup.log_path, on_done=self._placement_read,
-                             on_error=lambda _exc: None)     # an unreadable log: the box just stays empty
-        elif k == "note":
-            self._add_note(ev.text, ev.level)
+    def _on_event(self, ev: sv.Event) -> None:
+        self.session.feed(ev)          # the ready engine (ctx.running, engineRunning) and the log (engineLog)
+        match ev:
+            case sv.LogLines():
+                if self.placement.add_log_lines(ev.lines, ev.events):
+                    self._show_placement()
+            case sv.StateChanged():
+                self._render_state(ev.state, ev.message, ev)
+            case sv.Progress():
+                self._show_progress(ev)
+            case sv.Ready():
+                self.progress.hide()
+                self.phase.hide()
+                if not (ev.attached and self._refused_cause == "engine_running"):
+                    self.banner.hide()          # (a refused start's reason stays: it names the engine now shown)
+                self.ctx.statusMessage.emit(f"Engine ready at {ev.base_url}"
+                                            + (" (re-attached)" if ev.attached else f" after {fmt_s(ev.elapsed_s)}"),
+                                            6000)
+                self._refresh_details()
+            case sv.Crashed():
+                extra = ""
+                if ev.will_restart:
+                    # the countdown itself is one line (the phase line above the banner), fed by the supervisor's
+                    # Restarting events: the banner says what happens, not a second, drifting number
+                    extra = (f"The panel restarts it automatically (crash {ev.crashes_in_window}; it gives up after "
+                             f"{self.sup.crash_limit} within {self.sup.crash_window_s / 60:.0f} min).")
+                    self._show_restart_countdown(ev.restart_in_s or 0.0, ev.crashes_in_window)
+                self.banner.show_problem(ev.title, self._gui_fix(ev.cause, ev.fix), extra)
+            case sv.Restarting():
+                self._show_restart_countdown(ev.remaining_s, ev.attempt)
+            case sv.GaveUp():
+                self.banner.show_problem(self.banner.title.text() or "The engine keeps crashing",
+                                         self.banner.fix.text(), ev.message)
+            case sv.StartFailed():
+                extra = ("Last log lines:\n" + "\n".join(ev.log_tail[-8:])) if ev.log_tail else ""
+                if ev.cause == "engine_running":
+                    self._refused_cause = ev.cause
+                quiet = ev.cause in ("port_in_use", "busy", "engine_running")
+                self.banner.show_problem(ev.message, self._gui_fix(ev.cause, ev.fix, ev.suggested_port), extra,
+                                         severe=not quiet, show_log=not quiet)
+                self.progress.hide()
+                self.phase.hide()
+            case sv.Stopping():
+                left = max(0.0, ev.grace_s - ev.elapsed_s)
+                self.phase.setText(f"{ev.signal_name} sent {fmt_s(ev.elapsed_s)} ago; {ev.remaining} process(es) "
+                                   "left" + (f" — SIGKILL in {fmt_s(left)} (or Force stop now)"
+                                             if ev.signal_name == "SIGTERM" else ""))
+                self.phase.show()
+            case sv.Stopped():
+                self.progress.hide()
+                self.phase.hide()
+                self.banner.hide()                        # a stop the user asked for ends the crash story
+                self.ctx.statusMessage.emit(ev.message, 5000)
+            case sv.Attached():
+                self.ctx.statusMessage.emit(ev.message, 8000)
+                self._emitted_state = ev.state
+                self.ctx.engineStateChanged.emit(ev)
+                if ev.engine == "llamacpp":             # its loading lines went by before this panel watched
+                    self.tasks.start("placement", placement_from_log, self.sup.log_path,
+                                     on_done=self._placement_read,
+                                     on_error=lambda _exc: None)  # an unreadable log: the box just stays empty
+            case sv.Note():
+                self._add_note(ev.text, ev.level)
 
     def _placement_read(self, summary: PlacementSummary) -> None:
         # the file holds every line the live events brought since the attach, and those before it
@@ -517,23 +552,22 @@ class EnginePanel(QWidget):
         self.phase.setText(f"Restarting in {remaining_s:.1f} s (crash {attempt})")
         self.phase.show()
 
-    def _gui_fix(self, cause: str, fix: str) -> str:
-        """The supervisor's fix, worded for the window: a port is changed in File ▸ Settings…, a running engine
-        is stopped with the Stop button."""
+    def _gui_fix(self, cause: str, fix: str, suggested_port: int | None = None) -> str:
+        """The supervisor's fix, worded for the window: a port is changed in File ▸ Settings… (``suggested_port``:
+        one that is free now), a running engine is stopped with the Stop button."""
         if cause == "engine_running":
             return (f"Press Stop above (it stops the engine that runs; `dsv41 stop` does the same in a terminal), "
                     f"then Start {ENGINE_WORDS.get(self.resolved_engine(), 'the engine')}. Only one engine runs at "
                     "a time; starting the same engine again re-attaches to it.")
         if cause != "port_in_use":
             return fix
-        m = re.search(r"settings set port (\d+)", fix)
-        alt = f" ({m.group(1)} is free now)" if m else ""
+        alt = f" ({suggested_port} is free now)" if suggested_port else ""
         if self.ctx.loaded.env_locked("port"):
             where = (f"DSV41_PORT is set in the environment, so change it there{alt} and restart the panel "
                      "(File ▸ Settings… shows it locked).")
         else:
             where = f"choose another port in File ▸ Settings… → Port{alt}, then Start again."
-        cli = f" From a terminal: `dsv41 settings set port {m.group(1) if m else '<N>'}`."
+        cli = f" From a terminal: `dsv41 settings set port {suggested_port or '<N>'}`."
         return f"Stop that program (`ss -ltnp` shows it), or {where}{cli}"
 
     def _show_progress(self, ev: sv.Progress) -> None:
@@ -551,26 +585,23 @@ class EnginePanel(QWidget):
         self.phase.show()
 
     def _clear_ready(self) -> None:
-        if self.ctx.base_url is not None:
-            self.ctx.set_ready(None, None)
+        self.session.set_running(None)
 
     def _run_done(self, st: sv.EngineStatus | None) -> None:
         if st is not None:
             self._render_state(st.state, st.message)
 
     def _run_finished(self) -> None:
-        self._run_worker = None
         if self._state in (sv.STOPPED, sv.CRASHED):
             self._clear_ready()
         self._render_state(self._state, "")
-        if self._refused_cause == "engine_running" and not self._shutting_down:
+        if self._refused_cause == "engine_running" and not self.tasks.shut_down:
             QTimer.singleShot(0, self.reattach)     # show (and offer to stop) the engine that runs
 
     def _stop_finished(self) -> None:
-        self._stop_worker = None
         self._stop_started = None
         self._render_state(self._state, "")
-        if self._close_after_stop is not None and self._run_worker is None:
+        if self._close_after_stop is not None and not self.tasks.running("run"):
             win, self._close_after_stop = self._close_after_stop, None
             QTimer.singleShot(0, win.close)
         elif self._close_after_stop is not None:
@@ -597,7 +628,7 @@ class EnginePanel(QWidget):
         self.badge.setStyleSheet(f"QLabel#stateBadge {{ background: {bg}; color: {fg}; border-radius: 4px; "
                                  "padding: 4px; }")
         running = self.is_running()
-        stopping = state == sv.STOPPING or self._stop_worker is not None
+        stopping = state == sv.STOPPING or self.tasks.running("stop")
         if stopping:
             self.start_button.setText("Force stop")
             self.start_button.setToolTip("Kill the engine now (SIGKILL) instead of waiting for the grace period")
@@ -607,9 +638,13 @@ class EnginePanel(QWidget):
         else:
             self.start_button.setText("Start")
             self.start_button.setToolTip("Start the engine (Ctrl+R)")
-        self.start_action.setEnabled(not running and not stopping)
-        self.stop_action.setEnabled(running and not stopping)
-        self.force_action.setEnabled(running or stopping)
+        why = self._watch_refusal()
+        self.start_button.setEnabled(why is None)
+        if why:
+            self.start_button.setToolTip(why)
+        self.start_action.setEnabled(not running and not stopping and why is None)
+        self.stop_action.setEnabled(running and not stopping and why is None)
+        self.force_action.setEnabled((running or stopping) and why is None)
         self.engine_box.setEnabled(not running and not stopping)
         if state == sv.READY:
             self.progress.hide()                      # (the Ready event that follows hides them too)
@@ -680,14 +715,12 @@ class EnginePanel(QWidget):
     # -- engines started elsewhere ----------------------------------------------------------------------------------
     def _poll_status(self) -> None:
         """While idle, notice an engine started by `dsv41 start` (then attach) or a foreign one on the port."""
-        if self._status_busy or self.is_running() or self._stop_worker is not None or self._shutting_down:
+        if self.tasks.running("status") or self.is_running() or self.tasks.running("stop") or self.tasks.shut_down:
             return
-        self._status_busy = True
-        run_function(self.sup.status, on_done=self._polled,
-                     on_finished=lambda: setattr(self, "_status_busy", False))
+        self.tasks.start("status", self.sup.status, on_done=self._polled)
 
     def _polled(self, st: sv.EngineStatus) -> None:
-        if self.is_running() or self._shutting_down:
+        if self.is_running() or self.tasks.shut_down:
             return
         if st.owner == "panel" and st.running:
             self.reattach()
@@ -719,7 +752,7 @@ class EnginePanel(QWidget):
     def confirm_close(self, win) -> bool:
         if self._close_after_stop is not None:
             return False                              # still stopping: the window closes when it is done
-        if self._state not in sv.RUNNING_STATES and self._stop_worker is None:
+        if self._state not in sv.RUNNING_STATES and not self.tasks.running("stop"):
             # no engine known to run — at most the start-up look for one a previous panel left (a quit in the
             # first ~0.2 s asked "The engine is still running…" about nothing, and under automation nobody
             # answered: `dsv41-panel --quit-after 0` hung); shutdown() stops that look
@@ -740,8 +773,9 @@ class EnginePanel(QWidget):
         super().closeEvent(event)
 
     def shutdown(self) -> None:
-        self._shutting_down = True
         self.poll_timer.stop()
         self.clock.stop()
-        if self._run_worker is not None and self._state not in (sv.STOPPING,):
+        self.connections.shutdown()
+        if self.tasks.running("run") and self._state not in (sv.STOPPING,):
             self.sup.detach()                         # stop watching; the engine keeps running
+        self.tasks.shutdown()                         # later callbacks are dropped; the workers are asked to end

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine_manager import doctor, hardware, uistate
+from engine_manager import fmt
 from engine_manager import download as dl
 
 from .doctor_view import verdicts_html
@@ -137,7 +138,7 @@ class ModelPage(QWizardPage):
             self.download_btn.setEnabled(False)
         elif st.present or st.partial_bytes:
             self.state.setText(f"{len(st.present)} of 7 shards in {st.folder} "
-                               f"({dl.fmt_bytes(st.partial_bytes)} partly downloaded): Download resumes.")
+                               f"({fmt.bytes_si(st.partial_bytes)} partly downloaded): Download resumes.")
         else:
             self.state.setText(f"Not downloaded yet. It will go to {st.folder}.")
 
@@ -156,8 +157,8 @@ class ModelPage(QWizardPage):
     def _progress(self, p: dl.Progress) -> None:
         self.bar.show()
         self.bar.setValue(int(p.fraction * 1000))
-        self.state.setText(f"Downloading: {dl.fmt_bytes(p.done_bytes)} of {dl.fmt_bytes(p.total_bytes)} · "
-                           f"{dl.fmt_bytes(p.speed_bps)}/s · ETA {dl.fmt_eta(p.eta_s)}")
+        self.state.setText(f"Downloading: {fmt.bytes_si(p.done_bytes)} of {fmt.bytes_si(p.total_bytes)} · "
+                           f"{fmt.bytes_si(p.speed_bps)}/s · ETA {fmt.clock(p.eta_s)}")
 
     def _finished(self, ev: Any) -> None:
         self.bar.setValue(1000)
@@ -182,7 +183,7 @@ class ModelPage(QWizardPage):
         if ev.phase == "progress" and ev.fraction is not None:
             self.prep_bar.setRange(0, 1000)
             self.prep_bar.setValue(int(ev.fraction * 1000))
-            eta = f" · ETA {dl.fmt_eta(ev.eta_s)}" if ev.eta_s is not None else ""
+            eta = f" · ETA {fmt.clock(ev.eta_s)}" if ev.eta_s is not None else ""
             self.prep_state.setText(f"Preparing: {ev.done} of {ev.total}{eta}")
         elif ev.phase != "output":
             self.prep_state.setText(ev.text)

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 
 from engine_manager.supervisor import log_path, read_log_tail
 
-from .workers import run_function
+from .workers import TaskOwner
 
 MAX_LINES = 20_000
 INITIAL_BYTES = 2_000_000
@@ -136,6 +136,7 @@ class LogView(QWidget):
             sc.setContext(ctx_sc)
             sc.activated.connect(slot)
         ctx.engineLog.connect(self.append_lines)
+        self.tasks = TaskOwner(self)        # "tail": the first read of the log file's tail
         self._loading = False
         self._pending: list[str] = []
         self._programmatic_scroll = False
@@ -153,8 +154,8 @@ class LogView(QWidget):
         self._pending = []
         path = log_path()
         self.path_label.setText(f"{path}  (rotated to {path.name}.1 … by size; the API key is masked)")
-        run_function(read_log_tail, path, INITIAL_BYTES, on_done=self._loaded,
-                     on_finished=lambda: setattr(self, "_loading", False))
+        self.tasks.start("tail", read_log_tail, path, INITIAL_BYTES, on_done=self._loaded,
+                         on_finished=lambda: setattr(self, "_loading", False))
 
     def _loaded(self, lines: list[str]) -> None:
         lines = lines + self._pending

@@ -82,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
                 box.exec()
             app.exit(2)
             return None
+        from engine_manager.session import EngineSession
+
         from .context import AppContext
-        return AppContext(loaded)
+        # the engine session (its supervisor, the ready engine) belongs to the application, not to a widget; the
+        # context re-emits its events for the panels
+        return AppContext(loaded, session=EngineSession(loaded.settings))
 
     win = MainWindow(make_context, lazy=True, show_first_run=not automated)
     win.ask_on_close = not automated       # nobody is there to answer a question

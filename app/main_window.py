@@ -23,15 +23,17 @@ from engine_manager import __version__, uistate
 
 # The pages are imported when they are built (MainWindow.build_pages), not here: their imports (numpy, pyqtgraph,
 # superqt, the supervisor, httpx …) took ~1 s, and a window that waits for them appears that much later.
-TAB_NAMES = ("Monitor", "Placement", "Downloads", "Log")
+TAB_NAMES = ("Monitor", "Placement", "Downloads", "Log", "Benchmark")
 
 
 def _tab_classes() -> dict[str, type]:
+    from .bench_view import BenchView
     from .download_panel import DownloadPanel
     from .log_view import LogView
     from .monitor_view import MonitorView
     from .placement_view import PlacementView
-    return {"Monitor": MonitorView, "Placement": PlacementView, "Downloads": DownloadPanel, "Log": LogView}
+    return {"Monitor": MonitorView, "Placement": PlacementView, "Downloads": DownloadPanel, "Log": LogView,
+            "Benchmark": BenchView}
 
 
 class _Placeholder(QLabel):

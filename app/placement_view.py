@@ -109,8 +109,7 @@ class PlacementView(QWidget):
         self.observed: np.ndarray | None = None
         self._observed_counts: np.ndarray | None = None    # as the monitor gave them (all blocks or MoE rows)
         self.usage_paths: list[str] = []
-        self._worker = None
-        self._closing = False
+        self.tasks = workers.TaskOwner(self)       # "plan": the planner on a worker
         self._grid: dict[str, Any] = {}
         self.running_trace: str | None = None     # the running engine's --dump-routing trace (from the monitor)
         self.running_plan: dict[str, Any] | None = None
@@ -293,6 +292,8 @@ class PlacementView(QWidget):
         self._host_changed()
         self._usage_text()
         ctx.planChanged.connect(self._on_plan_changed)
+        if hasattr(ctx, "showPlacement"):
+            ctx.showPlacement.connect(self.on_feed)
         if ctx.plan:
             self.show_plan(ctx.plan)
         else:
@@ -382,7 +383,7 @@ class PlacementView(QWidget):
             self.start_plan(extra_usage=(self.running_trace,))
 
     def start_plan(self, extra_usage: tuple[str, ...] = ()) -> None:
-        if self._worker is not None:
+        if self.tasks.running("plan"):
             return
         extra_usage = tuple(x for x in (extra_usage or ()) if isinstance(x, str) and x not in self.usage_paths)
         self._persist()
@@ -390,13 +391,11 @@ class PlacementView(QWidget):
         self.plan_button.setText("Planning…")
         self.summary.setText("Planning: reading the model's headers and the host…")
         hw = self.ctx.hardware if self.host.currentData() == "this" else None
-        self._worker = workers.run_function(placement.make_plan, self.ctx.settings, self.request(extra_usage), hw,
-                                            on_done=self._on_done, on_error=self._on_error,
-                                            on_finished=self._on_finished)
+        # a plan that finishes while the window closes is saved; its callbacks are dropped (nothing to draw)
+        self.tasks.start("plan", placement.make_plan, self.ctx.settings, self.request(extra_usage), hw,
+                         on_done=self._on_done, on_error=self._on_error, on_finished=self._on_finished)
 
     def _on_done(self, outcome: placement.PlanOutcome) -> None:
-        if self._closing:            # a plan that finished while the window closed: it is saved, nothing to draw
-            return
         self.ctx.set_plan(outcome.plan_dict)           # → planChanged → show_plan
         if self.plan is not outcome.plan_dict:
             self.show_plan(outcome.plan_dict)
@@ -414,14 +413,9 @@ class PlacementView(QWidget):
             pass
 
     def _on_error(self, exc: BaseException) -> None:
-        if self._closing:
-            return
         self.summary.setText(f"<b>Could not plan:</b> {_esc(str(exc))}")
 
     def _on_finished(self) -> None:
-        if self._closing:
-            return
-        self._worker = None
         self.plan_button.setEnabled(True)
         self.plan_button.setText("&Plan")
 
@@ -430,13 +424,8 @@ class PlacementView(QWidget):
             self.show_plan(plan_dict)
 
     def shutdown(self) -> None:
-        self._closing = True
-        w = self._worker
-        if w is not None:
-            try:
-                w.quit()
-            except RuntimeError:
-                pass
+        self.tasks.cancel("plan")
+        self.tasks.shut_down = True      # later callbacks are dropped
 
     # -- rendering --------------------------------------------------------------------------------------------------
     def start_with_shown_plan(self) -> None:
@@ -494,7 +483,8 @@ class PlacementView(QWidget):
         self.ram_bar.set_budget(r.get("budget_bytes", 0), r.get("terms") or [])
         self.vram_title.setText(f"<b>VRAM</b> — {v.get('total_bytes', 0) / GiB:.2f} of "
                                 f"{v.get('budget_bytes', 0) / GiB:.2f} GiB")
-        self.ram_title.setText(f"<b>RAM</b> — {r.get('total_bytes', 0) / GB:.1f} of {r.get('budget_bytes', 0) / GB:.1f} GB"
+        self.ram_title.setText(f"<b>RAM</b> — {r.get('total_bytes', 0) / GB:.1f} of "
+                               f"{r.get('budget_bytes', 0) / GB:.1f} GB"
                                + (" — <span style='color:#b00020'><b>short "
                                   f"{(r.get('total_bytes', 0) - r.get('budget_bytes', 0)) / GB:.1f} GB</b></span>"
                                   if r.get("total_bytes", 0) > r.get("budget_bytes", 0) else ""))
@@ -641,12 +631,23 @@ class PlacementView(QWidget):
             self.cov_text.show()
 
     # -- observed routing (fed by the monitor) -------------------------------------------------------------------
+    def on_feed(self, feed) -> None:
+        """``ctx.showPlacement``: the Monitor's word about the running engine (a
+        :class:`engine_manager.metrics.presenter.PlacementFeed`): observed counts, else its plan and trace."""
+        try:
+            if feed.counts is not None:
+                self.update_observed(feed.counts)
+            else:
+                self.show_running(feed.plan, feed.trace)
+        except Exception as exc:  # noqa: BLE001 - this tab's problem must not stop the monitor that feeds it
+            self.ctx.statusMessage.emit(f"Placement tab could not show the running engine: {exc}", 6000)
+
     def show_running(self, plan: dict[str, Any] | None, trace: str | None) -> None:
         """The engine that just became ready: the plan it runs (shown when this tab shows none, or the running
         one changed) and its routing trace, which becomes this tab's routing data without a click."""
         self.running_trace = str(trace) if trace else None
         self.replan_observed.setVisible(bool(self.running_trace))
-        if plan and self._worker is None:      # what runs is what this tab shows (unless a plan is being made)
+        if plan and not self.tasks.running("plan"):   # what runs is what this tab shows (unless a plan is being made)
             self.running_plan = plan
             self.show_plan(plan)
             self.saved_note.setText(_esc("The plan the running engine was started with."))

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import QLabel, QStatusBar
 from engine_manager import sysstat
 
 from .engine_panel import BADGE
-from .workers import run_function
+from .workers import TaskOwner
 
 GiB = 1024**3
 
@@ -28,7 +28,7 @@ class LiveStatusBar(QStatusBar):
         for w in (self.engine_label, self.ram_label, self.cpu_label, self.gpu_label):
             w.setMinimumWidth(90)
             self.addPermanentWidget(w)
-        self._busy = False
+        self.tasks = TaskOwner(self)        # "read": one sysstat reading at a time
         self.timer = QTimer(self)
         self.timer.setInterval(2000)
         self.timer.timeout.connect(self.refresh)
@@ -48,13 +48,8 @@ class LiveStatusBar(QStatusBar):
         self.engine_label.setToolTip(getattr(ev, "message", "") or "")
 
     def refresh(self) -> None:
-        if self._busy:
-            return
-        self._busy = True
-        run_function(sysstat.read, on_done=self._show, on_finished=self._done)
-
-    def _done(self) -> None:
-        self._busy = False
+        # a reading still under way is kept (replace=False): a slow one is not stacked up every 2 s
+        self.tasks.start("read", sysstat.read, on_done=self._show, replace=False)
 
     def _show(self, st: sysstat.SysStat) -> None:
         self.ram_label.setText(f"RAM {st.ram_used_bytes / GiB:.1f}/{st.ram_total_bytes / GiB:.0f} GiB")

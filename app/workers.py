@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from PySide6.QtCore import QCoreApplication, QThreadPool
+import functools
+import threading
+import time
+
+from PySide6.QtCore import QCoreApplication, Qt, QThreadPool
 
 if TYPE_CHECKING:
     from superqt.utils import FunctionWorker, GeneratorWorker
@@ -88,3 +92,119 @@ def _connect(worker, on_event, on_done, on_error, on_finished) -> None:
         worker.errored.connect(on_error)
     if on_finished is not None:
         worker.finished.connect(on_finished)
+
+
+class TaskOwner:
+    """The one way a panel owns its background tasks (issue 17, step 3).
+
+    ``start(key, fn, *args, on_event=…, on_done=…, on_error=…, on_finished=…)`` runs ``fn`` (a generator function
+    through :func:`run_generator`, anything else through :func:`run_function`) as the task named ``key``; a task
+    already running under that key is asked to quit and its later callbacks are dropped (the newest wins: a
+    restarted engine's hub replaces the old one's). Callbacks are also dropped after :meth:`shutdown` or once
+    ``owner`` (a QObject, usually the panel) is deleted. ``shutdown(wait_ms)`` asks every task to quit and waits up
+    to ``wait_ms`` for them; returns whether all finished.
+    """
+
+    def __init__(self, owner: Any = None):
+        self._owner = owner
+        self._tasks: dict[str, Any] = {}
+        self._serial: dict[str, int] = {}
+        self._done: dict[int, threading.Event] = {}    # every worker started and not yet finished, replaced ones too
+        self.shut_down = False
+
+    def _alive(self) -> bool:
+        if self.shut_down:
+            return False
+        if self._owner is None:
+            return True
+        import shiboken6
+        return shiboken6.isValid(self._owner)
+
+    def running(self, key: str) -> bool:
+        return key in self._tasks
+
+    def get(self, key: str) -> Any:
+        return self._tasks.get(key)
+
+    def current(self, key: str, serial: int) -> bool:
+        """Whether ``serial`` (from :meth:`serial`) is still the newest task under ``key`` and the owner lives."""
+        return self._alive() and self._serial.get(key) == serial
+
+    def serial(self, key: str) -> int:
+        return self._serial.get(key, 0)
+
+    def start(self, key: str, fn: Callable[..., Any], *args: Any,
+              on_event: Callable[[Any], None] | None = None,
+              on_done: Callable[[Any], None] | None = None,
+              on_error: Callable[[BaseException], None] | None = None,
+              on_finished: Callable[[], None] | None = None,
+              replace: bool = True, **kwargs: Any) -> Any:
+        import inspect
+        if self.shut_down:
+            return None
+        if key in self._tasks:
+            if not replace:
+                return self._tasks[key]
+            self.cancel(key)
+        serial = self._serial.get(key, 0) + 1
+        self._serial[key] = serial
+
+        def guard(cb: Callable | None) -> Callable | None:
+            if cb is None:
+                return None
+
+            def call(*a: Any) -> None:
+                if self.current(key, serial):
+                    cb(*a)
+            return call
+
+        holder: list = []
+
+        def finished() -> None:
+            if holder and self._tasks.get(key) is holder[0]:
+                del self._tasks[key]
+            if on_finished is not None and self.current(key, serial):
+                on_finished()
+
+        common = dict(on_done=guard(on_done), on_error=guard(on_error), on_finished=finished)
+        if on_error is None:
+            common.pop("on_error")
+        if inspect.isgeneratorfunction(fn):
+            worker = run_generator(fn, *args, on_event=guard(on_event), **common, **kwargs)
+        else:
+            worker = run_function(fn, *args, **common, **kwargs)
+        holder.append(worker)
+        self._tasks[key] = worker
+        done = threading.Event()
+        self._done[id(worker)] = done
+        # set in the worker's own thread as it finishes (a queued slot would need the GUI loop, which is blocked
+        # while shutdown() waits)
+        worker.finished.connect(done.set, Qt.ConnectionType.DirectConnection)
+        worker.finished.connect(functools.partial(self._done.pop, id(worker), None))
+        return worker
+
+    def cancel(self, key: str) -> None:
+        """Ask the task under ``key`` to quit; its later callbacks are dropped."""
+        worker = self._tasks.pop(key, None)
+        self._serial[key] = self._serial.get(key, 0) + 1
+        if worker is not None:
+            try:
+                worker.quit()
+            except (RuntimeError, AttributeError):
+                pass
+
+    def shutdown(self, wait_ms: int = QUIT_WAIT_MS) -> bool:
+        self.shut_down = True
+        workers = list(self._tasks.values())
+        for w in workers:
+            try:
+                w.quit()
+            except (RuntimeError, AttributeError):
+                pass
+        self._tasks.clear()
+        # only this owner's workers (superqt's await_workers would quit every worker of the application)
+        deadline = time.monotonic() + wait_ms / 1000.0
+        ok = True
+        for done in list(self._done.values()):
+            ok = done.wait(max(0.0, deadline - time.monotonic())) and ok
+        return ok

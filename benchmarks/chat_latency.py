@@ -71,6 +71,7 @@ def summary(ms: list[float]) -> str:
 def run_pane(app, sim, streams: int, tokens: int, naive: bool, switch_s: float) -> dict:
     from app import chat_pane
     from app.context import AppContext
+    from engine_manager.session import RunningEngine
     from engine_manager.settings import load_settings
 
     original = chat_pane.ConversationDoc.append
@@ -108,7 +109,7 @@ def run_pane(app, sim, streams: int, tokens: int, naive: bool, switch_s: float) 
             now = time.perf_counter()
             if state["phase"] == "wait-store":
                 if pane.store is not None:
-                    ctx.set_ready(sim.base_url, sim.key)
+                    ctx.set_running(RunningEngine.from_status(None, sim.base_url, sim.api_key, engine="sim"))
                     pane.max_tokens.setValue(tokens)
                     for i in range(streams):
                         if i:
@@ -228,7 +229,7 @@ def main() -> int:
               f"{'MET' if ok else 'NOT MET'} (median {med:.2f} ms, p99 {p99:.2f} ms)")
         return 0 if ok else 1
     finally:
-        sim.kill()
+        sim.stop()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/download_speed.py [--mib 128] [--jobs 4] [--rounds 3]
 
-A local hub (``python -m engine_manager.hub --dir``, its own process) serves seven GGUF files of ``--mib`` MiB
+A local hub (``python -m engine_manager.testing.hub --dir``, its own process) serves seven GGUF files of ``--mib`` MiB
 each. Each round fetches all seven with ``curl --parallel --parallel-max JOBS -L`` and with
 ``engine_manager.download.download_model(jobs=JOBS)`` (which also hashes every byte as it arrives, checkpoints
 its state, verifies the sha256 and the split metadata, and renames the files into place), alternating, into
@@ -31,14 +31,14 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from engine_manager import download as dl  # noqa: E402
-from engine_manager.hub import write_demo_shards  # noqa: E402
+from engine_manager.testing.hub import write_demo_shards  # noqa: E402
 
 REPO = "vcruz305/DeepSeek-V4.1-Flash-GGUF"
 GOAL = 0.9
 
 
 def start_hub(folder: Path) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-m", "engine_manager.hub", "--dir", str(folder), "--repo", REPO],
+    p = subprocess.Popen([sys.executable, "-m", "engine_manager.testing.hub", "--dir", str(folder), "--repo", REPO],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     line = p.stdout.readline().strip()

@@ -191,7 +191,7 @@ def _key_type_offsets(data: bytes) -> dict[str, int]:
     out: dict[str, int] = {}
     n_kv = struct.unpack_from("<Q", data, 16)[0]
     pos = 24
-    from engine_manager import layout as L
+    from engine_manager import gguf_header as L
     for _ in range(n_kv):
         (n,) = struct.unpack_from("<Q", data, pos)
         key = data[pos + 8: pos + 8 + n].decode()
@@ -325,7 +325,7 @@ def _deterministic_cases() -> Iterator[tuple[str, str, Callable[[Path], Path]]]:
         for label, value, vtype in WRONG_VALUES:
             yield "keytype", f"{key} = {label} (shard 2)", \
                 (lambda k, v, t: lambda d: write_model(d, shard2_over={k: (v, t)}))(key, value, vtype)
-    for label, value, vtype in WRONG_VALUES[:12]:
+    for label, value, _vtype in WRONG_VALUES[:12]:
         yield "keytype", f"general.architecture = {label}", \
             (lambda v: lambda d: _arch_as(d, v))(value)
     # split keys inconsistent across the shards

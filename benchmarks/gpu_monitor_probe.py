@@ -85,7 +85,7 @@ def main() -> int:
             break
     hub.stop()
     stop.set()
-    for ev in sup.stop():
+    for _ in sup.stop():
         pass
     for t in threads:
         t.join(timeout=30)

@@ -7,7 +7,8 @@
    the same store; only its source is synthetic (a labelled stand-in for the engine, no HTTP). A 1 ms probe timer
    records every gap in the event loop; the longest gap beyond its interval is the longest stall. Goal: ≤ 16 ms.
    The time spent in one redraw is printed beside it (the part the view itself owns; a stall may also come from
-   the OS on a shared machine).
+   the OS on a shared machine). Meanwhile the engine column's overview strip (issue 19) polls ``--overview``
+   saved connections to a scripted engine every second on a worker (``--overview 0``: without it, as before).
 2. **The panel's own CPU** at the default rate (1 Hz): the Monitor view collecting from a real scripted engine
    under 4 streaming chats (the chats run in another process), against the same view not collecting, in this
    process. Goal: ≤ 2% of one core.
@@ -32,11 +33,11 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 import numpy as np
 import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 
 def parse() -> argparse.Namespace:
@@ -50,6 +51,10 @@ def parse() -> argparse.Namespace:
                    help="history loaded before the stall run (default 24; less only to check the script runs)")
     p.add_argument("--part", choices=("all", "stall", "engine"), default="all",
                    help="run one part in this process (all: each part in a fresh process, one after the other)")
+    p.add_argument("--overview", type=int, default=3, metavar="N",
+                   help="during the stall run, the engine column's overview strip (issue 19) polls N saved "
+                        "connections to a scripted engine every second (5× the panel's rate) beside the view; 0: "
+                        "no overview (the figures before issue 19)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="skip the gc.freeze() that app/main.py does once the window is built (a full collection "
                         "of the main window's ~120,000 objects takes ~90 ms): to see what it buys")
@@ -127,12 +132,16 @@ def part_stall(args, app, wait) -> int:
     from app.monitor_view import MonitorView
     from engine_manager import metrics as M
     from engine_manager.settings import load_settings
+    from engine_manager.session import RunningEngine
 
     # -- 1. stall --------------------------------------------------------------------------------------------------
     ctx = AppContext(load_settings())
     view = MonitorView(ctx)
     view.resize(1100, 760)          # the Monitor tab's share of a 1600 × 1000 window
     view.show()
+    overview = overview_sim = None
+    if args.overview > 0:
+        overview, overview_sim = start_overview(args.overview, wait)
     wait(300)
     hz = 10.0
     store = M.RingStore(M.COLUMN_NAMES, hz=hz)
@@ -179,10 +188,9 @@ def part_stall(args, app, wait) -> int:
         """The app's path from here on: MonitorView._hub_made starts the hub's generator on a worker thread and
         takes every tick through the worker's signal (MonitorView._on_tick)."""
         hub = M.MetricsHub([SyntheticSource(raw)], hz, store=store, engine="bench", simulated=False)
-        view._generation += 1
-        info = {"engine": "bench", "base_url": "synthetic (no engine)", "api_key": "", "label": "synthetic",
-                "numa_bound": True}
-        view._hub_made((hub, store, info, n), view._generation)
+        info = RunningEngine("synthetic (no engine)", "", engine="bench", label="synthetic", numa_bound=True,
+                             started_by_panel=False)
+        view._hub_made((hub, store, info, n))
 
     print("   updates: a MetricsHub at 10 Hz on a worker thread (run_generator), ticks through its signal to the "
           "view — the app's path; the hub's source is synthetic")
@@ -254,9 +262,39 @@ def part_stall(args, app, wait) -> int:
     view.close()
     view.deleteLater()
     view.store = None
+    if overview is not None:
+        print(f"   the overview strip beside it: {overview.polls} polls of {args.overview} connection(s) shown "
+              "(each on a worker thread, its lines updated on the GUI thread)")
+        overview.shutdown()
+        overview_sim.stop()
     wait(200)
 
     return 0
+
+
+def start_overview(n: int, wait):
+    """The engine column's overview strip, polling ``n`` saved connections (all to one scripted engine started
+    here) every second: what watching several boxes adds to the GUI thread."""
+    from app.connections_view import OverviewStrip
+    from engine_manager import connections as C
+    from engine_manager.sim.launch import SimProcess
+
+    sim = SimProcess(["--slots", "4"]).start()
+    sim.wait_ready()
+    for i in range(n):
+        C.add_connection(f"box{i}", sim.base_url, sim.api_key)
+    strip = OverviewStrip(period_s=1.0)
+    strip.set_names([c.name for c in C.load_connections()])
+    strip.resize(300, 200)
+    strip.show()
+    strip.poll()
+    for _ in range(100):
+        if strip.polls:
+            break
+        wait(50)
+    print(f"   overview: {n} saved connection(s) to a scripted engine, polled every 1 s on a worker (the panel: "
+          f"every {C.OVERVIEW_PERIOD_S:g} s); first poll shown: {strip.polls > 0}")
+    return strip, sim
 
 
 def part_engine(args, app, wait) -> int:
@@ -264,6 +302,7 @@ def part_engine(args, app, wait) -> int:
     from app.monitor_view import MonitorView
     from engine_manager import metrics as M
     from engine_manager.engines import get_engine
+    from engine_manager.session import RunningEngine
     from engine_manager.settings import load_settings
     from engine_manager.sim.launch import SimProcess
 
@@ -330,14 +369,14 @@ def part_engine(args, app, wait) -> int:
         def start_polling(rate: float) -> None:
             if abs(ctx2.settings.metrics_hz - rate) > 1e-9:
                 ctx2.update_settings({"metrics_hz": rate})
-            ctx2.set_ready(sim.base_url, sim.api_key)
+            ctx2.set_running(RunningEngine.from_status(None, sim.base_url, sim.api_key, engine="sim"))
             for _ in range(100):
                 if view2.hub is not None:
                     break
                 wait(50)
 
         def stop_polling() -> None:
-            ctx2.set_ready(None, None)
+            ctx2.set_running(None)
             for _ in range(100):
                 if not view2._stopping:
                     break

@@ -3,7 +3,7 @@ kept in RAM, and NVML's PCIe traffic while it decodes — all through the panel'
 
 What it does, in order (each step's output lands in ``--out``):
 
-1. writes a several-GB MoE GGUF with :mod:`engine_manager.tinymoe` (``--preset gpu``: qwen3moe, 12 MoE layers x
+1. writes a several-GB MoE GGUF with :mod:`engine_manager.testing.tinymoe` (``--preset gpu``: qwen3moe, 12 MoE layers x
    64 experts x 9.4 MiB F16, ~7.3 GB) unless it is already there;
 2. probes the hardware (``engine_manager.hardware.probe``) and runs the panel's planner against the real VRAM
    (``dsv41 plan`` when the CLI has it, else ``engine_manager.placement``), saving the plan;
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import threading
@@ -41,18 +40,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine_manager import hardware, tinymoe  # noqa: E402
+from engine_manager import hardware  # noqa: E402
+from engine_manager.testing import tinymoe  # noqa: E402
 from engine_manager.engines import get_engine  # noqa: E402
 from engine_manager.engines.llamacpp import PlacementSummary  # noqa: E402
 from engine_manager.settings import load_settings  # noqa: E402
+from engine_manager.sim.launch import free_port  # noqa: E402
 
 ENGINE = get_engine("llamacpp")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Nvml:
@@ -355,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         result["runs"].append(r)
         d1 = r.get("decode_1") or {}
         print(f"   ready {r.get('ready_s', 0):.1f} s; 1 user {d1.get('engine_tok_s_each')} tok/s (engine), "
-              f"poll median {d1.get('panel_poll_tok_s_median')}; PCIe RX {((d1.get('nvml') or {}).get('pcie_rx_mb_s_mean'))} MB/s;"
+              f"poll median {d1.get('panel_poll_tok_s_median')}; "
+              f"PCIe RX {((d1.get('nvml') or {}).get('pcie_rx_mb_s_mean'))} MB/s;"
               f" error {r.get('error')}", flush=True)
         (args.out / "llamacpp_gpu.json").write_text(json.dumps(result, indent=1, default=str))
     result["elapsed_s"] = time.monotonic() - t_start

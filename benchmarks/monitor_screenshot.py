@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -31,6 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from engine_manager.sim.launch import free_port  # noqa: E402
 
 
 TOPIC_QUESTIONS = (
@@ -59,9 +60,7 @@ def main() -> int:
     args = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="dsv41-shot-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for k in [k for k in os.environ if k.startswith("DSV41_")]:
         del os.environ[k]
     os.environ.update({"DSV41_CONFIG_DIR": str(tmp / "config"), "DSV41_DATA_DIR": str(tmp / "data"),
@@ -174,7 +173,7 @@ def main() -> int:
         # asks the window to close (and the engine panel to confirm)
         QTimer.singleShot(800, lambda: app.exit(0))
 
-    ctx.engineReady.connect(on_ready)
+    ctx.ownEngineChanged.connect(lambda r: r is not None and on_ready(r.base_url, r.api_key))
     QTimer.singleShot(500, ctx.requestStart.emit)
     QTimer.singleShot(int((args.seconds + 120) * 1000), finish)      # never hang
     app.exec()

@@ -103,7 +103,8 @@ def main() -> int:
         d = Path(a.dir) if a.dir else Path(tmp)
         if not list(d.glob("*-00001-of-00007.gguf")):
             r = write_replica(d, ReplicaSpec())
-            print(f"replica: {len(r.paths)} shards, {r.total_bytes / 1e9:.1f} GB apparent, written in {r.seconds:.2f} s")
+            print(f"replica: {len(r.paths)} shards, {r.total_bytes / 1e9:.1f} GB apparent, "
+                  f"written in {r.seconds:.2f} s")
         files = find_shards(d)
         write_back(files)
         lay = read_layout(d)
@@ -138,8 +139,10 @@ def main() -> int:
         for mode, (raw_t, plan_t) in results.items():
             rm, pm = statistics.median(raw_t), statistics.median(plan_t)
             ratios[mode] = (rm, pm, pm / rm if rm > 0 else float("inf"))
-            print(f"[{mode}] raw read of the header bytes : median {rm * 1e3:7.2f} ms  (best {min(raw_t) * 1e3:.2f} ms)")
-            print(f"[{mode}] read 7 headers + plan        : median {pm * 1e3:7.2f} ms  (best {min(plan_t) * 1e3:.2f} ms)")
+            print(f"[{mode}] raw read of the header bytes : median {rm * 1e3:7.2f} ms  "
+                  f"(best {min(raw_t) * 1e3:.2f} ms)")
+            print(f"[{mode}] read 7 headers + plan        : median {pm * 1e3:7.2f} ms  "
+                  f"(best {min(plan_t) * 1e3:.2f} ms)")
             print(f"[{mode}] ratio plan / raw             : {ratios[mode][2]:.2f}×")
         _, pm, ratio = ratios["cold"]
         ok_total = max(ratios["cold"][1], ratios["warm"][1]) <= GOAL_TOTAL_S

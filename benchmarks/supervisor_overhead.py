@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,12 +35,7 @@ import httpx  # noqa: E402
 from engine_manager import supervisor as sv  # noqa: E402
 from engine_manager.engines import get_engine  # noqa: E402
 from engine_manager.settings import load_settings  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine_manager.sim.launch import free_port  # noqa: E402
 
 
 def bare_start_stop(spec) -> tuple[float, float]:
@@ -67,11 +61,11 @@ def bare_start_stop(spec) -> tuple[float, float]:
 
 def supervised_start_stop(sup: sv.Supervisor) -> tuple[float, float]:
     t0 = time.perf_counter()
-    for ev in sup.run(get_engine("sim"), watch=False):
+    for _ in sup.run(get_engine("sim"), watch=False):
         pass
     ready = time.perf_counter() - t0
     t1 = time.perf_counter()
-    for ev in sup.stop():
+    for _ in sup.stop():
         pass
     return ready, time.perf_counter() - t1
 
@@ -94,7 +88,8 @@ def crash_notice(sup: sv.Supervisor) -> float:
 
 def log_throughput(lines: int) -> tuple[float, float]:
     d = Path(_TMP)
-    script = f"import sys\nw=sys.stdout.write\nfor i in range({lines}): w('line %d some engine output key=sk-XYZ\\n' % i)"
+    script = (f"import sys\nw=sys.stdout.write\n"
+              f"for i in range({lines}): w('line %d some engine output key=sk-XYZ\\n' % i)")
     t0 = time.perf_counter()
     with open(d / "direct.log", "wb") as f:
         subprocess.run([sys.executable, "-c", script], stdout=f, check=True)

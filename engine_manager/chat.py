@@ -25,10 +25,9 @@ The SSE framing is parsed by ``httpx-sse`` (a well-kept parser; it handles comme
 ``: keep-alive``, multi-line data and CRLF). Parsing costs a few microseconds per event, measured by
 ``benchmarks/chat_latency.py`` (far below a token's ~16 ms at 63 tok/s), so there is no reason to hand-write one.
 
-:func:`run_turn` is one chat turn recorded into :mod:`engine_manager.history`: once the engine accepted the request
-it stores the user's message, streams the answer, saves the partial answer as it arrives (throttled, so a killed
-process loses at most about half a second) and marks how it ended; a request refused before that leaves the
-history as it was. The CLI and the GUI both drive it.
+:func:`engine_manager.chat_turn.run_turn` is one chat turn recorded into :mod:`engine_manager.history` (it uses this
+client; this module never imports the history). The options and event types live in
+:mod:`engine_manager.chat_events` and are re-exported here.
 
 :func:`engine_target` / :func:`check_target` decide, from the supervisor's status, whether the engine at an address
 is the one the panel started before a request (and the API key) is sent there.
@@ -38,163 +37,36 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Generator, Mapping, Sequence
 
 import httpx
 from httpx_sse import EventSource, SSEError
 
+from .cancel import CancelToken
+from .chat_events import (  # noqa: F401 - re-exported: engine_manager.chat is where callers find them
+    MIN_RATE_SPAN_S,
+    REASONING_EFFORTS,
+    ChatEvent,
+    ChatOptions,
+    ContentDelta,
+    FinishReason,
+    ReasoningDelta,
+    StreamDone,
+    StreamOpened,
+    StreamStats,
+    TimingsInfo,
+    UsageInfo,
+)
 from .errors import UserError
 
-REASONING_EFFORTS = ("none", "low", "medium", "high")   # "none": answer without thinking
+if TYPE_CHECKING:
+    from .session import RunningEngine
+
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
-# Our tok/s needs tokens spread over at least this long: a burst read in one go has no meaningful rate (None).
-MIN_RATE_SPAN_S = 0.25
 # Strata sends ": keep-alive" comments while it reads a long prompt, so silence this long means a stalled engine.
 DEFAULT_READ_TIMEOUT_S = 120.0
-
-
-# ----------------------------------------------------------------------------------------------- options
-@dataclass
-class ChatOptions:
-    """Per-request options. ``None`` means "leave it to the engine" and is not sent."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    reasoning_effort: str | None = None
-    reproducible: bool = False           # Strata's strata_reproducible: bit-identical batched answers
-    seed: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)   # more top-level body keys, sent as they are
-
-    def body_fields(self) -> dict[str, Any]:
-        """The request-body keys these options add (all top-level, never nested under ``extra_body``)."""
-        out: dict[str, Any] = {}
-        if self.max_tokens is not None:
-            out["max_tokens"] = int(self.max_tokens)
-        if self.temperature is not None:
-            out["temperature"] = float(self.temperature)
-        if self.top_p is not None:
-            out["top_p"] = float(self.top_p)
-        if self.reasoning_effort:
-            out["reasoning_effort"] = str(self.reasoning_effort)
-        if self.reproducible:
-            out["strata_reproducible"] = True
-        if self.seed is not None:
-            out["seed"] = int(self.seed)
-        out.update(self.extra)
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        if not d["extra"]:
-            d.pop("extra")
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "ChatOptions":
-        d = dict(d or {})
-        known = {k: d[k] for k in ("max_tokens", "temperature", "top_p", "reasoning_effort", "reproducible",
-                                   "seed", "extra") if k in d}
-        return cls(**known)
-
-
-# ------------------------------------------------------------------------------------------------ events
-@dataclass(frozen=True, slots=True)
-class StreamOpened:
-    status: int
-    t: float                               # time.perf_counter() when the headers arrived
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningDelta:
-    text: str
-    t: float                               # time.perf_counter() when this chunk was parsed
-
-
-@dataclass(frozen=True, slots=True)
-class ContentDelta:
-    text: str
-    t: float
-
-
-@dataclass(frozen=True, slots=True)
-class FinishReason:
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class UsageInfo:
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    total_tokens: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class TimingsInfo:
-    """The engine's own timings (llama.cpp names), as the last chunk reports them."""
-
-    prompt_n: int | None
-    prompt_ms: float | None
-    prompt_per_second: float | None
-    predicted_n: int | None
-    predicted_ms: float | None
-    predicted_per_second: float | None
-
-
-@dataclass
-class StreamStats:
-    """What one streamed answer measured. Times in seconds from sending the request; None = not seen."""
-
-    ttft_s: float | None = None             # first token of any kind (reasoning or answer)
-    first_content_s: float | None = None    # first token of the answer proper
-    duration_s: float | None = None         # request sent → stream ended
-    reasoning_chunks: int = 0
-    content_chunks: int = 0
-    tok_s: float | None = None              # measured here: chunks after the first / time since the first
-                                            # (None when they all came within MIN_RATE_SPAN_S)
-    completion_tokens: int | None = None    # the engine's usage, else our chunk count
-    prompt_tokens: int | None = None
-    engine_tok_s: float | None = None       # timings.predicted_per_second
-    engine_prompt_tok_s: float | None = None
-    finish_reason: str | None = None
-    cancelled: bool = False
-    timings: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "StreamStats":
-        names = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in dict(d or {}).items() if k in names})
-
-    @property
-    def tokens(self) -> int:
-        if self.completion_tokens is not None:
-            return self.completion_tokens
-        return self.reasoning_chunks + self.content_chunks
-
-    def summary(self) -> str:
-        """``412 tokens · 18.4 tok/s · first token 0.61 s`` (units always, unknowns left out)."""
-        parts = [f"{self.tokens} tokens"]
-        if self.tok_s is not None:
-            parts.append(f"{self.tok_s:.1f} tok/s")
-        if self.engine_tok_s is not None:
-            parts.append(f"engine {self.engine_tok_s:.1f} tok/s")
-        if self.ttft_s is not None:
-            parts.append(f"first token {self.ttft_s:.2f} s")
-        return " · ".join(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class StreamDone:
-    stats: StreamStats
-
-
-ChatEvent = StreamOpened | ReasoningDelta | ContentDelta | FinishReason | UsageInfo | TimingsInfo | StreamDone
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -275,47 +147,6 @@ def http_error(status: int, body_text: str, base_url: str) -> ChatError:
 
 
 # ------------------------------------------------------------------------------------------------ cancel
-class CancelToken:
-    """Cancel a stream from any thread. Callbacks registered by the stream run once, on :meth:`cancel`."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
-        self.reason: str = "stopped"
-
-    def cancel(self, reason: str = "stopped") -> None:
-        with self._lock:
-            if self._event.is_set():
-                return
-            self.reason = reason
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            try:
-                cb()
-            except Exception:  # noqa: BLE001 - a closing socket may complain; cancel must not
-                pass
-
-    @property
-    def cancelled(self) -> bool:
-        return self._event.is_set()
-
-    def on_cancel(self, cb: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(cb)
-                return
-        cb()
-
-    def remove(self, cb: Callable[[], None]) -> None:
-        with self._lock:
-            try:
-                self._callbacks.remove(cb)
-            except ValueError:
-                pass
-
-
 def _shutdown(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -363,6 +194,12 @@ class ChatClient:
             limits=httpx.Limits(max_keepalive_connections=0),
         )
         self.read_timeout_s = read_timeout_s
+
+    @classmethod
+    def for_engine(cls, running: RunningEngine, **kw: Any) -> "ChatClient":
+        """A client for the running engine (:class:`engine_manager.session.RunningEngine`): its address and key;
+        ``kw`` as for the constructor (``model``, timeouts, ``engine_alive``)."""
+        return cls(running.base_url, running.api_key, **kw)
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -416,7 +253,7 @@ class ChatClient:
 
     # -- the stream -------------------------------------------------------------------------------------
     def stream(self, messages: Sequence[Mapping[str, Any]], options: ChatOptions | None = None,
-               cancel: CancelToken | None = None) -> Iterator[ChatEvent]:
+               cancel: CancelToken | None = None) -> Generator[ChatEvent, None, None]:
         """Post the chat and yield events as they arrive (see the module docstring)."""
         cancel = cancel or CancelToken()
         stats = StreamStats()
@@ -609,6 +446,25 @@ class EngineTarget:
     api_key: str | None
     where: str
     explicit: bool = False                   # named by the user (``dsv41 chat --url``): no ownership check
+    engine: RunningEngine | None = field(default=None, compare=False)   # the handle (engine_target fills it)
+
+    def running(self) -> RunningEngine:
+        """The :class:`~engine_manager.session.RunningEngine` to talk to: what the supervisor knows of the panel's
+        engine, or just the address and key (an engine the panel did not start)."""
+        if self.engine is not None:
+            return self.engine
+        from .session import RunningEngine
+        return RunningEngine(self.base_url, self.api_key or "", engine="unknown", started_by_panel=False)
+
+
+def _handle(st, base_url: str, api_key: str | None, *, simulated: bool = False, pid: int | None = None):
+    """The RunningEngine for ``base_url``: from the supervisor's status ``st`` when it is the panel's engine."""
+    from .session import RunningEngine
+    if st is not None and st.owner == "panel" and _same_url(st.base_url, base_url):
+        return RunningEngine.from_status(st, base_url, api_key or "", read_plan=False)
+    if simulated:
+        return RunningEngine.from_status(None, base_url, api_key or "", engine="sim", pid=pid, read_plan=False)
+    return RunningEngine(base_url, api_key or "", engine="unknown", started_by_panel=False)
 
 
 def engine_status(settings):
@@ -637,7 +493,9 @@ def _port_of(base_url: str) -> int | None:
 
 
 def _same_url(a: str | None, b: str | None) -> bool:
-    return bool(a and b) and a.rstrip("/") == b.rstrip("/")
+    if not a or not b:
+        return False
+    return a.rstrip("/") == b.rstrip("/")
 
 
 def scripted_by_hand(owner: dict[str, Any] | None) -> bool:
@@ -744,7 +602,8 @@ def engine_target(settings, url: str | None = None, *, status=None) -> EngineTar
     - else the settings' host and port (an engine run with ``dsv41 sim``; or nothing, and the request says so).
     """
     if url:
-        return EngineTarget(url.rstrip("/"), settings.api_key, "--url", explicit=True)
+        return EngineTarget(url.rstrip("/"), settings.api_key, "--url", explicit=True,
+                            engine=_handle(None, url.rstrip("/"), settings.api_key))
     st = status if status is not None else engine_status(settings)
     if st is not None and st.owner == "panel" and st.running and st.base_url:
         name = st.label or st.engine or "engine"
@@ -758,198 +617,13 @@ def engine_target(settings, url: str | None = None, *, status=None) -> EngineTar
         check_target(settings, st.base_url, settings.api_key, status=st)
         where = f"the engine the panel started, {name}" + (" (simulated)" if st.simulated and
                                                            "simul" not in name.lower() else "")
-        return EngineTarget(st.base_url, settings.api_key, where)
+        return EngineTarget(st.base_url, settings.api_key, where,
+                            engine=_handle(st, st.base_url, settings.api_key))
     check_target(settings, settings.base_url, settings.api_key, status=st)
     where = "the settings (host, port, api_key)"
-    if st is not None and st.external is not None and scripted_by_hand(st.external):
+    by_hand = st is not None and st.external is not None and scripted_by_hand(st.external)
+    if by_hand:
         where = f"the scripted engine run with `dsv41 sim` (pid {st.external.get('pid')})"
-    return EngineTarget(settings.base_url, settings.api_key, where)
-
-
-# ------------------------------------------------------------------------------------------------ one turn
-@dataclass(frozen=True)
-class TurnStarted:
-    """The engine accepted the request (HTTP 200, an event stream): the turn is in the history now."""
-
-    conversation_id: int
-    assistant_message_id: int
-    user_message_id: int | None
-    messages: list                          # history.Message list as stored now (the answer is the last one)
-
-
-@dataclass(frozen=True)
-class TurnEnded:
-    conversation_id: int | None             # None: the turn would have created it, and nothing was kept
-    assistant_message_id: int | None        # None when nothing was kept
-    status: str                             # history status: complete, stopped, interrupted, error
-    error: str | None
-    error_kind: str | None
-    stats: StreamStats
-    content: str
-    reasoning: str
-    saved: bool = True                      # False: the history is as it was before the turn (see run_turn)
-
-
-def _plan_context(store, conversation_id: int | None, mode: str, user_text: str | None,
-                  edit_message_id: int | None) -> list[dict[str, str]]:
-    """The messages a turn sends, read without changing the history; raises ValueError / HistoryError when the
-    turn cannot be asked at all."""
-    if mode == "send":
-        if not user_text or not user_text.strip():
-            raise ValueError("nothing to send: the message is empty")
-        if conversation_id is not None:
-            store.get_conversation(conversation_id)         # HistoryError (in plain words) when it is gone
-        prior = store.context_messages(conversation_id) if conversation_id is not None else []
-        return [*prior, {"role": "user", "content": user_text}]
-    if conversation_id is None:
-        raise ValueError(f"{mode} needs a saved conversation")
-    msgs = store.get_conversation(conversation_id).messages
-    if mode == "regenerate":
-        last_user = next((m for m in reversed(msgs) if m.role == "user"), None)
-        if last_user is None:
-            raise ValueError("nothing to regenerate: the conversation has no message of yours")
-        store.refuse_if_streaming(conversation_id, after=last_user.id)
-        return store.context_messages(conversation_id, through_id=last_user.id)
-    if mode == "edit":
-        if edit_message_id is None or not user_text or not user_text.strip():
-            raise ValueError("edit needs the message and its new text")
-        target = next((m for m in msgs if m.id == edit_message_id), None)
-        if target is None:
-            raise ValueError(f"message {edit_message_id} is not in conversation {conversation_id}")
-        if target.role != "user":
-            raise ValueError("only your own messages can be edited and sent again")
-        store.refuse_if_streaming(conversation_id, after=edit_message_id)
-        before = store.context_messages(conversation_id, through_id=edit_message_id)[:-1]
-        return [*before, {"role": "user", "content": user_text}]
-    raise ValueError(f"unknown mode {mode!r}")
-
-
-def run_turn(store, conversation_id: int | None, *, base_url: str, api_key: str | None,
-             options: ChatOptions | None = None, user_text: str | None = None, mode: str = "send",
-             edit_message_id: int | None = None, cancel: CancelToken | None = None, model: str | None = None,
-             read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, flush_interval_s: float = 0.5,
-             engine_alive: Callable[[], bool] | None = None, system_prompt: str | None = None,
-             ) -> Iterator[TurnStarted | ChatEvent | TurnEnded]:
-    """One chat turn, recorded. ``mode``: ``send`` (append ``user_text``), ``regenerate`` (replace the answers
-    after the last user message) or ``edit`` (replace message ``edit_message_id`` with ``user_text`` and what
-    followed it). ``conversation_id=None`` creates a conversation.
-
-    Nothing is written until the engine has accepted the request (HTTP 200 with an event stream): a request that
-    fails before that (nothing listens, 401, 409, 503, 400 …) leaves the history exactly as it was (no new
-    conversation, no question, no earlier answer dropped) and ends with ``TurnEnded(saved=False)`` — the caller
-    still has the question (the pane puts it back in the composer; the CLI has it on its command line). Once
-    accepted, the writes happen (conversation, question, the dropped answers of regenerate / edit) and
-    :class:`TurnStarted` is yielded; the answer is then saved as it streams (at most every ``flush_interval_s``
-    seconds, and at the end). A new question whose answer then fails before a single token arrived is taken back
-    out again (the conversation too, when this turn created it): ``saved=False`` as well.
-
-    Yields the stream's events, :class:`TurnStarted` right after :class:`StreamOpened`, and :class:`TurnEnded`
-    last — always, also on errors (``TurnEnded.error``), so a caller never has to catch a :class:`ChatError`.
-    Raises ValueError / ``HistoryError`` before anything is sent when the turn cannot be asked at all.
-    """
-    from .history import (
-        STATUS_COMPLETE,
-        STATUS_ERROR,
-        STATUS_INTERRUPTED,
-        STATUS_STOPPED,
-    )
-
-    options = options or ChatOptions()
-    cancel = cancel or CancelToken()
-    context = _plan_context(store, conversation_id, mode, user_text, edit_message_id)
-    if system_prompt:
-        context = [{"role": "system", "content": system_prompt}, *context]
-
-    created = False
-    user_id: int | None = None
-    recorder = None
-    n_reasoning = n_content = 0          # deltas seen: the token count if the stream ends without stats
-
-    def accept() -> TurnStarted:
-        nonlocal conversation_id, created, user_id, recorder
-        if conversation_id is None:
-            conversation_id = store.create_conversation(options=options.to_dict())
-            created = True
-        if mode == "send":
-            user_id = store.add_message(conversation_id, "user", user_text)
-        elif mode == "regenerate":
-            user_id = store.drop_trailing_answers(conversation_id)
-        else:
-            store.edit_message(conversation_id, edit_message_id, user_text)
-            user_id = edit_message_id
-        store.set_conversation_options(conversation_id, options.to_dict())
-        recorder = store.begin_answer(conversation_id, options=options.to_dict(), model=model)
-        return TurnStarted(conversation_id, recorder.message_id, user_id, store.messages(conversation_id))
-
-    stats = StreamStats()
-    status, error, error_kind = STATUS_COMPLETE, None, None
-    client = ChatClient(base_url, api_key, model=model, read_timeout_s=read_timeout_s, engine_alive=engine_alive)
-    events = client.stream(context, options, cancel)
-    try:
-        for ev in events:
-            if isinstance(ev, StreamOpened):
-                started = accept()
-                yield started
-                yield ev
-                continue
-            if isinstance(ev, ContentDelta):
-                n_content += 1
-                recorder.add_content(ev.text)
-            elif isinstance(ev, ReasoningDelta):
-                n_reasoning += 1
-                recorder.add_reasoning(ev.text)
-            elif isinstance(ev, StreamDone):
-                stats = ev.stats
-            if recorder is not None and recorder.due(flush_interval_s):
-                recorder.flush()
-            yield ev
-        if stats.cancelled:
-            if cancel.reason == "shutdown":
-                status, error = STATUS_INTERRUPTED, "The panel was closed while the answer streamed."
-            else:
-                status, error = STATUS_STOPPED, "Stopped by you."
-            error_kind = "cancelled"
-    except ChatError as exc:
-        error, error_kind = str(exc), exc.kind
-        stats = exc.stats or stats
-        status = STATUS_INTERRUPTED if recorder is not None and recorder.has_text else STATUS_ERROR
-    except GeneratorExit:
-        if recorder is not None:
-            recorder.finish(STATUS_INTERRUPTED, StreamStats(reasoning_chunks=n_reasoning, content_chunks=n_content,
-                                                            completion_tokens=n_reasoning + n_content).to_dict(),
-                            "The answer's reader went away.")
-        raise
-    except UserError as exc:     # e.g. the history refused the writes (another program streams an answer there)
-        error, error_kind = str(exc), "refused"
-        status = STATUS_INTERRUPTED if recorder is not None and recorder.has_text else STATUS_ERROR
-    except Exception as exc:  # noqa: BLE001 - anything else still ends the turn and is recorded
-        error, error_kind = f"{exc.__class__.__name__}: {exc}", "internal"
-        status = STATUS_INTERRUPTED if recorder is not None and recorder.has_text else STATUS_ERROR
-    finally:
-        events.close()
-        client.close()
-    if stats.reasoning_chunks + stats.content_chunks < n_reasoning + n_content:
-        stats.reasoning_chunks, stats.content_chunks = n_reasoning, n_content
-    if recorder is None:
-        # refused before the engine accepted it: nothing was written (or the writes failed half-way: undone)
-        if created:
-            try:
-                store.delete(conversation_id)
-            except UserError:
-                pass
-            conversation_id = None
-        yield TurnEnded(conversation_id, None, status, error, error_kind, stats, "", "", saved=False)
-        return
-    if mode == "send" and status in (STATUS_ERROR, STATUS_STOPPED) and not recorder.has_text:
-        # accepted, then failed (or stopped) before one token arrived: take the question back out
-        recorder.finish(status, stats.to_dict(), error)
-        if created:
-            store.delete(conversation_id)
-            conversation_id = None
-        else:
-            store.delete_messages(conversation_id, [m for m in (user_id, recorder.message_id) if m is not None])
-        yield TurnEnded(conversation_id, None, status, error, error_kind, stats, "", "", saved=False)
-        return
-    recorder.finish(status, stats.to_dict(), error)
-    yield TurnEnded(conversation_id, recorder.message_id, status, error, error_kind, stats, recorder.content,
-                    recorder.reasoning)
+    return EngineTarget(settings.base_url, settings.api_key, where,
+                        engine=_handle(None, settings.base_url, settings.api_key, simulated=by_hand,
+                                       pid=st.external.get("pid") if by_hand else None))

@@ -1,8 +1,29 @@
-"""How numbers read in the CLI and the GUI: durations, byte counts, ETAs and integer ranges."""
+"""How numbers read in the CLI and the GUI: durations, byte counts, ETAs and integer ranges — and the byte units.
+
+The units live here and nowhere else: ``KIB``/``MIB``/``GIB`` (powers of 1024: memory, VRAM, tensor sizes) and
+``KB``/``MB``/``GB`` (powers of 1000: download sizes, disks and RAM as they are sold).
+"""
 
 from __future__ import annotations
 
 from typing import Iterable
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+KB = 10**3
+MB = 10**6
+GB = 10**9
+
+
+def gib(n: float, digits: int = 1) -> str:
+    """``12.3 GiB`` (powers of 1024)."""
+    return f"{n / GIB:.{digits}f} GiB"
+
+
+def mib(n: float, digits: int = 0) -> str:
+    """``1,632 MiB`` (powers of 1024, thousands separated)."""
+    return f"{n / MIB:,.{digits}f} MiB"
 
 
 def duration(s: float | None) -> str:

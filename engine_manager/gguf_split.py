@@ -1,21 +1,80 @@
-"""Which file of a split GGUF is shard 1 — read from the split metadata, never from a file name.
+"""The one home for split-GGUF facts: shard file names, the split metadata, and which file is shard 1.
+
+Names. A split GGUF's files are named ``<stem>-0000N-of-0000M.gguf`` (N 1-based; llama.cpp's ``gguf-split`` and
+``gguf.GGUFWriter`` name them so): :data:`SPLIT_RE`, :func:`shard_name`, :func:`parse_shard_name`,
+:func:`short_name` (how the CLI and the Downloads tab show one), :func:`strip_shard_suffix`,
+:func:`first_shard_name`, :func:`first_shard_files` (where a model's shard 1 lies below a folder, by name) and
+:func:`find_shards` (the files a name points at, for the layout reader).
+
+Shard 1 — read from the split metadata, never from a file name.
 
 A split GGUF's files each carry ``split.no`` (0-based) and ``split.count`` (llama.cpp's ``gguf-split`` and
-``gguf.GGUFWriter`` write them; :mod:`engine_manager.layout` explains the format). Strata's engine and its packer
+``gguf.GGUFWriter`` write them; :mod:`engine_manager.gguf_header` reads them). Strata's engine and its packer
 take the split's *first* shard (``--native SHARD1``, ``tools/iq_pack.py --gguf SHARD1``), so the panel must name
 that file whatever the files are called: a renamed download, a replica, a model other than the seven
 ``DeepSeek-V4.1-Flash-Q2_K-0000N-of-00007.gguf`` files. The headers are read with the project's own header reader
-(:func:`engine_manager.layout.read_shard_header`: milliseconds per shard, no tensor data).
+(:func:`engine_manager.gguf_header.read_shard_header`: milliseconds per shard, no tensor data).
+:func:`split_problems` says whether a set of files agrees in its split keys (the download's last check).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
-from .layout import LayoutError, read_shard_header
+from .gguf_header import LayoutError, read_shard_header
+
+SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_SUFFIX_RE = re.compile(r"-\d{5}-of-\d{5}$")
+
+
+def shard_name(stem: str, n: int, count: int) -> str:
+    """``stem``, shard ``n`` (1-based) of ``count`` → ``<stem>-0000N-of-0000M.gguf``."""
+    return f"{stem}-{n:05d}-of-{count:05d}.gguf"
+
+
+def parse_shard_name(name: str) -> tuple[str, int, int] | None:
+    """``<stem>-0000N-of-0000M.gguf`` → ``(stem, N, M)`` (N 1-based); None for a name that is not a shard's."""
+    m = SPLIT_RE.match(name)
+    return (m.group("stem"), int(m.group("no")), int(m.group("count"))) if m else None
+
+
+def short_name(name: str) -> str:
+    """A shard's name as a table shows it: ``DeepSeek-V4.1-Flash-Q2_K-00003-of-00007.gguf`` → ``shard 3 of 7``;
+    any other name unchanged."""
+    p = parse_shard_name(name)
+    return f"shard {p[1]} of {p[2]}" if p else name
+
+
+def first_shard_name(name: str) -> str:
+    """The name of shard 1 of the split that the shard ``name`` belongs to (``…-00003-of-00007.gguf`` →
+    ``…-00001-of-00007.gguf``); any other name unchanged. A guess from the name only: :func:`first_shard` reads
+    the metadata."""
+    p = parse_shard_name(name)
+    return shard_name(p[0], 1, p[2]) if p else name
+
+
+FIRST_SHARD_GLOB = "*-00001-of-*.gguf"
+
+
+def first_shard_files(base: os.PathLike | str, max_depth: int = 3) -> list[Path]:
+    """Files named as a split's shard 1 in ``base`` or up to ``max_depth`` folders below it (the shallowest level
+    that has any, sorted); partial downloads (``.incomplete``) are skipped."""
+    base = Path(base)
+    for depth in range(max_depth + 1):
+        pattern = "/".join(["*"] * depth + [FIRST_SHARD_GLOB])
+        hits = sorted(x for x in base.glob(pattern) if SPLIT_RE.match(x.name) and ".incomplete" not in x.name)
+        if hits:
+            return hits
+    return []
+
+
+def strip_shard_suffix(stem: str) -> str:
+    """A shard's file stem without its ``-0000N-of-0000M`` part (``X-00001-of-00007`` → ``X``)."""
+    return _SUFFIX_RE.sub("", stem)
 
 
 class SplitError(UserError):
@@ -100,3 +159,79 @@ def find_split(path: os.PathLike | str) -> Split:
 def first_shard(path: os.PathLike | str) -> Path:
     """Shard 1 of the split at ``path`` (see :func:`find_split`)."""
     return find_split(path).first
+
+
+def find_shards(path: os.PathLike | str) -> list[Path]:
+    """The shard files of the model at ``path`` (a folder, the first shard, any shard, or a single .gguf), in order.
+    Raises :class:`LayoutError` for a missing shard or a folder with no model or several models."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        files = sorted(x for x in p.iterdir() if x.name.endswith(".gguf") and x.is_file())
+        if not files:
+            raise LayoutError(p, "no .gguf files in this folder",
+                              "Download the model (dsv41 download) or point --model-dir at the folder with its shards")
+        firsts = [x for x in files if (m := SPLIT_RE.match(x.name)) and int(m.group("no")) == 1]
+        singles = [x for x in files if not SPLIT_RE.match(x.name)]
+        if len(firsts) == 1:
+            p = firsts[0]
+        elif len(firsts) > 1:
+            names = ", ".join(x.name for x in firsts)
+            raise LayoutError(p, f"several models in one folder ({names})",
+                              "Keep one model per folder, or pass the first shard's path")
+        elif len(singles) == 1:
+            return singles
+        else:
+            shards = [x.name for x in files if SPLIT_RE.match(x.name)]
+            if shards:
+                m = SPLIT_RE.match(shards[0])
+                assert m
+                raise LayoutError(p / shard_name(m.group("stem"), 1, int(m.group("count"))),
+                                  f"shard 1 of {int(m.group('count'))} is missing",
+                                  "Download the missing shard (dsv41 download resumes)")
+            raise LayoutError(p, f"several .gguf files and none is a split's first shard ({len(files)} files)",
+                              "Point at the model's file directly")
+    elif not p.exists():
+        raise LayoutError(p, "file not found", "Check the path, or download the model (dsv41 download)")
+    m = SPLIT_RE.match(p.name)
+    if not m:
+        return [p]
+    count = int(m.group("count"))
+    if count < 1 or count > 9999:
+        raise LayoutError(p, f"absurd shard count {count} in the file name")
+    stem = m.group("stem")
+    out = []
+    for i in range(1, count + 1):
+        q = p.with_name(shard_name(stem, i, count))
+        if not q.is_file():
+            raise LayoutError(q, f"shard {i} of {count} is missing",
+                              "Download the missing shard (dsv41 download resumes), or check the folder")
+        out.append(q)
+    return out
+
+
+def split_problems(files: list[Path]) -> list[str]:
+    """Problems with the split keys of ``files`` (in shard order); empty when they agree: every file says
+    ``split.count`` = len(files), its own ``split.no`` (0-based) matching its place, and one ``split.tensors.count``.
+    Uses :func:`engine_manager.gguf_header.read_shard_header` (the planner's header reader)."""
+    problems: list[str] = []
+    totals: set[int] = set()
+    for i, p in enumerate(files):
+        try:
+            md = read_shard_header(p).metadata
+        except LayoutError as exc:
+            problems.append(str(exc))
+            continue
+        no, count, tcount = md.get("split.no"), md.get("split.count"), md.get("split.tensors.count")
+        if len(files) > 1 and (no is None or count is None):
+            problems.append(f"{p.name}: no split.no / split.count keys — not a shard of a split GGUF")
+            continue
+        if count is not None and int(count) != len(files):
+            problems.append(f"{p.name}: split.count is {count}, the set has {len(files)} files")
+        if no is not None and int(no) != i:
+            problems.append(f"{p.name}: split.no is {no} (shard {int(no) + 1}), but it is named as shard {i + 1}")
+        if tcount is not None:
+            totals.add(int(tcount))
+    if len(totals) > 1:
+        problems.append(f"the shards disagree about split.tensors.count ({sorted(totals)}): they come from "
+                        "different splits")
+    return problems

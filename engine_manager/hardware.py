@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from . import fmt
+from . import fmt, nvml
 
 SYSFS = Path("/sys")
 
@@ -183,6 +183,8 @@ def _existing_parent(p: Path) -> Path:
 def probe_host(disk_path: Path, sysfs: Path = SYSFS) -> HostInfo:
     vm = psutil.virtual_memory()
     target = _existing_parent(Path(disk_path))
+    free: int | None
+    total: int | None
     try:
         du = shutil.disk_usage(target)
         free, total = du.free, du.total
@@ -206,19 +208,13 @@ def probe_host(disk_path: Path, sysfs: Path = SYSFS) -> HostInfo:
 
 # -- GPUs --------------------------------------------------------------------------------------------------
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+_s = nvml.text
+_try = nvml.attempt
+nvml_reason = nvml.nvml_reason      # the words for NVML's errors live in engine_manager.nvml
 
 
-def _try(fn, *args):
-    try:
-        return fn(*args)
-    except Exception:  # NVML raises NVMLError_NotSupported & co. per query; a missing answer is None
-        return None
-
-
-def _gpu_numa(nvml, handle, bus_id: str, nodes: list[NumaNodeInfo], sysfs: Path) -> tuple[int | None, str]:
-    getter = getattr(nvml, "nvmlDeviceGetNumaNodeId", None)
+def _gpu_numa(lib, handle, bus_id: str, nodes: list[NumaNodeInfo], sysfs: Path) -> tuple[int | None, str]:
+    getter = getattr(lib, "nvmlDeviceGetNumaNodeId", None)
     if getter is not None:
         v = _try(getter, handle)
         if isinstance(v, int) and v >= 0:
@@ -229,8 +225,8 @@ def _gpu_numa(nvml, handle, bus_id: str, nodes: list[NumaNodeInfo], sysfs: Path)
             return v, "sysfs"
     except (OSError, ValueError):
         pass
-    affinity = getattr(nvml, "nvmlDeviceGetMemoryAffinity", None)
-    scope = getattr(nvml, "NVML_AFFINITY_SCOPE_NODE", 0)
+    affinity = getattr(lib, "nvmlDeviceGetMemoryAffinity", None)
+    scope = getattr(lib, "NVML_AFFINITY_SCOPE_NODE", 0)
     if affinity is not None and len(nodes) > 1:
         words = _try(affinity, handle, max(1, (max(n.id for n in nodes) // 64) + 1), scope)
         if words:
@@ -240,39 +236,6 @@ def _gpu_numa(nvml, handle, bus_id: str, nodes: list[NumaNodeInfo], sysfs: Path)
     if len(nodes) == 1:
         return nodes[0].id, "single-node"
     return None, "unknown"
-
-
-# NVML's error classes (pynvml names them NVMLError_<Name>) in plain words: what happened and what to do
-_NVML_WORDS = {
-    "GpuIsLost": "the GPU has fallen off the bus (NVML: GPU is lost); check its power and seating, look for Xid "
-                 "errors in dmesg, then reboot",
-    "ResetRequired": "the GPU needs a reset (NVML: reset required); reboot, or run nvidia-smi -r while nothing uses it",
-    "NoPermission": "no permission to query it (NVML: insufficient permissions); check the permissions of "
-                    "/dev/nvidia*",
-    "Timeout": "the driver did not answer in time (NVML: timeout); try again, and look for Xid errors in dmesg",
-    "LibRmVersionMismatch": "the NVML library and the loaded kernel driver are of different versions; reboot after "
-                            "the driver update",
-    "InsufficientPower": "the GPU reports insufficient power; check its power cables",
-    "CorruptedInforom": "the GPU's infoROM is corrupted; the GPU needs service",
-    "IrqIssue": "the driver reports an interrupt problem with the GPU; look for Xid errors in dmesg, then reboot",
-    "Memory": "NVML ran out of host memory",
-    "Uninitialized": "NVML is not initialised",
-    "DriverNotLoaded": "the NVIDIA driver is not loaded",
-}
-
-
-def nvml_reason(exc: BaseException, what: str) -> str:
-    """A plain-words reason for an NVML query about ``what`` that raised ``exc`` (an NVMLError or anything else a
-    query raised): every NVML failure ends as one of these, never as an exception out of :func:`probe`."""
-    name = type(exc).__name__
-    words = _NVML_WORDS.get(name.removeprefix("NVMLError_"))
-    if words is None:
-        try:
-            text = str(exc) or name
-        except Exception:  # pynvml's __str__ asks the library, which may be the thing that failed
-            text = name
-        words = f"NVML error ({text})" if name.startswith("NVMLError") else f"unexpected answer ({name}: {text})"
-    return f"{what}: {words}"
 
 
 def gpu_reason(count: int, n_read: int, failures: list[str]) -> str | None:
@@ -287,11 +250,11 @@ def gpu_reason(count: int, n_read: int, failures: list[str]) -> str | None:
     return None
 
 
-def _read_gpu(nvml, i: int, driver: str, cuda_s: str | None, nodes: list[NumaNodeInfo], sysfs: Path) -> GpuInfo:
+def _read_gpu(lib, i: int, driver: str, cuda_s: str | None, nodes: list[NumaNodeInfo], sysfs: Path) -> GpuInfo:
     """GPU ``i``. Without a handle or its memory figures there is no GPU to plan for (raises); a missing name, UUID
     or bus id is a placeholder and a reason in ``GpuInfo.error``."""
-    h = nvml.nvmlDeviceGetHandleByIndex(i)
-    mem = nvml.nvmlDeviceGetMemoryInfo(h)
+    h = lib.nvmlDeviceGetHandleByIndex(i)
+    mem = lib.nvmlDeviceGetMemoryInfo(h)
     problems: list[str] = []
 
     def soft(what: str, fn, default: str) -> str:
@@ -301,11 +264,11 @@ def _read_gpu(nvml, i: int, driver: str, cuda_s: str | None, nodes: list[NumaNod
             problems.append(nvml_reason(exc, what))
             return default
 
-    bus = soft("PCI bus id", lambda h: nvml.nvmlDeviceGetPciInfo(h).busId, "")
-    name = soft("name", nvml.nvmlDeviceGetName, f"NVIDIA GPU {i} (name unknown)")
-    uuid = soft("UUID", nvml.nvmlDeviceGetUUID, "")
-    cc = _try(nvml.nvmlDeviceGetCudaComputeCapability, h)
-    node, src = _gpu_numa(nvml, h, bus, nodes, sysfs)
+    bus = soft("PCI bus id", lambda h: lib.nvmlDeviceGetPciInfo(h).busId, "")
+    name = soft("name", lib.nvmlDeviceGetName, f"NVIDIA GPU {i} (name unknown)")
+    uuid = soft("UUID", lib.nvmlDeviceGetUUID, "")
+    cc = _try(lib.nvmlDeviceGetCudaComputeCapability, h)
+    node, src = _gpu_numa(lib, h, bus, nodes, sysfs)
     node_cpus = next((n.cpus for n in nodes if n.id == node), []) if node is not None else []
     return GpuInfo(
         index=i,
@@ -318,10 +281,10 @@ def _read_gpu(nvml, i: int, driver: str, cuda_s: str | None, nodes: list[NumaNod
         driver_version=driver,
         cuda_driver_version=cuda_s,
         compute_capability=f"{cc[0]}.{cc[1]}" if cc else None,
-        pcie_gen_current=_try(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
-        pcie_gen_max=_try(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
-        pcie_width_current=_try(nvml.nvmlDeviceGetCurrPcieLinkWidth, h),
-        pcie_width_max=_try(nvml.nvmlDeviceGetMaxPcieLinkWidth, h),
+        pcie_gen_current=_try(lib.nvmlDeviceGetCurrPcieLinkGeneration, h),
+        pcie_gen_max=_try(lib.nvmlDeviceGetMaxPcieLinkGeneration, h),
+        pcie_width_current=_try(lib.nvmlDeviceGetCurrPcieLinkWidth, h),
+        pcie_width_max=_try(lib.nvmlDeviceGetMaxPcieLinkWidth, h),
         numa_node=node,
         numa_node_source=src,
         numa_cpus=list(node_cpus),
@@ -333,38 +296,29 @@ def probe_gpus(sysfs: Path = SYSFS, nodes: list[NumaNodeInfo] | None = None
                ) -> tuple[list[GpuInfo], str | None, str | None]:
     """(gpus, reason when there are none or some could not be read, NVML version). Never raises for NVML."""
     try:
-        import pynvml as nvml
-    except ImportError:
-        return [], "nvidia-ml-py is not installed (pip install nvidia-ml-py)", None
-    try:
-        nvml.nvmlInit()
-    except Exception as exc:
-        name = type(exc).__name__
-        if "LibraryNotFound" in name:
-            return [], "no NVIDIA driver (its NVML library, libnvidia-ml.so, is missing)", None
-        if "DriverNotLoaded" in name:
-            return [], "the NVIDIA driver is installed but not loaded (is a GPU present? try nvidia-smi)", None
-        return [], nvml_reason(exc, "NVML could not start"), None
+        n = nvml.acquire()
+    except nvml.NvmlUnavailable as exc:
+        return [], str(exc), None
     nodes = nodes if nodes is not None else numa_nodes(sysfs)
     try:
-        nvml_version = _s(_try(nvml.nvmlSystemGetNVMLVersion) or "") or None
-        driver = _s(_try(nvml.nvmlSystemGetDriverVersion) or "")
-        cuda = _try(nvml.nvmlSystemGetCudaDriverVersion)
+        nvml_version = _s(_try(n.nvmlSystemGetNVMLVersion) or "") or None
+        driver = _s(_try(n.nvmlSystemGetDriverVersion) or "")
+        cuda = _try(n.nvmlSystemGetCudaDriverVersion)
         cuda_s = f"{cuda // 1000}.{(cuda % 1000) // 10}" if isinstance(cuda, int) else None
         try:
-            count = int(nvml.nvmlDeviceGetCount())
+            count = nvml.device_count(n)
         except Exception as exc:
             return [], nvml_reason(exc, "counting the GPUs"), nvml_version
         gpus: list[GpuInfo] = []
         failures: list[str] = []
         for i in range(count):
             try:
-                gpus.append(_read_gpu(nvml, i, driver, cuda_s, nodes, sysfs))
+                gpus.append(_read_gpu(n, i, driver, cuda_s, nodes, sysfs))
             except Exception as exc:  # a GPU lost mid-probe is a reason, not a traceback
                 failures.append(nvml_reason(exc, f"GPU {i}"))
         return gpus, gpu_reason(count, len(gpus), failures), nvml_version
     finally:
-        _try(nvml.nvmlShutdown)
+        nvml.release(n)
 
 
 def probe(disk_path: Path | None = None, sysfs: Path = SYSFS) -> HardwareReport:

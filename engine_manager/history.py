@@ -14,7 +14,8 @@ Statuses of a message: ``complete``; ``streaming`` (being written now); ``stoppe
 ``interrupted`` (the stream broke: engine died, connection lost, error frame mid-answer, panel closed or killed);
 ``error`` (the engine accepted a regenerate / edit, then failed before any token). A request the engine refuses
 (nothing listens, HTTP 401 / 409 / 503 …) is never written at all, and a new question whose answer fails before
-its first token is taken back out (:func:`engine_manager.chat.run_turn`), so failures leave no empty conversations.
+its first token is taken back out (:func:`engine_manager.chat_turn.run_turn`), so failures leave no empty
+conversations.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ import psutil
 
 from . import paths
 from .atomic import ensure_private_dir, move_aside
+from .chat_events import (
+    StreamStats,  # the stats type only: the history never imports the chat client (httpx)
+)
 from .errors import UserError
 
 DB_NAME = "chat_history.sqlite3"
@@ -168,6 +172,14 @@ def _writer_alive(pid: int | None, started: float | None) -> bool:
     return started is None or abs(now_started - float(started)) < 1.0
 
 
+def _new_id(cur: sqlite3.Cursor) -> int:
+    """The id of the row the INSERT on ``cur`` just added (``lastrowid`` is None only when it added none)."""
+    rowid = cur.lastrowid
+    if rowid is None:
+        raise sqlite3.DatabaseError("the INSERT added no row")
+    return rowid
+
+
 def _message(row: sqlite3.Row) -> Message:
     return Message(id=row["id"], conversation_id=row["conversation_id"], role=row["role"], content=row["content"],
                    reasoning=row["reasoning"], status=row["status"], error=row["error"],
@@ -268,7 +280,7 @@ class HistoryStore:
                 "INSERT INTO conversations (title, titled, created_at, updated_at, options) VALUES (?, ?, ?, ?, ?)",
                 (title.strip() if title and title.strip() else DEFAULT_TITLE, 1 if title and title.strip() else 0,
                  now, now, _dumps(options or {})))
-            return int(cur.lastrowid)
+            return _new_id(cur)
 
     def _check_conversation(self, conn: sqlite3.Connection, cid: int) -> sqlite3.Row:
         row = conn.execute("SELECT * FROM conversations WHERE id = ?", (int(cid),)).fetchone()
@@ -338,7 +350,7 @@ class HistoryStore:
                 conn.execute("UPDATE conversations SET title = ?, titled = 1 WHERE id = ?",
                              (title_from(content), int(cid)))
             conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, int(cid)))
-            return int(cur.lastrowid)
+            return _new_id(cur)
 
     def edit_message(self, cid: int, mid: int, content: str) -> None:
         """Replace a user message's text and drop every message after it (they answered the old text)."""
@@ -418,7 +430,7 @@ class HistoryStore:
                 "created_at, updated_at) VALUES (?, 'assistant', ?, ?, ?, ?, ?, ?, ?)",
                 (int(cid), STATUS_STREAMING, _dumps(options), model, os.getpid(), _ME_STARTED, now, now))
             conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, int(cid)))
-            mid = int(cur.lastrowid)
+            mid = _new_id(cur)
         return AnswerRecorder(self, cid, mid)
 
     def mark_interrupted(self, mid: int, error: str) -> None:
@@ -498,9 +510,6 @@ def _status_note(m: Message) -> str:
     parts: list[str] = []
     if m.role == "assistant":
         stats = m.stats or {}
-        from .chat import (
-            StreamStats,  # local: history does not need httpx unless it formats stats
-        )
         if stats:
             parts.append(StreamStats.from_dict(stats).summary())
         if m.status != STATUS_COMPLETE:

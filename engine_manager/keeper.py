@@ -198,8 +198,8 @@ def main(argv: list[str]) -> int:
         return 2
     i = argv.index("--")
     opts, cmd = argv[:i], argv[i + 1:]
-    conf = {"--log": None, "--exit-file": None, "--max-bytes": "10485760", "--backups": "3", "--follow": None,
-            "--follow-prefix": FOLLOW_PREFIX}
+    conf: dict[str, str | None] = {"--log": None, "--exit-file": None, "--max-bytes": "10485760", "--backups": "3",
+                                   "--follow": None, "--follow-prefix": FOLLOW_PREFIX}
     flags = {"--mask-stdin": False}
     it = iter(opts)
     for k in it:
@@ -212,6 +212,11 @@ def main(argv: list[str]) -> int:
         conf[k] = next(it, None)
     if not conf["--log"] or not conf["--exit-file"] or not cmd:
         print("keeper: --log, --exit-file and a command are required", file=sys.stderr)
+        return 2
+    try:
+        max_bytes, backups = int(conf["--max-bytes"] or ""), int(conf["--backups"] or "")
+    except ValueError:
+        print("keeper: --max-bytes and --backups take a whole number", file=sys.stderr)
         return 2
     env = dict(os.environ)
     secrets = [s.encode() for s in env.pop(MASK_ENV, "").split("\n") if s]
@@ -232,7 +237,7 @@ def main(argv: list[str]) -> int:
             elif line:
                 secrets.append(line)
     try:
-        log = RotatingLog(conf["--log"], int(conf["--max-bytes"]), int(conf["--backups"]))
+        log = RotatingLog(conf["--log"], max_bytes, backups)
     except OSError as exc:
         print(f"keeper: cannot open the engine log: {exc.strerror if isinstance(exc, LinkRefused) else exc}",
               file=sys.stderr)
@@ -248,8 +253,8 @@ def main(argv: list[str]) -> int:
             print(f"keeper: cannot follow the engine's own log: {msg}", file=sys.stderr)
             return 2
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_a: None)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_a: None)
 
     try:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -262,6 +267,7 @@ def main(argv: list[str]) -> int:
                                 "ended_at": time.time(), "keeper_pid": os.getpid(), "spawn_error": str(exc)})
         return 127
 
+    assert child.stdout is not None                 # stdout=PIPE
     fd = child.stdout.fileno()
     pending = b""
     while True:

@@ -31,6 +31,9 @@ experts (113.8 GiB) are cold. RAM = 183.3 GiB experts + 40.8 GiB lookup tables +
 
 A predicted hit rate comes only from real frequencies (traces, saved observed routing); without them it is None
 and the plan says "unknown until the engine has seen traffic". A STRP profile only ranks.
+
+Where the model is, the replica the scripted engine plans with, and the saved plans (the plan store) are
+:mod:`engine_manager.plans`; their names are also reachable here (``placement.load_last_plan``) for older callers.
 """
 
 from __future__ import annotations
@@ -43,16 +46,13 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from . import paths
-from .atomic import atomic_write_json
+from .fmt import GB, GIB, MIB
 from .hardware import GpuInfo, HardwareReport, HostInfo, NumaNodeInfo
-from .layout import LayoutError, ModelLayout, read_layout
+from .layout import ModelLayout
 from .routing import CoverageCurve, FrequencyTable, Usage, coverage_curve, rank_by_density, write_strp
 
 SCHEMA = 1
-MiB = 1 << 20
-GiB = 1 << 30
-GB = 10**9
+MiB, GiB, GB = MIB, GIB, GB     # the units of engine_manager.fmt, under the names this module's callers know
 
 REFERENCE_GPU_NAME = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
 REFERENCE_VRAM_MIB = 97_887
@@ -272,7 +272,7 @@ class Plan:
             "notes": list(self.notes),
         }
         if self.coverage is not None:
-            cov = self.coverage.sampled(256)
+            cov: dict[str, Any] = dict(self.coverage.sampled(256))
             cov["chosen"] = {"n_hot": self.n_hot, "hot_bytes": self.hot_expert_bytes,
                              "hit_rate": self.predicted_hit_rate}
             d["coverage"] = cov
@@ -502,7 +502,7 @@ def plan(layout: ModelLayout, hardware: HardwareReport | None, usage: Usage | Fr
                                f"({(hot_bytes / n_hot if n_hot else 0) / MiB:.2f} MiB each)")]
     vram = Budget(vram_total, vram_terms)
 
-    # -- RAM ------------------------------------------------------------------------------------------------------------
+    # -- RAM ---------------------------------------------------------------------------------------------------------
     cold_bytes = int(eb_flat.sum()) - hot_bytes
     lookup = [t for t in layout.tensors if t.lookup]
     lookup_bytes = sum(t.n_bytes for t in lookup)
@@ -516,8 +516,9 @@ def plan(layout: ModelLayout, hardware: HardwareReport | None, usage: Usage | Fr
              "embedding lookup tables: " + (", ".join(sorted({t.name.split('.')[0] if t.layer is None
                                                               else t.name.split('.')[2].rsplit('_', 2)[0]
                                                               for t in lookup})) or "none")),
-        Term("pinned staging", staging, f"PCIe upload buffers and CPU expert pool activations: "
-                                        f"{s.staging_base_mib:,} MiB + {s.staging_per_slot_mib} MiB × {s.slots} slot(s)"),
+        Term("pinned staging", staging,
+             f"PCIe upload buffers and CPU expert pool activations: "
+             f"{s.staging_base_mib:,} MiB + {s.staging_per_slot_mib} MiB × {s.slots} slot(s)"),
         Term("OS headroom", headroom, f"max({s.os_headroom_min_bytes / GiB:.0f} GiB, "
                                       f"{s.os_headroom_share:.0%} of RAM): the OS, page cache, the server"),
     ]
@@ -526,7 +527,8 @@ def plan(layout: ModelLayout, hardware: HardwareReport | None, usage: Usage | Fr
         shortfalls.append(Shortfall("ram", ram.total_bytes, ram_total, ram_terms))
         reasons.append(f"RAM cannot hold the minimum layout: it needs {ram.total_bytes / GB:.1f} GB "
                        f"({ram.total_bytes / GiB:.1f} GiB), the host has {ram_total / GB:.1f} GB "
-                       f"({ram_total / GiB:.1f} GiB) — {(ram.total_bytes - ram_total) / GB:.1f} GB short. Add RAM, or use the engine's low-RAM mode "
+                       f"({ram_total / GiB:.1f} GiB) — {(ram.total_bytes - ram_total) / GB:.1f} GB short. Add RAM, "
+                       "or use the engine's low-RAM mode "
                        "(--mmap-experts: experts read from disk, much slower)")
     refused = "; ".join(reasons) if reasons else None
 
@@ -598,223 +600,16 @@ def _hardware_label(hw: HardwareReport, gpu: GpuInfo | None, hyp: bool) -> str:
     return f"this host ({hw.host.hostname}): {g}, {r}"
 
 
-# -- where the model is, the replica for the scripted engine, saved plans -------------------------------------------
-
-def find_model(settings: Any) -> Path | None:
-    """The first shard of the model the settings point at (``model_dir``, else the download cache), or None."""
-    from .layout import SPLIT_RE
-    cands: list[Path] = []
-    md = getattr(settings, "model_dir", None)
-    if md:
-        cands.append(Path(md).expanduser())
-    cache = getattr(settings, "cache_path", None)
-    if cache:
-        cands.append(Path(cache))
-    for base in cands:
-        if not base.is_dir():
-            continue
-        for depth in range(4):
-            pattern = "/".join(["*"] * depth + ["*-00001-of-*.gguf"])
-            hits = sorted(x for x in base.glob(pattern) if SPLIT_RE.match(x.name) and ".incomplete" not in x.name)
-            if hits:
-                return hits[0]
-    return None
+_STORE_NAMES = frozenset({
+    "find_model", "sim_replica_dir", "default_sim_layout", "plans_dir", "LAST_PLAN_NAME", "OTHER_PLAN_NAME",
+    "last_plan_path", "other_plan_path", "why_not_startable", "save_plan", "load_last_plan", "load_shown_plan",
+    "StoredPlan", "store_plan", "PlanRequest", "PlanOutcome", "make_plan",
+})
 
 
-def sim_replica_dir() -> Path:
-    return paths.data_dir() / "replica"
-
-
-def default_sim_layout(directory: os.PathLike | str | None = None) -> ModelLayout:
-    """The replica's layout, generated on first use into ``<data dir>/replica`` (sparse: kilobytes on disk); what the
-    scripted engine and demos plan with when no real model exists."""
-    from .replica import ReplicaSpec, write_replica
-    d = Path(directory) if directory else sim_replica_dir()
-    try:
-        lay = read_layout(d)
-        if lay.n_routed_experts == 15_360 and len(lay.shards) == 7:
-            return lay
-    except LayoutError:
-        pass
-    tmp = d.with_name(f".{d.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        for f in tmp.iterdir():
-            f.unlink()
-    write_replica(tmp, ReplicaSpec())
-    if d.exists():
-        for f in d.glob("*.gguf"):
-            f.unlink()
-        for f in tmp.iterdir():
-            os.replace(f, d / f.name)
-        tmp.rmdir()
-    else:
-        d.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(tmp, d)
-        except OSError:                      # another process won the race: use its replica
-            for f in tmp.iterdir():
-                f.unlink()
-            tmp.rmdir()
-    return read_layout(d)
-
-
-def plans_dir() -> Path:
-    return paths.data_dir() / "plans"
-
-
-LAST_PLAN_NAME = "last-plan"        # the plan `dsv41 start` (supervisor.default_plan) uses: this machine, not refused
-OTHER_PLAN_NAME = "other-plan"      # the last refused or hypothetical plan: shown again by the Placement tab only
-
-
-def last_plan_path() -> Path:
-    return plans_dir() / f"{LAST_PLAN_NAME}.json"
-
-
-def other_plan_path() -> Path:
-    return plans_dir() / f"{OTHER_PLAN_NAME}.json"
-
-
-def why_not_startable(plan: "Plan | dict[str, Any]") -> str | None:
-    """Why a plan must not become the last plan that ``dsv41 start`` uses, or None when it may. The same rule as
-    ``supervisor.default_plan``: a refused plan, or one made for a hypothetical host (``--vram-gib``/``--ram-gib``,
-    the guides' workstation), never starts an engine on this machine."""
-    if isinstance(plan, Plan):
-        refused, hyp = plan.refused, plan.hypothetical
-    else:
-        refused, hyp = plan.get("refused"), (plan.get("hardware") or {}).get("hypothetical")
-    if refused:
-        return "it was refused"
-    if hyp:
-        return "it is for a hypothetical host, not this machine"
-    return None
-
-
-def save_plan(plan_dict: dict[str, Any], path: os.PathLike | str | None = None) -> Path:
-    """Write a plan's JSON atomically (default: ``<data dir>/plans/last-plan.json``)."""
-    p = Path(path) if path else last_plan_path()
-    atomic_write_json(p, plan_dict)
-    return p
-
-
-def _load_plan_file(p: Path) -> dict[str, Any] | None:
-    import json
-    try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) and d.get("schema") == SCHEMA else None
-
-
-def load_last_plan() -> dict[str, Any] | None:
-    return _load_plan_file(last_plan_path())
-
-
-def load_shown_plan() -> dict[str, Any] | None:
-    """The newest of the last plan and the last refused / hypothetical one: what the Placement tab shows again
-    after a restart (``dsv41 start`` only ever uses :func:`load_last_plan`)."""
-    cands = [d for d in (_load_plan_file(last_plan_path()), _load_plan_file(other_plan_path())) if d]
-    if not cands:
-        return None
-    return max(cands, key=lambda d: d.get("created_at") or 0)
-
-
-@dataclass
-class StoredPlan:
-    """Where :func:`store_plan` put a plan. ``startable``: it is now the last plan ``dsv41 start`` uses;
-    otherwise ``reason`` says why not (and the last plan, if any, is unchanged)."""
-    plan_dict: dict[str, Any]
-    path: Path | None
-    strp_path: Path | None
-    startable: bool
-    reason: str | None
-
-    def describe(self) -> str:
-        """One line for the user: where it went and whether ``dsv41 start`` will use it."""
-        prof = f" (+ Strata profile {self.strp_path})" if self.strp_path else ""
-        if self.path is None:
-            last = last_plan_path()
-            return ("Not saved (--no-save): " + (f"`dsv41 start` keeps using {last}." if last.exists() else
-                                                 "`dsv41 start` plans for this machine itself."))
-        if self.startable:
-            return f"Saved as the plan `dsv41 start` uses: {self.path}{prof}"
-        last = last_plan_path()
-        keep = f"the last plan ({last}) is unchanged" if last.exists() else \
-            "`dsv41 start` plans for this machine itself"
-        return (f"Saved to {self.path}{prof} for the Placement tab, not as the plan `dsv41 start` uses: "
-                f"{self.reason}; {keep}.")
-
-
-def store_plan(p: "Plan", *, save: bool = True, strp_path: os.PathLike | str | None = None,
-               source: str | None = None) -> StoredPlan:
-    """Write the Strata profile and the plan's JSON where they belong and return the plan dict.
-
-    A plan this machine can start (not refused, not hypothetical) becomes the last plan
-    (``plans/last-plan.json`` + ``last-plan.strp``) that ``dsv41 start`` uses; a refused or hypothetical one goes to
-    ``plans/other-plan.json`` (+ ``.strp``) so it never replaces the plan an engine would start with. ``strp_path``
-    writes the profile there instead of beside the JSON; ``save=False`` writes no JSON (and no profile unless
-    ``strp_path`` is given). ``source`` is recorded as ``model.source``."""
-    reason = why_not_startable(p)
-    base = LAST_PLAN_NAME if reason is None else OTHER_PLAN_NAME
-    strp = Path(strp_path) if strp_path is not None else (plans_dir() / f"{base}.strp" if save else None)
-    if strp is not None and p.refused is None and p.moe_layers:
-        p.write_strp(strp)
-    d = p.to_dict()
-    if source:
-        d["model"]["source"] = source
-    path = save_plan(d, plans_dir() / f"{base}.json") if save else None
-    return StoredPlan(d, path, p.strp_path, reason is None and path is not None, reason)
-
-
-@dataclass
-class PlanRequest:
-    """What the GUI (or any caller) asks for: which host, which routing data. ``host``: ``"this"`` (probe),
-    ``"reference"`` (the guides' workstation) or ``"custom"`` (``vram_bytes``/``ram_bytes``)."""
-    host: str = "this"
-    vram_bytes: int | None = None
-    ram_bytes: int | None = None
-    usage_paths: tuple[str, ...] = ()
-    model_path: str | None = None
-    save: bool = True
-
-
-@dataclass
-class PlanOutcome:
-    plan: Plan
-    plan_dict: dict[str, Any]
-    model_source: str
-    saved_to: Path | None = None
-    startable: bool = False          # saved as the last plan, the one `dsv41 start` uses
-    saved_note: str = ""             # where it was saved, in words (StoredPlan.describe)
-
-
-def make_plan(settings: Any, request: PlanRequest, hardware: HardwareReport | None = None) -> PlanOutcome:
-    """Find the model (``model_path``, the settings' model folder or download cache, else the replica), pick the
-    host, read the routing data, plan, and (``request.save``) store it with :func:`store_plan`: the last plan when
-    this machine can start it, else the Placement tab's other plan. Blocking: the GUI runs it on a worker thread."""
-    from . import hardware as hwmod
-    from .routing import load_usage
-    if request.model_path:
-        layout = read_layout(request.model_path)
-        source = str(layout.first_shard)
-    else:
-        first = find_model(settings)
-        if first is not None:
-            layout = read_layout(first)
-            source = str(layout.first_shard)
-        else:
-            layout = default_sim_layout()
-            source = "replica"
-    if request.host == "reference":
-        hw = reference_hardware()
-    elif request.host == "custom":
-        base = hardware or hwmod.probe(getattr(settings, "cache_path", None))
-        hw = hypothetical_hardware(base, request.vram_bytes, request.ram_bytes)
-    else:
-        hw = hardware or hwmod.probe(getattr(settings, "cache_path", None))
-    usage = load_usage(list(request.usage_paths), layout.n_layers, layout.n_experts) if request.usage_paths else None
-    p = plan(layout, hw, usage, settings)
-    stored = store_plan(p, save=request.save,
-                        source=("the header-faithful replica (no model found; sizes from the replica)"
-                                if source == "replica" else source))
-    return PlanOutcome(p, stored.plan_dict, source, stored.path, stored.startable,
-                       stored.describe() if request.save else "")
+def __getattr__(name: str) -> Any:
+    """The plan store's names, from :mod:`engine_manager.plans` (imported on first use: it imports this module)."""
+    if name in _STORE_NAMES:
+        from . import plans
+        return getattr(plans, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,13 +34,15 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import ClassVar, Generator
 
 from .atomic import atomic_write_json, ensure_private_dir
 from .errors import UserError
-from .gguf_split import Split, find_split
+from .eventbase import Event
+from .fmt import bytes_si, duration
+from .gguf_split import Split, find_split, strip_shard_suffix
 
 SENTINEL = ".dsv41-provisioned.json"
 MARKER = "dsv41-strata-pack/1"
@@ -55,8 +57,8 @@ class ProvisionError(UserError):
     """Provisioning failed; ``str()`` says what the tool said and what to do."""
 
 
-@dataclass
-class ProvisionEvent:
+@dataclass(frozen=True)
+class ProvisionEvent(Event):
     """One thing provisioning has to say. ``phase``: ``check`` (is it needed, and why), ``start`` (the tool
     runs: ``argv``, ``pid``), ``output`` (a line the tool printed), ``progress`` (``done`` of ``total`` with
     ``fraction`` and ``eta_s``), ``done`` (``skipped`` when the pack was already there)."""
@@ -74,12 +76,7 @@ class ProvisionEvent:
     eta_s: float | None = None
     elapsed_s: float | None = None
     skipped: bool = False
-    t: float = field(default_factory=time.time)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["kind"] = self.kind
-        return d
 
 
 # ------------------------------------------------------------------------------------------------ where
@@ -91,7 +88,7 @@ def _safe_name(text: str) -> str:
 def model_key(shard1: Path) -> str:
     """The pack folder's name for a model: shard 1's name without ``.gguf`` and the ``-0000N-of-0000M`` part."""
     stem = shard1.name[:-5] if shard1.name.endswith(".gguf") else shard1.name
-    return _safe_name(re.sub(r"-\d{5}-of-\d{5}$", "", stem))
+    return _safe_name(strip_shard_suffix(stem))
 
 
 def packs_dir() -> Path:
@@ -172,7 +169,7 @@ _COUNT = re.compile(r"\b(\d+)\s*(?:/|of)\s*(\d+)\b")
 def _n_layers(split: Split) -> int | None:
     """The model's block count from shard 1's header (``<arch>.block_count``), for the tool's layer lines."""
     try:
-        from .layout import read_shard_header
+        from .gguf_header import read_shard_header
 
         md = read_shard_header(split.first).metadata
         arch = md.get("general.architecture")
@@ -242,7 +239,8 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def provision(release: os.PathLike | str, model_path: os.PathLike | str, *, python: str | None = None,
-              pack: os.PathLike | str | None = None, force: bool = False) -> Iterator[ProvisionEvent]:
+              pack: os.PathLike | str | None = None, force: bool = False
+              ) -> Generator[ProvisionEvent, None, Path]:
     """Make the Strata pack of the model at ``model_path`` (its folder or any shard) with ``release``'s own
     ``tools/iq_pack.py``, unless the panel's sentinel says it is there and unchanged. Yields
     :class:`ProvisionEvent` s; returns the pack folder. Raises :class:`ProvisionError` (plain words) when the
@@ -285,7 +283,8 @@ def _lock(pack: Path) -> int:
     return fd
 
 
-def _run_tool(release: Path, split: Split, pack: Path, python: str, tool: Path) -> Iterator[ProvisionEvent]:
+def _run_tool(release: Path, split: Split, pack: Path, python: str, tool: Path
+              ) -> Generator[ProvisionEvent, None, Path]:
     staging = pack.parent / f".{pack.name}.partial"
     if staging.is_symlink():
         staging.unlink()
@@ -342,30 +341,18 @@ def _run_tool(release: Path, split: Split, pack: Path, python: str, tool: Path) 
                                         "shard1": split.first.name, "shard1_path": str(split.first.absolute()),
                                         "source": _source_sizes(split),
                                         "files": files, "finished_at": time.time()})
-    yield ProvisionEvent("done", f"The model's Strata pack is ready ({pack}, {fmt_bytes(sum(files.values()))}, "
+    yield ProvisionEvent("done", f"The model's Strata pack is ready ({pack}, {bytes_si(sum(files.values()))}, "
                                  f"{time.monotonic() - t0:.1f} s).", pack_dir=str(pack),
                          elapsed_s=time.monotonic() - t0)
     return pack
 
 
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} bytes"
-
-
 def describe(ev: ProvisionEvent) -> str | None:
     """One line for a person (CLI), or None for events a terminal need not show."""
     if ev.phase == "progress":
-        eta = f", about {_dur(ev.eta_s)} left" if ev.eta_s is not None else ""
+        eta = f", about {duration(ev.eta_s)} left" if ev.eta_s is not None else ""
         return f"preparing: {ev.done} of {ev.total} ({ev.fraction:.0%}){eta}"
     if ev.phase == "output":
         return f"  | {ev.text}"
     return ev.text
 
-
-def _dur(s: float | None) -> str:
-    from .fmt import duration
-
-    return duration(s)

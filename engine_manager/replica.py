@@ -50,11 +50,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .tinymoe import bytes_to_unicode
+from .fmt import GB
+from gguf.vocab import bytes_to_unicode
 
-GB = 10**9
-GiB = 1 << 30
-MiB = 1 << 20
 
 MODEL_NAME = "DeepSeek-V4.1-Flash"
 FILE_STEM = "DeepSeek-V4.1-Flash-Q2_K"
@@ -109,7 +107,8 @@ class ReplicaSpec:
     @classmethod
     def small(cls, **kw: Any) -> "ReplicaSpec":
         """A tiny replica (2 shards, 1 dense + 4 MoE layers × 16 experts, 512-token vocabulary) for fast tests."""
-        base = dict(n_shards=2, n_layers=5, n_dense=1, n_embd=256, n_ff_dense=512, n_ff_exp=256, n_expert=16,
+        base: dict[str, Any] = dict(
+                    n_shards=2, n_layers=5, n_dense=1, n_embd=256, n_ff_dense=512, n_ff_exp=256, n_expert=16,
                     n_expert_used=2, n_head=4, q_lora_rank=256, kv_lora_rank=256, qk_nope=32, qk_rope=32,
                     v_head=32, vocab=512, n_merges=256, context_length=4096, engram_layers=(1,), engram_orders=1,
                     engram_heads=2, engram_dim=256, engram_rows=4096, target_total_bytes=None,
@@ -314,7 +313,7 @@ def _fast_writer_class():
     from gguf import GGUFValueType as VT
 
     class FastWriter(gguf.GGUFWriter):
-        def _pack_val(self, val, vtype, add_vtype, sub_type=None):  # type: ignore[override]
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
             if (vtype == VT.ARRAY and isinstance(val, (list, tuple)) and len(val) > 64
                     and self.endianess == gguf.GGUFEndian.LITTLE):
                 first = val[0]

@@ -302,7 +302,8 @@ def _check_ids(path, layers: np.ndarray, ids: np.ndarray, n_layers: int, n_exper
         i = int(bad[0, 0])
         off = first_off if rec is None else first_off + i * rec
         raise RoutingError(path, f"record {first_index + i} at offset {off:,}: expert id {int(ids[tuple(bad[0])])} "
-                                 f"outside the model's {n_experts} experts", "Was this trace written for another model?")
+                                 f"outside the model's {n_experts} experts",
+                           "Was this trace written for another model?")
 
 
 def read_trace(path: os.PathLike | str, n_layers: int, n_experts: int) -> "FrequencyTable":
@@ -347,7 +348,8 @@ class FrequencyTable:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.counts.shape  # type: ignore[return-value]
+        rows, cols = self.counts.shape
+        return int(rows), int(cols)
 
     @property
     def total(self) -> float:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from . import paths
@@ -337,7 +338,7 @@ class Settings(BaseModel):
         out: dict[str, Any] = {}
         for name, info in type(self).model_fields.items():
             value = getattr(self, name)
-            if (info.json_schema_extra or {}).get("secret"):
+            if _extra(info).get("secret"):
                 value = mask_secret(value)
             elif isinstance(value, Path):
                 value = str(value)
@@ -357,12 +358,19 @@ def mask_secret(value: str | None) -> str:
     return f"{paths.shown(value[:4])}…({len(value)} chars)"
 
 
+def _extra(info: FieldInfo) -> dict[str, Any]:
+    """A settings field's ``json_schema_extra`` (env, allowed, secret): always a dict here, never pydantic's
+    callable form."""
+    extra = info.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
 def field_env(name: str) -> str:
-    return (Settings.model_fields[name].json_schema_extra or {})["env"]
+    return str(_extra(Settings.model_fields[name])["env"])
 
 
 def field_allowed(name: str) -> str:
-    return (Settings.model_fields[name].json_schema_extra or {})["allowed"]
+    return str(_extra(Settings.model_fields[name])["allowed"])
 
 
 ENV_TO_FIELD = {field_env(n): n for n in Settings.model_fields}
@@ -383,9 +391,11 @@ class SettingsError(ValueError):
             super().__init__(f"There is no setting named {setting!r}. {allowed}")
             return
         if source == "env":
-            head, tail = f"{env or setting}={shown!s}", f"It is set in the environment: fix or unset {env} and try again."
+            head = f"{env or setting}={shown!s}"
+            tail = f"It is set in the environment: fix or unset {env} and try again."
         elif source == "file":
-            head, tail = f"{setting}={shown!s}", f"It is set in {path or paths.settings_file()}: fix or remove it there."
+            head = f"{setting}={shown!s}"
+            tail = f"It is set in {path or paths.settings_file()}: fix or remove it there."
         else:  # a value being saved (the settings dialog, `dsv41 settings set`): nothing was written
             head, tail = f"{setting}={shown!s}", "Nothing was saved."
         super().__init__(f"{head} is not allowed: {setting} must be {allowed}. {tail}")
@@ -414,7 +424,7 @@ def unknown_setting(name: str, value: Any = None) -> SettingsError:
 
 def _is_secret(name: str) -> bool:
     info = Settings.model_fields.get(name)
-    return bool(info and (info.json_schema_extra or {}).get("secret"))
+    return bool(info and _extra(info).get("secret"))
 
 
 Source = Literal["env", "file", "default"]

@@ -27,9 +27,9 @@ The lifecycle::
   and before any restart, so that start ends "stopped by request" instead of reporting a crash and restarting.
 - **crash causes** are read from *this run's* log lines only (each start writes ``[dsv41 …] run ID: starting …``;
   the state file names the run) and its exit status — never from an earlier run's lines in the same log.
-- **files**: the state file is validated as a typed record (:class:`StateRecord`); a bad one (wrong types, not
-  JSON, a symbolic link) is moved aside and the next status/start/stop says so. The log and the state file are
-  opened without following symbolic links.
+- **files**: the state file is validated as a typed record (:class:`~engine_manager.session.EngineRecord`); a bad
+  one (wrong types, not JSON, a symbolic link) is moved aside and the next status/start/stop says so. The log and
+  the state file are opened without following symbolic links.
 - **state file** (``engine-state.json`` in the data dir, atomic, 0600): pid and start time of the engine and of its
   keeper, pgid, port, engine, the masked command line, the binding, a fingerprint of the key (never the key).
   A panel that was killed re-attaches to the live engine it started (pid + start time must match, health decides
@@ -41,790 +41,123 @@ The lifecycle::
 - **status** of an engine that died while no panel watched is classified by the same code as the clean-up
   (:meth:`Supervisor.explain_dead`): cause and fix, not just the signal.
 
-Everything long is a generator yielding typed events (dataclasses below): the CLI prints them, the GUI turns them
-into signals through ``app.workers``, tests assert on them. Thread model: one generator (``run``/``watch``) owns
-the engine; ``stop()`` may run from another thread and the owning generator then returns quietly.
+Everything long is a generator yielding typed events (:mod:`engine_manager.events`): the CLI prints them, the GUI
+turns them into signals through ``app.workers``, tests assert on them. Thread model: one generator
+(``run``/``watch``) owns the engine; ``stop()`` may run from another thread and the owning generator then returns
+quietly.
+
+This module holds the lifecycle class and its process handle; what it uses lives beside it (issue 17, step 4):
+:mod:`.events` (states, events), :mod:`.crash` (exit info, classification), :mod:`.procs` (pids, groups, ports),
+:mod:`.logtail` (the log), :mod:`.start_plan` (which plan), :mod:`.dryrun` (``--dry-run``), :mod:`.session` (the typed
+state file, the status). Their names stay importable from here (``from engine_manager.supervisor import X``):
+many tests and modules use them.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
-import re
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
-import sys
-import textwrap
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import httpx
 import psutil
+from pydantic import ValidationError
 
 from . import paths
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from .atomic import LinkRefused, atomic_write_json, ensure_private_dir, move_aside, open_append_nofollow, read_bytes_nofollow
+from .atomic import (
+    LinkRefused,
+    atomic_write_json,
+    ensure_private_dir,
+    move_aside,
+    open_append_nofollow,
+    read_bytes_nofollow,
+)
+from .crash import GENERIC_PATTERNS, PERMANENT_CAUSES, ExitInfo, classify_exit
+from .crash import signame as _signame
+from .dryrun import DryRun
 from .engines import get_engine
 from .engines.base import Engine, FailureHint, LaunchSpec, LogEvent
+from .events import (
+    CRASHED,
+    ENGINE_WORDS,
+    READY,
+    RESTARTING,
+    RUNNING_STATES,
+    STARTING,
+    STATES,
+    STOPPED,
+    STOPPING,
+    Attached,
+    Crashed,
+    Event,
+    GaveUp,
+    LogLines,
+    Note,
+    Progress,
+    Ready,
+    Restarting,
+    StartFailed,
+    StateChanged,
+    Stopped,
+    Stopping,
+    engine_words,
+    running_conflict,
+)
+from .frozen import module_argv  # the keeper's command line, also in the one-folder bundle
+from .logtail import LOG_NAME, RUN_MARK, LogTail, log_path, read_log_tail, run_lines
 from .numa import Binding, choose_binding
-
-# -- states ------------------------------------------------------------------------------------------------
-
-STOPPED, STARTING, READY, STOPPING, CRASHED, RESTARTING = (
-    "stopped", "starting", "ready", "stopping", "crashed", "restarting")
-STATES = (STOPPED, STARTING, READY, STOPPING, CRASHED, RESTARTING)
-RUNNING_STATES = (STARTING, READY, STOPPING, RESTARTING)
+from .start_plan import default_plan, plan_host_warning, usable_plan
+from .procs import alive as _alive
+from .procs import ctime_of as _ctime
+from .procs import describe_owner, group_members, key_fingerprint, port_free, port_owner, suggest_port
+from .procs import find_child as _find_child
+from .procs import live as _live
+from .session import EngineRecord, EngineStatus, why_invalid
 
 STATE_FILE = "engine-state.json"
 EXIT_FILE = "engine-exit.json"
 LOCK_FILE = "engine.lock"
 STOP_FILE = "engine-stop-request.json"   # `dsv41 stop` leaves it: a start in flight (another process) obeys it
-LOG_NAME = "engine.log"
 STATE_SCHEMA = 1
 KEEPER = Path(__file__).with_name("keeper.py")
-from .frozen import module_argv  # noqa: E402  the keeper's command line, also in the one-folder bundle
 
-#: how the messages name each engine
-ENGINE_WORDS = {"sim": "the scripted engine (simulated)", "strata": "Strata", "llamacpp": "llama.cpp"}
+StateRecord = EngineRecord          # its name before issue 17
 
+#: the supervisor's generators: they yield events and return an outcome ("ready", "stopped", an ExitInfo, a status)
+Events = Generator[Event, None, Any]
 
-def engine_words(name: str | None, capital: bool = False) -> str:
-    w = ENGINE_WORDS.get(name or "", name or "an engine")
-    return w[:1].upper() + w[1:] if capital else w
-
-
-#: causes that another try cannot fix by itself: no auto-restart for these
-PERMANENT_CAUSES = {"port_in_use", "driver_too_old", "placement_refused", "bad_arguments", "bad_engine_flag",
-                    "model_missing", "spawn_failed"}
-
-
-# -- events --------------------------------------------------------------------------------------------------
-
-@dataclass
-class Event:
-    kind: ClassVar[str] = "event"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["kind"] = self.kind
-        return d
-
-
-@dataclass
-class StateChanged(Event):
-    """The supervisor's state changed. ``message`` says why in plain words."""
-    kind: ClassVar[str] = "state"
-    state: str
-    previous: str
-    message: str = ""
-    engine: str | None = None
-    pid: int | None = None
-    t: float = field(default_factory=time.time)
-
-
-@dataclass
-class Note(Event):
-    """Something the user should read (the binding chosen, the default plan, a warning)."""
-    kind: ClassVar[str] = "note"
-    text: str
-    level: str = "info"          # info | warning
-    t: float = field(default_factory=time.time)
-
-
-@dataclass
-class Progress(Event):
-    """Readiness wait: elapsed time and the phase the engine's log says it is in."""
-    kind: ClassVar[str] = "progress"
-    elapsed_s: float
-    timeout_s: float
-    phase: str = ""
-    fraction: float | None = None        # 0..1 when the engine's log gives one
-    eta_s: float | None = None
-    last_output_age_s: float | None = None
-    pid: int | None = None
-    t: float = field(default_factory=time.time)
-
-
-@dataclass
-class LogLines(Event):
-    """New lines of the engine log (batched), and what the engine adapter read in them."""
-    kind: ClassVar[str] = "log"
-    lines: list[str]
-    events: list[LogEvent] = field(default_factory=list)
-    t: float = field(default_factory=time.time)
-
-
-@dataclass
-class Ready(Event):
-    kind: ClassVar[str] = "ready"
-    base_url: str
-    elapsed_s: float
-    engine: str
-    pid: int | None
-    simulated: bool = False
-    attached: bool = False
-    t: float = field(default_factory=time.time)
-
-
-@dataclass
-class Crashed(Event):
-    """The engine ended without being asked to: the cause in plain words, the fix, and what happens next."""
-    kind: ClassVar[str] = "crashed"
-    cause: str
-    title: str
-    fix: str
-    returncode: int | None
-    signal: int | None
-    log_tail: list[str]
-    while_starting: bool = False
-    will_restart: bool = False
-    restart_in_s: float | None = None
-    crashes_in_window: int = 1
-    t: float = field(default_factory=time.time)
-
-    def hint(self) -> FailureHint:
-        return FailureHint(self.cause, self.title, self.fix)
-
-
-@dataclass
-class Restarting(Event):
-    kind: ClassVar[str] = "restarting"
-    attempt: int
-    delay_s: float
-    remaining_s: float
-    t: float = field(default_factory=time.time)
-
-
-@dataclass
-class GaveUp(Event):
-    """Auto-restart stopped (crash loop, or a cause a restart cannot fix)."""
-    kind: ClassVar[str] = "gave_up"
-    message: str
-    cause: str
-    fix: str
-    t: float = field(default_factory=time.time)
-
-
-@dataclass
-class StartFailed(Event):
-    """Start refused or did not reach ready (port taken, placement refused, timeout, already running elsewhere)."""
-    kind: ClassVar[str] = "failed"
-    cause: str
-    message: str
-    fix: str
-    log_tail: list[str] = field(default_factory=list)
-    t: float = field(default_factory=time.time)
-
-
-@dataclass
-class Stopping(Event):
-    kind: ClassVar[str] = "stopping"
-    elapsed_s: float
-    grace_s: float
-    signal_name: str
-    remaining: int                      # processes of the group still alive
-    t: float = field(default_factory=time.time)
-
-
-@dataclass
-class Stopped(Event):
-    kind: ClassVar[str] = "stopped"
-    message: str
-    forced: bool = False
-    leftovers: list[int] = field(default_factory=list)
-    t: float = field(default_factory=time.time)
-
-
-@dataclass
-class Attached(Event):
-    """A new panel found the engine a previous one started, alive and matching."""
-    kind: ClassVar[str] = "attached"
-    pid: int
-    engine: str
-    state: str
-    message: str
-    t: float = field(default_factory=time.time)
-
-
-# -- status --------------------------------------------------------------------------------------------------
-
-@dataclass
-class EngineStatus:
-    state: str
-    engine: str | None = None
-    label: str = ""
-    simulated: bool = False
-    pid: int | None = None               # the engine process (the binding prefix execs into it)
-    pgid: int | None = None              # its process group (the keeper leads it)
-    keeper_pid: int | None = None
-    port: int | None = None
-    base_url: str | None = None
-    binding: str | None = None           # one-line summary of the binding
-    log_path: str = ""
-    started_at: float | None = None
-    ready_at: float | None = None
-    argv: list[str] = field(default_factory=list)   # masked
-    owner: str | None = None             # "panel" (started by dsv41) or None
-    message: str = ""
-    last_failure: dict[str, Any] | None = None
-    external: dict[str, Any] | None = None   # something the panel did not start, on the port
-    key_matches: bool | None = None
-    binding_note: str | None = None      # e.g. one NUMA node: binding cannot change speed
-    plan_path: str | None = None         # the plan the engine was started with (JSON), when it had one
-    spec: LaunchSpec | None = None
-
-    def plan(self) -> dict[str, Any] | None:
-        """The plan the engine runs with, read from ``plan_path`` (None when there is none or it is unreadable)."""
-        if not self.plan_path:
-            return None
-        try:
-            d = json.loads(Path(self.plan_path).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        return d if isinstance(d, dict) else None
-
-    @property
-    def running(self) -> bool:
-        return self.state in RUNNING_STATES
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("spec", None)
-        d["running"] = self.running
-        d["uptime_s"] = round(time.time() - self.started_at, 1) if self.started_at and self.running else None
-        return d
-
-
-@dataclass
-class ExitInfo:
-    returncode: int | None               # the engine's: negative = killed by that signal
-    signal: int | None
-    signal_name: str | None = None
-    source: str = "unknown"              # exit-file | keeper | unknown
-    silent_s: float | None = None        # set when the panel stopped it for not answering
-    keeper_killed: bool = False
-
-    def words(self) -> str:
-        if self.signal:
-            return f"killed by signal {self.signal} ({self.signal_name or signal.Signals(self.signal).name})"
-        if self.returncode is None:
-            return "exit status unknown"
-        return f"exit code {self.returncode}"
-
-
-# -- crash classification -----------------------------------------------------------------------------------
-
-def _oom_hint() -> FailureHint:
-    return FailureHint(
-        "oom_killed",
-        "The engine was killed by SIGKILL — most likely by the kernel's out-of-memory killer (the host ran out of "
-        "RAM).",
-        "Check with `journalctl -k --since '15 min ago' | grep -i -E 'out of memory|killed process'` (or "
-        "`sudo dmesg -T | grep -i -E 'oom|killed process'`). If it was the OOM killer: close other programs, lower "
-        "slots or context_length, or re-plan so fewer experts are held in RAM; `dsv41 doctor` shows the RAM the "
-        "model needs.")
-
-
-GENERIC_PATTERNS: list[tuple[re.Pattern[str], FailureHint]] = [
-    (re.compile(r"address already in use|EADDRINUSE|errno 98\b|port \d+ (?:is )?(?:already )?in use", re.I),
-     FailureHint("port_in_use", "The engine could not open its port: another program is using it.",
-                 "Stop the other program (`ss -ltnp` shows who holds the port), or choose another port with "
-                 "`dsv41 settings set port <N>` (DSV41_PORT).")),
-    (re.compile(r"driver version is insufficient|insufficient ?driver|cudaErrorInsufficientDriver|"
-                r"driver (?:is )?too old|requires (?:an )?(?:nvidia )?driver", re.I),
-     FailureHint("driver_too_old", "The NVIDIA driver is too old for this engine (it needs 580.65 or newer, "
-                 "CUDA 13).",
-                 "Update the NVIDIA driver to 580.65 or newer and reboot; `nvidia-smi` shows the installed "
-                 "version.")),
-    (re.compile(r"CUDA out of memory|cudaMalloc\w* failed|cudaErrorMemoryAllocation|CUDA error: out of memory|"
-                r"out of (?:device|GPU|VRAM) memory|failed to allocate .*(?:CUDA|VRAM|device)", re.I),
-     FailureHint("cuda_oom", "The GPU ran out of memory (CUDA out of memory / cudaMalloc failed).",
-                 "Keep fewer experts in VRAM: raise vram_reserve_mib, lower slots or context_length, or re-plan "
-                 "(Placement tab / `dsv41 plan`); close other programs using the GPU (`nvidia-smi` lists them).")),
-    (re.compile(r"placement (?:was )?refused|plan (?:was )?refused|refus\w* (?:the )?(?:plan|placement|expert "
-                r"profile)|profile .*(?:does not match|mismatch)", re.I),
-     FailureHint("placement_refused", "The engine refused the placement: the plan or expert profile does not fit "
-                 "this model or GPU.",
-                 "Re-plan on the Placement tab (or `dsv41 plan`) and start again; check that the expert profile was "
-                 "made for this model.")),
-    (re.compile(r"unrecognized arguments|error: argument|usage: .*\n?.*error:", re.I),
-     FailureHint("bad_arguments", "The engine refused its command line (an option it does not know).",
-                 "The engine release may not match this panel: update it (`dsv41 download engine`) or choose "
-                 "another engine.")),
-    (re.compile(r"std::bad_alloc|MemoryError|Cannot allocate memory|ENOMEM", re.I),
-     FailureHint("ram_oom", "The engine could not allocate host memory (RAM).",
-                 "Free RAM (close other programs), lower slots or context_length, or re-plan so fewer experts are "
-                 "held in RAM.")),
+__all__ = [
+    "STOPPED", "STARTING", "READY", "STOPPING", "CRASHED", "RESTARTING", "STATES", "RUNNING_STATES",
+    "STATE_FILE", "EXIT_FILE", "LOCK_FILE", "STOP_FILE", "LOG_NAME", "STATE_SCHEMA", "KEEPER", "ENGINE_WORDS",
+    "engine_words", "running_conflict", "PERMANENT_CAUSES", "GENERIC_PATTERNS", "Event", "StateChanged", "Note",
+    "Progress", "LogLines", "Ready", "Crashed", "Restarting", "GaveUp", "StartFailed", "Stopping", "Stopped",
+    "Attached", "EngineStatus", "EngineRecord", "StateRecord", "ExitInfo", "FailureHint", "classify_exit",
+    "RUN_MARK", "run_lines", "group_members", "record_alive", "port_owner", "describe_owner", "port_free",
+    "suggest_port", "key_fingerprint", "LogTail", "log_path", "read_log_tail", "usable_plan", "plan_host_warning",
+    "default_plan", "DryRun", "Supervisor", "module_argv",
 ]
 
 
-def classify_exit(engine: Engine | None, exit: ExitInfo, log_tail: list[str]) -> FailureHint:
-    """The cause of an exit in plain words with a fix. The engine's own signatures are consulted first."""
-    tail = list(log_tail)[-200:]
-    if exit.silent_s is not None:
-        return FailureHint(
-            "engine_silent",
-            f"The engine stopped answering: no reply to its health check for {exit.silent_s:.0f} s while its "
-            "process was still alive (hung), so the panel stopped it.",
-            "Look at the last log lines; if it hangs again, lower the load (slots) or report the log. "
-            "Auto-restart (when on) starts it again.")
-    if exit.keeper_killed:
-        return FailureHint(
-            "keeper_killed",
-            "The engine's keeper process (which writes its log) was killed, so the engine was stopped with it.",
-            "Start it again; if this repeats, check what kills processes on this machine "
-            "(`journalctl -k | grep -i killed`).")
-    engine_lines = [ln for ln in tail if not ln.startswith("[dsv41")]
-    if engine is not None:
-        try:
-            hint = engine.classify_failure(exit.returncode, engine_lines)
-        except Exception:  # an adapter bug must not hide the crash itself
-            hint = None
-        if hint is not None:
-            return hint
-    if exit.signal == signal.SIGKILL:
-        return _oom_hint()
-    for line in reversed(engine_lines):
-        for pat, hint in GENERIC_PATTERNS:
-            if pat.search(line):
-                return hint
-    last = "\n".join(engine_lines[-20:]) or "(the log is empty)"
-    what = exit.words()
-    if exit.signal == signal.SIGSEGV:
-        title = "The engine crashed (segmentation fault)."
-    elif exit.signal == signal.SIGABRT:
-        title = "The engine aborted (SIGABRT: an internal check failed)."
-    elif exit.returncode == 0:
-        title = "The engine exited on its own (exit code 0) without being asked to stop."
-    else:
-        title = f"The engine exited unexpectedly ({what})."
-    return FailureHint("unknown", title,
-                       f"The last lines of its log say:\n{last}\n\nThe whole log: `dsv41 logs` or the Log tab.")
-
-
-# -- the state file as a typed record ------------------------------------------------------------------------
-
-class StateRecord(BaseModel):
-    """The state file (``engine-state.json``) as the supervisor writes it: every field it reads, with its type.
-    A file that does not fit (``{"keeper_pid": "1x"}``, a list, half a record) is moved aside, never half-used."""
-
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
-
-    schema_version: int | None = Field(None, alias="schema")
-    owner: str | None = None
-    state: str | None = None
-    updated_at: float | int | None = None
-    engine: str | None = None
-    label: str | None = None
-    simulated: bool | None = None
-    pid: int | None = Field(None, gt=0)
-    pid_start_time: float | int | None = None
-    keeper_pid: int | None = Field(None, gt=0)
-    keeper_start_time: float | int | None = None
-    pgid: int | None = Field(None, gt=0)
-    host: str | None = None
-    port: int | None = Field(None, ge=0, le=65535)
-    base_url: str | None = None
-    health_path: str | None = None
-    argv: list[str] | None = None
-    env: dict[str, str] | None = None
-    files: dict[str, str] | None = None
-    cwd: str | None = None
-    binding: dict[str, Any] | None = None
-    log_path: str | None = None
-    exit_file: str | None = None
-    started_at: float | int | None = None
-    ready_at: float | int | None = None
-    supervisor_pid: int | None = None
-    key_fingerprint: str | None = None
-    message: str | None = None
-    last_failure: dict[str, Any] | None = None
-    stop_requested: dict[str, Any] | bool | None = None
-    run_id: str | None = None
-
-    @model_validator(mode="after")
-    def _keeper_needs_its_start_time(self) -> "StateRecord":
-        if self.keeper_pid is not None and self.keeper_start_time is None:
-            raise ValueError("keeper_pid without keeper_start_time")
-        return self
-
-
-def _why_invalid(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        parts = []
-        for e in exc.errors()[:3]:
-            where = ".".join(str(x) for x in e.get("loc", ())) or "the record"
-            parts.append(f"{where}: {e.get('msg')}" + (f" (got {e['input']!r:.40})" if "input" in e and
-                                                      not isinstance(e["input"], dict) else ""))
-        return "; ".join(parts)
-    return str(exc)
-
-
-RUN_MARK = re.compile(r"^\[dsv41 [^\]]*\] (?:run (?P<run>\S+): )?starting ")
-
-
-def run_lines(lines: list[str], run_id: str | None) -> list[str]:
-    """The lines of one run of the engine in the log: after its start line (``[dsv41 …] run ID: starting …``)
-    and before the next run's. Without its start line in view (rotated away, or an older record without a run
-    id): everything after the last start line that is not some other run's. Crash causes are read from these
-    only, never from an earlier run's lines."""
-    marks = [(i, m.group("run")) for i, ln in enumerate(lines) if (m := RUN_MARK.match(ln))]
-    mine = [i for i, r in marks if run_id is not None and r == run_id]
-    if mine:
-        start = mine[-1] + 1
-        later = [i for i, _ in marks if i >= start]
-        return lines[start:later[0] if later else len(lines)]
-    if run_id is not None and marks:             # ours rotated away: what comes before the next run is ours
-        return lines[:marks[0][0]]
-    return lines[marks[-1][0] + 1:] if marks else list(lines)
-
-
-# -- small process helpers ------------------------------------------------------------------------------------
-
-def _ctime(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, OSError):
-        return None
-
-
-def _alive(pid: int | None, ctime: float | None = None) -> bool:
-    """True when ``pid`` runs (not a zombie) and, if given, started at ``ctime`` (not a reused pid)."""
-    if not pid:
-        return False
-    try:
-        p = psutil.Process(pid)
-        if ctime is not None and abs(p.create_time() - ctime) > 0.05:
-            return False
-        return p.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, OSError):
-        return False
-
-
-def group_members(pgid: int, since: float | None = None) -> list[psutil.Process]:
-    """Live (non-zombie) processes whose process group is ``pgid`` (started at/after ``since``, the group
-    leader's start time).
-
-    Safe against a reused number: Linux never hands out a pid that is still some group's id, so while any member of
-    our old group lives, ``pgid`` cannot be a newer group. A *live* process with pid ``pgid`` that started at
-    another time than ``since`` therefore leads a different group: nothing is returned for it."""
-    if since is not None:
-        try:
-            leader = psutil.Process(pgid)
-            if abs(leader.create_time() - since) > 0.05:
-                return []
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            pass
-        except (psutil.Error, OSError):
-            return []
-    out: list[psutil.Process] = []
-    for p in psutil.process_iter(["create_time", "status"]):
-        try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if since is not None and p.info["create_time"] < since - 0.05:
-                continue
-            if os.getpgid(p.pid) == pgid:
-                out.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error, OSError):
-            continue
-    return out
-
-
-def record_alive(rec: dict[str, Any] | None) -> bool:
+def record_alive(rec: EngineRecord | dict[str, Any] | None) -> bool:
     """The state file's engine runs: keeper and engine both alive with their recorded start times."""
-    if not rec or not rec.get("keeper_pid"):
+    if rec is None:
         return False
-    if not _alive(rec.get("keeper_pid"), rec.get("keeper_start_time")):
-        return False
-    return rec.get("pid") is None or _alive(rec.get("pid"), rec.get("pid_start_time"))
-
-
-def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
+    if isinstance(rec, dict):
         try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return out
-
-
-def _mask_cmdline(cmd: list[str]) -> list[str]:
-    out: list[str] = []
-    hide = False
-    for a in cmd:
-        if hide:
-            out.append(a[:4] + "…(masked)")
-            hide = False
-            continue
-        if a in ("--api-key", "--api_key", "-k", "--token", "--hf-token"):
-            hide = True
-        elif re.match(r"--(api[-_]key|token|hf[-_]token)=", a):
-            k, _, v = a.partition("=")
-            a = f"{k}={v[:4]}…(masked)"
-        out.append(a)
-    return out
-
-
-def port_owner(host: str, port: int) -> dict[str, Any] | None:
-    """Who listens on ``port`` (TCP): pid, name, masked command line, user; ``pid`` None when the OS hides it."""
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.Error, OSError):
-        conns = []
-    for c in conns:
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
-            info: dict[str, Any] = {"pid": c.pid, "address": f"{c.laddr.ip}:{c.laddr.port}"}
-            if c.pid:
-                try:
-                    p = psutil.Process(c.pid)
-                    info.update(name=p.name(), cmdline=_mask_cmdline(p.cmdline()), user=p.username(),
-                                create_time=p.create_time())
-                except (psutil.Error, OSError):
-                    pass
-            return info
-    return None
-
-
-def describe_owner(info: dict[str, Any] | None) -> str:
-    if not info:
-        return "another program (the system does not say which)"
-    if not info.get("pid"):
-        return ("a process of another user (run `sudo ss -ltnp` to see which)")
-    cmd = " ".join(info.get("cmdline") or [])
-    if len(cmd) > 160:                  # cut between words (never inside a masked key), and say it was cut
-        cmd = cmd[:160].rsplit(" ", 1)[0] + " …"
-    return f"pid {info['pid']} ({info.get('name', '?')}{': ' + cmd if cmd else ''})"
-
-
-def port_free(host: str, port: int) -> bool:
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(fam, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
+            rec = EngineRecord.model_validate(rec)
+        except ValidationError:
             return False
-    return True
-
-
-def suggest_port(host: str, port: int) -> int | None:
-    for p in range(port + 1, min(port + 50, 65535)):
-        if port_free(host, p):
-            return p
-    return None
-
-
-def key_fingerprint(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()[:12] if key else ""
-
-
-# -- the log -----------------------------------------------------------------------------------------------------
-
-class LogTail:
-    """Follow the engine log across the keeper's rotations (``engine.log`` → ``engine.log.1``)."""
-
-    def __init__(self, path: Path, offset: int | None = None):
-        self.path = Path(path)
-        self._lock = threading.Lock()      # the owning generator and a stop() on another thread may both read
-        self._f = None
-        self._ino: int | None = None
-        self._buf = b""
-        self._open(offset)
-
-    def _open(self, offset: int | None) -> None:
-        try:
-            f = os.fdopen(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
-        except OSError:             # missing, or a symbolic link (never followed)
-            self._f, self._ino = None, None
-            return
-        st = os.fstat(f.fileno())
-        if offset is None:
-            offset = st.st_size
-        f.seek(min(offset, st.st_size))
-        self._f, self._ino = f, st.st_ino
-
-    def read(self) -> list[str]:
-        with self._lock:
-            return self._read()
-
-    def _read(self) -> list[str]:
-        data = b""
-        if self._f is None:
-            self._open(0)
-            if self._f is None:
-                return []
-        data += self._f.read()
-        try:
-            ino = os.stat(self.path).st_ino
-        except FileNotFoundError:
-            ino = None
-        if ino is not None and ino != self._ino:       # rotated: finish the old file, continue in the new one
-            data += self._f.read()
-            self._f.close()
-            # the file we read became engine.log.K; engine.log.K-1 … .1 were written after it, in that order
-            newer: list[Path] = []
-            for k in range(1, 1000):
-                rotated = self.path.with_name(f"{self.path.name}.{k}")
-                try:
-                    if os.stat(rotated).st_ino == self._ino:
-                        break
-                except FileNotFoundError:
-                    newer = []                          # ours was deleted already: the gap cannot be read
-                    break
-                newer.insert(0, rotated)
-            for rotated in newer:
-                try:
-                    data += read_bytes_nofollow(rotated)
-                except OSError:
-                    pass
-            self._open(0)
-            if self._f is not None:
-                data += self._f.read()
-        if not data:
-            return []
-        self._buf += data
-        if b"\n" not in self._buf:
-            return []
-        *lines, self._buf = self._buf.split(b"\n")
-        return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines]
-
-    def close(self) -> None:
-        with self._lock:
-            if self._f is not None:
-                self._f.close()
-                self._f = None
-
-
-def log_path() -> Path:
-    """The engine log (the keeper rotates it to ``engine.log.1`` … beside it)."""
-    return paths.logs_dir() / LOG_NAME
-
-
-def read_log_tail(path: Path | None = None, max_bytes: int = 2_000_000) -> list[str]:
-    """The last ``max_bytes`` of the log (the newest rotated file first if the current one is short)."""
-    path = Path(path) if path else log_path()
-    chunks: list[bytes] = []
-    need = max_bytes
-    for p in (path, path.with_name(path.name + ".1")):
-        try:
-            with os.fdopen(os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                f.seek(max(0, size - need))
-                data = f.read()
-        except OSError:             # missing, or a symbolic link (never followed)
-            continue
-        chunks.insert(0, data)
-        need -= len(data)
-        if need <= 0:
-            break
-    text = b"".join(chunks).decode("utf-8", "replace")
-    lines = text.splitlines()
-    if chunks and len(b"".join(chunks)) >= max_bytes and lines:
-        lines = lines[1:]        # first line was cut
-    return lines
-
-
-def running_conflict(rec: dict[str, Any], wanted: str) -> tuple[str, str]:
-    """(message, fix) for a start of ``wanted`` while the engine in the state file ``rec`` (another one) runs."""
-    running = engine_words(rec.get("engine"), True)
-    where = f"on port {rec.get('port')}" + (f" ({rec['base_url']})" if rec.get("base_url") else "")
-    msg = (f"{running} is already running {where}, pid {rec.get('pid')} (started by this panel or `dsv41 start`), "
-           f"so {engine_words(wanted)} was not started.")
-    fix = (f"Stop it first — `dsv41 stop` (or Stop in the panel) — then start {engine_words(wanted)}. Only one "
-           f"engine runs at a time; starting {engine_words(rec.get('engine'))} again re-attaches to the running one.")
-    return msg, fix
-
-
-# -- plans ----------------------------------------------------------------------------------------------------------
-
-def usable_plan(engine_name: str, plan: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The plan on screen (the Placement tab's), if ``engine_name`` should start with it; else None, and the start
-    falls back to :func:`default_plan`. Never a refused plan; a real engine only one made for this machine (not
-    for a hypothetical host); the scripted engine may model any host, that is what it is for."""
-    if not plan or plan.get("refused"):
-        return None
-    if engine_name != "sim" and (plan.get("hardware") or {}).get("hypothetical"):
-        return None
-    return plan
-
-
-def plan_host_warning(plan: dict[str, Any] | None, hardware: Any = None) -> str | None:
-    """For a plan the user chose to start with (``dsv41 start --plan FILE``, the Placement tab's "Start with this
-    plan"): a warning naming the host it was made for when that is not this machine (a hypothetical host, or
-    another host name); None when it was made here."""
-    if not plan:
-        return None
-    hwd = plan.get("hardware") or {}
-    label = str(hwd.get("label") or "an unknown host")
-    here = getattr(getattr(hardware, "host", None), "hostname", None)
-    if not hwd.get("hypothetical") and here and f"({here})" in label:
-        return None
-    return (f"this plan was made for {label}, not for this machine" + (f" ({here})" if here else "")
-            + "; starting with it as asked — the engine may not fit here.")
-
-
-def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple[dict[str, Any] | None, list[str]]:
-    """The plan to start ``engine_name`` with when the caller has none, and notes saying what was chosen.
-
-    - the scripted engine: the reference placement (the guides' RTX PRO 6000, 280 GB RAM) on the replica layout of
-      the model — what it models without a GPU;
-    - strata / llama.cpp: the plan saved by the Placement tab or ``dsv41 plan`` for this machine, else a fresh plan
-      for this machine from the model's headers (the planner refuses a host that cannot hold the model)."""
-    notes: list[str] = []
-    try:
-        from . import placement
-    except ImportError:
-        notes.append("The placement planner is not available; the engine sizes its expert cache itself.")
-        return None, notes
-    try:
-        if engine_name == "sim":
-            from .sim.offload import expected_frequencies
-
-            layout = placement.default_sim_layout()
-            # The scripted engine's routing distribution is the truth of its simulated world, so the plan ranks
-            # by it and its predicted hit rate is the expected one for that distribution (labelled simulated).
-            pi = expected_frequencies(len(layout.moe_layers), layout.n_experts, layout.n_experts_used)
-            p = placement.plan(layout, placement.reference_hardware(), pi, settings)
-            d = p.to_dict()
-            d["usage_note"] = "the scripted engine's own routing distribution (simulated)"
-            rate = d.get("predicted_hit_rate")
-            notes.append(f"The scripted engine (simulated) runs the reference placement — {d.get('hot_experts'):,} "
-                         "hot experts in VRAM of the guides' 96 GB RTX PRO 6000 — on the replica layout of "
-                         "DeepSeek-V4.1-Flash Q2_K" + (f"; predicted hit rate {rate:.1%} from its routing "
-                                                       "distribution." if rate is not None else "."))
-            return d, notes
-        has_gpu = bool(hardware is not None and getattr(hardware, "has_gpu", False))
-        if engine_name == "llamacpp" and not has_gpu:
-            notes.append("No GPU here: llama.cpp runs every layer on the CPU, so there is no placement to plan.")
-            return None, notes
-        last = placement.load_last_plan()
-        if last and not last.get("refused") and not (last.get("hardware") or {}).get("hypothetical"):
-            made = last.get("created_at")
-            when = time.strftime(" (made %Y-%m-%d %H:%M)", time.localtime(made)) if isinstance(made, (int, float)) \
-                else ""
-            notes.append(f"Using the plan saved by the Placement tab / `dsv41 plan`{when}.")
-            return last, notes
-        model = getattr(settings, "llamacpp_model", None) if engine_name == "llamacpp" else None
-        req = placement.PlanRequest(host="this", save=False, model_path=str(model) if model else None)
-        out = placement.make_plan(settings, req, hardware)
-        notes.append(f"Planned for this machine from {out.model_source}.")
-        return out.plan_dict, notes
-    except Exception as exc:  # an unreadable model folder must not hide the engine's own, clearer error
-        notes.append(f"Could not make a plan ({exc}); the engine sizes its expert cache itself.")
-        return None, notes
+    return rec.alive()
 
 
 # -- the supervisor -------------------------------------------------------------------------------------------
@@ -869,58 +202,6 @@ class _Handle:
             self.tail.close()
             self.tail = None
 
-
-@dataclass
-class DryRun:
-    engine: str
-    label: str
-    simulated: bool
-    steps: list[tuple[str, list[str] | str, str]]   # (title, command or text, note)
-    env: dict[str, str]
-    files: dict[str, str]
-    binding: Binding | None
-    notes: list[str]
-    refused: str | None = None      # the plan's refusal: a start would stop there (exit 3) and run nothing
-
-    def render(self) -> str:
-        name = self.label or self.engine
-        if self.simulated and "simulated" not in name.lower():
-            name += " (simulated)"
-        out = [f"# dsv41 start --dry-run: {name}"]
-        if self.refused:
-            out.append("# REFUSED: the placement was refused, so a start would stop here (exit 3) and run none of "
-                       "the commands below.")
-            out.extend(f"#   {ln}" for ln in textwrap.wrap(self.refused, 110))
-            out.extend(f"# {ln}" for ln in textwrap.wrap(
-                "What to do: re-plan with settings this machine can hold (`dsv41 plan`, or the Placement tab), or "
-                "use a machine that passes `dsv41 doctor`. Below: the commands a start would run with this plan.",
-                112))
-        for n in self.notes:
-            out.append(f"# {n}")
-        for i, (title, cmd, note) in enumerate(self.steps, 1):
-            out.append("")
-            out.append(f"# {i}. {title}")
-            for ln in (note or "").splitlines():
-                out.append(f"#    {ln}")
-            if isinstance(cmd, list):
-                out.append(shlex.join(cmd))
-            elif cmd:
-                out.append(cmd)
-        if self.env:
-            out.append("")
-            out.append("# environment added to the engine's (secrets masked)")
-            out.extend(f"export {k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
-        if self.files:
-            out.append("")
-            out.append("# generated files")
-            out.extend(f"#   {role}: {p}" for role, p in sorted(self.files.items()))
-        return "\n".join(out) + "\n"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, "label": self.label, "simulated": self.simulated,
-                "steps": [{"title": t, "command": c, "note": n} for t, c, n in self.steps],
-                "env": self.env, "files": self.files, "notes": self.notes, "refused": self.refused,
-                "binding": self.binding.to_dict() if self.binding else None}
 
 
 def _emit(ev: Event | None) -> Iterator[Event]:
@@ -1060,8 +341,8 @@ class Supervisor:
         except (OSError, ValueError):
             return None
 
-    def _read_state_file(self) -> dict[str, Any] | None:
-        """The state file's record, validated (:class:`StateRecord`); None when there is none. A bad one (not
+    def _read_state_file(self) -> EngineRecord | None:
+        """The state file's record, validated (:class:`EngineRecord`); None when there is none. A bad one (not
         JSON, wrong types, a symbolic link) is moved aside and a note says so (:meth:`_pop_state_notes`)."""
         path = self.state_path
         try:
@@ -1076,13 +357,9 @@ class Supervisor:
             return None
         else:
             try:
-                d = json.loads(raw.decode("utf-8"))
-                if not isinstance(d, dict):
-                    raise ValueError(f"it holds a JSON {type(d).__name__}, not a record")
-                StateRecord.model_validate(d)
-                return d
+                return EngineRecord.from_json(raw)
             except (ValueError, ValidationError) as exc:
-                why = _why_invalid(exc)
+                why = why_invalid(exc)
         try:
             where = f"moved aside to {move_aside(path, 'bad')}"
         except OSError as exc:
@@ -1096,7 +373,7 @@ class Supervisor:
         if text not in self._state_notes:
             self._state_notes.append(text)
 
-    def _pop_state_notes(self) -> Iterator[Event]:
+    def _pop_state_notes(self) -> Iterator[Note]:
         notes, self._state_notes = self._state_notes, []
         for n in notes:
             yield Note(n, "warning")
@@ -1126,7 +403,7 @@ class Supervisor:
         at = req.get("at")
         return req if isinstance(at, (int, float)) and at >= self._since else None
 
-    def _stopped_by_request(self, h: _Handle | None, req: dict[str, Any]) -> Iterator[Event]:
+    def _stopped_by_request(self, h: _Handle | None, req: dict[str, Any]) -> Events:
         """Another `dsv41 stop` asked for the engine to stop while this supervisor starts (or restarts) it: it
         stops here too (the engine goes either way), says so, and nothing is restarted."""
         self._stop_req.set()
@@ -1167,8 +444,9 @@ class Supervisor:
         rec = self._read_state_file()
         if rec is None:
             return
-        rec.update(updates, updated_at=time.time())
-        atomic_write_json(self.state_path, rec)
+        d = rec.to_json_dict()
+        d.update(updates, updated_at=time.time())
+        atomic_write_json(self.state_path, d)
 
     def _read_exit_file(self, keeper_pid: int | None) -> ExitInfo | None:
         d = self._read_json(self.exit_path)
@@ -1235,21 +513,21 @@ class Supervisor:
         rec = self._read_state_file()
         st = EngineStatus(STOPPED, log_path=str(self.log_path), port=self.settings.port)
         bad = " ".join(n.text for n in self._pop_state_notes())
-        if rec and rec.get("keeper_pid"):
-            alive = record_alive(rec)
+        if rec and rec.keeper_pid:
+            alive = rec.alive()
             st = self._status_from_record(rec, alive)
             if alive:
                 if check_health:
                     if self._health_ok_record(rec):
                         st.state, st.message = READY, "answering its health check"
-                    elif rec.get("state") == READY:
+                    elif rec.state == READY:
                         st.message = "running, but not answering its health check right now"
                 return st
         elif rec:
-            st.state = rec.get("state") if rec.get("state") in (STOPPED, CRASHED) else STOPPED
-            st.engine = rec.get("engine")
-            st.last_failure = rec.get("last_failure")
-            st.message = rec.get("message", "")
+            st.state = rec.state if rec.state in (STOPPED, CRASHED) else STOPPED
+            st.engine = rec.engine
+            st.last_failure = rec.last_failure
+            st.message = (rec.message or "")
         if state in (STARTING, RESTARTING, CRASHED) and st.state != CRASHED:
             st.state, st.message = state, message
         if self.last_failure is not None and st.state in (CRASHED, RESTARTING):
@@ -1273,27 +551,27 @@ class Supervisor:
             h, state, message = self._handle, self._state, self._message
         return self._status_of(h, state, message) if h is not None else None
 
-    def _status_from_record(self, rec: dict[str, Any], alive: bool) -> EngineStatus:
-        stopping = rec.get("state") == STOPPING or bool(rec.get("stop_requested"))
+    def _status_from_record(self, rec: EngineRecord, alive: bool) -> EngineStatus:
+        stopping = rec.state == STOPPING or bool(rec.stop_requested)
         st = EngineStatus(
-            state=(rec.get("state") if rec.get("state") in RUNNING_STATES else STARTING) if alive
+            state=(rec.state if rec.state in RUNNING_STATES else STARTING) if alive
             else (STOPPED if stopping else CRASHED),
-            engine=rec.get("engine"), label=rec.get("label", ""), simulated=bool(rec.get("simulated")),
-            pid=rec.get("pid"), pgid=rec.get("pgid"), keeper_pid=rec.get("keeper_pid"), port=rec.get("port"),
-            base_url=rec.get("base_url"),
-            binding=(rec.get("binding") or {}).get("summary") if rec.get("binding") else None,
-            log_path=rec.get("log_path", str(self.log_path)), started_at=rec.get("started_at"),
-            ready_at=rec.get("ready_at"), argv=list(rec.get("argv") or []), owner="panel",
-            key_matches=(rec.get("key_fingerprint") == key_fingerprint(self.settings.api_key))
-            if rec.get("key_fingerprint") else None,
-            plan_path=(rec.get("files") or {}).get("plan"),
+            engine=rec.engine, label=(rec.label or ""), simulated=bool(rec.simulated),
+            pid=rec.pid, pgid=rec.pgid, keeper_pid=rec.keeper_pid, port=rec.port,
+            base_url=rec.base_url,
+            binding=(rec.binding or {}).get("summary") if rec.binding else None,
+            log_path=(rec.log_path or str(self.log_path)), started_at=rec.started_at,
+            ready_at=rec.ready_at, argv=list(rec.argv or []), owner="panel",
+            key_matches=(rec.key_fingerprint == key_fingerprint(self.settings.api_key))
+            if rec.key_fingerprint else None,
+            plan_path=rec.plan_path,
             # the launch as recorded: its files (plan, routing trace) let a monitor started after a panel restart,
             # or `dsv41 monitor`, find what the command line does not show (Strata's trace flag sits in its config)
             spec=self._spec_from_record(rec) if alive else None,
         )
         if not alive and not stopping:
             ex, crash = self.explain_dead(rec)
-            st.message = (f"The engine started earlier (pid {rec.get('pid')}) ended while no panel was watching "
+            st.message = (f"The engine started earlier (pid {rec.pid}) ended while no panel was watching "
                           f"({ex.words()}).")
             st.last_failure = crash.to_dict()
         return st
@@ -1309,95 +587,41 @@ class Supervisor:
             key_matches=(h.spec.api_key == self.settings.api_key) if self.settings.api_key else None,
             binding_note=h.binding.note if h.binding else None, plan_path=h.spec.files.get("plan"), spec=h.spec)
 
-    def _health_ok_record(self, rec: dict[str, Any]) -> bool:
+    def _health_ok_record(self, rec: EngineRecord) -> bool:
         try:
-            eng = self.resolve_engine(rec.get("engine") or "sim")
+            eng = self.resolve_engine(rec.engine or "sim")
             return eng.readiness(self.http(), self._spec_from_record(rec)).state == "ready"
         except Exception:
             return False
 
-    def _spec_from_record(self, rec: dict[str, Any]) -> LaunchSpec:
-        return LaunchSpec(engine=rec.get("engine") or "sim", argv=list(rec.get("argv") or []),
-                          host=rec.get("host") or self.settings.host, port=int(rec.get("port") or 0),
-                          api_key=self.settings.api_key, env={}, cwd=rec.get("cwd"),
-                          health_path=rec.get("health_path") or "/health", files=dict(rec.get("files") or {}),
-                          simulated=bool(rec.get("simulated")), label=rec.get("label") or "")
+    def _spec_from_record(self, rec: EngineRecord) -> LaunchSpec:
+        return LaunchSpec(engine=rec.engine or "sim", argv=list(rec.argv or []),
+                          host=rec.host or self.settings.host, port=int(rec.port or 0),
+                          api_key=self.settings.api_key, env={}, cwd=rec.cwd,
+                          health_path=rec.health_path or "/health", files=dict(rec.files or {}),
+                          simulated=bool(rec.simulated), label=rec.label or "")
 
     # -- dry run -------------------------------------------------------------------------------------------------
     def dry_run(self, engine: str | Engine | None = None, plan: dict[str, Any] | None = None) -> DryRun:
         """Every command start would run on this machine, without starting anything (the binding probes do run:
         they are ``<prefix> true``). Generated files are written, so the printed command works as is."""
-        eng = self._engine(engine)
-        notes: list[str] = []
-        if plan is None:
-            plan, pnotes = self._default_plan(eng.name)
-            notes.extend(pnotes)
-        refused = plan.get("refused") if plan else None
-        b = self.binding(refresh=True)
-        workdir = self.runs_dir / eng.name
-        ensure_private_dir(workdir)
-        # A refused plan: the engines will not build a launch from it, but the dry run still shows every command
-        # (built from the plan's terms as they are) under the refusal, which `dsv41 start` would stop at.
-        spec = eng.build_launch(self.settings, {**plan, "refused": None} if refused else plan, workdir)
-        if refused and spec.files.get("plan"):
-            atomic_write_json(Path(spec.files["plan"]), plan)    # the file keeps the refusal: it never starts
-        notes.extend(f"WARNING: {p}" for p in _preflight(eng, spec))
-        own = self._own_running_record()
-        if own is not None:
-            if own.get("engine") == eng.name:
-                notes.append(f"{engine_words(eng.name, True)} is already running (pid {own.get('pid')}, port "
-                             f"{own.get('port')}): `dsv41 start` would re-attach to it instead of starting another.")
-            else:
-                msg, fix = running_conflict(own, eng.name)
-                notes.insert(0, f"`dsv41 start` would refuse now: {msg} {fix}")
-        steps: list[tuple[str, list[str] | str, str]] = []
-        for a in b.attempts:
-            steps.append((f"probe binding {a.strategy}", a.command,
-                          "works here" if a.ok else f"refused here: {a.reason}"))
-        if not b.attempts:
-            steps.append(("binding", "", b.reason))
-        if b.note:
-            notes.append(b.note)
-        free = port_free(spec.host, spec.port)
-        if free:
-            port_note = "free now"
-        elif own is not None and own.get("port") == spec.port:
-            port_note = (f"held now by the panel's own engine: {own.get('label') or engine_words(own.get('engine'))} "
-                         f"(pid {own.get('pid')}, started by this panel or `dsv41 start`) — not a conflict: "
-                         + ("a start re-attaches to it" if own.get("engine") == eng.name else
-                            "stop it first (`dsv41 stop`) to start this engine"))
-        else:
-            port_note = f"IN USE now by {describe_owner(port_owner(spec.host, spec.port))}"
-        steps.append((f"check that {spec.host}:{spec.port} is free", ["ss", "-ltnp", f"sport = :{spec.port}"],
-                      port_note))
-        keeper = module_argv("engine_manager.keeper", script=KEEPER) + ["--log", str(self.log_path), "--exit-file",
-                  str(self.exit_path), "--max-bytes", str(self.log_max_bytes), "--backups", str(self.log_backups),
-                  "--mask-stdin"] + (["--follow", spec.files["engine_log"]] if spec.files.get("engine_log") else []) \
-            + ["--"]
-        steps.append((f"start the engine in a new session and process group — binding: {b.summary()}",
-                      keeper + spec.masked_argv(b.prefix),
-                      f"working directory: {spec.cwd or os.getcwd()}\nthe keeper (first part) copies the engine's "
-                      "output to the size-rotated log and records how it ended; the engine command follows `--`"))
-        steps.append((f"wait until ready (up to {self.ready_timeout_s:.0f} s)",
-                      ["curl", "-s", f"{spec.base_url}{spec.health_path}"], "connection refused = still loading"))
-        steps.append((f"stop: SIGTERM to the group, {self.grace_s:.0f} s grace, then SIGKILL",
-                      f"kill -TERM -<pgid>; sleep {self.grace_s:.0f}; kill -KILL -<pgid>", ""))
-        return DryRun(eng.name, spec.label or eng.label, spec.simulated, steps, spec.masked_env(),
-                      dict(spec.files), b, notes, refused)
+        from .dryrun import build_dry_run
 
-    def _own_running_record(self) -> dict[str, Any] | None:
+        return build_dry_run(self, engine, plan)
+
+    def _own_running_record(self) -> EngineRecord | None:
         """The state file's record when it names a live engine this panel (or `dsv41 start`) started."""
         with self._lock:
             h = self._handle
         rec = self._read_state_file()
-        if rec and rec.get("keeper_pid") and (h is not None and h.keeper_pid == rec.get("keeper_pid")
-                                              or record_alive(rec)):
+        if rec and rec.keeper_pid and (h is not None and h.keeper_pid == rec.keeper_pid
+                                              or rec.alive()):
             return rec
         return None
 
     # -- run / watch -----------------------------------------------------------------------------------------
     def run(self, engine: str | Engine | None = None, plan: dict[str, Any] | None = None, *,
-            watch: bool = True) -> Iterator[Event]:
+            watch: bool = True) -> Events:
         """Start the engine and wait until ready; with ``watch`` keep supervising it until :meth:`stop` or
         :meth:`detach` (a crash is classified and, with auto-restart, restarted with backoff)."""
         self._reset_requests()
@@ -1412,7 +636,7 @@ class Supervisor:
         outcome = yield from self._start_once(eng, plan)
         return (yield from self._supervise(eng, plan, outcome, watch=watch))
 
-    def watch(self) -> Iterator[Event]:
+    def watch(self) -> Events:
         """Re-attach to the engine a previous panel (or ``dsv41 start``) started — when its pid and start time
         match; health decides ready or still starting — and supervise it like :meth:`run`. With the engine
         dead, clean up (kill stragglers of its group) and report how it ended."""
@@ -1422,13 +646,13 @@ class Supervisor:
         if h is None:
             return self.status(check_health=False)
         outcome = "ready" if h.ready_at is not None else (yield from self._wait_ready(h))
-        rec = self._read_state_file() or {}
-        plan_file = (rec.get("files") or {}).get("plan")
+        rec = self._read_state_file() or EngineRecord.empty()
+        plan_file = rec.plan_path
         plan = self._read_json(Path(plan_file)) if plan_file else None   # for a restart: the plan it ran with
         return (yield from self._supervise(h.engine, plan, outcome))
 
     def _supervise(self, eng: Engine | None, plan: dict[str, Any] | None, outcome: Any,
-                   watch: bool = True) -> Iterator[Event]:
+                   watch: bool = True) -> Events:
         while True:
             if outcome == "ready" and not watch:
                 with self._lock:
@@ -1452,7 +676,7 @@ class Supervisor:
                 return self.status(check_health=False)
             outcome = yield from self._start_once(eng, plan, restart=True)
 
-    def _await_stop(self) -> Iterator[Event]:
+    def _await_stop(self) -> Events:
         """The owning generator saw a stop request: let the :meth:`stop` in progress finish (so the final status
         is "stopped"), or — after :meth:`cancel` alone — stop the engine here."""
         end = time.monotonic() + self.grace_s + 15.0
@@ -1467,36 +691,36 @@ class Supervisor:
             time.sleep(self.poll_s)
 
     # -- attach / clean up ----------------------------------------------------------------------------------
-    def _attach(self) -> Iterator[Event]:
+    def _attach(self) -> Events:
         rec = self._read_state_file()
         yield from self._pop_state_notes()
-        if not rec or not rec.get("keeper_pid"):
-            if rec and rec.get("state") == CRASHED and isinstance(rec.get("last_failure"), dict):
+        if not rec or not rec.keeper_pid:
+            if rec and rec.state == CRASHED and isinstance(rec.last_failure, dict):
                 try:
-                    crash = Crashed(**{k: v for k, v in rec["last_failure"].items() if k != "kind"})
+                    crash = Crashed(**{k: v for k, v in rec.last_failure.items() if k != "kind"})
                 except TypeError:
                     crash = None
                 if crash is not None:               # what happened last time stays visible until the next start
-                    crash.will_restart, crash.restart_in_s = False, None
+                    crash = replace(crash, will_restart=False, restart_in_s=None)
                     self.last_failure = crash
-                    yield from _emit(self._set_state(CRASHED, rec.get("message", "")))
+                    yield from _emit(self._set_state(CRASHED, (rec.message or "")))
                     yield crash
             return None
-        ok = record_alive(rec)
+        ok = rec.alive()
         try:
-            eng = self.resolve_engine(rec.get("engine") or "sim")
+            eng = self.resolve_engine(rec.engine or "sim")
         except Exception:
             eng = None
         if not ok or eng is None:
             yield from self._cleanup_dead(rec, eng)
             return None
         spec = self._spec_from_record(rec)
-        binding = Binding.from_dict(rec["binding"]) if rec.get("binding") else None
-        h = _Handle(eng, spec, binding, rec["keeper_pid"], rec["keeper_start_time"],
-                    rec.get("pgid") or rec["keeper_pid"], rec.get("pid"), rec.get("pid_start_time"),
-                    rec.get("started_at") or time.time(), attached=True,
-                    argv_shown=list(rec.get("argv") or []), env_shown=dict(rec.get("env") or {}),
-                    run_id=rec.get("run_id"))
+        binding = Binding.from_dict(rec.binding) if rec.binding else None
+        h = _Handle(eng, spec, binding, rec.keeper_pid, float(rec.keeper_start_time or 0.0),
+                    rec.pgid or rec.keeper_pid, rec.pid, rec.pid_start_time,
+                    rec.started_at or time.time(), attached=True,
+                    argv_shown=list(rec.argv or []), env_shown=dict(rec.env or {}),
+                    run_id=rec.run_id)
         h.recent.extend(run_lines(read_log_tail(self.log_path, 64_000), h.run_id)[-200:])
         h.tail = LogTail(self.log_path, None)
         try:
@@ -1506,12 +730,12 @@ class Supervisor:
         with self._lock:
             self._handle = h
         if healthy:
-            h.ready_at = rec.get("ready_at") or time.time()
+            h.ready_at = rec.ready_at or time.time()
             self._write_state_file(h, READY)
         msg = (f"Re-attached to the {spec.label or spec.engine} engine started earlier (pid {h.engine_pid}, "
                f"{'ready' if healthy else 'still starting'}).")
         yield Attached(h.engine_pid or h.keeper_pid, spec.engine, READY if healthy else STARTING, msg)
-        if rec.get("key_fingerprint") and rec["key_fingerprint"] != key_fingerprint(self.settings.api_key):
+        if rec.key_fingerprint and rec.key_fingerprint != key_fingerprint(self.settings.api_key):
             yield Note("The running engine was started with a different API key than the one in the settings now; "
                        "chat requests will be refused (401). Stop and start it to use the current key.", "warning")
         yield from _emit(self._set_state(READY if healthy else STARTING, msg))
@@ -1520,9 +744,9 @@ class Supervisor:
                         attached=True)
         return h
 
-    def _cleanup_dead(self, rec: dict[str, Any], eng: Engine | None) -> Iterator[Event]:
+    def _cleanup_dead(self, rec: EngineRecord, eng: Engine | None) -> Events:
         """The state file names an engine that is gone: kill stragglers of its group, say how it ended."""
-        pgid, since = rec.get("pgid"), rec.get("keeper_start_time")
+        pgid, since = rec.pgid, rec.keeper_start_time
         if pgid and since:
             left = group_members(int(pgid), since)
             for p in left:
@@ -1532,34 +756,34 @@ class Supervisor:
                     pass
             if left:
                 psutil.wait_procs(left, timeout=3)
-        if rec.get("state") == STOPPING or rec.get("stop_requested"):
-            self._write_state_file(None, STOPPED, engine=rec.get("engine"), message="stopped")
+        if rec.state == STOPPING or rec.stop_requested:
+            self._write_state_file(None, STOPPED, engine=rec.engine, message="stopped")
             return
         ex, crash = self.explain_dead(rec, eng)
         self.last_failure = crash
-        msg = (f"The engine started earlier (pid {rec.get('pid')}) ended while no panel was watching "
+        msg = (f"The engine started earlier (pid {rec.pid}) ended while no panel was watching "
                f"({ex.words()}); cleaned up.")
-        self._write_state_file(None, CRASHED, engine=rec.get("engine"), message=msg, last_failure=crash.to_dict())
+        self._write_state_file(None, CRASHED, engine=rec.engine, message=msg, last_failure=crash.to_dict())
         yield Note(msg, "warning")
         yield from _emit(self._set_state(CRASHED, msg))
         yield crash
 
-    def explain_dead(self, rec: dict[str, Any], eng: Engine | None = None) -> tuple[ExitInfo, Crashed]:
+    def explain_dead(self, rec: EngineRecord, eng: Engine | None = None) -> tuple[ExitInfo, Crashed]:
         """How the engine a state file names ended, classified like a crash the panel watched (cause in plain words
         and the fix): the one code path behind a panel's clean-up, ``dsv41 stop`` and ``dsv41 status``."""
-        if eng is None or eng.name != rec.get("engine"):
+        if eng is None or eng.name != rec.engine:
             try:
-                eng = self.resolve_engine(rec.get("engine") or "sim")
+                eng = self.resolve_engine(rec.engine or "sim")
             except Exception:  # an unknown engine name: the generic signatures still apply
                 eng = None
-        ex = self._read_exit_file(rec.get("keeper_pid")) or ExitInfo(None, None, None, "unknown")
-        tail = run_lines(read_log_tail(self.log_path, 64_000), rec.get("run_id"))[-200:]
+        ex = self._read_exit_file(rec.keeper_pid) or ExitInfo(None, None, None, "unknown")
+        tail = run_lines(read_log_tail(self.log_path, 64_000), rec.run_id)[-200:]
         hint = classify_exit(eng, ex, tail)
         return ex, Crashed(hint.cause, hint.title, hint.fix, ex.returncode, ex.signal,
                            [ln for ln in tail if not ln.startswith("[dsv41")][-20:])
 
     # -- start -------------------------------------------------------------------------------------------------
-    def _start_once(self, eng: Engine, plan: dict[str, Any] | None, restart: bool = False) -> Iterator[Event]:
+    def _start_once(self, eng: Engine, plan: dict[str, Any] | None, restart: bool = False) -> Events:
         """Spawn and wait until ready. Returns ``"ready"``, ``"failed"``, ``"stopped"``, ``"detached"`` or an
         :class:`ExitInfo` when the engine died while starting."""
         if self._stop_req.is_set():
@@ -1595,8 +819,8 @@ class Supervisor:
             req = self._stop_requested_elsewhere()
             if req is not None:
                 return (yield from self._stopped_by_request(None, req))
-            if rec and rec.get("keeper_pid"):
-                if record_alive(rec):
+            if rec and rec.keeper_pid:
+                if rec.alive():
                     attach = True
                 else:
                     attach = False
@@ -1609,14 +833,14 @@ class Supervisor:
                 if h is None:
                     return "failed"
         if h is None:       # ours already runs (started by `dsv41 start` or another panel)
-            rec = self._read_state_file() or {}
-            if rec.get("engine") and rec.get("engine") != eng.name:
+            rec = self._read_state_file() or EngineRecord.empty()
+            if rec.engine and rec.engine != eng.name:
                 # another engine: never attach to it as if it were the one asked for, never start a second one
                 msg, fix = running_conflict(rec, eng.name)
                 yield from self._fail("engine_running", msg, fix)
                 return "failed"
-            yield Note(f"{engine_words(eng.name, True)} is already running (pid {rec.get('pid')}, port "
-                       f"{rec.get('port')}); attaching to it instead of starting another — starting the same "
+            yield Note(f"{engine_words(eng.name, True)} is already running (pid {rec.pid}, port "
+                       f"{rec.port}); attaching to it instead of starting another — starting the same "
                        "engine again re-attaches; `dsv41 stop` stops it.")
             h = yield from self._attach()
             if h is None:
@@ -1625,7 +849,7 @@ class Supervisor:
                 return "ready"
         return (yield from self._wait_ready(h))
 
-    def _launch(self, eng: Engine, plan: dict[str, Any] | None, restart: bool) -> Iterator[Event]:
+    def _launch(self, eng: Engine, plan: dict[str, Any] | None, restart: bool) -> Events:
         host, port = self.settings.host, self.settings.port
         if not port_free(host, port):
             owner = port_owner(host, port)
@@ -1634,7 +858,7 @@ class Supervisor:
                 "port_in_use", f"Port {port} is in use by {describe_owner(owner)}.",
                 "Stop that program, or choose another port: "
                 + (f"`dsv41 settings set port {alt}` (or DSV41_PORT={alt}); {alt} is free now."
-                   if alt else "`dsv41 settings set port <N>` (or DSV41_PORT)."))
+                   if alt else "`dsv41 settings set port <N>` (or DSV41_PORT)."), suggested_port=alt)
             return None
         binding = self.binding()
         if not restart:
@@ -1661,12 +885,15 @@ class Supervisor:
             return None
         return (yield from self._spawn(eng, spec, binding))
 
-    def _prepare(self, eng: Engine, plan: dict[str, Any] | None) -> Iterator[Event]:
+    def _prepare(self, eng: Engine, plan: dict[str, Any] | None) -> Events:
         """Run the engine's provisioning (``eng.prepare``: Strata's pack, :mod:`engine_manager.provision`) when
         it is needed, as Notes, Progress and LogLines. Returns False after a ``failed`` event."""
         from .errors import UserError
 
-        gen = eng.prepare(self.settings, plan)
+        prepare = getattr(eng, "prepare", None)     # only Strata's adapter has one (_launch asked)
+        if prepare is None:
+            return True
+        gen = prepare(self.settings, plan)
         t0 = time.monotonic()
         try:
             for ev in gen:
@@ -1692,11 +919,12 @@ class Supervisor:
             gen.close()
         return True
 
-    def _fail(self, cause: str, message: str, fix: str, tail: list[str] | None = None) -> Iterator[Event]:
+    def _fail(self, cause: str, message: str, fix: str, tail: list[str] | None = None,
+              suggested_port: int | None = None) -> Events:
         yield from _emit(self._set_state(STOPPED, message))
-        yield StartFailed(cause, message, fix, tail or [])
+        yield StartFailed(cause, message, fix, tail or [], suggested_port=suggested_port)
 
-    def _spawn(self, eng: Engine, spec: LaunchSpec, binding: Binding | None) -> Iterator[Event]:
+    def _spawn(self, eng: Engine, spec: LaunchSpec, binding: Binding | None) -> Events:
         req = self._stop_requested_elsewhere()
         if req is not None:                  # a `dsv41 stop` came while this start prepared: nothing is started
             yield from self._stopped_by_request(None, req)
@@ -1797,13 +1025,13 @@ class Supervisor:
                 self._fraction = float(frac) if isinstance(frac, (int, float)) else None
         return LogLines(lines, events)
 
-    def _final_lines(self, h: _Handle) -> Iterator[Event]:
+    def _final_lines(self, h: _Handle) -> Events:
         time.sleep(0.02)                       # the keeper's last line lands right before it exits
         batch = self._drain(h)
         if batch is not None:
             yield batch
 
-    def _wait_ready(self, h: _Handle) -> Iterator[Event]:
+    def _wait_ready(self, h: _Handle) -> Events:
         timeout = self.ready_timeout_s
         self._phase, self._fraction = "starting", None
         last_out = time.time()
@@ -1872,7 +1100,7 @@ class Supervisor:
             time.sleep(self.poll_s)
 
     # -- watching a ready engine ------------------------------------------------------------------------------
-    def _watch_loop(self) -> Iterator[Event]:
+    def _watch_loop(self) -> Events:
         with self._lock:
             h = self._handle
         if h is None:
@@ -1917,11 +1145,11 @@ class Supervisor:
 
     def _stopped_elsewhere(self) -> bool:
         rec = self._read_state_file()
-        return bool(rec and (rec.get("stop_requested") or rec.get("state") in (STOPPING, STOPPED)))
+        return bool(rec and (rec.stop_requested or rec.state in (STOPPING, STOPPED)))
 
-    def _stopped_by_other(self, h: _Handle) -> Iterator[Event]:
-        rec = self._read_state_file() or {}
-        req = rec.get("stop_requested")
+    def _stopped_by_other(self, h: _Handle) -> Events:
+        rec = self._read_state_file() or EngineRecord.empty()
+        req = rec.stop_requested
         who = req.get("by_pid") if isinstance(req, dict) else None
         if h.popen is not None:
             h.popen.wait()
@@ -1938,7 +1166,7 @@ class Supervisor:
                 self._handle = None
 
     # -- crash handling ---------------------------------------------------------------------------------------
-    def _after_crash(self, info: ExitInfo, eng: Engine | None) -> Iterator[Event]:
+    def _after_crash(self, info: ExitInfo, eng: Engine | None) -> Events:
         """Classify, record, and decide. Returns True to start again (after the backoff wait)."""
         with self._lock:
             h = self._handle
@@ -1998,7 +1226,7 @@ class Supervisor:
                 yield Restarting(n, delay or 0.0, max(0.0, left))
             time.sleep(min(self.poll_s, max(0.0, left)))
 
-    def _reap_group(self, h: _Handle) -> Iterator[Event]:
+    def _reap_group(self, h: _Handle) -> Events:
         left = group_members(h.pgid, h.keeper_ctime)
         if left:
             for p in left:
@@ -2016,7 +1244,7 @@ class Supervisor:
         self._forget(h)
 
     # -- stop --------------------------------------------------------------------------------------------------
-    def stop(self, force: bool = False) -> Iterator[Event]:
+    def stop(self, force: bool = False) -> Events:
         """SIGTERM to the engine's group, the grace period, then SIGKILL; checks that nothing of the group is
         left. ``force``: SIGKILL at once. Never touches a process the panel did not start."""
         self._stop_active.set()
@@ -2025,7 +1253,7 @@ class Supervisor:
         finally:
             self._stop_active.clear()
 
-    def _stop(self, force: bool) -> Iterator[Event]:
+    def _stop(self, force: bool) -> Events:
         self._stop_req.set()
         if force:
             self._force_req.set()
@@ -2036,7 +1264,7 @@ class Supervisor:
         if h is None:
             rec = self._read_state_file()
             yield from self._pop_state_notes()
-            if not (rec and rec.get("keeper_pid") and record_alive(rec)):
+            if not (rec and rec.keeper_pid and rec.alive()):
                 holder = self._start_in_flight()
                 if holder is not None:
                     yield Note(f"A start is in progress ({holder}); it was asked to stop and stops by itself. "
@@ -2044,33 +1272,33 @@ class Supervisor:
                     end = time.monotonic() + self.grace_s + 15.0
                     while time.monotonic() < end and self._start_in_flight() is not None:
                         rec = self._read_state_file()
-                        if rec and rec.get("keeper_pid") and record_alive(rec):
+                        if rec and rec.keeper_pid and rec.alive():
                             break               # it has started the engine meanwhile: stop that here
                         time.sleep(self.poll_s)
                     rec = self._read_state_file()
                     yield from self._pop_state_notes()
                     still = self._start_in_flight()
-                    if still is not None and not (rec and rec.get("keeper_pid") and record_alive(rec)):
+                    if still is not None and not (rec and rec.keeper_pid and rec.alive()):
                         msg = (f"The start in progress ({still}) was asked to stop; it stops by itself before the "
                                "engine answers (it is still preparing). `dsv41 status` shows when it has.")
                         yield from _emit(self._set_state(STOPPED, msg))
                         yield Stopped(msg)
                         return self.status(check_health=False)
-            if rec and rec.get("keeper_pid"):
-                if record_alive(rec):
+            if rec and rec.keeper_pid:
+                if rec.alive():
                     try:
-                        eng = self.resolve_engine(rec.get("engine") or "sim")
+                        eng = self.resolve_engine(rec.engine or "sim")
                     except Exception:
                         eng = None
-                    h = _Handle(eng, self._spec_from_record(rec), None, rec["keeper_pid"],
-                                rec["keeper_start_time"], rec.get("pgid") or rec["keeper_pid"], rec.get("pid"),
-                                rec.get("pid_start_time"), rec.get("started_at") or time.time(), attached=True)
+                    h = _Handle(eng, self._spec_from_record(rec), None, rec.keeper_pid,
+                                float(rec.keeper_start_time or 0.0), rec.pgid or rec.keeper_pid, rec.pid,
+                                rec.pid_start_time, rec.started_at or time.time(), attached=True)
                 else:
                     yield from self._cleanup_dead(rec, None)
         if h is None:
             st = self.status(check_health=False)
             if st.external:
-                yield Note(st.message + " Stop it where it was started.", "warning")
+                yield Note(st.message + " Stop it where it was started.", "warning", cause="external_engine")
             msg = "Auto-restart cancelled; the engine is stopped." if was == RESTARTING else \
                 "The engine is not running."
             yield from _emit(self._set_state(STOPPED, msg))
@@ -2112,7 +1340,7 @@ class Supervisor:
             fcntl.flock(f, fcntl.LOCK_UN)
         return None
 
-    def _terminate(self, h: _Handle, grace: float, quiet: bool = False) -> Iterator[Event]:
+    def _terminate(self, h: _Handle, grace: float, quiet: bool = False) -> Events:
         """SIGTERM the group (SIGKILL at once when ``grace`` is 0), wait, then SIGKILL; every descendant too,
         also one that left the group. Returns ``(forced, leftover pids)``."""
         tracked: dict[int, psutil.Process] = {}
@@ -2214,29 +1442,3 @@ def _preflight(eng: Engine, spec: LaunchSpec) -> list[str]:
         return [str(p) for p in (check(spec) or [])]
     except Exception:  # a broken check must not block a launch: the engine's own errors will say what is wrong
         return []
-
-
-def _find_child(popen: subprocess.Popen, wait_s: float = 2.0) -> tuple[int | None, float | None]:
-    """The keeper's child (the engine, after the binding prefix exec'd into it)."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            kids = psutil.Process(popen.pid).children()
-        except (psutil.Error, OSError):
-            return None, None
-        if kids:
-            try:
-                return kids[0].pid, kids[0].create_time()
-            except (psutil.Error, OSError):
-                return None, None
-        if popen.poll() is not None:
-            return None, None
-        time.sleep(0.003)
-    return None, None
-
-
-def _signame(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"

@@ -1,15 +1,16 @@
 """Quick whole-machine readings for the status bar: RAM, CPU, and per GPU utilisation and VRAM.
 
 Cheap and blocking at worst for a few ms (NVML can block longer on a busy driver, so the GUI calls this off its
-thread). NVML is initialised once per process and kept.
+thread). NVML is initialised once per process and kept (:func:`engine_manager.nvml.shared`).
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import psutil
+
+from . import nvml
 
 
 @dataclass
@@ -30,48 +31,22 @@ class SysStat:
     gpu_error: str | None = None
 
 
-_lock = threading.Lock()
-_nvml = None
-_nvml_error: str | None = None
-
-
-def _nvml_module():
-    global _nvml, _nvml_error
-    with _lock:
-        if _nvml is None and _nvml_error is None:
-            try:
-                import pynvml
-                pynvml.nvmlInit()
-                _nvml = pynvml
-            except Exception as exc:  # no driver / library: a normal answer
-                _nvml_error = f"no NVIDIA GPU ({type(exc).__name__})"
-        return _nvml
+_FIELDS = ("util_pct", "vram_used_bytes", "vram_total_bytes", "temp_c")
 
 
 def read() -> SysStat:
     vm = psutil.virtual_memory()
     st = SysStat(vm.total - vm.available, vm.total, psutil.cpu_percent(interval=None))
-    nvml = _nvml_module()
-    if nvml is None:
-        st.gpu_error = _nvml_error
+    n, why = nvml.shared()
+    if n is None:
+        st.gpu_error = f"no NVIDIA GPU: {why}"
         return st
     try:
-        for i in range(nvml.nvmlDeviceGetCount()):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            try:
-                util = float(nvml.nvmlDeviceGetUtilizationRates(h).gpu)
-            except Exception:
-                util = None
-            try:
-                mem = nvml.nvmlDeviceGetMemoryInfo(h)
-                used, total = int(mem.used), int(mem.total)
-            except Exception:
-                used = total = None
-            try:
-                temp = float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU))
-            except Exception:
-                temp = None
-            st.gpus.append(GpuStat(i, util, used, total, temp))
-    except Exception as exc:
-        st.gpu_error = f"NVML error: {exc}"
+        for i in range(nvml.device_count(n)):
+            v = nvml.live_readings(n, nvml.handle(n, i), _FIELDS)
+            used, total = v["vram_used_bytes"], v["vram_total_bytes"]
+            st.gpus.append(GpuStat(i, v["util_pct"], int(used) if used is not None else None,
+                                   int(total) if total is not None else None, v["temp_c"]))
+    except Exception as exc:  # noqa: BLE001 - a GPU lost between count and read: said, not raised
+        st.gpu_error = nvml.nvml_reason(exc, "reading the GPUs")
     return st

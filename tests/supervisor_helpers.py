@@ -1,5 +1,5 @@
 """Helpers for the supervisor, engine CLI and engine panel tests: the scripted engine through its adapter, and
-psutil measurements of what an engine left behind."""
+psutil measurements of what an engine left behind, and ``drain`` (a generator of events run to its end)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ import time
 import psutil
 
 from engine_manager.engines.base import Engine
+
+def drain(gen) -> tuple[list, object]:
+    """Run a generator of progress events to its end: (the events it yielded, the value it returned)."""
+    evs = []
+    while True:
+        try:
+            evs.append(next(gen))
+        except StopIteration as stop:
+            return evs, stop.value
+
 
 TINY_SERVER = r"""
 import http.server, signal, subprocess, sys, threading

@@ -9,14 +9,16 @@ import threading
 import time
 
 import pytest
-from chat_support import foreign_server, panel_sim, shared_sim, start_sim  # noqa: F401 - fixtures
+from chat_support import ROOT
 
 from engine_manager import history as hist
 from engine_manager.sim import corpus
 from engine_manager.chat import (
     CancelToken, ChatClient, ChatError, ChatOptions, ContentDelta, FinishReason, ReasoningDelta, StreamDone,
-    StreamOpened, TimingsInfo, TurnEnded, TurnStarted, UsageInfo, run_turn,
+    StreamOpened, TimingsInfo, UsageInfo,
 )
+from engine_manager.chat_turn import TurnEnded, TurnStarted, run_turn
+from engine_manager.session import RunningEngine
 
 Q = [{"role": "user", "content": "Explain expert offload on one GPU"}]
 
@@ -35,7 +37,7 @@ def collect(events):
 # ------------------------------------------------------------------------------------------------ the sim
 def test_stream_yields_reasoning_then_content_and_stats(start_sim):
     sim = start_sim(speed=3.0)            # ~190 tok/s: the answer spreads over about half a second
-    with ChatClient(sim.base_url, sim.key) as c:
+    with ChatClient(sim.base_url, sim.api_key) as c:
         got = collect(c.stream(Q, ChatOptions(max_tokens=400)))
     evs = got["events"]
     assert isinstance(evs[0], StreamOpened) and isinstance(evs[-1], StreamDone)
@@ -65,7 +67,7 @@ def test_stream_yields_reasoning_then_content_and_stats(start_sim):
 
 
 def test_max_tokens_and_reasoning_effort_reach_the_engine_as_top_level_keys(shared_sim):
-    with ChatClient(shared_sim.base_url, shared_sim.key) as c:
+    with ChatClient(shared_sim.base_url, shared_sim.api_key) as c:
         short = collect(c.stream(Q, ChatOptions(max_tokens=5)))
         plain = collect(c.stream(Q, ChatOptions(max_tokens=400, reasoning_effort="none")))
     assert len(short["reasoning"]) + len(short["content"]) == 5
@@ -92,7 +94,7 @@ def test_cancel_closes_the_stream_and_frees_the_engine_slot(start_sim):
     sim = start_sim("--reply-tokens", "3000", speed=1.0, slots=1)
     token = CancelToken()
     n = 0
-    with ChatClient(sim.base_url, sim.key) as c:
+    with ChatClient(sim.base_url, sim.api_key) as c:
         events = []
         for ev in c.stream(Q, ChatOptions(max_tokens=3000), token):
             events.append(ev)
@@ -112,7 +114,7 @@ def test_cancel_from_another_thread_wakes_a_stalled_read(start_sim):
     sim = start_sim("--stall-after-tokens", "3", "--stall-s", "30", speed=5.0)
     token = CancelToken()
     t0 = time.monotonic()
-    with ChatClient(sim.base_url, sim.key) as c:
+    with ChatClient(sim.base_url, sim.api_key) as c:
         timer = threading.Timer(0.8, token.cancel)
         timer.start()
         got = collect(c.stream(Q, ChatOptions(max_tokens=100), token))
@@ -124,7 +126,7 @@ def test_cancel_from_another_thread_wakes_a_stalled_read(start_sim):
 def test_error_frame_mid_stream_raises_with_the_engines_message(start_sim):
     sim = start_sim("--error-after-tokens", "6")
     seen = []
-    with ChatClient(sim.base_url, sim.key) as c, pytest.raises(ChatError) as ei:
+    with ChatClient(sim.base_url, sim.api_key) as c, pytest.raises(ChatError) as ei:
         for ev in c.stream(Q, ChatOptions(max_tokens=200)):
             if isinstance(ev, (ReasoningDelta, ContentDelta)):
                 seen.append(ev.text)
@@ -146,7 +148,7 @@ def test_wrong_key_is_401_in_plain_words(shared_sim):
 
 def test_tools_are_refused_with_400(shared_sim):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    with ChatClient(shared_sim.base_url, shared_sim.key) as c, pytest.raises(ChatError) as ei:
+    with ChatClient(shared_sim.base_url, shared_sim.api_key) as c, pytest.raises(ChatError) as ei:
         list(c.stream(Q, ChatOptions(extra={"tools": tools})))
     assert ei.value.kind == "bad_request" and ei.value.status == 400
     assert "tool calls are not supported" in str(ei.value)
@@ -167,7 +169,7 @@ def test_a_second_chat_waits_its_turn_instead_of_being_refused(start_sim):
 
     def chat(name, opts, cancel=None):
         try:
-            with ChatClient(sim.base_url, sim.key) as c:
+            with ChatClient(sim.base_url, sim.api_key) as c:
                 for ev in c.stream(Q, opts, cancel):
                     if isinstance(ev, (ReasoningDelta, ContentDelta)):
                         with lock:
@@ -188,7 +190,7 @@ def test_a_second_chat_waits_its_turn_instead_of_being_refused(start_sim):
         deadline = time.monotonic() + 30
         queued = 0
         while time.monotonic() < deadline and not queued:
-            live = httpx.get(sim.base_url + "/metrics", headers={"Authorization": f"Bearer {sim.key}"},
+            live = httpx.get(sim.base_url + "/metrics", headers={"Authorization": f"Bearer {sim.api_key}"},
                              timeout=5).json()["live"]
             queued = live.get("queued") or 0
             if not queued:
@@ -216,7 +218,7 @@ def test_a_second_chat_waits_its_turn_instead_of_being_refused(start_sim):
 def test_engine_killed_mid_stream_is_engine_died(start_sim, fault):
     sim = start_sim(fault, "10")
     seen = []
-    with ChatClient(sim.base_url, sim.key) as c, pytest.raises(ChatError) as ei:
+    with ChatClient(sim.base_url, sim.api_key) as c, pytest.raises(ChatError) as ei:
         for ev in c.stream(Q, ChatOptions(max_tokens=200)):
             if isinstance(ev, (ReasoningDelta, ContentDelta)):
                 seen.append(ev)
@@ -235,7 +237,7 @@ def test_nothing_listening_is_unreachable(free_port):
 
 def test_silent_engine_is_reported_as_stalled(start_sim):
     sim = start_sim("--stall-after-tokens", "3", "--stall-s", "8", speed=5.0)
-    with ChatClient(sim.base_url, sim.key, read_timeout_s=1.0) as c, pytest.raises(ChatError) as ei:
+    with ChatClient(sim.base_url, sim.api_key, read_timeout_s=1.0) as c, pytest.raises(ChatError) as ei:
         list(c.stream(Q, ChatOptions(max_tokens=100)))
     assert ei.value.kind == "stalled" and "sent nothing for 1 s" in str(ei.value)
 
@@ -392,10 +394,40 @@ def test_http_errors_carry_the_engines_message(status, kind, words):
     assert words in str(ei.value) and "the engine's own words" in str(ei.value)
 
 
+def test_a_client_for_the_running_engine_uses_its_address_and_key(shared_sim):
+    """ChatClient.for_engine: the RunningEngine handle's address and key (a wrong key in the handle is refused)."""
+    good = RunningEngine(shared_sim.base_url + "/", shared_sim.api_key, engine="sim", simulated=True)
+    with ChatClient.for_engine(good, read_timeout_s=30.0) as c:
+        assert c.base_url == shared_sim.base_url and c.read_timeout_s == 30.0
+        content, _reasoning, stats = c.complete(Q, ChatOptions(max_tokens=20))
+    assert content.startswith(corpus.LABEL[:len(content)]) and stats.completion_tokens == 20
+    with ChatClient.for_engine(good.with_(api_key="wrong-key-0123456789")) as c, pytest.raises(ChatError) as ei:
+        c.complete(Q, ChatOptions(max_tokens=5))
+    assert ei.value.kind == "auth"
+
+
+def test_the_history_and_the_chat_client_do_not_import_each_other():
+    """The import circle chat <-> history is gone: each loads without the other (the turn needs both)."""
+    import subprocess
+    import sys
+    code = ("import sys, importlib; importlib.import_module(sys.argv[1]); "
+            "print(sorted(m for m in sys.modules if m in ('engine_manager.chat', 'engine_manager.history', "
+            "'engine_manager.chat_turn', 'httpx')))")
+
+    def loaded(mod):
+        out = subprocess.run([sys.executable, "-c", code, mod], capture_output=True, text=True, check=True,
+                             cwd=ROOT)
+        return out.stdout.strip()
+    assert loaded("engine_manager.history") == "['engine_manager.history']"
+    assert loaded("engine_manager.chat") == "['engine_manager.chat', 'httpx']"
+    assert loaded("engine_manager.chat_turn") == \
+        "['engine_manager.chat', 'engine_manager.chat_turn', 'engine_manager.history', 'httpx']"
+
+
 # ------------------------------------------------------------------------------------------------ run_turn
 def _turn(store, sim, cid=None, **kw):
     kw.setdefault("user_text", "Explain expert offload on one GPU")
-    return list(run_turn(store, cid, base_url=sim.base_url, api_key=sim.key, **kw))
+    return list(run_turn(store, cid, base_url=sim.base_url, api_key=sim.api_key, **kw))
 
 
 def test_run_turn_records_the_conversation(shared_sim):
@@ -422,7 +454,7 @@ def test_run_turn_saves_while_streaming(start_sim):
     store = hist.HistoryStore()
     token = CancelToken()
     seen_partial = []
-    for ev in run_turn(store, None, base_url=sim.base_url, api_key=sim.key, user_text="Tell me about offload",
+    for ev in run_turn(store, None, base_url=sim.base_url, api_key=sim.api_key, user_text="Tell me about offload",
                        options=ChatOptions(max_tokens=400), cancel=token, flush_interval_s=0.2):
         if isinstance(ev, (ContentDelta, ReasoningDelta)):
             m = store.messages(1)[-1]          # read by another connection, as a restarted panel would
@@ -449,7 +481,7 @@ def test_engine_killed_mid_stream_saves_and_marks_interrupted(start_sim, shared_
     assert m.status == hist.STATUS_INTERRUPTED and "stopped while answering" in m.error
     assert 0 < len(m.reasoning.split()) + len(m.content.split()) <= 30
     # what was saved is exactly the start of the answer a healthy engine gives to the same question
-    ref = collect(ChatClient(shared_sim.base_url, shared_sim.key).stream(
+    ref = collect(ChatClient(shared_sim.base_url, shared_sim.api_key).stream(
         [{"role": "user", "content": "Explain expert offload on one GPU"}], ChatOptions(max_tokens=400)))
     assert "".join(ref["reasoning"]).startswith(m.reasoning)
     assert "".join(ref["content"]).startswith(m.content)
@@ -514,7 +546,7 @@ def test_interrupted_answer_counts_the_tokens_that_arrived(start_sim):
     sim = start_sim("--sigkill-after-tokens", "40")
     store = hist.HistoryStore()
     deltas = 0
-    for ev in run_turn(store, None, base_url=sim.base_url, api_key=sim.key, user_text="Explain expert offload",
+    for ev in run_turn(store, None, base_url=sim.base_url, api_key=sim.api_key, user_text="Explain expert offload",
                        options=ChatOptions(max_tokens=400)):
         if isinstance(ev, (ContentDelta, ReasoningDelta)):
             deltas += 1
@@ -537,12 +569,12 @@ def test_regenerate_and_edit_replace_what_followed(shared_sim):
     cid = first.conversation_id
     _turn(store, shared_sim, cid, user_text="second question", options=ChatOptions(max_tokens=20))
     before = store.messages(cid)
-    regen = list(run_turn(store, cid, base_url=shared_sim.base_url, api_key=shared_sim.key, mode="regenerate",
+    regen = list(run_turn(store, cid, base_url=shared_sim.base_url, api_key=shared_sim.api_key, mode="regenerate",
                           options=ChatOptions(max_tokens=20)))
     after = store.messages(cid)
     assert len(after) == 4 and after[3].id != before[3].id and regen[-1].status == hist.STATUS_COMPLETE
     assert [m.id for m in after[:3]] == [m.id for m in before[:3]]
-    edit = list(run_turn(store, cid, base_url=shared_sim.base_url, api_key=shared_sim.key, mode="edit",
+    edit = list(run_turn(store, cid, base_url=shared_sim.base_url, api_key=shared_sim.api_key, mode="edit",
                          edit_message_id=before[0].id, user_text=EDITED, options=ChatOptions(max_tokens=400)))
     msgs = store.messages(cid)
     assert [m.role for m in msgs] == ["user", "assistant"] and msgs[0].content == EDITED
@@ -580,6 +612,7 @@ def test_a_program_the_panel_did_not_start_gets_no_request_and_no_key(foreign_se
     # named explicitly (--url), it is the user's call: the request goes, and its HTML 501 is not dumped
     t = engine_target(settings, srv.base_url)
     assert t.explicit and t.base_url == srv.base_url
+    assert not t.running().started_by_panel and not t.running().simulated and t.running().pid is None
     with ChatClient(t.base_url, t.api_key) as c, pytest.raises(ChatError) as ei:
         list(c.stream(Q))
     assert ei.value.status == 501 and "web page" in str(ei.value) and "<" not in str(ei.value)
@@ -593,7 +626,13 @@ def test_the_panels_engine_is_the_target_and_a_changed_key_is_caught_before_send
     t = engine_target(settings)
     assert t.base_url == panel_sim.base_url and t.api_key == settings.api_key and "the panel started" in t.where
     assert "simulated" in t.where.lower()
-    ended = list(run_turn(hist.HistoryStore(), None, base_url=t.base_url, api_key=t.api_key, user_text="hi",
+    # the handle dsv41 chat talks through: what the supervisor's status says of the engine it started
+    running = t.running()
+    assert running.base_url == panel_sim.base_url and running.api_key == settings.api_key
+    assert running.simulated and running.engine == "sim" and running.started_by_panel
+    assert running.pid == panel_sim.pid and running.label == panel_sim.label
+    assert settings.api_key not in json.dumps(running.to_dict())
+    ended = list(run_turn(hist.HistoryStore(), None, engine=running, user_text="hi",
                           options=ChatOptions(max_tokens=10)))[-1]
     assert ended.status == hist.STATUS_COMPLETE
     monkeypatch.setenv("DSV41_API_KEY", "another-key-0123456789abcdef")
@@ -615,3 +654,6 @@ def test_the_scripted_engine_run_by_hand_is_allowed(start_sim, monkeypatch):
     assert _status(settings).external is not None
     t = engine_target(settings)
     assert t.base_url == sim.base_url and "dsv41 sim" in t.where
+    running = t.running()
+    assert running.simulated and not running.started_by_panel and running.base_url == sim.base_url
+    assert running.pid == sim.proc.pid

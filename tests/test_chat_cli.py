@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from chat_support import ROOT, foreign_server, panel_sim, shared_sim, start_sim  # noqa: F401 - fixtures
+from chat_support import ROOT
 
 from engine_manager import history as hist
 from engine_manager.sim import corpus
@@ -22,7 +22,7 @@ def env_for(sim=None, key=None, port=None) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if sim is not None:
         env["DSV41_PORT"] = str(sim.port)
-        env["DSV41_API_KEY"] = key or sim.key
+        env["DSV41_API_KEY"] = key or sim.api_key
     if port is not None:
         env["DSV41_PORT"] = str(port)
     return env
@@ -202,7 +202,7 @@ def cli(capsys, *args) -> tuple[int, str, str]:
 
 def test_history_commands(shared_sim, capsys, monkeypatch):
     monkeypatch.setenv("DSV41_PORT", str(shared_sim.port))
-    monkeypatch.setenv("DSV41_API_KEY", shared_sim.key)
+    monkeypatch.setenv("DSV41_API_KEY", shared_sim.api_key)
     assert cli(capsys, "history", "list")[1].startswith("No saved conversations")
     assert cli(capsys, "chat", "--max-tokens", "40", "Tell me about NUMA binding")[0] == 0
     assert cli(capsys, "chat", "--max-tokens", "40", "And the KV cache?")[0] == 0

@@ -11,7 +11,7 @@ import textwrap
 import time
 
 import pytest
-from chat_support import ROOT, foreign_server, recording_engine, shared_sim, start_sim  # noqa: F401 - fixtures
+from chat_support import ROOT
 from PySide6.QtCore import Qt, QUrl
 from PySide6.QtGui import QGuiApplication, QTextCursor
 from PySide6.QtWidgets import QLabel, QStyle, QStyleOptionButton
@@ -20,9 +20,15 @@ from app.chat_pane import EMPTY_LIST_HINT, ChatPane, MarkdownRenderer, _theme
 from app.context import AppContext
 from engine_manager import history as hist
 from engine_manager.sim import corpus
+from engine_manager.session import RunningEngine
 from engine_manager.settings import load_settings
 
 pytestmark = pytest.mark.gui
+
+
+def ready(ctx, base_url: str, key: str) -> None:
+    """The panel's own engine is ready at ``base_url`` (what the engine session tells the context)."""
+    ctx.set_running(RunningEngine.from_status(None, base_url, key, engine="sim"))
 
 
 @pytest.fixture
@@ -94,7 +100,7 @@ def _canned_for(question: str, answer: str, whole: bool = True) -> bool:
 
 def test_type_send_stream_reasoning_and_stop(qtbot, pane, ctx, start_sim):
     sim = start_sim("--reply-tokens", "3000", speed=1.0)
-    ctx.set_ready(sim.base_url, sim.key)
+    ready(ctx, sim.base_url, sim.api_key)
     assert not pane.send_button.isEnabled()                  # nothing typed yet
     qtbot.keyClicks(pane.composer, "Explain expert offload")
     qtbot.keyClick(pane.composer, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
@@ -143,17 +149,43 @@ def test_no_engine_says_why_and_offers_start(qtbot, pane, ctx, shared_sim):
         qtbot.mouseClick(pane.start_button, Qt.MouseButton.LeftButton)
     ctx.engineStateChanged.emit({"state": "starting"})
     assert "starting" in pane.engine_label.text()
-    ctx.set_ready(shared_sim.base_url, shared_sim.key)
+    ready(ctx, shared_sim.base_url, shared_sim.api_key)
     assert "Engine ready" in pane.engine_label.text() and not pane.start_button.isVisibleTo(pane)
     qtbot.waitUntil(lambda: "simulated" in pane.engine_label.text(), timeout=5000)
     assert pane.send_button.isEnabled()
-    ctx.set_ready(None, None)                                # engineStopped
+    ctx.set_running(None)                                    # stopped
     assert "No engine is running" in pane.engine_label.text() and not pane.send_button.isEnabled()
+
+
+def test_the_engine_handle_says_where_and_whether_it_is_simulated(qtbot, pane, ctx, recording_engine):
+    """issue 17: the pane takes the engine from ctx.engineRunning (a RunningEngine): its address and key, and
+    "simulated" from the handle, never guessed from /health (this engine's /health does not say it); a handle
+    of an address and key alone is nothing known to be simulated."""
+    sim = RunningEngine(recording_engine.base_url, "k" * 24, engine="sim", label="Scripted engine",
+                        simulated=True)
+    ctx.set_running(sim)
+    qtbot.waitUntil(lambda: recording_engine.MODEL in pane.engine_label.text(), timeout=5000)
+    assert "(simulated engine)" in pane.engine_label.text() and pane.engine_ready() and pane.running is sim
+    assert pane.send("Are you simulated?")
+    qtbot.waitUntil(lambda: pane.streaming_count() == 0 and "Recorded and answered." in doc(pane), timeout=20000)
+    assert recording_engine.bodies[-1]["model"] == recording_engine.MODEL
+    ctx.set_running(None)                                        # stopped
+    assert "No engine is running" in pane.engine_label.text() and not pane.engine_ready()
+    real = sim.with_(engine="llamacpp", simulated=False)
+    ctx.set_running(real)
+    qtbot.waitUntil(lambda: recording_engine.MODEL in pane.engine_label.text(), timeout=5000)
+    assert "simulated" not in pane.engine_label.text()
+    # a handle of the address and key alone (nothing known to be simulated)
+    ctx.set_running(RunningEngine(recording_engine.base_url, "other-key-0123456789", engine="llamacpp"))
+    qtbot.waitUntil(lambda: recording_engine.MODEL in pane.engine_label.text(), timeout=5000)
+    assert "simulated" not in pane.engine_label.text() and pane.running.api_key == "other-key-0123456789"
+    ctx.set_running(None)
+    assert not pane.engine_ready()
 
 
 def test_several_conversations_stream_at_once(qtbot, pane, ctx, start_sim):
     sim = start_sim("--reply-tokens", "150", speed=2.0, slots=4)
-    ctx.set_ready(sim.base_url, sim.key)
+    ready(ctx, sim.base_url, sim.api_key)
     questions = ["Tell me about NUMA", "Tell me about PCIe", "Tell me about Python"]     # three topics
     assert len({corpus.topic_of(q).name for q in questions}) == 3
     for i, q in enumerate(questions):
@@ -180,7 +212,7 @@ EDITED = "How do I bind the engine to the NUMA node of the GPU?"
 
 
 def test_regenerate_and_edit_and_resend(qtbot, pane, ctx, shared_sim):
-    ctx.set_ready(shared_sim.base_url, shared_sim.key)
+    ready(ctx, shared_sim.base_url, shared_sim.api_key)
     assert pane.send("Explain expert offload")
     qtbot.waitUntil(lambda: pane.streaming_count() == 0, timeout=30000)
     cid = pane.current_conversation_id()
@@ -206,7 +238,7 @@ def test_regenerate_and_edit_and_resend(qtbot, pane, ctx, shared_sim):
 
 def test_engine_killed_mid_answer_is_shown_and_saved_as_interrupted(qtbot, pane, ctx, start_sim):
     sim = start_sim("--sigkill-after-tokens", "25")
-    ctx.set_ready(sim.base_url, sim.key)
+    ready(ctx, sim.base_url, sim.api_key)
     assert pane.send("Explain expert offload")
     qtbot.waitUntil(lambda: pane.streaming_count() == 0, timeout=30000)
     assert "Interrupted" in doc(pane) and "stopped while answering" in doc(pane)
@@ -219,7 +251,7 @@ def test_shutdown_while_streaming_marks_the_answer_interrupted(qtbot, ctx, start
     p = ChatPane(ctx)
     qtbot.addWidget(p)
     qtbot.waitUntil(lambda: p.store is not None, timeout=10000)
-    ctx.set_ready(sim.base_url, sim.key)
+    ready(ctx, sim.base_url, sim.api_key)
     assert p.send("Explain expert offload")
     qtbot.waitUntil(lambda: ANSWER_START in doc(p), timeout=20000)
     cid = p.current_conversation_id()
@@ -234,7 +266,8 @@ def test_code_blocks_copy_and_markdown_is_safe(qtbot, pane):
     cid = store.create_conversation(title="Code")
     store.add_message(cid, "user", "show code")
     store.add_message(cid, "assistant", "Run this:\n\n```python\nprint('hi')\n```\n\n<b>raw</b> and "
-                      "![x](https://example.com/x.png) and ![y](file:///etc/passwd) and **bold**", reasoning="some thinking")
+                      "![x](https://example.com/x.png) and ![y](file:///etc/passwd) and **bold**",
+                      reasoning="some thinking")
     pane.reload_list()
     qtbot.waitUntil(lambda: len(listed(pane)) == 1, timeout=5000)
     pane.conv_list.setCurrentRow(0)
@@ -288,6 +321,7 @@ PANEL_SCRIPT = textwrap.dedent("""
     app = QApplication([])
     from engine_manager import history
     from engine_manager.settings import load_settings
+    from engine_manager.session import RunningEngine
     from app.context import AppContext
     from app.chat_pane import ChatPane
 
@@ -309,7 +343,7 @@ PANEL_SCRIPT = textwrap.dedent("""
         if pane.store is None:
             QTimer.singleShot(50, go)
             return
-        ctx.set_ready(sys.argv[1], sys.argv[2])
+        ctx.set_running(RunningEngine.from_status(None, sys.argv[1], sys.argv[2], engine="sim"))
         pane.send("Explain expert offload on one GPU")
     QTimer.singleShot(0, go)
     app.exec()
@@ -353,7 +387,7 @@ def test_panel_killed_mid_stream_history_intact_on_restart(qtbot, start_sim, tmp
     side = tmp_path / "received.jsonl"
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", PANEL_SCRIPT, sim.base_url, sim.key, str(side)], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", PANEL_SCRIPT, sim.base_url, sim.api_key, str(side)], env=env,
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     store = hist.HistoryStore()
     worst = (0.0, 0.0)                    # (seconds unsaved, seconds into the answer)
@@ -429,26 +463,26 @@ def _send_and_wait_refusal(qtbot, p: ChatPane, text: str) -> None:
 def test_a_refused_request_leaves_no_conversation_and_gives_the_text_back(qtbot, pane, ctx, shared_sim, free_port):
     """m13: nothing listening, or a wrong key (401): no "[error]" conversation, the question back in the composer;
     a follow-up that fails leaves its conversation as it was."""
-    ctx.set_ready(f"http://127.0.0.1:{free_port}", "k" * 24)
+    ready(ctx, f"http://127.0.0.1:{free_port}", "k" * 24)
     _send_and_wait_refusal(qtbot, pane, "Explain expert offload")
     assert "No engine answers" in pane.live_label.text() and "back in the box" in pane.live_label.text()
     assert pane.composer.toPlainText() == "Explain expert offload"
     assert pane.current_conversation_id() is None and "Explain expert offload" not in doc(pane)
-    ctx.set_ready(shared_sim.base_url, "wrong-key-0123456789")
+    ready(ctx, shared_sim.base_url, "wrong-key-0123456789")
     _send_and_wait_refusal(qtbot, pane, "Explain expert offload")
     assert "HTTP 401" in pane.live_label.text() and pane.composer.toPlainText() == "Explain expert offload"
     assert pane.store.list_conversations() == []
     qtbot.waitUntil(lambda: pane.conv_list.count() == 1 and pane.conv_list.item(0).text() == EMPTY_LIST_HINT,
                     timeout=5000)
     # now it works: the text still in the box is sent as it is
-    ctx.set_ready(shared_sim.base_url, shared_sim.key)
+    ready(ctx, shared_sim.base_url, shared_sim.api_key)
     qtbot.keyClick(pane.composer, Qt.Key.Key_Return)
     qtbot.waitUntil(lambda: pane.streaming_count() == 0 and pane.current_conversation_id() is not None,
                     timeout=30000)
     cid = pane.current_conversation_id()
     before = [m.id for m in pane.store.messages(cid)]
     assert len(before) == 2
-    ctx.set_ready(f"http://127.0.0.1:{free_port}", "k" * 24)
+    ready(ctx, f"http://127.0.0.1:{free_port}", "k" * 24)
     _send_and_wait_refusal(qtbot, pane, "a follow-up")
     assert [m.id for m in pane.store.messages(cid)] == before and pane.current_conversation_id() == cid
     assert "a follow-up" not in doc(pane) and pane.composer.toPlainText() == "a follow-up"
@@ -465,7 +499,7 @@ def test_a_program_the_panel_did_not_start_gets_nothing_from_the_pane(qtbot, mon
     qtbot.addWidget(p)
     p.show()
     qtbot.waitUntil(lambda: p.store is not None, timeout=10000)
-    ctx.set_ready(srv.base_url, ctx.settings.api_key)
+    ready(ctx, srv.base_url, ctx.settings.api_key)
     _send_and_wait_refusal(qtbot, p, "hello")
     text = p.live_label.text()
     assert f"pid {srv.proc.pid}" in text and "not by an engine this panel started" in text
@@ -507,7 +541,7 @@ def test_request_options_set_in_the_pane_reach_the_engine_and_are_stored(qtbot, 
     p.resize(520, 900)
     p.show()
     qtbot.waitUntil(lambda: p.store is not None, timeout=10000)
-    ctx.set_ready(recording_engine.base_url, "k" * 24)
+    ready(ctx, recording_engine.base_url, "k" * 24)
     qtbot.waitUntil(lambda: recording_engine.MODEL in p.engine_label.text(), timeout=5000)
     qtbot.mouseClick(p.options_toggle, Qt.MouseButton.LeftButton)
     assert p.options_box.isVisibleTo(p)

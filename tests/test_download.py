@@ -17,8 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from engine_manager import fmt
 from engine_manager import download as dl
-from engine_manager.hub import LocalHub, sha256_file, write_demo_shards
+from engine_manager.cancel import Cancelled, CancelToken
+from engine_manager.fmt import MIB
+from engine_manager.hashing import sha256_file
+from engine_manager.testing.hub import LocalHub, write_demo_shards
 from engine_manager.settings import load_settings
 
 REPO = "vcruz305/DeepSeek-V4.1-Flash-GGUF"
@@ -118,7 +122,7 @@ def test_model_dir_with_a_complete_set_downloads_nothing(hub, shards, tmp_path, 
 def test_pinned_commit_is_used_after_the_repo_moves(hub, shards, tmp_path):
     s = _settings()
     hub.add_fault(kind="slow", rate_bps=400_000, times=None)
-    control = dl.DownloadControl()
+    control = CancelToken()
     events = []
     for ev in dl.download_model(s, endpoint=hub.url, jobs=2, control=control, checkpoint_bytes=64 * 1024, **FAST):
         events.append(ev)
@@ -184,7 +188,7 @@ def test_sigkill_at_ten_random_points_each_rerun_resumes(tmp_path):
         env = _subprocess_env(hub.url)
         folder = dl.default_model_dir(_settings())
         cmd = [sys.executable, "-m", "engine_manager", "download", "--model", "--json", "--jobs", str(jobs),
-               "--checkpoint-mib", str(CHUNK / dl.MiB), "--stall-timeout", "5"]
+               "--checkpoint-mib", str(CHUNK / MIB), "--stall-timeout", "5"]
         kept = {n: 0 for n in sizes}
         lost = []                    # per kill: bytes the server sent that the rerun has to fetch again
         resumed = 0
@@ -333,7 +337,7 @@ def test_a_trickle_below_the_minimum_speed_triggers_the_retry(hub, shards):
     """Bytes still arrive (no socket timeout), but at 200 B/s, under MIN_SPEED_BPS: dropped and retried too."""
     name, size = shards[3].name, shards[3].stat().st_size
     hub.add_fault(kind="slow", path="*00004-of*", rate_bps=200, times=1)      # 10 bytes every 50 ms
-    control = dl.DownloadControl()
+    control = CancelToken()
     events, t0 = [], time.monotonic()
     for ev in dl.download_model(_settings(), endpoint=hub.url, control=control, stall_timeout_s=1.0, **FAST):
         events.append(ev)
@@ -432,7 +436,7 @@ def test_partial_and_state_files_are_owner_only(hub, shards, tmp_path):
     old_umask = os.umask(0o022)                  # a usual umask: without care files would come out 0644
     try:
         s = _settings()
-        events = _stopped_partway(s, hub)
+        _stopped_partway(s, hub)
         state = dl.default_model_dir(s) / dl.STATE_DIR
         found = sorted(f.name for f in state.iterdir())
         assert any(n.endswith(".part") for n in found) and any(n.endswith(".part.json") for n in found), found
@@ -441,7 +445,7 @@ def test_partial_and_state_files_are_owner_only(hub, shards, tmp_path):
         for f in state.iterdir():
             assert stat.S_IMODE(f.stat().st_mode) == 0o600, (f.name, oct(f.stat().st_mode))
         # the quick checkpoint written between the durable ones, too
-        dl._write_state(tmp_path / "ckpt.json", {"offset": 1}, durable=False)
+        dl.store._write_state(tmp_path / "ckpt.json", {"offset": 1}, durable=False)
         assert stat.S_IMODE((tmp_path / "ckpt.json").stat().st_mode) == 0o600
         # a partial left 0644 (by an older version) is made owner-only when it is continued
         part = next(state.glob("*.part"))
@@ -459,7 +463,7 @@ def test_partial_and_state_files_are_owner_only(hub, shards, tmp_path):
 def test_pause_resume_and_cancel_then_resume(hub, shards):
     s = _settings()
     hub.add_fault(kind="slow", rate_bps=300_000, times=None)
-    control = dl.DownloadControl()
+    control = CancelToken()
     phase, t_pause, paused_bytes, t_mark = "run", 0.0, None, 0.0
     for ev in dl.download_model(s, endpoint=hub.url, jobs=2, control=control, checkpoint_bytes=64 * 1024, **FAST):
         now = time.monotonic()
@@ -615,22 +619,22 @@ def test_a_file_over_50_gb_gets_a_notice(tmp_path):
 
 
 def test_format_helpers():
-    assert dl.fmt_bytes(264.5e9) == "264.5 GB" and dl.fmt_bytes(None) == "?"
-    assert dl.fmt_eta(3725) == "1:02:05" and dl.fmt_eta(None) == "--:--"
+    assert fmt.bytes_si(264.5e9) == "264.5 GB" and fmt.bytes_si(None) == "?"
+    assert fmt.clock(3725) == "1:02:05" and fmt.clock(None) == "--:--"
     assert dl.shard_names()[2] == "DeepSeek-V4.1-Flash-Q2_K-00003-of-00007.gguf"
 
 
 def test_after_a_reboot_only_the_synced_part_is_kept(tmp_path):
     """A checkpoint from another boot trusts only what fdatasync reached; one from this boot trusts its offset."""
-    job = dl._Job("f.gguf", 1000, "ab" * 32, tmp_path / "f.gguf", tmp_path / "st", lambda: ("", {}), pin={"c": 1})
+    job = dl.fetch._Job("f.gguf", 1000, "ab" * 32, tmp_path / "f.gguf", tmp_path / "st", lambda: ("", {}), pin={"c": 1})
     job.state_dir.mkdir()
     job.part.write_bytes(b"x" * 800)
     state = {"sha256": job.sha256, "size": 1000, "pin": {"c": 1}, "offset": 800, "synced": 300}
-    job.ckpt.write_text(json.dumps(dict(state, boot_id=dl._boot_id())))
+    job.ckpt.write_text(json.dumps(dict(state, boot_id=dl.store._boot_id())))
     assert job.kept_offset() == 800
     job.ckpt.write_text(json.dumps(dict(state, boot_id="another-boot")))
     assert job.kept_offset() == 300
-    job.ckpt.write_text(json.dumps(dict(state, boot_id=dl._boot_id(), pin={"c": 2})))
+    job.ckpt.write_text(json.dumps(dict(state, boot_id=dl.store._boot_id(), pin={"c": 2})))
     assert job.kept_offset() == 0                  # another commit's partial is never continued
 
 
@@ -677,7 +681,7 @@ def _cancel_after(gen, control, nbytes):
 def _stopped_partway(s, hub) -> list:
     """A slow download cancelled after ~200 KB: partial files and their checkpoints are on disk."""
     hub.add_fault(kind="slow", rate_bps=400_000, times=None)
-    control = dl.DownloadControl()
+    control = CancelToken()
     events = _cancel_after(dl.download_model(s, endpoint=hub.url, jobs=2, control=control,
                                              checkpoint_bytes=64 * 1024, **FAST), control, 200_000)
     assert isinstance(events[-1], dl.Stopped)
@@ -734,7 +738,7 @@ def test_cancel_aborts_a_stalled_connection_and_local_status_counts_kept_bytes(h
     import threading
     s = _settings()
     hub.add_fault(kind="stall", at=200 * 1024, seconds=3600, times=None)
-    control = dl.DownloadControl()
+    control = CancelToken()
     gen = dl.download_model(s, endpoint=hub.url, jobs=2, control=control, checkpoint_bytes=64 * 1024,
                             stall_timeout_s=600, **FAST)
     events: list = []
@@ -869,12 +873,82 @@ def test_a_state_write_on_a_full_disk_leaves_the_old_state_and_no_temp_file(tmp_
         require_or_skip("a tmpfs cannot be mounted here (needs root); the full disk must be a real one")
     try:
         state = small / "x.part.json"
-        dl._write_state(state, {"offset": 1}, False)
+        dl.store._write_state(state, {"offset": 1}, False)
         _fill(small)
         with pytest.raises(OSError) as ei:
-            dl._write_state(state, {"offset": 2, "pad": "x" * 200_000}, False)
+            dl.store._write_state(state, {"offset": 2, "pad": "x" * 200_000}, False)
         assert ei.value.errno == 28
         assert json.loads(state.read_text()) == {"offset": 1}          # the last good checkpoint stays
         assert [p.name for p in small.iterdir() if p.name.endswith(".tmp")] == []
     finally:
         subprocess.run(["umount", str(small)], capture_output=True, timeout=20)
+
+
+def test_one_cancel_token_for_streams_and_downloads():
+    """engine_manager.cancel.CancelToken: the first reason wins, callbacks run once (a removed one never), a late
+    callback runs at once, and a cancel wakes a paused worker and a sleeper."""
+    import threading
+
+    tok = CancelToken()
+    calls: list[str] = []
+    tok.on_cancel(lambda: calls.append("a"))
+    remove_b = tok.on_cancel(lambda: calls.append("b"))
+    c = lambda: calls.append("c")  # noqa: E731
+    tok.on_cancel(c)
+    remove_b()
+    tok.remove(c)
+    tok.pause()
+    assert tok.paused and not tok.wait_running(0)
+    woke = threading.Event()
+    waiter = threading.Thread(target=lambda: (tok.wait_running(None), woke.set()), daemon=True)
+    waiter.start()
+    tok.cancel("shutdown")
+    tok.cancel("stopped")
+    waiter.join(30)
+    assert woke.is_set() and not tok.paused and tok.cancelled
+    assert tok.reason == "shutdown" and calls == ["a"]
+    tok.on_cancel(lambda: calls.append("late"))
+    assert calls == ["a", "late"] and tok.sleep(60) is True
+    with pytest.raises(Cancelled):
+        tok.raise_if_cancelled()
+
+
+def test_a_cancel_wakes_a_read_blocked_on_a_silent_server():
+    """What the chat stream and the fetcher rely on: a callback that shuts the socket down makes a blocked recv
+    return (a real loopback server that accepts and never sends)."""
+    import socket
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(srv.getsockname())
+    conn, _ = srv.accept()
+    tok = CancelToken()
+    tok.on_cancel(lambda: client.shutdown(socket.SHUT_RDWR))
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(client.recv(10)), daemon=True)
+    try:
+        reader.start()
+        tok.cancel()
+        reader.join(30)
+        assert not reader.is_alive() and got == [b""]
+    finally:
+        for s in (client, conn, srv):
+            s.close()
+
+
+def test_sha256_file_has_one_home_and_stops_on_cancel(tmp_path):
+    import hashlib
+
+    from engine_manager import hashing
+
+    data = random.Random(7).randbytes(3 * (1 << 20) + 123)
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    seen: list[int] = []
+    assert hashing.sha256_file(f, progress=seen.append, bufsize=1 << 20) == hashlib.sha256(data).hexdigest()
+    assert seen[-1] == len(data) and seen == sorted(seen) and len(seen) == 4
+    assert dl.sha256_file is hashing.sha256_file
+    tok = CancelToken()
+    tok.cancel()
+    with pytest.raises(Cancelled):
+        hashing.sha256_file(f, cancel=tok, bufsize=1 << 20)

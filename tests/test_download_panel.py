@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from engine_manager import fmt
 from engine_manager import download as dl, uistate
-from engine_manager.hub import LocalHub, write_demo_shards
+from engine_manager.testing.hub import LocalHub, write_demo_shards
 from engine_manager.settings import load_settings
 
 pytestmark = pytest.mark.gui
@@ -255,10 +256,10 @@ def test_rows_after_a_restart_show_the_partial_files(panel, hub, ctx, qtbot):
             if n in st.kept:
                 assert again.shard_state(n) == "partly downloaded"
                 assert again.bars[n].value() == int(st.kept[n] / st.sizes[n] * 1000) > 0
-                assert again.table.item(again.rows[n], 3).text() == dl.fmt_bytes(st.sizes[n])
+                assert again.table.item(again.rows[n], 3).text() == fmt.bytes_si(st.sizes[n])
             else:
                 assert again.shard_state(n) == "not downloaded" and again.bars[n].value() == 0
-        assert dl.fmt_bytes(st.partial_bytes) in again.status.text()
+        assert fmt.bytes_si(st.partial_bytes) in again.status.text()
         assert again.total_bar.value() == int(st.partial_bytes / sum(st.sizes.values()) * 1000)
     finally:
         again.shutdown()
@@ -314,7 +315,8 @@ def test_the_panel_is_refused_while_the_cli_downloads_into_the_same_folder(panel
 
     hub.add_fault(kind="slow", rate_bps=200_000, times=None)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), HF_HUB_DISABLE_PROGRESS_BARS="1")
-    cli = subprocess.Popen([sys.executable, "-m", "engine_manager", "download", "--model"], cwd=Path(__file__).resolve().parent.parent, env=env,
+    cli = subprocess.Popen([sys.executable, "-m", "engine_manager", "download", "--model"],
+                           cwd=Path(__file__).resolve().parent.parent, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -16,6 +16,7 @@ import pytest
 
 from engine_manager import hardware
 from engine_manager import supervisor as sv
+from engine_manager.exitcodes import ExitCode
 from engine_manager.settings import load_settings
 from supervisor_helpers import listening, live_group, wait_until
 from terminal_sigint import popen_interruptible
@@ -106,7 +107,14 @@ def test_port_in_use_is_refused_with_who_and_what_to_do(port):
         st = status()
         assert st["state"] == "stopped" and st["external"]["pid"] == os.getpid()
         stop = dsv41("stop")                           # shown, never stopped
-        assert stop.returncode == 1 and "never stops" in stop.stdout
+        assert stop.returncode == ExitCode.FAIL and "never stops" in stop.stdout
+        # as JSON lines the refusal carries the free port as a field of its own (no front end parses the fix)
+        js = dsv41("start", "--json")
+        failed = [d for d in map(json.loads, js.stdout.splitlines()) if d["kind"] == "failed"]
+        assert js.returncode == ExitCode.FAIL and len(failed) == 1 and failed[0]["cause"] == "port_in_use"
+        alt = failed[0]["suggested_port"]
+        assert isinstance(alt, int) and alt != port and f"settings set port {alt}" in failed[0]["fix"]
+        assert isinstance(failed[0]["t"], float)
     finally:
         s.close()
 

@@ -22,13 +22,9 @@ from engine_manager.settings import load_settings, save_settings
 
 
 @pytest.fixture
-def port(monkeypatch, free_port):
-    monkeypatch.setenv("DSV41_PORT", str(free_port))
-    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0.3")
-    monkeypatch.setenv("DSV41_SERVER_ENGINE", "sim")
-    yield free_port
-    for _ in sv.Supervisor(load_settings().settings).stop(force=True):   # never leave an engine behind
-        pass
+def port(panel_engine_port):
+    """The panel's own scripted engine on a free port, stopped at the end (``gui_conftest.panel_engine_port``)."""
+    return panel_engine_port
 
 
 def make_panel(qtbot) -> tuple[AppContext, EnginePanel, LogView]:
@@ -40,12 +36,12 @@ def make_panel(qtbot) -> tuple[AppContext, EnginePanel, LogView]:
     panel.sup.grace_s = 5.0
     panel.sup.backoff_base_s = 0.1
     panel.show()
-    qtbot.waitUntil(lambda: panel._run_worker is None, timeout=10_000)     # the start-up re-attach look
+    qtbot.waitUntil(lambda: not panel.tasks.running("run"), timeout=10_000)     # the start-up re-attach look
     return ctx, panel, log
 
 
 def idle(panel) -> bool:
-    return panel._run_worker is None and panel._stop_worker is None
+    return not panel.tasks.running("run") and not panel.tasks.running("stop")
 
 
 def test_click_start_see_ready_click_stop_see_stopped(qtbot, port):
@@ -53,12 +49,27 @@ def test_click_start_see_ready_click_stop_see_stopped(qtbot, port):
     assert panel.badge.text() == "Stopped" and panel.start_button.text() == "Start"
     states = []
     ctx.engineStateChanged.connect(lambda ev: states.append(ev.state))
-    with qtbot.waitSignal(ctx.engineReady, timeout=30_000) as ready:
+    handles = []
+    ctx.engineRunning.connect(handles.append)
+    with qtbot.waitSignal(ctx.ownEngineChanged, timeout=30_000, check_params_cb=lambda r: r is not None) as ready:
         qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
-    assert ready.args == [f"http://127.0.0.1:{port}", ctx.settings.api_key]
+    assert ready.args[0].base_url == f"http://127.0.0.1:{port}" and ready.args[0].api_key == ctx.settings.api_key
     assert ctx.base_url == f"http://127.0.0.1:{port}" and ctx.supervisor is panel.sup
+    # the one handle, from the session: what the supervisor knows about this engine (own and watched)
+    running = ctx.running
+    assert handles == [running] and running.base_url == ctx.base_url and running.api_key == ctx.settings.api_key
+    assert running.pid == panel.sup.snapshot().pid and running.started_by_panel and running.simulated
+    assert running.log_path == str(panel.sup.log_path) and running.spec is not None
     qtbot.waitUntil(lambda: panel.badge.text() == "Ready", timeout=5_000)
     assert panel.start_button.text() == "Stop" and not panel.engine_box.isEnabled()
+    # while the benchmark drives the engine, Start/Stop are held and say why; a Stop asked anyway is refused
+    ctx.lock_engine("The benchmark is running.")
+    assert not panel.start_button.isEnabled() and panel.start_button.toolTip() == "The benchmark is running."
+    assert not panel.stop_action.isEnabled()
+    panel.stop()
+    assert panel.badge.text() == "Ready" and not panel.tasks.running("stop")
+    ctx.lock_engine(None)
+    assert panel.start_button.isEnabled() and panel.stop_action.isEnabled()
     assert "numactl" in panel.details.text() and str(port) in panel.details.text()
     assert "starting" in states and "ready" in states
     st = panel.sup.snapshot()
@@ -71,10 +82,11 @@ def test_click_start_see_ready_click_stop_see_stopped(qtbot, port):
     assert "match" in log.matches.text()
     log.copy_all()
     assert "READY" in QApplication.clipboard().text()
-    with qtbot.waitSignal(ctx.engineStopped, timeout=30_000):
+    with qtbot.waitSignal(ctx.ownEngineChanged, timeout=30_000, check_params_cb=lambda r: r is None):
         qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: panel.badge.text() == "Stopped" and idle(panel), timeout=30_000)
     assert panel.start_button.text() == "Start" and ctx.base_url is None
+    assert ctx.running is None and handles[-1] is None
     assert "stopped" in states
     assert wait_until(lambda: not live_group(pgid), timeout=5) and not listening(port)
 
@@ -95,7 +107,7 @@ def test_sigkill_shows_oom_banner_and_auto_restart_recovers(qtbot, port):
     qtbot.addWidget(bar)
     panel.sup.backoff_base_s = 2.0                  # a countdown long enough to look at
     assert panel.auto_restart.isChecked()
-    with qtbot.waitSignal(ctx.engineReady, timeout=30_000):
+    with qtbot.waitSignal(ctx.ownEngineChanged, timeout=30_000, check_params_cb=lambda r: r is not None):
         panel.start()
         # the status bar follows the badge at once (it said "engine: stopped" under "Starting…")
         assert panel.badge.text() == "Starting…" and bar.engine_label.text() == "engine: starting…"
@@ -115,7 +127,10 @@ def test_sigkill_shows_oom_banner_and_auto_restart_recovers(qtbot, port):
                     float(re.search(r"in ([\d.]+) s", panel.phase.text()).group(1)) < first, timeout=5_000)
     qtbot.waitUntil(lambda: panel.badge.text() == "Ready" and panel.sup.snapshot() is not None
                     and panel.sup.snapshot().pid != pid, timeout=30_000)
-    assert not panel.banner.isVisible()
+    # the badge turns on the supervisor's "ready" state event; the Ready event right after it hides the banner (two
+    # queued signals: a check between them saw the banner still up)
+    qtbot.waitUntil(lambda: not panel.banner.isVisible(), timeout=5_000)
+    assert ctx.running is not None and ctx.running.pid == panel.sup.snapshot().pid     # the restarted engine
     panel.stop()
     qtbot.waitUntil(lambda: panel.badge.text() == "Stopped" and idle(panel), timeout=30_000)
 
@@ -132,7 +147,7 @@ def test_force_stop_kills_an_engine_that_ignores_sigterm(qtbot, port):
     ctx, panel, _ = make_panel(qtbot)
     panel.sup.resolve_engine = lambda name: tiny_engine("ignore-term")     # what Start runs: the supervisor's hook
     panel.sup.grace_s = 600.0                    # only Force stop can end it within the waits below
-    with qtbot.waitSignal(ctx.engineReady, timeout=30_000):
+    with qtbot.waitSignal(ctx.ownEngineChanged, timeout=30_000, check_params_cb=lambda r: r is not None):
         qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
     st = panel.sup.snapshot()
     pid, pgid = st.pid, st.pgid
@@ -159,7 +174,7 @@ def test_auto_restart_off_leaves_a_crash_crashed(qtbot, port):
     assert load_settings().settings.auto_restart is False                  # the choice is saved
     states = []
     ctx.engineStateChanged.connect(lambda ev: states.append(ev.state))
-    with qtbot.waitSignal(ctx.engineReady, timeout=30_000):
+    with qtbot.waitSignal(ctx.ownEngineChanged, timeout=30_000, check_params_cb=lambda r: r is not None):
         qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
     st = panel.sup.snapshot()
     pid, pgid = st.pid, st.pgid
@@ -195,7 +210,7 @@ def test_slow_start_shows_progress_with_phase_and_elapsed(qtbot, port, monkeypat
 
 def test_close_leave_running_then_a_new_panel_reattaches(qtbot, port):
     ctx, panel, _ = make_panel(qtbot)
-    with qtbot.waitSignal(ctx.engineReady, timeout=30_000):
+    with qtbot.waitSignal(ctx.ownEngineChanged, timeout=30_000, check_params_cb=lambda r: r is not None):
         panel.start()
     pid = panel.sup.snapshot().pid
     panel.ask_close_choice = lambda win: "cancel"
@@ -203,10 +218,10 @@ def test_close_leave_running_then_a_new_panel_reattaches(qtbot, port):
     panel.ask_close_choice = lambda win: "leave"
     assert panel.confirm_close(None) is True
     panel.shutdown()
-    qtbot.waitUntil(lambda: panel._run_worker is None, timeout=10_000)
+    qtbot.waitUntil(lambda: not panel.tasks.running("run"), timeout=10_000)
     assert psutil.pid_exists(pid)                                           # left running
     ctx2 = AppContext(load_settings(), hw())
-    with qtbot.waitSignal(ctx2.engineReady, timeout=30_000):
+    with qtbot.waitSignal(ctx2.ownEngineChanged, timeout=30_000, check_params_cb=lambda r: r is not None):
         panel2 = EnginePanel(ctx2)
         qtbot.addWidget(panel2)
     assert panel2.badge.text() == "Ready" and panel2.sup.snapshot().pid == pid
@@ -239,9 +254,13 @@ def test_dry_run_dialog_is_copyable_and_masks_the_key(qtbot, port):
 def test_menu_actions_and_shortcuts(qtbot, port):
     ctx, panel, _ = make_panel(qtbot)
     acts = {a.objectName(): a for a in panel.actions_for_menu()}
-    assert set(acts) == {"actionStart", "actionStop", "actionForceStop", "actionDryRun"}
+    assert set(acts) == {"actionStart", "actionStop", "actionForceStop", "actionDryRun", "actionAttach",
+                         "actionWatchNext", "actionWatchOwn"}
     assert acts["actionStart"].shortcut().toString() == "Ctrl+R"
     assert acts["actionStop"].shortcut().toString() == "Ctrl+."
+    assert acts["actionAttach"].shortcut().toString() == "Ctrl+Shift+A"
+    assert acts["actionWatchNext"].shortcut().toString() == "Ctrl+Shift+W"
+    assert acts["actionWatchOwn"].shortcut().toString() == "Ctrl+Shift+H"
     assert acts["actionStart"].isEnabled() and not acts["actionStop"].isEnabled()
 
 
@@ -287,6 +306,9 @@ def test_port_in_use_fix_points_to_the_settings_dialog(qtbot, port, monkeypatch)
         assert f"Port {port} is in use by pid {os.getpid()}" in panel.banner.title.text()
         fix = panel.banner.fix.text()
         assert "File ▸ Settings… → Port" in fix and "is free now" in fix
+        # the free port comes from the event's own field, the same one the CLI's fix names
+        free = int(re.search(r"\((\d+) is free now\)", fix).group(1))
+        assert free != port and f"`dsv41 settings set port {free}`" in fix
         assert "From a terminal: `dsv41 settings set port" in fix            # the CLI way still said, second
         assert fix.index("File ▸ Settings") < fix.index("dsv41 settings set port")
     finally:

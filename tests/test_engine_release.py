@@ -13,7 +13,7 @@ import pytest
 
 from engine_manager import download as dl
 from engine_manager.cli import main as cli_main
-from engine_manager.hub import LocalHub, release_manifest, sha256_file, write_demo_release
+from engine_manager.testing.hub import LocalHub, release_manifest, sha256_file, write_demo_release
 from engine_manager.settings import load_settings
 
 FAST = dict(backoff_s=(0.05,), progress_interval_s=0.05)
@@ -176,14 +176,14 @@ def test_an_executable_that_resolves_outside_the_release_is_not_touched(tmp_path
     victim.chmod(0o644)
     (root / "bin" / "tool").symlink_to(victim)
     with pytest.raises(dl.ArchiveError) as ei:
-        dl._inside(root, "bin/tool")
+        dl.release._inside(root, "bin/tool")
     assert "outside the release folder" in str(ei.value)
-    assert dl._inside(root, "bin") == (root / "bin").resolve()
+    assert dl.release._inside(root, "bin") == (root / "bin").resolve()
     assert stat.S_IMODE(victim.stat().st_mode) == 0o644
 
 
 def test_the_shipped_manifest_is_a_marked_placeholder_and_is_refused():
-    raw = json.loads((Path(dl.paths.resources_dir()) / "manifests" / "engine.json").read_text())
+    raw = json.loads((Path(dl.store.paths.resources_dir()) / "manifests" / "engine.json").read_text())
     assert raw["version"] == "v0.1.0" and raw["placeholder"] is True and "PLACEHOLDER" in raw["note"]
     with pytest.raises(dl.ArchiveError) as ei:
         dl.read_engine_manifest()

@@ -234,6 +234,93 @@ def test_readiness_against_real_servers(code, body, state):
         assert STRATA.readiness(c, spec).state == "loading"
 
 
+@pytest.mark.parametrize("code,body,strata,llamacpp,words", [
+    # llama-server while it loads: 503 with its error body; Strata's rule and llama.cpp's agree
+    (503, b'{"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}', "loading", "loading",
+     "Loading model"),
+    # llama-server's 200 has no "loaded" flag: ready for llama.cpp, never for Strata's rule (which names the port)
+    (200, b'{"status": "ok"}', "failed", "ready", "names no service"),
+    # another program: failed for both, with the port named so the user knows where to look
+    (404, b"<html>not here</html>", "failed", "failed", "is another server on port"),
+    (500, b'{"error": "boom"}', "failed", "failed", "boom"),
+])
+def test_one_probe_for_every_engine(code, body, strata, llamacpp, words):
+    """engines._http.probe_health is the one readiness probe: the Strata, llama.cpp and scripted-engine adapters
+    all answer through it, each with its own rule, against the same real loopback server."""
+    from engine_manager.engines._http import probe_health
+
+    handler = type("H", (_Fixed,), {"code": code, "body": body})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        with httpx.Client() as c:
+            s = STRATA.readiness(c, LaunchSpec("strata", [], "127.0.0.1", port, KEY))
+            ll = get_engine("llamacpp").readiness(c, LaunchSpec("llamacpp", [], "127.0.0.1", port, KEY))
+            sim = SIM.readiness(c, LaunchSpec("sim", [], "127.0.0.1", port, KEY))
+            direct = probe_health(c, f"http://127.0.0.1:{port}", port=port)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert (s.state, ll.state, direct.state) == (strata, llamacpp, llamacpp)
+    assert sim.state == ("loading" if code == 200 else strata)     # the sim: loaded flag needed, any service
+    said = s.detail if strata != "ready" else ll.detail
+    assert words in said and (str(port) in said or words in ("Loading model", "boom"))
+
+
+def test_the_probe_says_loading_while_nothing_listens_and_ready_once_the_sim_is(sim_process):
+    """A real scripted engine: refused while it loads (the port opens after the engine's READY), then ready."""
+    from engine_manager.engines._http import probe_health
+
+    sp = sim_process("--slots", "1", load_time=1.0)
+    with httpx.Client() as c:
+        sp.wait_for_line(r"^phase: ")
+        first = probe_health(c, sp.base_url, needs_loaded=True)
+        sp.wait_ready()
+        ready = probe_health(c, sp.base_url, needs_loaded=True, service_hint="strata")
+        wrong = probe_health(c, sp.base_url, needs_loaded=True, expect_service="strata")
+    assert first.state == "loading" and "refused" in first.detail
+    assert ready.state == "ready" and "strata-sim" in ready.detail and "simulated" in ready.detail
+    # the scripted engine says "strata-sim": a caller that insists on Strata itself is told it is something else
+    assert wrong.state == "failed" and "not a Strata server" in wrong.detail and str(sp.port) in wrong.detail
+
+
+# ------------------------------------------------------------------------------------------------ Prometheus
+def test_prometheus_pages_are_read_by_prometheus_clients_parser():
+    """engines._prometheus is the one reader (prometheus_client's parser): Strata's page through the strata
+    adapter, llama-server's through the llama.cpp adapter, the same samples either way."""
+    from engine_manager.engines import _prometheus as P
+    from engine_manager.engines import llamacpp
+
+    strata_page = (DATA / "strata" / "prometheus.txt").read_text()
+    rows = P.read_samples(strata_page)
+    assert rows and parse_prometheus(strata_page) == P.summed(strata_page)
+    # every sample line of the page is one sample (comments and blank lines are not)
+    lines = [ln for ln in strata_page.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert len(rows) == len([ln for ln in lines if not ln.split()[-1].lower() == "nan"])
+    llama_page = (DATA / "llamacpp" / "metrics_busy.txt").read_text()
+    m = llamacpp.parse_prometheus(llama_page)
+    # llama-server writes a counter without "_total" (llamacpp:n_tokens_max): its name stays as written
+    assert "llamacpp:n_tokens_max" in m and "llamacpp:n_tokens_max_total" not in m
+    assert m["llamacpp:n_tokens_max"] == float(next(ln.split()[-1] for ln in llama_page.splitlines()
+                                                    if ln.startswith("llamacpp:n_tokens_max ")))
+
+
+def test_prometheus_label_values_may_hold_braces_commas_and_quotes():
+    """What a line regex got wrong: a label value with ``}``, ``,`` or an escaped quote is one label; a broken
+    line costs only itself."""
+    from engine_manager.engines import _prometheus as P
+
+    page = ('# TYPE x gauge\n'
+            'x{model_name="a}b,c",q="say \\"hi\\""} 2\n'
+            'this line is not prometheus\n'
+            'y 3\n')
+    rows = P.read_samples(page)
+    assert ("x", {"model_name": "a}b,c", "q": 'say "hi"'}, 2.0) in rows and ("y", {}, 3.0) in rows
+    assert len(rows) == 2
+    assert P.by_series(page)[P.series_key("x", {"model_name": "a}b,c", "q": 'say "hi"'})] == 2.0
+
+
 # ------------------------------------------------------------------------------------------------ the sim, live
 def test_sim_launch_spec_runs_as_is_and_polls(settings, tmp_path, free_port):
     placement = pytest.importorskip("engine_manager.placement")

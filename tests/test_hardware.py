@@ -99,3 +99,61 @@ def test_a_gpu_error_survives_the_json_round_trip(data_dir):
     report.gpus[0].error = "UUID: NVML error (Unknown Error)"
     again = HardwareReport.from_dict(json.loads(json.dumps(report.to_dict())))
     assert again.gpu(0).error == "UUID: NVML error (Unknown Error)"
+
+
+# ------------------------------------------------------------------------------------------------ engine_manager.nvml
+def test_one_nvml_wrapper_for_the_probe_the_status_bar_and_the_monitor():
+    """hardware.probe, sysstat.read and the Monitor's NvmlSource all go through engine_manager.nvml, so they agree:
+    with no driver all three say so in the same plain words; with a GPU all three read the same device."""
+    from engine_manager import nvml, sysstat
+    from engine_manager.metrics.sources import NvmlSource
+
+    report = hardware.probe()
+    shared, why = nvml.shared()
+    assert nvml.shared() == (shared, why)            # initialised once, kept
+    st = sysstat.read()
+    src = NvmlSource(0)
+    try:
+        if shared is None:
+            assert why and report.gpu_error == why and "Traceback" not in why
+            assert st.gpus == [] and st.gpu_error == f"no NVIDIA GPU: {why}"
+            assert src.unavailable == f"no NVIDIA GPU: {why}"
+            try:
+                with nvml.session():
+                    raise AssertionError("NVML started where the probe found no driver")
+            except nvml.NvmlUnavailable as exc:
+                assert str(exc) == why
+            return
+        # a GPU machine: the probe, the status bar and the monitor see the same GPU 0
+        assert report.gpus and len(st.gpus) == len(report.gpus) == nvml.device_count(shared)
+        g = report.gpu(0)
+        assert g.numa_node_source in ("nvml", "sysfs", "nvml-affinity", "single-node", "unknown")
+        assert st.gpus[0].vram_total_bytes == g.vram_total_bytes
+        assert st.gpus[0].util_pct is not None and 0 <= st.gpus[0].util_pct <= 100
+        v = src.read().values
+        assert v["nvml_vram_total_bytes"] == g.vram_total_bytes
+        assert 0 < v["nvml_vram_used_bytes"] <= v["nvml_vram_total_bytes"]
+        assert v["gpu_pcie_gen"] and v["gpu_pcie_gen"] >= 1 and v["gpu_pcie_width"] and v["gpu_pcie_width"] >= 1
+        assert v["nvml_pcie_rx_mb_s"] is not None and v["nvml_pcie_rx_mb_s"] >= 0
+        # a session inside the monitor's hold and the process-wide one: NVML counts them; all still read
+        with nvml.session() as n:
+            assert nvml.live_readings(n, nvml.handle(n, 0), ("vram_total_bytes",)) == {
+                "vram_total_bytes": float(g.vram_total_bytes)}
+        assert src.read().values["nvml_vram_total_bytes"] == g.vram_total_bytes
+        assert sysstat.read().gpus[0].vram_total_bytes == g.vram_total_bytes
+    finally:
+        src.close()
+
+
+def test_nvml_words_live_in_one_place():
+    """hardware's reasons are engine_manager.nvml's (one table of NVML's error classes)."""
+    import pynvml
+
+    from engine_manager import nvml
+
+    err = pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+    assert hardware.nvml_reason(err, "GPU 0") == nvml.nvml_reason(err, "GPU 0")
+    assert "fallen off the bus" in nvml.nvml_reason(err, "GPU 0")
+    assert nvml.start_reason(ImportError("pynvml")).startswith("nvidia-ml-py is not installed")
+    lib_missing = pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    assert "libnvidia-ml.so" in nvml.start_reason(lib_missing)

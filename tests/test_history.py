@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from chat_support import ROOT, start_sim  # noqa: F401 - fixture
+from chat_support import ROOT
 
 from engine_manager import history as hist
 from engine_manager import paths
@@ -220,7 +220,7 @@ def test_a_newer_schema_is_refused_in_plain_words():
 
 def _chat_env(sim) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"DSV41_PORT": str(sim.port), "DSV41_API_KEY": sim.key,
+    env.update({"DSV41_PORT": str(sim.port), "DSV41_API_KEY": sim.api_key,
                 "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
     return env
 

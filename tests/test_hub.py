@@ -15,7 +15,7 @@ import pytest
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-from engine_manager.hub import Fault, LocalHub, parse_range, sha256_file, write_demo_shards
+from engine_manager.testing.hub import Fault, LocalHub, parse_range, sha256_file, write_demo_shards
 
 REPO = "vcruz305/DeepSeek-V4.1-Flash-GGUF"
 ROOT = Path(__file__).resolve().parent.parent
@@ -250,7 +250,7 @@ def test_big_sparse_file_served_with_sendfile(tmp_path):
 
 
 def test_hub_command_line_serves_a_folder(tmp_path, shards):
-    proc = subprocess.Popen([sys.executable, "-m", "engine_manager.hub", "--dir", str(shards[0].parent),
+    proc = subprocess.Popen([sys.executable, "-m", "engine_manager.testing.hub", "--dir", str(shards[0].parent),
                              "--port", "0", "--fault", "status:status=503,times=1,method=any"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -270,3 +270,56 @@ def test_hub_command_line_serves_a_folder(tmp_path, shards):
         proc.wait(timeout=10)
         proc.stdout.close()
         proc.stderr.close()
+
+
+# ------------------------------------------------------------------------------------------------ the boundary
+FIXTURE_CONTRACT = '''
+[importlinter]
+root_packages =
+    engine_manager
+    app
+include_external_packages = True
+
+[importlinter:contract:fixtures-out-of-product]
+name = the product never imports the test and demo fixtures (engine_manager.testing)
+type = forbidden
+source_modules =
+    engine_manager
+    app
+forbidden_modules =
+    engine_manager.testing
+ignore_imports =
+    engine_manager.testing.** -> engine_manager.testing.**
+'''
+
+
+def _lint_fixture_boundary(where: Path, config: Path) -> subprocess.CompletedProcess:
+    lint = Path(sys.executable).parent / "lint-imports"
+    if not lint.exists():
+        from conftest import require_or_skip
+        require_or_skip(f"{lint} is missing: install the lint extra (./scripts/test does)")
+    config.write_text(FIXTURE_CONTRACT)
+    return subprocess.run([str(lint), "--no-logo", "--no-cache", str(config)], cwd=where, capture_output=True,
+                          text=True, timeout=180, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHONPATH": str(where)})
+
+
+def test_the_hub_and_tinymoe_are_fixtures_the_product_never_imports(tmp_path):
+    """engine_manager.testing (the local hub, the tiny MoE GGUF) is for tests and demos: import-linter checks that
+    nothing in engine_manager or app reaches it, on the real tree, and that one such import on a copy is caught."""
+    import shutil
+
+    cp = _lint_fixture_boundary(ROOT, tmp_path / "fixtures.ini")
+    assert cp.returncode == 0 and "KEPT" in cp.stdout, cp.stdout + cp.stderr
+    copy = tmp_path / "tree"
+    for pkg in ("engine_manager", "app"):
+        shutil.copytree(ROOT / pkg, copy / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "engine_manager" / "replica.py", "a") as f:
+        f.write("\nfrom .testing.tinymoe import vocabulary  # noqa: E402,F401\n")
+    cp = _lint_fixture_boundary(copy, tmp_path / "fixtures-copy.ini")
+    assert cp.returncode != 0 and "BROKEN" in cp.stdout, cp.stdout + cp.stderr
+    assert "engine_manager.replica -> engine_manager.testing.tinymoe" in cp.stdout, cp.stdout
+    # the demo still runs from its new home
+    out = subprocess.run([sys.executable, "-m", "engine_manager.testing.hub", "--help"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and "--demo DIR" in out.stdout

@@ -14,11 +14,11 @@ import gguf
 import numpy as np
 import pytest
 
-from engine_manager import layout as L
+from engine_manager import fmt, gguf_header, layout as L
 from engine_manager.layout import LayoutError, classify, is_lookup_table, read_layout, read_shard_header
 from engine_manager.replica import ReplicaSpec, write_replica
 
-GiB, MiB, GB = 1 << 30, 1 << 20, 10**9
+GiB, MiB, GB = fmt.GIB, fmt.MIB, fmt.GB
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_string_arrays_fall_back_when_the_fast_path_cannot_prove_the_chain(tmp_p
 def _adversarial_strings(n: int, rng: random.Random) -> list[str]:
     """Strings that defeat the candidate test one way or another, among ordinary tokens."""
     out = []
-    for i in range(n):
+    for _ in range(n):
         r = rng.random()
         if r < 0.70:
             out.append("".join(rng.choice("abcdefghij Ġ▁é中") for _ in range(rng.randint(1, 12))))
@@ -185,7 +185,7 @@ def test_streamed_string_skip_agrees_with_gguf_reader(tmp_path, monkeypatch, chu
     """The streaming skip of long string arrays ends exactly where gguf.GGUFReader's per-string walk ends: same
     metadata after the arrays, same tensor infos, same data offset — with strings straddling chunk boundaries,
     strings longer than a chunk, empty strings, fake length prefixes inside text, and text ending in zeros."""
-    monkeypatch.setattr(L, "STRING_CHUNK", chunk)
+    monkeypatch.setattr(gguf_header, "STRING_CHUNK", chunk)
     rng = random.Random(chunk)
     p = tmp_path / "adversarial.gguf"
     w = gguf.GGUFWriter(p, "llama")
@@ -247,7 +247,8 @@ def test_shards_of_different_splits(small, tmp_path):
     other = tmp_path / "other"
     write_replica(other, ReplicaSpec.small(n_layers=6))
     d = _copy(small, tmp_path / "mix")
-    shutil.copy(other / "DeepSeek-V4.1-Flash-Q2_K-00002-of-00002.gguf", d / "DeepSeek-V4.1-Flash-Q2_K-00002-of-00002.gguf")
+    name = "DeepSeek-V4.1-Flash-Q2_K-00002-of-00002.gguf"
+    shutil.copy(other / name, d / name)
     with pytest.raises(LayoutError, match="different splits"):
         read_layout(d)
 
@@ -535,3 +536,36 @@ def test_fuzz_10000_mutated_headers_end_in_clean_errors(tmp_path):
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert ok + errors == 10_000 and errors > 5_000
     assert (rss1 - rss0) * 1024 < 64 * MiB
+
+
+def test_shard_names_have_one_home():
+    """engine_manager.gguf_split is where shard names are made and read; the CLI and the Downloads tab show its
+    short names."""
+    from engine_manager import gguf_split as G
+    name = G.shard_name("DeepSeek-V4.1-Flash-Q2_K", 3, 7)
+    assert name == "DeepSeek-V4.1-Flash-Q2_K-00003-of-00007.gguf"
+    assert G.parse_shard_name(name) == ("DeepSeek-V4.1-Flash-Q2_K", 3, 7)
+    assert G.parse_shard_name("model.gguf") is None and G.parse_shard_name("x-3-of-7.gguf") is None
+    assert G.short_name(name) == "shard 3 of 7" and G.short_name("engine.tar.gz") == "engine.tar.gz"
+    assert G.first_shard_name(name) == "DeepSeek-V4.1-Flash-Q2_K-00001-of-00007.gguf"
+    assert G.strip_shard_suffix("DeepSeek-V4.1-Flash-Q2_K-00001-of-00007") == "DeepSeek-V4.1-Flash-Q2_K"
+
+
+def test_names_and_split_metadata_agree_on_the_replica(small, tmp_path):
+    """The layout reader finds the shards by name, Strata's path by split.no: on a real split both name the same
+    first shard and the same files, from the folder and from any shard; the model is found below a cache folder."""
+    from engine_manager import gguf_split as G
+    by_name = L.find_shards(small)
+    split = G.find_split(small)
+    assert list(split.shards) == by_name and split.first == by_name[0] and split.count == len(by_name) == 2
+    assert L.find_shards(by_name[1]) == by_name and G.find_split(by_name[1]).first == by_name[0]
+    assert G.split_problems(by_name) == []
+    assert G.first_shard_files(small, max_depth=0) == [by_name[0]]
+    deep = tmp_path / "cache" / "models" / "m"
+    deep.mkdir(parents=True)
+    for n in (1, 2):
+        (deep / G.shard_name("M", n, 2)).write_bytes(b"")
+    assert G.first_shard_files(tmp_path, max_depth=1) == []
+    assert G.first_shard_files(tmp_path, max_depth=3) == [deep / "M-00001-of-00002.gguf"]
+    swapped = [by_name[1], by_name[0], *by_name[2:]]
+    assert any("split.no is 1" in p for p in G.split_problems(swapped))

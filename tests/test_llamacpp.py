@@ -24,7 +24,8 @@ import httpx
 import numpy as np
 import pytest
 
-from engine_manager import llamacpp_bin, tinymoe
+from engine_manager import llamacpp_bin
+from engine_manager.testing import tinymoe
 from engine_manager.engines import get_engine
 from engine_manager.engines.base import LaunchSpec
 from engine_manager.engines.llamacpp import (

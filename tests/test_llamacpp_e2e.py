@@ -25,7 +25,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine_manager import chat, history, llamacpp_bin, placement, supervisor, tinymoe
+from engine_manager import chat, history, llamacpp_bin, placement, supervisor
+from engine_manager.testing import tinymoe
 from engine_manager.engines import get_engine
 from engine_manager.engines.llamacpp import RATE_WINDOW_S, PlacementSummary, placement_from_log
 from engine_manager.layout import read_layout
@@ -332,13 +333,13 @@ def test_gui_runs_llamacpp(qtbot, tmp_path_factory, free_port, monkeypatch):
     win.show()
     qtbot.waitExposed(win)
     qtbot.waitUntil(lambda: ctx.hardware is not None, timeout=20_000)
-    qtbot.waitUntil(lambda: win.engine_panel._run_worker is None, timeout=10_000)
+    qtbot.waitUntil(lambda: not win.engine_panel.tasks.running("run"), timeout=10_000)
     plan = make_plan(model, ctx.settings)
     ctx.set_plan(plan)
     samples = []
     ctx.sampleArrived.connect(samples.append)
     try:
-        with qtbot.waitSignal(ctx.engineReady, timeout=90_000):
+        with qtbot.waitSignal(ctx.ownEngineChanged, timeout=90_000, check_params_cb=lambda r: r is not None):
             win.engine_panel.start()
         # the placement box shows what the real llama-server printed, as its log file has it
         panel = win.engine_panel
@@ -369,8 +370,8 @@ def test_gui_runs_llamacpp(qtbot, tmp_path_factory, free_port, monkeypatch):
             assert win.grab().save(shot)
     finally:
         if win.engine_panel.is_running():
-            with qtbot.waitSignal(ctx.engineStopped, timeout=60_000):
+            with qtbot.waitSignal(ctx.ownEngineChanged, timeout=60_000, check_params_cb=lambda r: r is None):
                 win.engine_panel.stop()
-        qtbot.waitUntil(lambda: win.engine_panel._run_worker is None and win.engine_panel._stop_worker is None,
-                        timeout=60_000)
+        tasks = win.engine_panel.tasks
+        qtbot.waitUntil(lambda: not tasks.running("run") and not tasks.running("stop"), timeout=60_000)
     assert supervisor.Supervisor(ctx.settings).status(check_health=False).state == "stopped"

@@ -29,8 +29,8 @@ def window(qtbot):
 
 def test_window_opens_with_its_parts(window, qtbot):
     assert os.environ.get("DISPLAY"), "pytest-xvfb should provide a real X display"
-    assert window.tabs.count() == 4
-    assert [window.tabs.tabText(i) for i in range(4)] == ["Monitor", "Placement", "Downloads", "Log"]
+    assert [window.tabs.tabText(i) for i in range(window.tabs.count())] == ["Monitor", "Placement", "Downloads",
+                                                                            "Log", "Benchmark"]
     assert window.splitter.count() == 3
     # the probe runs off the GUI thread and fills the banner
     qtbot.waitUntil(lambda: window.ctx.hardware is not None, timeout=15000)
@@ -181,7 +181,8 @@ def test_the_window_is_painted_before_the_heavy_pages_are_imported(tmp_path):
                        timeout=90)
     out = p.stdout + p.stderr
     assert "at paint: built False heavy []" in p.stdout, out
-    assert "built: tabs ['MonitorView', 'PlacementView', 'DownloadPanel', 'LogView'] export True" in p.stdout, out
+    assert "built: tabs ['MonitorView', 'PlacementView', 'DownloadPanel', 'LogView', 'BenchView'] export True" \
+        in p.stdout, out
 
 
 def test_page_attributes_build_a_lazy_window_on_first_use(qtbot):

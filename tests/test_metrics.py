@@ -25,8 +25,9 @@ import pytest
 from engine_manager import metrics as M
 from engine_manager.engines import get_engine
 from engine_manager.engines.base import LogEvent, Sample
-from engine_manager.engines.sim import sim_env
+from engine_manager.engines.sim import sim_env, write_key_file
 from engine_manager.metrics.sources import Reading, Source, SourceMissing, sample_values
+from engine_manager.sim.launch import free_port as pick_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,17 +74,17 @@ class FailingSource(Source):
 
 
 def start_sim_to_file(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, str, Path]:
-    """The scripted engine as a real process whose log goes to a file (as the supervisor's keeper does)."""
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """The scripted engine as a real process whose log goes to a file (as the supervisor's keeper does; the log
+    tail source reads that file, so not ``SimProcess``, which keeps the log in memory), the key in a 0600 file."""
+    port = pick_port()
     key = "test-key-" + os.urandom(8).hex()
+    key_file = write_key_file(tmp_path / f"sim-api-key-{port}", key)
     log = tmp_path / "engine.log"
     env = {k: v for k, v in os.environ.items() if k != "DSV41_SIM_ARGS"}
     env.update(sim_env(env))
     f = open(log, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "engine_manager.sim", "--host", "127.0.0.1", "--port", str(port),
-                             f"--api-key={key}", "--load-time", "0.1", *args],
+                             "--api-key-file", str(key_file), "--load-time", "0.1", *args],
                             stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                             env=env)
     f.close()
@@ -412,7 +413,8 @@ def test_host_source_splits_bound_cores_and_reads_the_process_tree():
     if (psutil.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"):
         pytest.skip("needs two CPUs and affinity")
     code = ("import os, subprocess, sys, time\n"
-            "c = subprocess.Popen([sys.executable, '-c', 'import os\\nos.sched_setaffinity(0, {0})\\nwhile True: pass'])\n"
+            "c = subprocess.Popen([sys.executable, '-c',"
+            " 'import os\\nos.sched_setaffinity(0, {0})\\nwhile True: pass'])\n"
             "print(c.pid, flush=True)\n"
             "time.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
@@ -722,16 +724,15 @@ def test_llamacpp_short_burst_and_a_model_the_guides_do_not_cover(tmp_path):
     """QA m12, with the real llama-server on the tiny MoE: a 300-token reply takes a fraction of the 1-s poll
     interval, so the interval's rate reads low; the engine's own timing of the reply (its per-scrape
     predicted_tokens_seconds) matches the chat's, and the guides' figures are n/a for this model."""
-    from engine_manager import llamacpp_bin, tinymoe
+    from engine_manager import llamacpp_bin
+    from engine_manager.testing import tinymoe
 
     try:
         binary = llamacpp_bin.find_llama_server()
     except llamacpp_bin.LlamaServerNotFound as exc:
         pytest.skip(f"llama-server is not installed: {exc}")
     model = tinymoe.write_tinymoe(tmp_path / "m")
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = pick_port()
     key = "k-" + os.urandom(6).hex()
     env = {**os.environ, "LD_LIBRARY_PATH": ":".join(str(d) for d in binary.lib_dirs)}
     proc = subprocess.Popen([str(binary.path), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),

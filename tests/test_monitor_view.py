@@ -19,6 +19,7 @@ from PySide6.QtWidgets import QApplication
 
 from engine_manager import metrics as M
 from engine_manager.engines.base import Sample
+from engine_manager.session import RunningEngine
 from engine_manager.settings import load_settings
 from engine_manager.sim.launch import SimProcess
 
@@ -48,24 +49,8 @@ def view(qtbot, ctx):
 
 
 @pytest.fixture
-def sim():
-    sp = SimProcess(["--slots", "4", "--initial-hot", "random"]).start()
-    try:
-        sp.wait_ready()
-        yield sp
-    finally:
-        sp.stop()
-
-
-@pytest.fixture
-def sim1():
-    """One slot, the plan's hot set (warm): one user decodes at the guides' 63.11 tok/s."""
-    sp = SimProcess(["--slots", "1"]).start()
-    try:
-        sp.wait_ready()
-        yield sp
-    finally:
-        sp.stop()
+def sim(sim_process):
+    return sim_process("--slots", "4", "--initial-hot", "random").wait_ready()
 
 
 def chats(sp: SimProcess, n: int, stop: threading.Event) -> list[threading.Thread]:
@@ -129,7 +114,7 @@ def test_plots_and_cards_follow_a_running_scripted_engine(qtbot, ctx, view, sim,
     threads = chats(sim, 4, stop)
     try:
         with qtbot.waitSignal(view.hubStarted, timeout=15000) as blocker:
-            ctx.set_ready(sim.base_url, sim.api_key)
+            ctx.set_running(RunningEngine.from_status(None, sim.base_url, sim.api_key, engine="sim"))
         hub = blocker.args[0]
         assert hub.hz == 5.0 and hub.simulated and hub.engine == "sim"
         # swaps are only in the engine's log (as in Strata: no swap figure on HTTP). No supervisor started this
@@ -191,7 +176,7 @@ def test_plots_and_cards_follow_a_running_scripted_engine(qtbot, ctx, view, sim,
     rows = list(csv.DictReader(open(out)))
     assert len(rows) == done[0] >= 8 and any(float(r["decode_tok_s"] or 0) > 0 for r in rows)
     rec = view.current_recording()
-    ctx.set_ready(None, None)
+    ctx.set_running(None)
     assert view.hub is None and "Engine stopped" in view.status.text()
     qtbot.waitUntil(lambda: not view._stopping, timeout=10000)
     assert M.list_runs() and rec is not None and rec.exists()
@@ -218,7 +203,7 @@ def test_guides_card_short_chats_idle_and_stopped(qtbot, ctx, view, sim1):
     th = threading.Thread(target=user, daemon=True)
     try:
         with qtbot.waitSignal(view.hubStarted, timeout=15000):
-            ctx.set_ready(sim1.base_url, sim1.api_key)
+            ctx.set_running(RunningEngine.from_status(None, sim1.base_url, sim1.api_key, engine="sim"))
         th.start()
         t0 = time.monotonic()
         qtbot.waitUntil(lambda: time.monotonic() - t0 > 5 and "as_published" in verdicts[-3:], timeout=30000)
@@ -252,7 +237,7 @@ def test_guides_card_short_chats_idle_and_stopped(qtbot, ctx, view, sim1):
     assert "last steady" in view.compare.table_text() and "Last steady decode" in view.compare.hints.text()
     assert not view.compare.comparison.live
     # stopped: no card keeps a live-looking value
-    ctx.set_ready(None, None)
+    ctx.set_running(None)
     for card in view.cards.values():
         assert card.value.text() == "—" and card.detail.text() == "engine stopped" and card.is_stale()
     assert view.compare.badge.text() == "stopped" and not view.compare.table.isVisibleTo(view)
@@ -388,7 +373,7 @@ def test_cards_missing_reference_line_and_guides_card(qtbot, ctx, view):
     c = view.compare.comparison
     assert c.users == 4 and c.guide_tok_s == 127.58 and c.verdict == "as_published"
     assert "127.58" in view.compare.table_text() and view.compare.badge.text() == "as published"
-    view.engine_info["numa_bound"] = False
+    view.engine_info = RunningEngine("http://127.0.0.1:9", "test-key", engine="strata", numa_bound=False)
     for k in range(4):
         push(now + 200 + k, decode_tok_s=53.0, slots_busy=1.0, hit_rate=0.9, requests_total=2.0)
     assert view.compare.comparison.verdict == "below"
@@ -484,9 +469,9 @@ def test_heatmap_takes_observed_routing_from_a_panel_started_scripted_engine(qtb
     assert place.mode.currentData() == "observed" and not place.replan_observed.isHidden()
     assert win.monitor_view.routing_counts is not None and traces[0].records > 0
     panel = win.engine_panel
-    with qtbot.waitSignal(ctx.engineStopped, timeout=30_000):
+    with qtbot.waitSignal(ctx.ownEngineChanged, timeout=30_000, check_params_cb=lambda r: r is None):
         panel.stop()
-    qtbot.waitUntil(lambda: panel._run_worker is None and panel._stop_worker is None and not panel.is_running(),
+    qtbot.waitUntil(lambda: not (panel.tasks.running("run") or panel.tasks.running("stop") or panel.is_running()),
                     timeout=30_000)
     for t in threads:
         t.join(10)
@@ -575,3 +560,66 @@ def test_cards_show_their_whole_text_at_the_panels_width(qtbot, view):
                                                   int(Qt.TextFlag.TextWordWrap), d.text())
         assert need.width() <= d.contentsRect().width() and need.height() <= d.contentsRect().height(), \
             (key, d.text(), need, d.contentsRect())
+
+
+# -- issue 17: one handle, one task owner, the presenter's words ------------------------------------------------
+def test_cards_draw_exactly_what_the_presenter_says(qtbot, view):
+    """The GUI cards and `dsv41 monitor` share one Qt-free presenter: each card shows its CardText verbatim."""
+    from engine_manager.metrics import presenter
+
+    now = time.time()
+    t = tick_at(now, decode_tok_s=58.2, slots_busy=2.0, slots_total=4.0, queued=1.0, prefill_tok_s=900.0,
+                hit_rate=0.91, hit_rate_rolling=0.88, swaps_per_s=3.5, swap_mb_s=44.0, swaps_total=120.0,
+                ram_used_bytes=100 * 2**30, ram_total_bytes=256 * 2**30, cpu_total_pct=40.0)
+    t.simulated, t.engine = True, "sim"
+    t.origin = {"swaps_per_s": "simulated"}
+    view.update_cards(t)
+    want = presenter.cards(t)
+    assert set(want) == set(view.cards)
+    for key, c in want.items():
+        card = view.cards[key]
+        assert (card.value.text(), card.detail.text(), card.toolTip(), card.is_stale()) == \
+            (c.value, c.detail, c.tip, c.stale), key
+        assert card.tag.isVisibleTo(view) == c.simulated, key
+    assert view.cards["decode"].value.text() == "58.2 tok/s" and "1 queued" in view.cards["decode"].detail.text()
+
+
+def test_engine_running_handle_starts_one_hub_and_tells_the_placement_tab(qtbot, ctx, view, sim, monkeypatch):
+    """``ctx.engineRunning`` carries the RunningEngine; the same handle reaching the view twice starts no second
+    hub. The Placement tab hears about the engine through ``ctx.showPlacement``."""
+    from engine_manager.metrics.presenter import PlacementFeed
+
+    feeds: list = []
+    ctx.showPlacement.connect(feeds.append)
+    running = RunningEngine.from_status(None, sim.base_url, sim.api_key, engine="sim")
+    ctx.running = running
+    starts: list = []
+    real_start = view.start_hub
+    monkeypatch.setattr(view, "start_hub", lambda r: (starts.append(r), real_start(r)))
+    with qtbot.waitSignal(view.hubStarted, timeout=15000) as blocker:
+        ctx.engineRunning.emit(running)
+        ctx.engineRunning.emit(running)                     # the same engine again
+    hub = blocker.args[0]
+    assert len(starts) == 1 and starts[0] is running        # one hub made, not two
+    assert isinstance(view.engine_info, RunningEngine) and view.engine_info.base_url == sim.base_url
+    assert view.engine_info.api_key == sim.api_key and view.engine_info.simulated and hub.engine == "sim"
+    assert "api_key" not in repr(view.engine_info) and sim.api_key not in repr(view.engine_info)
+    assert feeds and isinstance(feeds[-1], PlacementFeed) and feeds[-1].counts is None
+    qtbot.waitUntil(lambda: view.last_tick is not None, timeout=15000)
+    ctx.engineRunning.emit(None)
+    assert view.hub is None and "Engine stopped" in view.status.text()
+    assert all(c.value.text() == "—" for c in view.cards.values())
+    qtbot.waitUntil(lambda: hub.stopped and not view._stopping, timeout=10000)
+
+
+def test_a_hub_made_for_an_engine_that_stopped_meanwhile_is_stopped(qtbot, ctx, view, sim):
+    """The engine stops while its hub is being made (off the GUI thread): that hub is stopped, never shown."""
+    running = RunningEngine.from_status(None, sim.base_url, sim.api_key, engine="sim")
+    ctx.engineRunning.emit(running)
+    assert view.tasks.running("hub")
+    ctx.engineRunning.emit(None)
+    # the hub was made all the same (it opened a recording): stopping it closed that recording
+    qtbot.waitUntil(lambda: len(M.list_runs()) == 1 and M.list_runs()[0].meta.get("ended_at") is not None,
+                    timeout=15000)
+    qtbot.waitUntil(lambda: not view._stopping, timeout=10000)
+    assert view.hub is None and view.engine_info is None and view.store is None

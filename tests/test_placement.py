@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from engine_manager import placement as P
+from engine_manager import fmt, placement as P
 from engine_manager.layout import read_layout
 from engine_manager.replica import ReplicaSpec, write_replica
 from engine_manager.routing import FrequencyTable, Usage, read_strp
 from engine_manager.settings import Settings
 
-GiB, MiB, GB = 1 << 30, 1 << 20, 10**9
+GiB, MiB, GB = fmt.GIB, fmt.MIB, fmt.GB
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +275,14 @@ def test_hardware_label_gives_ram_in_both_units(lay):
     p = P.plan(lay, P.hypothetical_hardware(None, None, 192 * GiB), None, None)
     assert "206 GB (192 GiB) RAM" in p.hardware_label
     assert "206.2 GB (192.0 GiB)" in p.refused
+
+
+def test_the_plan_store_is_its_own_module_and_placement_still_names_it():
+    """The planner (placement) and the plan store (plans) are split; old callers' ``placement.load_last_plan`` etc.
+    reach the one store."""
+    from engine_manager import plans
+    for name in ("load_last_plan", "save_plan", "store_plan", "make_plan", "find_model", "default_sim_layout",
+                 "PlanRequest", "last_plan_path"):
+        assert getattr(P, name) is getattr(plans, name)
+    with pytest.raises(AttributeError):
+        P.no_such_name  # noqa: B018

@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_manager import fmt
 from engine_manager.cli import main
 from engine_manager.replica import ReplicaSpec, write_replica
 from engine_manager.routing import read_strp, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent
-GiB, GB = 1 << 30, 10**9
+GiB, GB = fmt.GIB, fmt.GB
 KEYS = ("hot_experts", "hot_expert_bytes", "cold_experts", "total_experts", "predicted_hit_rate", "vram", "ram",
         "refused", "strata_args", "llamacpp_cpu_layers")
 

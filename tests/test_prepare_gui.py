@@ -8,7 +8,7 @@ import pytest
 from engine_manager import provision
 from engine_manager.gguf_split import find_split
 from engine_manager.settings import load_settings
-from engine_manager.tinymoe import write_tinymoe
+from engine_manager.testing.tinymoe import write_tinymoe
 
 pytestmark = pytest.mark.gui
 
@@ -135,7 +135,7 @@ def test_the_engine_panel_starts_with_the_chosen_plan_and_names_its_host(qtbot, 
     panel = EnginePanel(ctx)
     qtbot.addWidget(panel)
     panel.show()
-    qtbot.waitUntil(lambda: panel._run_worker is None, timeout=10_000)
+    qtbot.waitUntil(lambda: not panel.tasks.running("run"), timeout=10_000)
     # a host of its own (50 GiB VRAM, 200 GiB RAM): not this machine, not the default plan's reference host
     host = placement.hypothetical_hardware(hw(), 50 * 2**30, 200 * 2**30)
     plan = placement.plan(read_layout(model), host, None,
@@ -143,7 +143,7 @@ def test_the_engine_panel_starts_with_the_chosen_plan_and_names_its_host(qtbot, 
     assert "50" in plan["hardware"]["label"]
     try:
         ctx.start_plan = plan
-        with qtbot.waitSignal(ctx.engineReady, timeout=60_000):
+        with qtbot.waitSignal(ctx.ownEngineChanged, timeout=60_000, check_params_cb=lambda r: r is not None):
             ctx.requestStart.emit()
         assert "This plan was made for hypothetical host" in panel.notes.text()
         assert getattr(ctx, "start_plan", None) is None                  # taken once
@@ -152,4 +152,4 @@ def test_the_engine_panel_starts_with_the_chosen_plan_and_names_its_host(qtbot, 
     finally:
         for _ in sv.Supervisor(load_settings().settings).stop(force=True):
             pass
-        qtbot.waitUntil(lambda: panel._run_worker is None, timeout=30_000)
+        qtbot.waitUntil(lambda: not panel.tasks.running("run"), timeout=30_000)

@@ -22,12 +22,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from supervisor_helpers import drain
 
 from engine_manager import provision
 from engine_manager.engines import get_engine
 from engine_manager.gguf_split import SplitError, find_split, first_shard
 from engine_manager.settings import load_settings
-from engine_manager.tinymoe import write_tinymoe
+from engine_manager.testing.tinymoe import write_tinymoe
 
 STANDIN = Path(__file__).parent / "strata_release"
 
@@ -59,15 +60,6 @@ def model_copy(src: Path, dest: Path, stem: str = "not-the-real-name") -> Path:
         tail = re.search(r"-\d{5}-of-\d{5}\.gguf$", f.name).group(0)
         shutil.copyfile(f, dest / f"{stem}{tail}")
     return dest
-
-
-def drain(gen):
-    events = []
-    while True:
-        try:
-            events.append(next(gen))
-        except StopIteration as stop:
-            return events, stop.value
 
 
 # ------------------------------------------------------------------------------------------------ shard 1

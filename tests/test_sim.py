@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -146,8 +147,8 @@ def test_prefill_model_matches_the_guides_long_prompt_pause():
 
 
 # ------------------------------------------------------------------------------------------------ endpoints
-def test_health_is_connection_refused_until_loaded_then_ready(sims):
-    sp = sims("--slots", "2", load_time=1.5)
+def test_health_is_connection_refused_until_loaded_then_ready(sim_process):
+    sp = sim_process("--slots", "2", load_time=1.5)
     spec = spec_of(sp)
     with httpx.Client() as c:
         sp.wait_for_line(r"^phase: ")
@@ -165,8 +166,8 @@ def test_health_is_connection_refused_until_loaded_then_ready(sims):
     assert pcts == sorted(pcts) and pcts[-1] == 100
 
 
-def test_auth_and_introspection_endpoints(sims):
-    sp = sims("--slots", "3", "--max-context", "8192").wait_ready()
+def test_auth_and_introspection_endpoints(sim_process):
+    sp = sim_process("--slots", "3", "--max-context", "8192").wait_ready()
     key = sp.api_key
     with httpx.Client() as c:
         for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
@@ -199,8 +200,8 @@ def test_auth_and_introspection_endpoints(sims):
                                   "cpu", "ram_used"}
 
 
-def test_chat_stream_reasoning_then_content_with_usage_and_timings(sims):
-    sp = sims("--speed", "10").wait_ready()
+def test_chat_stream_reasoning_then_content_with_usage_and_timings(sim_process):
+    sp = sim_process("--speed", "10").wait_ready()
     status, frames = chat(sp, "Tell me something nice, please.", max_tokens=60,
                           stream_options={"include_usage": False})
     assert status == 200 and frames[-1] == "[DONE]"
@@ -220,8 +221,8 @@ def test_chat_stream_reasoning_then_content_with_usage_and_timings(sims):
     assert all(f.get("model", "").endswith("simulated") for f in frames if isinstance(f, dict))
 
 
-def test_chat_honours_max_tokens_and_answers_without_stream(sims):
-    sp = sims("--speed", "20").wait_ready()
+def test_chat_honours_max_tokens_and_answers_without_stream(sim_process):
+    sp = sim_process("--speed", "20").wait_ready()
     status, frames = chat(sp, max_tokens=7)
     fin = [f for f in frames if isinstance(f, dict) and f.get("usage")][0]
     assert len(deltas(frames)) == 7 and fin["usage"]["completion_tokens"] == 7
@@ -243,16 +244,16 @@ def test_chat_honours_max_tokens_and_answers_without_stream(sims):
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
 ])
-def test_chat_rejects_bad_requests_with_400(sims, body, fragment):
-    sp = sims().wait_ready()
+def test_chat_rejects_bad_requests_with_400(sim_process, body, fragment):
+    sp = sim_process().wait_ready()
     r = httpx.post(sp.url("/v1/chat/completions"), json=body, headers=sp.headers)
     assert r.status_code == 400 and fragment in r.json()["error"]["message"]
     r = httpx.post(sp.url("/v1/chat/completions"), content=b"{not json", headers=sp.headers)
     assert r.status_code == 400
 
 
-def test_keep_alive_comments_while_reading_a_long_prompt(sims):
-    sp = sims("--speed", "8").wait_ready()
+def test_keep_alive_comments_while_reading_a_long_prompt(sim_process):
+    sp = sim_process("--speed", "8").wait_ready()
     long_prompt = "word " * 12000                                    # ~12K tokens: the PCIe-streaming path
     status, frames = chat(sp, long_prompt, max_tokens=2, timeout=30)
     keep = [i for i, f in enumerate(frames) if f == ": keep-alive"]
@@ -290,10 +291,10 @@ def _run_users(sp: SimProcess, users: int, tokens: int) -> list[dict]:
     return out
 
 
-def test_one_four_eight_users_match_the_guides_table(sims):
+def test_one_four_eight_users_match_the_guides_table(sim_process):
     """Real concurrent streams against the real process; stated tolerance: total tok/s within 6% and the slowest
     user within 8% of the guides' 63.11 | 127.58 / 31.87 | 152.53 / ~19 (the modelled figures)."""
-    sp = sims("--slots", "8", "--speed", "10", "--reply-tokens", "150").wait_ready()
+    sp = sim_process("--slots", "8", "--speed", "10", "--reply-tokens", "150").wait_ready()
     got = {}
     for users in (1, 4, 8):
         rates = [t["predicted_per_second"] for t in _run_users(sp, users, 150)]
@@ -314,10 +315,10 @@ def observed_hit_rate(requests: list[dict]) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ the planner loop
-def test_trace_round_trips_through_the_planner_and_observed_hit_rate_meets_its_prediction(sims, tmp_path):
+def test_trace_round_trips_through_the_planner_and_observed_hit_rate_meets_its_prediction(sim_process, tmp_path):
     layout = placement.default_sim_layout(tmp_path / "replica")
     trace = tmp_path / "routing.bin"
-    sp = sims("--slots", "8", "--speed", "40", "--reply-tokens", "200", "--dump-routing", str(trace),
+    sp = sim_process("--slots", "8", "--speed", "40", "--reply-tokens", "200", "--dump-routing", str(trace),
               "--initial-hot", "random").wait_ready()
     _run_users(sp, 8, 200)
     assert sp.stop() == 0                                            # SIGTERM: trace flushed and closed
@@ -341,7 +342,7 @@ def test_trace_round_trips_through_the_planner_and_observed_hit_rate_meets_its_p
     # what the sim's own distribution says this hot set will hit
     pos = {lid: i for i, lid in enumerate(plan["model"]["moe_layers"])}
     closed_form = predicted_hit_rate(pi, [(pos[l], e) for l, e in plan["hot_set"]])
-    sp2 = sims("--plan", str(plan_path), "--slots", "8", "--speed", "40", "--reply-tokens", "200").wait_ready()
+    sp2 = sim_process("--plan", str(plan_path), "--slots", "8", "--speed", "40", "--reply-tokens", "200").wait_ready()
     assert any("the plan's hot set" in x for x in sp2.lines)
     _run_users(sp2, 8, 200)
     observed = observed_hit_rate(httpx.get(sp2.url("/metrics"), headers=sp2.headers).json()["requests"])
@@ -350,8 +351,8 @@ def test_trace_round_trips_through_the_planner_and_observed_hit_rate_meets_its_p
 
 
 # ------------------------------------------------------------------------------------------------ faults
-def test_never_ready_keeps_refusing_and_stops_on_sigterm(sims):
-    sp = sims("--never-ready")
+def test_never_ready_keeps_refusing_and_stops_on_sigterm(sim_process):
+    sp = sim_process("--never-ready")
     sp.wait_for_line("never-ready")
     time.sleep(0.5)
     with pytest.raises(httpx.ConnectError):
@@ -361,37 +362,68 @@ def test_never_ready_keeps_refusing_and_stops_on_sigterm(sims):
     assert sp.wait_exit(10) == 0
 
 
-def test_port_taken_and_fail_bind_exit_2_naming_the_port(sims):
+def test_wait_ready_is_the_health_probe_and_says_why_it_never_came(sim_process):
+    """SimProcess.wait_ready asks /health (the one probe, engines._http.probe_health), so "ready" means the port
+    answers loaded. A sim that dies before that, or another program on its port, is a plain error naming the port
+    and carrying the sim's log, never a hang."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - stdlib name
+            self.send_error(404)
+
+        def log_message(self, *a):
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        port = other.server_address[1]
+        with pytest.raises(RuntimeError) as ei:
+            sim_process(port=port).wait_ready(timeout=60)
+        assert f"port {port}" in str(ei.value)
+    finally:
+        other.shutdown()
+        other.server_close()
+    dying = sim_process("--fail-at-load", "driver")
+    with pytest.raises(RuntimeError, match=r"exited \(1\) before it was ready") as ei:
+        dying.wait_ready(timeout=60)
+    assert "driver" in str(ei.value)                        # the sim's own last words come with it
+    sp = sim_process("--slots", "2").wait_ready()
+    assert httpx.get(sp.url("/health"), timeout=10).json()["loaded"] is True
+
+
+def test_port_taken_and_fail_bind_exit_2_naming_the_port(sim_process):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        sp = sims(port=port)
+        sp = sim_process(port=port)
         assert sp.wait_exit() == 2
         assert f"port {port}" in sp.log_text and "already in use" in sp.log_text
     assert SIM.classify_failure(2, sp.lines).cause == "port_in_use"
-    sp2 = sims("--fail-bind")
+    sp2 = sim_process("--fail-bind")
     assert sp2.wait_exit() == 2 and f"port {sp2.port}" in sp2.log_text
 
 
 @pytest.mark.parametrize("kind,cause", [("cuda-oom", "cuda_oom"), ("driver", "driver_too_old"),
                                         ("profile", "placement_refused"), ("crash", "engine_crash")])
-def test_load_failures_print_their_signature(sims, kind, cause):
-    sp = sims("--fail-at-load", kind)
+def test_load_failures_print_their_signature(sim_process, kind, cause):
+    sp = sim_process("--fail-at-load", kind)
     assert sp.wait_exit() == 1
     assert SIM.classify_failure(1, sp.lines).cause == cause
 
 
-def test_sigkill_at_load_looks_like_the_oom_killer(sims):
-    sp = sims("--sigkill-at-load")
+def test_sigkill_at_load_looks_like_the_oom_killer(sim_process):
+    sp = sim_process("--sigkill-at-load")
     assert sp.wait_exit() == -signal.SIGKILL
     assert SIM.classify_failure(-9, sp.lines).cause == "oom_killed"
 
 
-def test_sigkill_and_die_after_tokens_cut_the_stream(sims):
+def test_sigkill_and_die_after_tokens_cut_the_stream(sim_process):
     """HTTP/1.0 as Strata: a stream ends when the server closes it, so a dead engine is a stream that stops
     without its finish chunk and ``[DONE]`` (the chat client calls that "the engine stopped while answering")."""
-    sp = sims("--sigkill-after-tokens", "5", "--speed", "10").wait_ready()
+    sp = sim_process("--sigkill-after-tokens", "5", "--speed", "10").wait_ready()
     try:
         _, frames = chat(sp, max_tokens=50)
     except httpx.HTTPError:
@@ -399,7 +431,7 @@ def test_sigkill_and_die_after_tokens_cut_the_stream(sims):
     assert "[DONE]" not in frames and len(deltas(frames)) <= 5
     assert not any(isinstance(f, dict) and "usage" in f for f in frames)
     assert sp.wait_exit() == -signal.SIGKILL
-    sp2 = sims("--die-after-tokens", "3", "--die-code", "7", "--speed", "10").wait_ready()
+    sp2 = sim_process("--die-after-tokens", "3", "--die-code", "7", "--speed", "10").wait_ready()
     try:
         _, frames = chat(sp2, max_tokens=50)
     except httpx.HTTPError:
@@ -408,8 +440,8 @@ def test_sigkill_and_die_after_tokens_cut_the_stream(sims):
     assert sp2.wait_exit() == 7 and "fatal: simulated engine failure (after 3 tokens)" in sp2.log_text
 
 
-def test_stall_mid_stream_while_health_still_answers(sims):
-    sp = sims("--stall-after-tokens", "3", "--stall-s", "1.5", "--speed", "10").wait_ready()
+def test_stall_mid_stream_while_health_still_answers(sim_process):
+    sp = sim_process("--stall-after-tokens", "3", "--stall-s", "1.5", "--speed", "10").wait_ready()
     stamps: list[float] = []
     health: list[int] = []
 
@@ -431,8 +463,8 @@ def test_stall_mid_stream_while_health_still_answers(sims):
     assert health == [200]
 
 
-def test_error_frame_mid_stream_then_done(sims):
-    sp = sims("--error-after-tokens", "4", "--speed", "10").wait_ready()
+def test_error_frame_mid_stream_then_done(sim_process):
+    sp = sim_process("--error-after-tokens", "4", "--speed", "10").wait_ready()
     status, frames = chat(sp, max_tokens=50)
     assert len(deltas(frames)) == 4
     assert isinstance(frames[-2], dict) and frames[-2]["error"]["message"] and frames[-1] == "[DONE]"
@@ -441,20 +473,20 @@ def test_error_frame_mid_stream_then_done(sims):
     assert status == 503 and body["error"]["type"] == "server_error"
 
 
-def test_refused_plan_and_env_extra_args(sims, tmp_path):
+def test_refused_plan_and_env_extra_args(sim_process, tmp_path):
     plan = tmp_path / "refused.json"
     plan.write_text(json.dumps({"schema": 1, "refused": "RAM too small: 192 GB of the 280 GB needed"}))
-    sp = sims("--plan", str(plan))
+    sp = sim_process("--plan", str(plan))
     assert sp.wait_exit() == 2 and "placement refused" in sp.log_text
     assert SIM.classify_failure(2, sp.lines).cause == "placement_refused"
-    sp2 = sims(env={"DSV41_SIM_ARGS": "--fail-at-load driver"})
+    sp2 = sim_process(env={"DSV41_SIM_ARGS": "--fail-at-load driver"})
     assert sp2.wait_exit() == 1 and SIM.classify_failure(1, sp2.lines).cause == "driver_too_old"
 
 
-def test_swaps_reach_the_log_not_http(sims):
+def test_swaps_reach_the_log_not_http(sim_process):
     """As in Strata, swaps are only in the engine log: the sim's ``adapt:`` lines (counted as swaps by the panel)
     and Strata's own cumulative ``exchanged with the VRAM tier`` line after each request; /metrics has none."""
-    sp = sims("--slots", "8", "--initial-hot", "random", "--speed", "40", "--reply-tokens", "60").wait_ready()
+    sp = sim_process("--slots", "8", "--initial-hot", "random", "--speed", "40", "--reply-tokens", "60").wait_ready()
     _run_users(sp, 8, 60)
     line = sp.wait_for_line(r"^adapt: ")
     ev = SIM.parse_log_line(line)
@@ -467,10 +499,10 @@ def test_swaps_reach_the_log_not_http(sims):
     assert "strata:live_tok_s" in text and "swap" not in text
 
 
-def test_cpu_numerics_gpu_and_unbound_numa_are_slower_live(sims):
-    fast = sims("--speed", "10").wait_ready()
-    gpu = sims("--speed", "10", "--cpu-numerics", "gpu").wait_ready()
-    unbound = sims("--speed", "10", "--numa", "unbound").wait_ready()
+def test_cpu_numerics_gpu_and_unbound_numa_are_slower_live(sim_process):
+    fast = sim_process("--speed", "10").wait_ready()
+    gpu = sim_process("--speed", "10", "--cpu-numerics", "gpu").wait_ready()
+    unbound = sim_process("--speed", "10", "--numa", "unbound").wait_ready()
     rate = {}
     for name, sp in (("fork", fast), ("gpu", gpu), ("unbound", unbound)):
         _, frames = chat(sp, max_tokens=40)
@@ -521,8 +553,8 @@ def test_dsv41_sim_runs_in_the_foreground(tmp_path):
         p.stdout.close()
 
 
-def test_anthropic_messages_thinking_then_text(sims):
-    sp = sims("--speed", "20").wait_ready()
+def test_anthropic_messages_thinking_then_text(sim_process):
+    sp = sim_process("--speed", "20").wait_ready()
     body = {"model": "x", "max_tokens": 30, "thinking": {"type": "enabled", "budget_tokens": 10},
             "system": "be brief", "messages": [{"role": "user", "content": [{"type": "text", "text": "KV cache?"}]}]}
     r = httpx.post(sp.url("/v1/messages"), json=body, headers={"x-api-key": sp.api_key}, timeout=30)
@@ -542,8 +574,8 @@ def test_anthropic_messages_thinking_then_text(sims):
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
 
 
-def test_the_key_comes_from_a_0600_file_never_the_command_line(sims, tmp_path):
-    sp = sims("--speed", "20").wait_ready()
+def test_the_key_comes_from_a_0600_file_never_the_command_line(sim_process, tmp_path):
+    sp = sim_process("--speed", "20").wait_ready()
     cmd = psutil.Process(sp.proc.pid).cmdline()
     assert sp.api_key not in " ".join(cmd) and "--api-key" not in cmd
     key_file = Path(cmd[cmd.index("--api-key-file") + 1])
@@ -555,7 +587,7 @@ def test_the_key_comes_from_a_0600_file_never_the_command_line(sims, tmp_path):
     empty = tmp_path / "empty-key"
     empty.write_text("\n")
     for path, words in ((tmp_path / "nope", "cannot read"), (empty, "holds no key")):
-        bad = sims("--api-key-file", str(path), api_key="")
+        bad = sim_process("--api-key-file", str(path), api_key="")
         assert bad.wait_exit(20) == 2
         assert f"--api-key-file: {words}" in bad.log_text or words in bad.log_text
 
@@ -574,7 +606,7 @@ def test_sim_help_describes_every_option():
     assert "default: the panel's port setting" in out              # dsv41 sim's own defaults are said
 
 
-def test_scripted_replies_do_not_repeat_a_sentence(sims):
+def test_scripted_replies_do_not_repeat_a_sentence(sim_process):
     for i in range(300):
         q = f"question number {i} about experts"
         r, a = corpus.script(q)
@@ -588,7 +620,7 @@ def test_scripted_replies_do_not_repeat_a_sentence(sims):
     assert len(long) == 600 and all(x != y for x, y in zip(sent, sent[1:]))
     assert len(set(sent[1:1 + len(pool)])) == len(pool)             # every sentence once before any again
     # and through the real server: answers differ per question and repeat nothing
-    sp = sims("--speed", "50").wait_ready()
+    sp = sim_process("--speed", "50").wait_ready()
     seen = set()
     with httpx.Client(timeout=60) as c:
         for q in ("hi", "hello", "Tell me about offload", "what is NUMA?", "why PCIe"):
@@ -612,7 +644,7 @@ QUESTIONS = {
 }
 
 
-def test_answers_are_curated_sentences_of_the_questions_topic(sims):
+def test_answers_are_curated_sentences_of_the_questions_topic(sim_process):
     """Issue 16 item 8: canned and labelled, but every sentence is a whole sentence from the curated set of the
     question's topic (no splice of the question's words like "Here is a short answer about long explanation NUMA
     binding PCIe.")."""
@@ -626,7 +658,7 @@ def test_answers_are_curated_sentences_of_the_questions_topic(sims):
             assert set(corpus.sentences("".join(r))) <= set(topic.reasoning)
             for s in answer + corpus.sentences("".join(r)):          # grammatical shape: capital, full stop
                 assert s[0].isupper() and s.endswith((".", "?", "!")) and "  " not in s, s
-    sp = sims("--speed", "50").wait_ready()
+    sp = sim_process("--speed", "50").wait_ready()
     with httpx.Client(timeout=60) as c:
         for name, qs in QUESTIONS.items():
             topic = corpus.topic_named(name)
@@ -641,13 +673,13 @@ def test_answers_are_curated_sentences_of_the_questions_topic(sims):
 
 
 # ------------------------------------------------------------------------------------------------ issue 16 item 2
-def test_a_change_of_topic_makes_the_adaptive_tier_swap_experts(sims, tmp_path):
+def test_a_change_of_topic_makes_the_adaptive_tier_swap_experts(sim_process, tmp_path):
     """Issue 16 item 2: each topic routes through its own distribution. Chats on one topic leave the hot set (the
     shipped profile) alone; the first chat on another topic finds experts missing (its hit rate drops), the adaptive
     tier swaps them in (``adapt:`` lines, Strata's cumulative ``exchanged`` count rises) and the next chats on that
     topic hit more: the hot set moved. The routing trace moves with the topic too (the heatmap's data)."""
     trace = tmp_path / "routing.trace"
-    sp = sims("--speed", "40", "--routing-seed", "7", "--reply-tokens", "300",
+    sp = sim_process("--speed", "40", "--routing-seed", "7", "--reply-tokens", "300",
               "--dump-routing", str(trace)).wait_ready()
 
     def ask(q: str) -> dict:

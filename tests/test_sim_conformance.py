@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from engine_manager.sim.launch import SimProcess
 
@@ -141,12 +140,6 @@ class Stream:
         self.done.wait(30)
 
 
-@pytest.fixture
-def sims(sims):
-    """conftest's ``sims``, each engine waited for until it answers."""
-    return lambda *args, **kw: sims(*args, **kw).wait_ready()
-
-
 def finish_one(sp: SimProcess, content: str = GENERAL_Q, max_tokens: int = 8) -> dict:
     r = httpx.post(sp.url("/v1/chat/completions"), headers=sp.headers, timeout=60,
                    json={"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens})
@@ -155,10 +148,10 @@ def finish_one(sp: SimProcess, content: str = GENERAL_Q, max_tokens: int = 8) ->
 
 
 # ------------------------------------------------------------------------------------------------ /metrics
-def test_metrics_idle_solo_and_batched_match_stratas_shape(sims):
+def test_metrics_idle_solo_and_batched_match_stratas_shape(sim_process):
     """--batch 4: idle (every slot listed, tok_s null), one request alone (solo path: all slots idle, outside 1),
     three together (slots reading/decoding with their own tok_s, no hit rate), each against Strata's fixture."""
-    sp = sims("--slots", "4", "--speed", "3", "--reply-tokens", "100000")
+    sp = sim_process("--slots", "4", "--speed", "3", "--reply-tokens", "100000").wait_ready()
     finish_one(sp)                                             # a finished request: requests[] is not empty
     idle = metrics(sp)
     assert idle["live"]["state"] == "idle" and idle["live"]["tok_s"] is None         # not a stale rate
@@ -192,10 +185,10 @@ def test_metrics_idle_solo_and_batched_match_stratas_shape(sims):
     assert_conforms("v1_status_idle.json", get(sp, "/v1/status").json())
 
 
-def test_one_request_at_a_time_reading_a_long_prompt(sims):
+def test_one_request_at_a_time_reading_a_long_prompt(sim_process):
     """Without --batch: no slot keys; while a prompt is read, state "reading" with prompt_read/prompt_total, and the
     stream sends `: keep-alive` comments."""
-    sp = sims("--speed", "1")
+    sp = sim_process("--speed", "1").wait_ready()
     finish_one(sp)
     s = Stream(sp, "word " * 12000, max_tokens=2)                # ~4 modelled (= wall) seconds of reading
     try:
@@ -208,8 +201,8 @@ def test_one_request_at_a_time_reading_a_long_prompt(sims):
     assert ": keep-alive" in s.frames and s.frames[-1] == "[DONE]"
 
 
-def test_prometheus_texts_use_stratas_names(sims):
-    sp = sims("--slots", "4", "--speed", "20")
+def test_prometheus_texts_use_stratas_names(sim_process):
+    sp = sim_process("--slots", "4", "--speed", "20").wait_ready()
     finish_one(sp)
 
     def families(text: str) -> set[str]:
@@ -227,8 +220,8 @@ def test_prometheus_texts_use_stratas_names(sims):
 
 
 # ------------------------------------------------------------------------------------------------ other documents
-def test_health_models_errors_and_status_documents(sims):
-    sp = sims("--speed", "20")
+def test_health_models_errors_and_status_documents(sim_process):
+    sp = sim_process("--speed", "20").wait_ready()
     with httpx.Client(timeout=20) as c:
         for path in ("/health", "/api/health"):
             h = c.get(sp.url(path))                           # open: no key
@@ -245,10 +238,10 @@ def test_health_models_errors_and_status_documents(sims):
     assert_conforms("v1_status_idle.json", get(sp, "/v1/status").json())
 
 
-def test_chat_requests_queue_fifo_and_only_load_unload_answer_409(sims):
+def test_chat_requests_queue_fifo_and_only_load_unload_answer_409(sim_process):
     """One slot: a second chat request waits its turn (live.queued 1, never 409) and is answered once the first
     ends; /v1/unload while a request runs or waits is Strata's 409 model_busy, and 200 when idle."""
-    sp = sims("--speed", "3", "--reply-tokens", "100000")
+    sp = sim_process("--speed", "3", "--reply-tokens", "100000").wait_ready()
     first = Stream(sp)
     second: dict[str, Any] = {}
 
@@ -287,10 +280,10 @@ def _fixture_frames(name: str) -> list[Any]:
     return out
 
 
-def test_sse_frames_match_stratas_stream(sims):
+def test_sse_frames_match_stratas_stream(sim_process):
     """Role chunk, one chunk per piece, the finish chunk with usage (always: include_usage is ignored) and
     timings, then [DONE] — the same frame shapes as Strata's openai_chunks; the connection is HTTP/1.0."""
-    sp = sims("--speed", "20")
+    sp = sim_process("--speed", "20").wait_ready()
     s = Stream(sp, GENERAL_Q, max_tokens=30)
     assert s.done.wait(60) and s.status == 200 and s.http_version == "HTTP/1.0"
     want = _fixture_frames("sse_stream.txt")
@@ -310,8 +303,8 @@ def test_sse_frames_match_stratas_stream(sims):
     assert shape_diff(_fixture_frames("sse_stream_length.txt")[-2]["usage"], length["usage"]) == []
 
 
-def test_a_failure_mid_stream_is_a_server_error_frame_then_done(sims):
-    sp = sims("--speed", "20", "--error-after-tokens", "3")
+def test_a_failure_mid_stream_is_a_server_error_frame_then_done(sim_process):
+    sp = sim_process("--speed", "20", "--error-after-tokens", "3").wait_ready()
     s = Stream(sp, GENERAL_Q, max_tokens=30)
     assert s.done.wait(60)
     want = _fixture_frames("sse_error.txt")
@@ -322,8 +315,8 @@ def test_a_failure_mid_stream_is_a_server_error_frame_then_done(sims):
     assert r.status_code == 503 and shape_diff(fixture("error_503_engine_died.json"), r.json()) == []
 
 
-def test_http_1_0_and_the_server_closes_the_connection(sims):
-    sp = sims("--speed", "20")
+def test_http_1_0_and_the_server_closes_the_connection(sim_process):
+    sp = sim_process("--speed", "20").wait_ready()
     with socket.create_connection((sp.host, sp.port), timeout=10) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n")
         data = b""

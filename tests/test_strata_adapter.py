@@ -83,7 +83,8 @@ def test_newest_request_reading_while_others_decode():
 
 def test_one_request_at_a_time_reading_a_prompt():
     """Without ``--batch`` ``Service.metrics`` has no ``parallel``/``slots``: one request at a time
-    (``/v1/status`` ``concurrency.serving`` 1). ``prompt_read``/``prompt_total`` come from the PP lines while reading."""
+    (``/v1/status`` ``concurrency.serving`` 1). ``prompt_read``/``prompt_total`` come from the PP lines while
+    reading."""
     doc = _doc("metrics_reading_single.json")
     first = sample_from_metrics(doc, "strata", None, t=10.0)
     assert first.state == "reading" and (first.slots_busy, first.slots_total) == (1, 1)
@@ -296,29 +297,22 @@ def test_refused_argument_out_of_memory_and_stall_are_named():
 
 
 # ------------------------------------------------------------------------------------------------ the Monitor's card
-@pytest.mark.gui
 @pytest.mark.parametrize("name,busy", [("metrics_generating_solo.json", 1), ("metrics_idle.json", 0)])
-def test_the_hit_rate_card_says_last_request_and_recent(qtbot, name, busy):
+def test_the_hit_rate_card_says_last_request_and_recent(app_ctx, shown, name, busy):
     """The Monitor's hit-rate card on a Strata sample: no live figure exists (Strata reports it per finished request,
     ``Service.run``), so the card shows the newest finished request's rate labelled "last request", greyed, and the
     token-weighted figure over the listed finished requests ("last 3 requests") — while generating too."""
     import time
 
-    from app.context import AppContext
     from app.monitor_view import MonitorView
     from engine_manager import metrics as M
     from engine_manager.metrics.sources import sample_values
-    from engine_manager.settings import load_settings
 
     sample = sample_from_metrics(_doc(name), "strata", None, t=time.time())
     values = {c: None for c in M.COLUMN_NAMES}
     values.update({k: v for k, v in sample_values(sample).items() if k in values})
     assert values["hit_rate"] == (None if busy else 0.9) and values["slots_busy"] == busy
-    view = MonitorView(AppContext(load_settings()))
-    qtbot.addWidget(view)
-    view.resize(1100, 800)
-    view.show()
-    qtbot.waitExposed(view)
+    view = shown(MonitorView(app_ctx), 1100, 800)       # marked gui by tests/gui_conftest.py (it uses qtbot)
     try:
         view.feed(M.Tick(seq=1, t=sample.t, values=values, engine="strata", sample=sample),
                   M.RingStore(M.COLUMN_NAMES, hz=1.0))

@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from strata_support import (run_iq_pack, small_model, stop, strata_config,  # noqa: F401
-                            strata_release, wait_port, write_config)
+from strata_support import run_iq_pack, stop, strata_config, wait_port, write_config
 
 KEY = "test-key-0123456789"
 

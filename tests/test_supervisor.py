@@ -19,6 +19,7 @@ import httpx
 import psutil
 import pytest
 from supervisor_helpers import (
+    drain,
     hw,
     listening,
     live_group,
@@ -29,6 +30,7 @@ from supervisor_helpers import (
 
 from engine_manager import paths
 from engine_manager import supervisor as sv
+from engine_manager.session import RunningEngine
 from engine_manager.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +55,7 @@ def no_engine_left_behind():
     """Safety net: whatever a test left running is stopped (and the test fails if its group survived)."""
     yield
     rec = sv.Supervisor(load_settings(generate_key=False).settings, hardware=hw())._read_state_file()
-    if rec and rec.get("keeper_pid") and sv._alive(rec["keeper_pid"], rec.get("keeper_start_time")):
+    if rec and rec.keeper_pid and sv._alive(rec.keeper_pid, rec.keeper_start_time):
         for _ in sv.Supervisor(load_settings().settings, hardware=hw()).stop(force=True):
             pass
         pytest.fail("the test left an engine running")
@@ -113,15 +115,6 @@ class Runner:
         if self.error:
             raise self.error
         return self.result
-
-
-def drain(gen) -> tuple[list, object]:
-    evs = []
-    while True:
-        try:
-            evs.append(next(gen))
-        except StopIteration as stop:
-            return evs, stop.value
 
 
 def kinds(evs, kind):
@@ -438,9 +431,9 @@ def test_status_after_a_panel_restart_keeps_the_launch_files(port, monkeypatch):
     trace = st.spec.files["routing_trace"]
     assert Path(trace).is_absolute() and Path(trace).name == "mine.trace"
     assert M.trace_path_from_argv(st.argv) is None                   # the command line alone would not say
-    info = M.running_engine_info({"base_url": st.base_url, "api_key": sup.settings.api_key}, status=st)
-    hub = M.build_hub(info["engine"], info["base_url"], info["api_key"], spec=info["spec"], pid=st.pid,
-                      record=False, use_nvml=False, plan=info.get("plan"))
+    running = RunningEngine.from_status(st, st.base_url, sup.settings.api_key)
+    assert running.pid == st.pid and running.spec is st.spec and running.started_by_panel
+    hub = M.build_hub(running, record=False, use_nvml=False)
     assert [str(s.path) for s in hub.sources if isinstance(s, M.RoutingSource)] == [trace]
     hub.close()
     pgid = os.getpgid(pid)
@@ -693,7 +686,7 @@ def test_a_stop_during_a_start_wins_and_nothing_is_restarted(port, monkeypatch):
     run = Runner(sup.run(sim_engine(), watch=True))
     run.wait_for(lambda e: e.kind == "progress")
     rec = sup._read_state_file()
-    assert rec and rec["state"] == "starting" and sv.record_alive(rec)
+    assert rec and rec.state == "starting" and rec.alive()
     r = dsv41_cli("stop", "--grace", "5")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Stopped" in r.stdout
@@ -703,7 +696,7 @@ def test_a_stop_during_a_start_wins_and_nothing_is_restarted(port, monkeypatch):
     msgs = [e.message for e in kinds(run.events, "stopped")]
     assert any("Stopped by request" in m and "not restarted" in m for m in msgs), msgs
     assert st.state == "stopped"
-    assert_gone(rec["pgid"], port)
+    assert_gone(rec.pgid, port)
     after = make().status(check_health=False)
     assert after.state == "stopped" and not after.last_failure
 
@@ -819,3 +812,79 @@ def test_a_stop_while_a_start_prepares_keeps_the_engine_from_starting(port, tmp_
     assert not [e for e in kinds(run.events, "note") if e.text.startswith("Started ")]     # no process was made
     assert any("Stopped by request" in e.message for e in kinds(run.events, "stopped"))
     assert st.state == "stopped" and not listening(port)
+
+
+# -- issue 17: one event base, the typed state file, the engine session ---------------------------------------
+
+def test_events_are_frozen_on_one_base_and_consumed_with_match():
+    import dataclasses
+
+    from engine_manager import events
+
+    classes = [c for c in vars(events).values() if isinstance(c, type) and issubclass(c, events.Event)
+               and c is not events.Event]
+    assert len({c.kind for c in classes}) == len(classes) == 12           # one kind each
+    ready = sv.Ready("http://127.0.0.1:1", 1.5, "sim", 42, simulated=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ready.pid = 7
+    d = ready.to_dict()
+    assert d["kind"] == "ready" and d["pid"] == 42 and d["t"] <= time.time()
+    failed = sv.StartFailed("port_in_use", "Port 1 is in use", "fix", suggested_port=2)
+    seen = []
+    for ev in (ready, failed, sv.Note("x", "warning", cause="external_engine")):
+        match ev:
+            case sv.Ready(base_url=url, pid=pid):
+                seen.append((url, pid))
+            case sv.StartFailed(cause="port_in_use", suggested_port=alt):
+                seen.append(alt)
+            case sv.Note(cause=cause):
+                seen.append(cause)
+    assert seen == [("http://127.0.0.1:1", 42), 2, "external_engine"]
+
+
+def test_the_state_file_is_read_as_a_typed_record(port):
+    from engine_manager.session import EngineRecord
+
+    sup = make()
+    evs, st = drain(sup.run(sim_engine(), watch=False))
+    assert st.state == "ready", [e.to_dict() for e in evs if e.kind in ("failed", "crashed")]
+    try:
+        rec = sup._read_state_file()
+        assert isinstance(rec, EngineRecord) and rec.alive() and rec.pid == st.pid and rec.port == port
+        assert rec.schema_version == sv.STATE_SCHEMA and rec.plan_path == st.plan_path
+        on_disk = json.loads((paths.data_dir() / sv.STATE_FILE).read_text())
+        assert rec.to_json_dict() == on_disk                       # written back as it was read: nothing added
+        with pytest.raises(ValueError):
+            EngineRecord.from_json(b'{"keeper_pid": 5}')          # a keeper without its start time is not ours
+    finally:
+        drain(sup.stop())
+    assert not sup._read_state_file().alive()
+
+
+def test_engine_session_keeps_the_running_handle_and_tells_listeners(port):
+    from engine_manager.session import EngineSession, RunningEngine
+
+    session = EngineSession(load_settings().settings, supervisor=make())
+    seen: list = []
+    running: list = []
+    session.subscribe(on_event=seen.append, on_running=running.append)
+    for ev in session.supervisor.run(sim_engine(), watch=False):
+        session.feed(ev)
+    r = session.running
+    st = session.supervisor.status(check_health=False)
+    assert isinstance(r, RunningEngine) and running == [r] and any(isinstance(e, sv.Ready) for e in seen)
+    assert r.base_url == f"http://127.0.0.1:{port}" and r.pid == st.pid and r.started_by_panel and r.simulated
+    assert r.log_path == str(session.supervisor.log_path) and r.spec is not None and r.api_key not in repr(r)
+    # the plan is named, read off the GUI thread only (with_plan / the hub)
+    assert r.plan is None and (r.plan_path is None or r.with_plan().plan == st.plan())
+    pgid = st.pgid
+    for ev in session.supervisor.stop():
+        session.feed(ev)
+    assert session.running is None and running == [r, None]
+    assert_gone(pgid, port)
+    # the plots continue across a restart at the same address within the window, and only then
+    now = time.time()
+    assert EngineSession.carries_plots(r, r.with_(pid=1), now - 5, now)
+    assert not EngineSession.carries_plots(r, r.with_(base_url="http://127.0.0.1:1"), now - 5, now)
+    assert not EngineSession.carries_plots(r, r, now - EngineSession.CONTINUE_PLOT_S - 1, now)
+    assert not EngineSession.carries_plots(None, r, now, now)

@@ -1,8 +1,8 @@
 """``dsv41``: the headless CLI. It drives the same engine_manager functions as the GUI.
 
 Each sub-command lives in its own module of this package with ``register(subparsers)``; the parser it adds sets
-``func=run`` where ``run(args, ctx) -> int``. Exit codes: 0 ok, 1 failed, 2 bad settings or usage, 3 refused
-(e.g. a placement the host cannot hold), 130 interrupted.
+``func=run`` where ``run(args, ctx) -> int`` (an :class:`engine_manager.exitcodes.ExitCode`). Exit codes: 0 ok,
+1 failed, 2 bad settings or usage, 3 refused (e.g. a placement the host cannot hold), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from functools import cached_property
 
 from .. import __version__
 from ..errors import PlacementRefused, UserError
+from ..exitcodes import ExitCode
 from ..paths import PathVariableError
 from ..settings import LoadedSettings, SettingsError, load_settings
 
 # Order is the order of `dsv41 --help`.
 COMMAND_MODULES = (
-    "doctor", "settings_cmd", "download", "plan", "engine", "chat", "monitor", "sim",
+    "doctor", "settings_cmd", "download", "plan", "engine", "chat", "monitor", "sim", "connections", "bench",
 )
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class Context:
@@ -76,24 +76,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
-        return EXIT_USAGE
+        return ExitCode.USAGE
     ctx = Context()
     try:
         return int(args.func(args, ctx) or 0)
     except (SettingsError, PathVariableError) as exc:
         print(f"dsv41: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except PlacementRefused as exc:
         print(f"dsv41: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return ExitCode.REFUSED
     except UserError as exc:  # expected failures carry their own plain-words message and fix
         print(f"dsv41: {exc}", file=sys.stderr)
-        return EXIT_FAIL
+        return ExitCode.FAIL
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     except BrokenPipeError:
-        return EXIT_OK
+        return ExitCode.OK
 
 
 if __name__ == "__main__":  # pragma: no cover

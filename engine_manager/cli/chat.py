@@ -19,8 +19,17 @@ import time
 from pathlib import Path
 
 from .. import history as hist
-from ..chat import REASONING_EFFORTS, CancelToken, ChatError, ChatOptions, ContentDelta, ReasoningDelta, TurnEnded
-from ..chat import engine_target, run_turn
+from ..chat import (
+    REASONING_EFFORTS,
+    CancelToken,
+    ChatError,
+    ChatOptions,
+    ContentDelta,
+    EngineTarget,
+    ReasoningDelta,
+    engine_target,
+)
+from ..chat_turn import TurnEnded, run_turn
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -44,6 +53,8 @@ def register(sub) -> None:
     p.add_argument("--url", metavar="URL",
                    help="talk to the engine at this address (e.g. http://127.0.0.1:8080: one you started by hand) "
                         "instead of the one the panel started; the settings' api_key is sent to it")
+    p.add_argument("--connection", metavar="NAME",
+                   help="chat with a saved connection (`dsv41 connections list`) instead of the panel's engine")
     p.add_argument("--no-reasoning", action="store_true", help="do not print the model's reasoning")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="give up when the engine sends nothing for this many seconds (default 120)")
@@ -76,11 +87,11 @@ def register(sub) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ engine address
-def engine_address(settings, url: str | None = None) -> tuple[str, str, str]:
-    """``(base_url, api_key, where)`` of the engine to talk to (:func:`engine_manager.chat.engine_target`); raises
+def engine_address(settings, url: str | None = None) -> EngineTarget:
+    """The engine to talk to (:func:`engine_manager.chat.engine_target`): ``.running()`` is its
+    :class:`~engine_manager.session.RunningEngine`, ``.where`` says where the address came from. Raises
     :class:`ChatError` when the port is held by a program the panel did not start, or its engine is not ready."""
-    t = engine_target(settings, url)
-    return t.base_url, t.api_key, t.where
+    return engine_target(settings, url)
 
 
 def _valid_url(url: str) -> bool:
@@ -135,19 +146,33 @@ def run(args, ctx) -> int:
         except hist.HistoryError as exc:
             print(f"dsv41 chat: {exc}", file=sys.stderr)
             return 1
-    try:
-        base_url, key, where = engine_address(settings, args.url)
-    except ChatError as exc:
-        print(f"dsv41 chat: {exc}", file=sys.stderr)
-        if exc.kind == "not_ours":
-            print(f"  To talk to that program anyway (it is then sent your API key): "
-                  f"dsv41 chat --url {settings.base_url} \"…\"", file=sys.stderr)
-        return 1
-
+    if args.connection:
+        if args.url:
+            print("dsv41 chat: give --connection or --url, not both.", file=sys.stderr)
+            return 2
+        from ..connections import resolve_connection
+        from ..errors import UserError
+        try:
+            running = resolve_connection(args.connection)       # its key stays in the keyring / 0600 file
+        except UserError as exc:
+            print(f"dsv41 chat: {exc}", file=sys.stderr)
+            return 1
+        where = f"connection {args.connection}"
+    else:
+        try:
+            target = engine_address(settings, args.url)
+        except ChatError as exc:
+            print(f"dsv41 chat: {exc}", file=sys.stderr)
+            if exc.kind == "not_ours":
+                print(f"  To talk to that program anyway (it is then sent your API key): "
+                      f"dsv41 chat --url {settings.base_url} \"…\"", file=sys.stderr)
+            return 1
+        running, where = target.running(), target.where
+    base_url = running.base_url
     out = open(os.devnull, "w") if args.json else sys.stdout     # --json: only the JSON on stdout
     tty = out.isatty()
     cancel = CancelToken()
-    state = {"in": None}         # which part is being printed: None, "reasoning", "content"
+    state: dict[str, str | None] = {"in": None}         # which part is being printed: None, "reasoning", "content"
     ended: TurnEnded | None = None
 
     def switch(to: str) -> None:
@@ -159,7 +184,7 @@ def run(args, ctx) -> int:
             out.write(DIM if tty else "[reasoning]\n")
         state["in"] = to
 
-    gen = run_turn(store, args.conversation, base_url=base_url, api_key=key, options=options, user_text=text,
+    gen = run_turn(store, args.conversation, engine=running, options=options, user_text=text,
                    cancel=cancel, read_timeout_s=args.timeout, system_prompt=args.system)
 
     def on_sigint(_signum, _frame):

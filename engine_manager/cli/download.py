@@ -15,10 +15,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from .. import download as dl
+from .. import download as dl, fmt
+from ..cancel import CancelToken
+from ..fmt import MIB
+from ..gguf_split import short_name
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+from ..exitcodes import ExitCode
 
 
 def register(sub) -> None:
@@ -44,7 +48,7 @@ def register(sub) -> None:
                    help="engine release manifest (JSON: version, url, size, sha256, executables) instead of "
                         "resources/manifests/engine.json")
     p.add_argument("--json", action="store_true", help="print one JSON object per event instead of a progress bar")
-    p.add_argument("--checkpoint-mib", type=float, default=dl.CHECKPOINT_BYTES / dl.MiB, metavar="MIB",
+    p.add_argument("--checkpoint-mib", type=float, default=dl.CHECKPOINT_BYTES / MIB, metavar="MIB",
                    help="save resumable state every MIB mebibytes: at most this much is fetched again after a "
                         "crash (default %(default)g)")
     p.add_argument("--stall-timeout", type=float, default=dl.STALL_TIMEOUT_S, metavar="S",
@@ -57,10 +61,8 @@ def register(sub) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _short(name: str) -> str:
-    """``DeepSeek-V4.1-Flash-Q2_K-00003-of-00007.gguf`` → ``00003-of-00007``."""
-    stem = name[:-5] if name.endswith(".gguf") else name
-    parts = stem.rsplit("-", 3)
-    return "-".join(parts[-3:]) if len(parts) == 4 and parts[-2] == "of" else name[:24]
+    """``DeepSeek-V4.1-Flash-Q2_K-00003-of-00007.gguf`` → ``shard 3 of 7`` (any other name cut to 24 characters)."""
+    return short_name(name)[:24]
 
 
 def _bar(frac: float, width: int) -> str:
@@ -71,7 +73,7 @@ def _bar(frac: float, width: int) -> str:
 
 
 def _speed(bps: float | None) -> str:
-    return f"{dl.fmt_bytes(bps)}/s" if bps else "   --   "
+    return f"{fmt.bytes_si(bps)}/s" if bps else "   --   "
 
 
 class Renderer:
@@ -97,7 +99,7 @@ class Renderer:
 
     def event(self, ev) -> None:
         if self.json:
-            d = {"event": type(ev).__name__}
+            d: dict[str, Any] = {"event": type(ev).__name__}
             d.update({k: (str(v) if isinstance(v, Path) else v) for k, v in ev.__dict__.items() if k != "files"})
             if isinstance(ev, dl.Progress):
                 d["files"] = [f.__dict__ for f in ev.files]
@@ -111,16 +113,16 @@ class Renderer:
         elif isinstance(ev, dl.Resolved):
             how = "pinned earlier" if ev.pinned else f"resolved from '{ev.revision}' and pinned"
             self._print(f"{ev.repo} @ {ev.commit[:12]} ({how}): {len(ev.files)} files, "
-                        f"{dl.fmt_bytes(ev.total_bytes)} → {ev.target_dir}")
+                        f"{fmt.bytes_si(ev.total_bytes)} → {ev.target_dir}")
         elif isinstance(ev, dl.DiskChecked):
-            self._print(f"disk: {dl.fmt_bytes(ev.free_bytes)} free at {ev.path}, "
-                        f"{dl.fmt_bytes(ev.needed_bytes)} needed")
+            self._print(f"disk: {fmt.bytes_si(ev.free_bytes)} free at {ev.path}, "
+                        f"{fmt.bytes_si(ev.needed_bytes)} needed")
         elif isinstance(ev, dl.Checking):
             now = time.monotonic()
             if now - self.last_line >= (0.2 if self.tty else 5.0):
                 self.last_line = now
                 frac = ev.done_bytes / ev.total_bytes if ev.total_bytes else 1.0
-                msg = f"checking files on disk: {frac * 100:5.1f}% of {dl.fmt_bytes(ev.total_bytes)}"
+                msg = f"checking files on disk: {frac * 100:5.1f}% of {fmt.bytes_si(ev.total_bytes)}"
                 if self.tty:
                     self.out.write("\r\x1b[2K" + msg)
                     self.out.flush()
@@ -154,8 +156,8 @@ class Renderer:
             active = [f for f in p.files if f.state in ("downloading", "retrying", "verifying")]
             parts = ", ".join(f"{_short(f.name)} {f.done_bytes / f.size_bytes * 100:.0f}%" for f in active
                               if f.size_bytes)
-            print(f"{p.fraction * 100:5.1f}%  {dl.fmt_bytes(p.done_bytes)} of {dl.fmt_bytes(p.total_bytes)}  "
-                  f"{_speed(p.speed_bps)}  ETA {dl.fmt_eta(p.eta_s)}" + (f"  [{parts}]" if parts else ""),
+            print(f"{p.fraction * 100:5.1f}%  {fmt.bytes_si(p.done_bytes)} of {fmt.bytes_si(p.total_bytes)}  "
+                  f"{_speed(p.speed_bps)}  ETA {fmt.clock(p.eta_s)}" + (f"  [{parts}]" if parts else ""),
                   file=self.out, flush=True)
 
     def _draw(self, p: dl.Progress) -> None:
@@ -166,11 +168,11 @@ class Renderer:
             frac = f.done_bytes / f.size_bytes if f.size_bytes else 1.0
             mark = "✓" if f.state in ("verified", "present") else " "
             lines.append(f"{mark} {_short(f.name):<15} {_bar(frac, width)} {frac * 100:5.1f}% "
-                         f"{dl.fmt_bytes(f.done_bytes):>9} {_speed(f.speed_bps):>11} "
-                         f"{dl.fmt_eta(f.eta_s) if f.state == 'downloading' else f.state:>8}")
+                         f"{fmt.bytes_si(f.done_bytes):>9} {_speed(f.speed_bps):>11} "
+                         f"{fmt.clock(f.eta_s) if f.state == 'downloading' else f.state:>8}")
         lines.append(f"  {'total':<15} {_bar(p.fraction, width)} {p.fraction * 100:5.1f}% "
-                     f"{dl.fmt_bytes(p.done_bytes):>9} {_speed(p.speed_bps):>11} ETA {dl.fmt_eta(p.eta_s)}"
-                     f"  of {dl.fmt_bytes(p.total_bytes)}")
+                     f"{fmt.bytes_si(p.done_bytes):>9} {_speed(p.speed_bps):>11} ETA {fmt.clock(p.eta_s)}"
+                     f"  of {fmt.bytes_si(p.total_bytes)}")
         lines = [ln[:cols - 1] for ln in lines]
         if self.lines_drawn:
             self.out.write(f"\x1b[{self.lines_drawn}F")
@@ -205,10 +207,10 @@ def run(args, ctx) -> int:
     err = sys.stderr
     if args.jobs < 1 or args.jobs > 16:
         print("dsv41 download: --jobs must be 1 to 16", file=err)
-        return EXIT_USAGE
-    common = dict(checkpoint_bytes=max(64 * 1024, int(args.checkpoint_mib * dl.MiB)),
+        return ExitCode.USAGE
+    common = dict(checkpoint_bytes=max(64 * 1024, int(args.checkpoint_mib * MIB)),
                   stall_timeout_s=max(0.5, args.stall_timeout))
-    control = dl.DownloadControl()
+    control = CancelToken()
     stage = "model"
     try:
         if want_model:
@@ -217,7 +219,7 @@ def run(args, ctx) -> int:
                                             **common), r)
             if isinstance(last, dl.Finished):
                 where = last.target_dir
-                fetched = f"{dl.fmt_bytes(last.fetched_bytes)} fetched" if last.fetched_bytes else "nothing fetched"
+                fetched = f"{fmt.bytes_si(last.fetched_bytes)} fetched" if last.fetched_bytes else "nothing fetched"
                 print(f"model: all {len(last.files)} shards verified in {where} ({fetched}, "
                       f"{last.elapsed_s:.1f} s).", file=sys.stdout if not args.json else err, flush=True)
                 if args.dir and settings.model_dir is None:
@@ -240,15 +242,15 @@ def run(args, ctx) -> int:
         if r.tty:
             sys.stdout.write("\n")
         st = dl.local_status(settings, args.dir) if stage == "model" else None
-        kept = f" ({dl.fmt_bytes(st.partial_bytes)} of partial files kept in {st.folder})" if st else ""
+        kept = f" ({fmt.bytes_si(st.partial_bytes)} of partial files kept in {st.folder})" if st else ""
         print(f"dsv41 download: interrupted; the download state is saved{kept}. Run `dsv41 download` again to "
               "resume where it stopped.", file=err, flush=True)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     except dl.DownloadError as exc:
         if r.tty and r.lines_drawn:
             sys.stdout.write("\n")
         print(f"dsv41 download: {exc.message}", file=err)
         if exc.fix:
             print(f"  what to do: {exc.fix}", file=err)
-        return EXIT_FAIL
-    return EXIT_OK
+        return ExitCode.FAIL
+    return ExitCode.OK

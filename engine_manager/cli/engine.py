@@ -26,9 +26,9 @@ from .. import supervisor as sv
 from ..engines import ENGINE_NAMES
 from ..numa import choose_binding
 from ..errors import UserError
+from ..exitcodes import ExitCode
 from ..settings import resolve_engine
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class PlanFileError(UserError):
@@ -123,64 +123,61 @@ class Printer:
 
     def __call__(self, ev: sv.Event) -> None:
         if self.json:
-            if ev.kind == "log" and not self.show_log:
+            if isinstance(ev, sv.LogLines) and not self.show_log:
                 return
             print(json.dumps(ev.to_dict(), default=str), file=self.out, flush=True)
             return
-        k = ev.kind
-        if k == "progress" and ev.phase.startswith("preparing"):
-            eta = f", about {_fmt_s(ev.eta_s)} left" if ev.eta_s else ""
-            frac = f" ({ev.fraction:.0%})" if ev.fraction is not None else ""
-            self._line(f"{ev.phase}{frac}{eta}")
-            return
-        if k == "log":
-            if self.show_log:
-                for ln in ev.lines:
+        match ev:
+            case sv.Progress(phase=phase) if phase.startswith("preparing"):
+                eta = f", about {_fmt_s(ev.eta_s)} left" if ev.eta_s else ""
+                frac = f" ({ev.fraction:.0%})" if ev.fraction is not None else ""
+                self._line(f"{phase}{frac}{eta}")
+            case sv.LogLines(lines=lines):
+                if self.show_log:
+                    for ln in lines:
+                        self._line(f"  | {ln}")
+            case sv.Progress():
+                eta = f", about {_fmt_s(ev.eta_s)} left" if ev.eta_s else ""
+                text = (f"waiting for the engine: {_fmt_s(ev.elapsed_s)} of {_fmt_s(ev.timeout_s)} — "
+                        f"{ev.phase}{eta}")
+                if self.tty:
+                    self.out.write("\r\033[K" + text[:200])
+                    self.out.flush()
+                    self._progress_shown = True
+                elif time.monotonic() - self._last_progress >= 5.0:
+                    self._last_progress = time.monotonic()
+                    self._line(text)
+            case sv.Note(text=text, level=level):
+                self._line(("warning: " if level == "warning" else "") + text)
+            case sv.StateChanged(state=state, message=message):
+                if state in ("ready", "stopped", "crashed"):
+                    return                     # the ready / stopped / crashed event that follows says it better
+                self._line(f"[{state}] {message}" if message else f"[{state}]")
+            case sv.Ready():
+                self._line(f"ready: {ev.base_url} "
+                           f"({'re-attached' if ev.attached else f'after {_fmt_s(ev.elapsed_s)}'})"
+                           f"{' — simulated' if ev.simulated else ''}")
+            case sv.Crashed():
+                self._line(f"CRASHED: {ev.title}")
+                self._line(f"  what to do: {ev.fix}")   # (for an unknown cause the fix carries the last lines)
+                if ev.will_restart:
+                    self._line(f"  restarting in {ev.restart_in_s:.1f} s (crash {ev.crashes_in_window})")
+            case sv.Restarting():
+                pass
+            case sv.GaveUp(message=message):
+                self._line(f"gave up: {message}")
+            case sv.StartFailed():
+                self._line(f"error: {ev.message}")
+                self._line(f"  what to do: {ev.fix}")
+                for ln in ev.log_tail:
                     self._line(f"  | {ln}")
-        elif k == "progress":
-            eta = f", about {_fmt_s(ev.eta_s)} left" if ev.eta_s else ""
-            text = (f"waiting for the engine: {_fmt_s(ev.elapsed_s)} of {_fmt_s(ev.timeout_s)} — {ev.phase}{eta}")
-            if self.tty:
-                self.out.write("\r\033[K" + text[:200])
-                self.out.flush()
-                self._progress_shown = True
-            elif time.monotonic() - self._last_progress >= 5.0:
-                self._last_progress = time.monotonic()
-                self._line(text)
-        elif k == "note":
-            self._line(("warning: " if ev.level == "warning" else "") + ev.text)
-        elif k == "state":
-            if ev.state in ("ready", "stopped", "crashed"):
-                return                         # the ready / stopped / crashed event that follows says it better
-            self._line(f"[{ev.state}] {ev.message}" if ev.message else f"[{ev.state}]")
-        elif k == "ready":
-            self._line(f"ready: {ev.base_url} ({'re-attached' if ev.attached else f'after {_fmt_s(ev.elapsed_s)}'})"
-                       f"{' — simulated' if ev.simulated else ''}")
-        elif k == "crashed":
-            self._line(f"CRASHED: {ev.title}")
-            self._line(f"  what to do: {ev.fix}")
-            if ev.cause == "unknown" and ev.log_tail:
-                pass   # the fix already carries the last lines
-            if ev.will_restart:
-                self._line(f"  restarting in {ev.restart_in_s:.1f} s (crash {ev.crashes_in_window})")
-        elif k == "restarting":
-            pass
-        elif k == "gave_up":
-            self._line(f"gave up: {ev.message}")
-        elif k == "failed":
-            self._line(f"error: {ev.message}")
-            self._line(f"  what to do: {ev.fix}")
-            for ln in ev.log_tail:
-                self._line(f"  | {ln}")
-        elif k == "stopping":
-            if time.monotonic() - self._last_progress >= 1.0:
-                self._last_progress = time.monotonic()
-                self._line(f"stopping: {ev.signal_name} sent {_fmt_s(ev.elapsed_s)} ago, {ev.remaining} "
-                           f"process(es) left (SIGKILL after {_fmt_s(ev.grace_s)})")
-        elif k == "stopped":
-            self._line(ev.message)
-        elif k == "attached":
-            self._line(ev.message)
+            case sv.Stopping():
+                if time.monotonic() - self._last_progress >= 1.0:
+                    self._last_progress = time.monotonic()
+                    self._line(f"stopping: {ev.signal_name} sent {_fmt_s(ev.elapsed_s)} ago, {ev.remaining} "
+                               f"process(es) left (SIGKILL after {_fmt_s(ev.grace_s)})")
+            case sv.Stopped(message=message) | sv.Attached(message=message):
+                self._line(message)
 
 
 # -- commands ------------------------------------------------------------------------------------------------
@@ -215,7 +212,7 @@ def run_start(args, ctx) -> int:
             plan = load_plan_file(args.plan)
         except PlanFileError as exc:
             print(f"dsv41 start: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+            return ExitCode.USAGE
         warning = sv.plan_host_warning(plan, hw)
         if warning:
             say(f"warning: {warning}")
@@ -226,7 +223,7 @@ def run_start(args, ctx) -> int:
             print(json.dumps(dr.to_dict(), indent=2, default=str))
         else:
             print(dr.render(), end="")
-        return EXIT_REFUSED if dr.refused else EXIT_OK
+        return ExitCode.REFUSED if dr.refused else ExitCode.OK
     printer = Printer(json_lines=args.json, show_log=args.foreground)
     result = None
     failed: sv.StartFailed | None = None
@@ -240,27 +237,28 @@ def run_start(args, ctx) -> int:
                 result = stop.value
                 break
             printer(ev)
-            if isinstance(ev, sv.StartFailed):
-                failed = ev
-            elif isinstance(ev, sv.GaveUp):
-                gave_up = True
+            match ev:
+                case sv.StartFailed():
+                    failed = ev
+                case sv.GaveUp():
+                    gave_up = True
     except KeyboardInterrupt:
         gen.close()
         say("\ninterrupted: stopping the engine…")
         for ev in sup.stop():
             printer(ev)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     if failed is not None:
-        return EXIT_REFUSED if failed.cause == "placement_refused" else EXIT_FAIL
+        return ExitCode.REFUSED if failed.cause == "placement_refused" else ExitCode.FAIL
     st = result or sup.status(check_health=False)
     if st.state == sv.READY:
         if not args.foreground:
             say(f"The engine runs in the background (pid {st.pid}, {st.base_url}). `dsv41 status` shows it, "
                 "`dsv41 logs -f` follows its log, `dsv41 stop` stops it.")
-        return EXIT_OK
+        return ExitCode.OK
     if st.state == sv.STOPPED and args.foreground and not gave_up:
-        return EXIT_OK
-    return EXIT_FAIL
+        return ExitCode.OK
+    return ExitCode.FAIL
 
 
 def load_plan_file(path: str) -> dict:
@@ -287,14 +285,16 @@ def load_plan_file(path: str) -> dict:
 def run_prepare(args, ctx) -> int:
     from .. import provision
     from ..engines import get_engine
+    from ..engines.strata import StrataEngine
 
     settings = ctx.settings
     try:
         plan = load_plan_file(args.plan) if args.plan else None
     except PlanFileError as exc:
         print(f"dsv41 prepare: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     eng = get_engine("strata")
+    assert isinstance(eng, StrataEngine)               # the one engine with a model to prepare
     gen = eng.prepare(settings, plan, force=args.force)
     try:
         while True:
@@ -312,10 +312,10 @@ def run_prepare(args, ctx) -> int:
     except KeyboardInterrupt:
         gen.close()
         print("\ninterrupted: the pack is not finished; `dsv41 prepare` makes it again", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     if not args.json:
         print(f"pack: {pack}")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def run_stop(args, ctx) -> int:
@@ -324,10 +324,10 @@ def run_stop(args, ctx) -> int:
     printer = Printer()
     external = False
     for ev in sup.stop(force=args.force):
-        if isinstance(ev, sv.Note) and ev.level == "warning" and "not started by this panel" in ev.text:
+        if isinstance(ev, sv.Note) and ev.cause == "external_engine":
             external = True
         printer(ev)
-    return EXIT_FAIL if external else EXIT_OK
+    return ExitCode.FAIL if external else ExitCode.OK
 
 
 def run_status(args, ctx) -> int:
@@ -340,7 +340,7 @@ def run_status(args, ctx) -> int:
             d["llamacpp_placement"] = {**placed.to_dict(), "text": placed.text(),
                                        "has_placement": placed.has_placement}
         print(json.dumps(d, indent=2, default=str))
-        return EXIT_OK
+        return ExitCode.OK
     name = st.label or st.engine or "—"
     if st.simulated and "simulated" not in name.lower():
         name += " (simulated)"
@@ -367,7 +367,7 @@ def run_status(args, ctx) -> int:
                 print(f"  {ln}")
         else:
             print("Placement (from llama-server's log): none yet (llama-server prints it while it loads the model)")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _llamacpp_placement(st: sv.EngineStatus, sup: sv.Supervisor):
@@ -385,11 +385,11 @@ def run_logs(args, ctx) -> int:
     path = sup.log_path
     if args.path:
         print(path)
-        return EXIT_OK
+        return ExitCode.OK
     if not path.exists():
         print(f"No engine log yet ({path}); it appears once the engine was started.", file=sys.stderr)
         if not args.follow:
-            return EXIT_OK
+            return ExitCode.OK
     # following: start at the end *before* printing the tail, so a line written meanwhile is not lost
     tail = sv.LogTail(path, None) if args.follow else None
     lines = sv.read_log_tail(path)
@@ -399,14 +399,14 @@ def run_logs(args, ctx) -> int:
         print(ln)
     sys.stdout.flush()
     if tail is None:
-        return EXIT_OK
+        return ExitCode.OK
     try:
         while True:
             for ln in tail.read():
                 print(ln, flush=True)
             time.sleep(0.2)
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     finally:
         tail.close()
 
@@ -418,4 +418,4 @@ def run_binding(args, ctx) -> int:
         print(json.dumps(b.to_dict(), indent=2))
     else:
         print("\n".join(b.describe()))
-    return EXIT_OK
+    return ExitCode.OK

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .. import metrics as M
+from ..metrics import presenter
 from ..metrics.record import _fmt, fmt_t, iso
-
-GiB = float(1024**3)
+from ..session import RunningEngine
 
 
 def register(sub) -> None:
@@ -35,6 +35,8 @@ def register(sub) -> None:
                    help="samples per second, 0.25 to 10 (default: the metrics_hz setting)")
     p.add_argument("--seconds", type=float, default=None, metavar="S", help="stop after S seconds")
     p.add_argument("--url", help="the engine's base URL (default: the running engine, else the settings' address)")
+    p.add_argument("--connection", metavar="NAME",
+                   help="watch a saved connection (`dsv41 connections list`) instead of the panel's engine")
     p.add_argument("--engine", choices=("strata", "llamacpp", "sim"),
                    help="which adapter reads it (default: the running engine's, else the settings')")
     p.set_defaults(func=run)
@@ -53,45 +55,8 @@ def _engine_status(settings) -> Any:
 
 
 def fmt_line(tick: M.Tick) -> str:
-    v = tick.values
-
-    def f(name: str, fmt: str = "{:.1f}", scale: float = 1.0, unit: str = "") -> str:
-        x = v.get(name)
-        if x is None or not math.isfinite(x):
-            return "—"
-        return (fmt.format(x * scale) + unit)
-
-    def pair(a: str, b: str) -> str:
-        if v.get(a) is None:
-            return "—"
-        tot = f" / {v[b] / GiB:.0f}" if v.get(b) is not None else ""
-        return f"{v[a] / GiB:.1f}{tot} GiB"
-
-    # prefill while no prompt is being read is the last request's, not a live rate: say so
-    prefill = "last prefill" if tick.notes.get("prefill_live") is False else "prefill"
-    users = f"users {f('slots_busy', '{:.0f}')}"
-    idle = v.get("slots_busy") == 0
-    if idle:
-        users += " (idle)"
-    # nothing decodes while every slot is idle: no rate (a window still emptying read "decode 10.1 tok/s … idle")
-    decode = "—" if idle else f('decode_tok_s', unit=' tok/s')
-    parts = [
-        time.strftime("%H:%M:%S", time.localtime(tick.t)),
-        f"decode {decode}",
-        f"{prefill} {f('prefill_tok_s', '{:.0f}', unit=' tok/s')}",
-        users,
-        f"hit {f('hit_rate', '{:.1f}', 100, '%')} (rolling {f('hit_rate_rolling', '{:.1f}', 100, '%')})",
-        f"swaps {f('swaps_per_s', '{:.2f}', unit='/s')} {f('swap_mb_s', '{:.0f}', unit=' MB/s')}",
-        f"PCIe rx {f('pcie_rx_mb_s', '{:.0f}', unit=' MB/s')}",
-        f"VRAM {pair('vram_used_bytes', 'vram_total_bytes')}",
-        f"RAM {pair('ram_used_bytes', 'ram_total_bytes')}",
-        (f"CPU bound {f('cpu_bound_pct', '{:.0f}', unit='%')} rest {f('cpu_rest_pct', '{:.0f}', unit='%')}"
-         if v.get("cpu_bound_pct") is not None else f"CPU {f('cpu_total_pct', '{:.0f}', unit='%')}"),
-        f"GPU {f('gpu_util_pct', '{:.0f}', unit='%')}",
-    ]
-    if tick.simulated:
-        parts.append("[simulated]")
-    return "  ".join(parts)
+    """One line per tick: the Monitor's words (:func:`engine_manager.metrics.presenter.text_line`)."""
+    return presenter.text_line(tick)
 
 
 def tick_json(tick: M.Tick) -> dict[str, Any]:
@@ -123,6 +88,20 @@ class _CsvOut:
 
 def run(args, ctx) -> int:
     settings = ctx.settings
+    attached = None
+    if args.connection:
+        if args.url:
+            print("dsv41 monitor: give --connection or --url, not both.", file=sys.stderr)
+            return 2
+        from ..connections import resolve_connection
+        from ..errors import UserError
+        try:
+            attached = resolve_connection(args.connection)      # its key stays in the keyring / 0600 file
+        except UserError as exc:
+            print(f"dsv41 monitor: {exc}", file=sys.stderr)
+            return 1
+        args.url = attached.base_url
+        args.engine = args.engine or attached.engine
     st = None if args.url else _engine_status(settings)
     base_url = args.url or (st.base_url if st is not None else settings.base_url)
     engine = args.engine or (st.engine if st is not None and st.engine else None)
@@ -146,11 +125,13 @@ def run(args, ctx) -> int:
         except ChatError as exc:
             print(f"dsv41 monitor: {exc}", file=sys.stderr)
             return 1
-    hub = M.build_hub(engine, base_url, settings.api_key, spec=getattr(st, "spec", None),
-                      pid=getattr(st, "pid", None), binding=getattr(st, "binding", None),
-                      log_path=getattr(st, "log_path", None) or None, gpu_index=settings.gpu_index, hz=hz,
-                      record=False, argv=getattr(st, "argv", None),
-                      plan=st.plan() if st is not None and hasattr(st, "plan") else None)
+    # one handle for the engine read: the supervisor's status of it (pid, launch spec, binding, log, the plan it
+    # runs with) when it is the engine at that address, else the address and key alone (--url)
+    running = attached or RunningEngine.from_status(st, base_url, settings.api_key, engine=engine,
+                                                    gpu_index=settings.gpu_index)
+    if args.engine and running.engine != args.engine:
+        running = running.with_(engine=args.engine)         # --engine is the user's own call
+    hub = M.build_hub(running, hz=hz, record=False)
     csv_out = _CsvOut(Path(args.csv)) if args.csv else None
     deadline = time.monotonic() + args.seconds if args.seconds else None
     printed = 0

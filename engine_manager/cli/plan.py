@@ -24,11 +24,12 @@ from .. import hardware as hw
 from ..layout import KIND_LABELS, LayoutError, read_layout
 from ..routing import RoutingError, load_usage
 
-GiB, GB, MiB = 1 << 30, 10**9, 1 << 20
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+from ..exitcodes import ExitCode
+
+GiB, GB, MiB = fmt.GIB, fmt.GB, fmt.MIB
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(gib|gb|mib|mb|tib|tb|g|m|t)?\s*$", re.I)
-_UNIT = {None: GiB, "gib": GiB, "g": GiB, "gb": GB, "mib": MiB, "m": MiB, "mb": 10**6, "tib": 1 << 40,
+_UNIT = {None: GiB, "gib": GiB, "g": GiB, "gb": GB, "mib": MiB, "m": MiB, "mb": fmt.MB, "tib": 1 << 40,
          "tb": 10**12, "t": 1 << 40}
 
 
@@ -92,7 +93,7 @@ def run(args, ctx) -> int:
         layout, what = _layout(args, settings)
     except LayoutError as exc:
         print(f"dsv41 plan: cannot read the model: {exc}", file=sys.stderr)
-        return EXIT_FAIL
+        return ExitCode.FAIL
     if layout is None:
         where = [f"model_dir ({settings.model_dir})" if settings.model_dir else "model_dir is not set",
                  f"the download cache ({settings.cache_path}) holds no shards"]
@@ -101,7 +102,7 @@ def run(args, ctx) -> int:
               "DeepSeek-V4.1-Flash-Q2_K-0000N-of-00007.gguf shards, or pass --model-dir DIR.\n"
               "To see a plan without the 264.5 GB download, plan the header-faithful replica: "
               "`dsv41 plan --replica`.", file=sys.stderr)
-        return EXIT_FAIL
+        return ExitCode.FAIL
 
     if args.vram_gib is not None or args.ram_gib is not None:
         base = hw.probe(settings.cache_path)
@@ -116,12 +117,12 @@ def run(args, ctx) -> int:
         usage = load_usage(args.usage, layout.n_layers, layout.n_experts) if args.usage else None
     except RoutingError as exc:
         print(f"dsv41 plan: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     try:
         p = placement.plan(layout, hardware, usage, ps)
     except ValueError as exc:
         print(f"dsv41 plan: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     try:
         stored = placement.store_plan(p, save=not args.no_save, strp_path=args.strp, source=what)
         d = stored.plan_dict
@@ -129,7 +130,7 @@ def run(args, ctx) -> int:
             placement.save_plan(d, args.out)
     except OSError as exc:
         print(f"dsv41 plan: could not write the plan: {exc}", file=sys.stderr)
-        return EXIT_FAIL
+        return ExitCode.FAIL
     # with --json, stdout carries only the JSON: the notes go to stderr
     notes = sys.stderr if args.json else sys.stdout
     if args.json:
@@ -145,7 +146,7 @@ def run(args, ctx) -> int:
     if args.out:
         print(f"Wrote the plan to {args.out}", file=notes)
     print(stored.describe(), file=notes)
-    return EXIT_REFUSED if p.refused else EXIT_OK
+    return ExitCode.REFUSED if p.refused else ExitCode.OK
 
 
 def _g(n: int) -> str:

@@ -12,12 +12,13 @@ import importlib
 from .base import Engine, FailureHint, LaunchSpec, LogEvent, Readiness, Sample
 
 ENGINE_NAMES = ("strata", "llamacpp", "sim")
+ATTACH_ONLY_NAMES = ("vllm", "sglang", "openai_compat")   # issue 19: attached to, never started by the panel
 
 
 def get_engine(name: str) -> Engine:
     """The engine object for ``name`` (``mock`` is the guides' alias of ``sim``)."""
     name = {"mock": "sim"}.get(name, name)
-    if name not in ENGINE_NAMES:
+    if name not in ENGINE_NAMES + ATTACH_ONLY_NAMES:
         raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINE_NAMES)}")
     mod = importlib.import_module(f"{__name__}.{name}")
     return mod.ENGINE

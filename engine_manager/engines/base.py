@@ -28,8 +28,8 @@ class LaunchSpec:
     argv: list[str]
     host: str
     port: int
-    api_key: str
-    env: dict[str, str] = field(default_factory=dict)   # added to the panel's environment
+    api_key: str = field(repr=False)                     # never in a repr (logs, tracebacks)
+    env: dict[str, str] = field(default_factory=dict, repr=False)   # added to the panel's environment (may hold tokens)
     cwd: str | None = None
     health_path: str = "/health"
     files: dict[str, str] = field(default_factory=dict)  # generated files: role -> path (config, profile, plan)

@@ -32,23 +32,23 @@ counters only move when a request ends (and are printed with 6 significant digit
 from the second term to the first, so nothing is lost or counted twice.
 
 Why the live rate is a per-request average and not the delta between two polls (measured 2026-12-01 on the 2-core
-CPU build of the [llamacpp] extra, tiny MoE, 3,000-token replies, polls at 4 Hz, load average 6-10 from other
-work): ``/slots`` is *not* stale and the HTTP side is *not* starved. This llama.cpp answers ``/slots`` and
-``/metrics`` on a worker thread *during* each decode (tools/server/server-queue.cpp ``yield_to_queue`` /
-``worker_loop``; server-context.cpp accepts only METRICS and SLOT_GET tasks while yielding), in 1-30 ms, and
-``n_decoded`` is ``slot.stats.n_gen``, the tokens made so far (``server_slot::to_json``). The decode itself is
-bursty on a busy 2-core machine: the client's own streamed chunks show the same pattern (quarter-seconds with 0 or
-1 token, gaps up to 1.3 s between chunks, then bursts of 200+ tokens), because llama.cpp's compute threads (one
-per core) wait for each other at every graph barrier and lose whole scheduler slices when one is descheduled.
-Over three runs the per-poll deltas' time-weighted mean equals the engine's ``timings.predicted_per_second``
-(91/92, 218/221, 130/131 tok/s), but their median was 0.09-0.90 of it: 0, 4, 0, 4 … with a burst now and then.
+CPU build of the [llamacpp] extra, tiny MoE, 3,000-token replies, polls at 4 Hz, load average 6-10 from other work):
+``/slots`` is *not* stale and the HTTP side is *not* starved. This llama.cpp answers ``/slots`` and ``/metrics`` on
+a worker thread *during* each decode (tools/server/server-queue.cpp ``yield_to_queue`` / ``worker_loop``;
+server-context.cpp accepts only METRICS and SLOT_GET tasks while yielding), in 1-30 ms, and ``n_decoded`` is
+``slot.stats.n_gen``, the tokens made so far (``server_slot::to_json``). The decode itself is bursty on a busy
+2-core machine: the client's own streamed chunks show the same pattern (quarter-seconds with 0 or 1 token, gaps up
+to 1.3 s between chunks, then bursts of 200+ tokens), because llama.cpp's compute threads (one per core) wait for
+each other at every graph barrier and lose whole scheduler slices when one is descheduled. Over three runs the
+per-poll deltas' time-weighted mean equals the engine's ``timings.predicted_per_second`` (91/92, 218/221, 130/131
+tok/s), but their median was 0.09-0.90 of it: 0, 4, 0, 4 … with a burst now and then.
 ``llamacpp:tokens_predicted_total`` moves only when a request ends (server-context.cpp ``metrics_on_prediction``,
-called from the slot's ``callback_on_reset``), so it cannot give a live rate either. The engine's own figure is the tokens of the
-request divided by the time since its first token; the live rate here is the same quantity as the panel sees it:
-the slot's tokens since the poll before the request began generating, over the time since that poll, for up to
-:data:`RATE_WINDOW_S` seconds back (a long request then still shows a change of pace). Σ over generating slots is
-the engine's rate. A steady GPU decode gives the same figure as a two-poll delta; a bursty CPU decode now gives
-the engine's figure (tests/test_llamacpp_e2e.py compares them within 10 % in the same run).
+called from the slot's ``callback_on_reset``), so it cannot give a live rate either. The engine's own figure is the
+tokens of the request divided by the time since its first token; the live rate here is the same quantity as the
+panel sees it: the slot's tokens since the poll before the request began generating, over the time since that poll,
+for up to :data:`RATE_WINDOW_S` seconds back (a long request then still shows a change of pace). Σ over generating
+slots is the engine's rate. A steady GPU decode gives the same figure as a two-poll delta; a bursty CPU decode now
+gives the engine's figure (tests/test_llamacpp_e2e.py compares them within 10 % in the same run).
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ from typing import Any, Iterable
 from .. import fmt
 from ..atomic import atomic_write_bytes
 from ..errors import EngineSetupError
+from ..gguf_split import FIRST_SHARD_GLOB, first_shard_name
+from . import _prometheus as _prom
+from ._http import bearer_headers, probe_health
 from .base import (
     Engine,
     FailureHint,
@@ -88,7 +91,6 @@ GPU_BUFFER = re.compile(r"^(CUDA|ROCm|HIP|Vulkan|Metal|SYCL|MUSA|CANN|OpenCL)\d*
 
 def is_gpu_buffer(name: str) -> bool:
     return bool(GPU_BUFFER.match(name))
-_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 # -- the command line ------------------------------------------------------------------------------------------
@@ -101,11 +103,9 @@ def cpu_layers_rule(layers: Iterable[int]) -> str | None:
 
 
 def first_shard(path: Path) -> Path:
-    """``…-00003-of-00007.gguf`` → ``…-00001-of-00007.gguf`` (llama.cpp loads a split model from shard 1)."""
-    m = _SHARD.search(path.name)
-    if m and m.group(1) != "00001":
-        return path.with_name(path.name[: m.start()] + f"-00001-of-{m.group(2)}.gguf")
-    return path
+    """``…-00003-of-00007.gguf`` → ``…-00001-of-00007.gguf``: llama.cpp loads a split model from shard 1 and finds
+    the others by their names (the names: :func:`engine_manager.gguf_split.first_shard_name`)."""
+    return path.with_name(first_shard_name(path.name))
 
 
 class ModelNotFound(EngineSetupError):
@@ -122,7 +122,7 @@ def resolve_model(settings: Any, plan: dict[str, Any] | None) -> Path:
         cands.append(Path(plan["model"]["file"]).expanduser())
     elif getattr(settings, "model_dir", None):
         d = Path(settings.model_dir).expanduser()
-        firsts = sorted(d.glob("*-00001-of-*.gguf")) or sorted(d.glob("*.gguf"))
+        firsts = sorted(d.glob(FIRST_SHARD_GLOB)) or sorted(d.glob("*.gguf"))
         cands += firsts[:1]
     for c in cands:
         c = first_shard(c)
@@ -479,24 +479,11 @@ def placement_from_log(path: Path | str | None = None) -> PlacementSummary:
 
 
 # -- Prometheus text -------------------------------------------------------------------------------------------
-_PROM = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-
-
 def parse_prometheus(text: str) -> dict[str, float]:
-    """``name value`` pairs of a Prometheus text page (labelled series keep their label set in the key).
-    llama-server's exposition is flat (``llamacpp:name value``, one labelled counter for speculative decoding),
-    so a line split is the whole parser; pulling in a client library for it would add a dependency for 6 lines."""
-    out: dict[str, float] = {}
-    for ln in text.splitlines():
-        if not ln or ln.startswith("#"):
-            continue
-        m = _PROM.match(ln)
-        if m:
-            try:
-                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-            except ValueError:
-                continue
-    return out
+    """``name value`` pairs of a Prometheus text page, each labelled series under its own key
+    (``name{label="v"}``): llama-server's exposition is flat (``llamacpp:name value``, one labelled counter for
+    speculative decoding). The one parser: :mod:`._prometheus` (prometheus_client's)."""
+    return _prom.by_series(text)
 
 
 # -- the engine ------------------------------------------------------------------------------------------------
@@ -537,7 +524,8 @@ FAILURE_PATTERNS = [      # most specific first (see classify_failure)
     LogPattern(re.compile(r"does not divide n_embd_head"), H_KV_TYPE),
     LogPattern(re.compile(r"unknown model architecture"), H_ARCH),
     LogPattern(re.compile(r"failed to load model|error loading model|failed to open GGUF file|"
-                          r"gguf_init_from_\w+: failed|failed to create_context|failed to create context"), H_MODEL_LOAD),
+                          r"gguf_init_from_\w+: failed|failed to create_context|failed to create context"),
+               H_MODEL_LOAD),
     LogPattern(re.compile(r"error: invalid argument|error while handling argument"), H_BAD_ARG),
 ]
 # request errors that show in the log but never stop the server: never a crash cause
@@ -613,26 +601,13 @@ class LlamaCppEngine(Engine):
 
     # ---- readiness ----
     def readiness(self, client: Any, spec: LaunchSpec) -> Readiness:
-        import httpx
-
-        try:
-            r = client.get(spec.base_url + spec.health_path, timeout=5.0)
-        except httpx.ConnectError:
-            return Readiness("loading", "connection refused: llama-server is starting")
-        except httpx.TimeoutException:
-            return Readiness("loading", "no answer yet from /health (busy loading)")
-        except httpx.TransportError as exc:
-            return Readiness("loading", f"{type(exc).__name__}: still starting")
-        if r.status_code == 200:
-            return Readiness("ready", "ok")
-        if r.status_code == 503:
-            msg = _error_message(r) or "loading model"
-            return Readiness("loading", f"HTTP 503: {msg}")
-        return Readiness("failed", f"/health answered HTTP {r.status_code}: {_error_message(r) or r.text[:200]}")
+        """/health through the one probe (:func:`._http.probe_health`): llama-server opens its port at once and
+        answers 503 ``Loading model`` until the model is in; 200 is ready."""
+        return probe_health(client, spec.base_url, path=spec.health_path, port=spec.port)
 
     # ---- metrics ----
     def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
-        hdr = {"Authorization": f"Bearer {spec.api_key}"}
+        hdr = bearer_headers(spec.api_key)
         # /metrics before /slots: a request that ends between the two reads is then in neither (sample_from
         # carries the previous total over that reading), never in both — read the other way round its tokens
         # were counted twice, a spike of tens of thousands of tok/s in the decode plot at a request's end
@@ -657,14 +632,6 @@ class LlamaCppEngine(Engine):
             if any(pat.regex.search(ln) for ln in tail):
                 return pat.hint
         return None     # signals (SIGKILL → the OOM killer, SIGSEGV, …) are the supervisor's generic causes
-
-
-def _error_message(r: Any) -> str:
-    try:
-        e = r.json().get("error")
-        return str(e.get("message")) if isinstance(e, dict) else str(e or "")
-    except (ValueError, AttributeError):
-        return ""
 
 
 PLACEMENT_FILE = "llamacpp-placement.json"

@@ -8,9 +8,9 @@ Launch: ``<this python> -m engine_manager.sim --plan <workdir>/plan.json --host 
 flags (fault switches, ``--speed``, ``--skew`` ...) can come from ``DSV41_SIM_ARGS`` in the environment, which the
 process inherits. Its endpoints, fields, nulls and log lines are Strata's (``tests/test_sim_conformance.py`` diffs
 them against ``tests/data/strata``), so the panel reads it through the Strata adapter's own code:
-:meth:`SimEngine.poll` *is* ``StrataEngine.poll``. As in Strata, expert swaps are not on HTTP: the metrics hub
-counts them from the engine log (``adapt: ... swapped N experts`` lines). Its only extra is the documented
-``"simulated": true`` marker (and ``service`` ``strata-sim``), which the labels use.
+:meth:`SimEngine.poll` *is* ``StrataEngine.poll`` (both call ``strata.poll_metrics``). As in Strata, expert swaps
+are not on HTTP: the metrics hub counts them from the engine log (``adapt: ... swapped N experts`` lines). Its only
+extra is the documented ``"simulated": true`` marker (and ``service`` ``strata-sim``), which the labels use.
 
 The routing trace feeds the Placement heatmap's observed routing (the monitor's ``RoutingSource``). It costs
 ~2 KB per generated token, so it is capped: the sim moves it to ``routing.trace.1`` at start and whenever it
@@ -31,10 +31,10 @@ from ..errors import PlacementRefused
 from .base import Engine, FailureHint, LaunchSpec, LogEvent, Readiness, Sample
 from .strata import (
     FAILURE_PATTERNS,
-    StrataEngine,
     check_readiness,
     classify,
     parse_strata_log_line,
+    poll_metrics,
 )
 
 LABEL = "Scripted engine (SIMULATED — no GPU, modelled speeds)"
@@ -93,7 +93,8 @@ def apply_sim_block(s: Sample, doc: dict[str, Any], previous: Sample | None) -> 
     """Swaps from the ``sim`` block that the scripted engine's first version (``sim-1``) sent on HTTP; kept for
     its recorded captures (``tests/data/sim``). The current sim (``sim-2``) sends none, as Strata sends none: a
     document without the block leaves the sample as it is."""
-    sim = doc.get("sim") if isinstance(doc.get("sim"), dict) else {}
+    raw = doc.get("sim")
+    sim: dict[str, Any] = raw if isinstance(raw, dict) else {}
     swaps, sbytes = sim.get("swaps_total"), sim.get("swap_bytes_total")
     if isinstance(swaps, int):
         s.swaps_total = swaps
@@ -161,7 +162,7 @@ class SimEngine(Engine):
 
     def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
         """The Strata adapter's own poll (the same requests, the same mapping), labelled simulated."""
-        return StrataEngine.poll(self, client, spec, previous)
+        return poll_metrics(client, spec, previous, engine=self.name, simulated=self.simulated)
 
     def parse_log_line(self, line: str) -> LogEvent | None:
         return parse_strata_log_line(line, self.failure_patterns)

@@ -1,20 +1,22 @@
 """The deepseek-one-gpu / Strata engine behind the panel's interface (ENGINE_CONTRACT.md §2).
 
 Launch (as Strata's setup/launcher start it; Niko1221/Strata ``serve/server.py`` ``main()``, ``StrataEngine``,
-``engine_args``, ``child_env``): ``<python> <release>/serve/server.py --engine strata --config
-<run dir>/strata-config.json --host 127.0.0.1 --port N --gpu G`` (``--engine`` defaults to ``mock``: without it the server answers every chat with a
-canned greeting) with the key in the environment as ``STRATA_API_KEY``. The config: ``exe`` (the native engine
-binary), ``args`` (``--pack PACK --native SHARD1`` first, then what the plan decides: ``--expert-profile``,
-``--expert-cache``, ``--vram-reserve-mib``, ``--max-context``, ``--kv``, ``--cpu-numerics gpu`` only when set —
-``--batch`` comes from ``parallel``), ``cwd``, ``tokenizer`` (``PACK/tokenizer``), ``model_name``, ``log`` (the native
-engine's stderr; the keeper follows it into the panel's log), ``lib_dirs`` where the release has them, ``parallel``.
-The pack is made once by the release's ``tools/iq_pack.py`` (:mod:`engine_manager.provision`, :meth:`prepare`).
+``engine_args``, ``child_env``): ``<python> <release>/serve/server.py --engine strata --config <run
+dir>/strata-config.json --host 127.0.0.1 --port N --gpu G`` (``--engine`` defaults to ``mock``: without it the
+server answers every chat with a canned greeting) with the key in the environment as ``STRATA_API_KEY``. The config:
+``exe`` (the native engine binary), ``args`` (``--pack PACK --native SHARD1`` first, then what the plan decides:
+``--expert-profile``, ``--expert-cache``, ``--vram-reserve-mib``, ``--max-context``, ``--kv``, ``--cpu-numerics
+gpu`` only when set — ``--batch`` comes from ``parallel``), ``cwd``, ``tokenizer`` (``PACK/tokenizer``),
+``model_name``, ``log`` (the native engine's stderr; the keeper follows it into the panel's log), ``lib_dirs`` where
+the release has them, ``parallel``. The pack is made once by the release's ``tools/iq_pack.py``
+(:mod:`engine_manager.provision`, :meth:`prepare`).
 
 The key: the contract names ``--api-key KEY``, but a command line is readable by every local user (``ps``), and the
 keeper's command line repeats the engine's. Strata's ``serve/server.py`` takes the same key from the environment:
 its ``--api-key`` defaults to ``$STRATA_API_KEY`` (Niko1221/Strata, ``serve/server.py`` ``main()``; an empty value
 there is refused, so it is only set when there is a key). The environment of a process is readable only by its
-owner and root. The key never goes into the config file either. The engine lives in ``settings.engine_dir`` (an unpacked release), else ``<cache_dir>/engine/<version>``.
+owner and root. The key never goes into the config file either. The engine lives in ``settings.engine_dir`` (an
+unpacked release), else ``<cache_dir>/engine/<version>``.
 
 Readiness: in normal (eager) mode the server opens its port only after the engine printed READY, so *connection
 refused = still loading*; ``/health`` 200 with ``loaded`` true = ready.
@@ -38,10 +40,12 @@ import struct
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Generator, Literal
 
 from ..atomic import atomic_write_bytes, atomic_write_json
 from ..errors import PlacementRefused
+from . import _prometheus as _prom
+from ._http import NOT_STRATA, bearer_headers, probe_health  # noqa: F401 - NOT_STRATA: re-exported
 from .base import (
     Engine,
     FailureHint,
@@ -51,6 +55,9 @@ from .base import (
     Readiness,
     Sample,
 )
+
+if TYPE_CHECKING:
+    from ..provision import ProvisionEvent
 
 DEFAULT_RELEASE = "v0.1.0"                 # the guides' engine release (prebuilt for sm_120)
 CONFIG_NAME = "strata-config.json"
@@ -155,8 +162,9 @@ _READY = re.compile(r"^\s*(\[[^\]]*\]\s*)?READY\b|\bserver (is )?ready\b|Uvicorn
 _PHASE = re.compile(r"^\s*(?:\[[^\]]*\]\s*)?phase:\s*(?P<text>.+)$", re.I)
 _LOADING = re.compile(r"^\s*(loading|reading|mapping|filling|pinning|allocating|warming|downloading)\b", re.I)
 # serve.py narrate_start() / Service._ensure_loaded_native() on the server's stdout; generate.cpp's load lines
-_STRATA_PHASE = re.compile(r"^\s*\[strata\] (?P<text>(starting the engine|filling the GPU's expert cache|experts loaded|"
-                           r"almost ready|still starting|loading|the engine had stopped|the engine is running)"
+_STRATA_PHASE = re.compile(r"^\s*\[strata\] (?P<text>(starting the engine|filling the GPU's expert cache|"
+                           r"experts loaded|almost ready|still starting|loading|the engine had stopped|"
+                           r"the engine is running)"
                            r".*)$|^\s*strata generate: (?P<gen>(loaded [\d.]+ GiB at|expert arena:|profile .*ranked "
                            r"pairs|PCIe probe).*)$", re.I)
 _PCT = re.compile(r"\((\d{1,3})%\)|\b(\d{1,3})%")
@@ -205,7 +213,7 @@ def parse_strata_log_line(line: str, patterns: list[LogPattern] | None = None) -
     m = _INFO.match(text)
     if m:
         data = {k: _num(v) for k, v in _KV.findall(m.group("rest"))}
-        kind = "placement" if any(k.startswith("expert") for k in data) else "info"
+        kind: Literal["placement", "info"] = "placement" if any(k.startswith("expert") for k in data) else "info"
         return LogEvent(kind, text.strip(), data=data)
     m = _UNKNOWN_ARG.match(text)
     if m:
@@ -240,7 +248,8 @@ def parse_strata_log_line(line: str, patterns: list[LogPattern] | None = None) -
             return LogEvent("error", text.strip(), data={"cause": pat.hint.cause})
     m = _PHASE.match(text) or _STRATA_PHASE.match(text)
     if m or _LOADING.match(text):
-        body = ((m.group("text") or m.groupdict().get("gen")) if m else text).strip()
+        groups = m.groupdict() if m else {}      # one of "text"/"gen" matched (non-empty); no match: the line
+        body = (groups.get("text") or groups.get("gen") or text).strip()
         pct = _PCT.search(body)
         data = {"pct": int(pct.group(1) or pct.group(2))} if pct else {}
         return LogEvent("phase", body, data=data)
@@ -248,6 +257,11 @@ def parse_strata_log_line(line: str, patterns: list[LogPattern] | None = None) -
 
 
 # ------------------------------------------------------------------------------------------------ metrics
+def _obj(v: Any) -> dict[str, Any]:
+    """``v`` when it is a JSON object, else an empty one (a field missing or of another type reads as absent)."""
+    return v if isinstance(v, dict) else {}
+
+
 def _f(v: Any) -> float | None:
     if isinstance(v, bool) or v is None:
         return None
@@ -323,10 +337,8 @@ def sample_from_metrics(doc: dict[str, Any], engine: str, previous: Sample | Non
     - PCIe: ``hardware.gpu_pcie_rx_mb``/``tx_mb`` (NVML KB/s ÷ 1024).
     ``status`` (``/v1/status``) fills the VRAM figures when ``hardware`` has none."""
     t = time.time() if t is None else t
-    live = doc.get("live") if isinstance(doc.get("live"), dict) else {}
-    eng = doc.get("engine") if isinstance(doc.get("engine"), dict) else {}
-    hw = doc.get("hardware") if isinstance(doc.get("hardware"), dict) else {}
-    totals = doc.get("totals") if isinstance(doc.get("totals"), dict) else {}
+    live, eng = _obj(doc.get("live")), _obj(doc.get("engine"))
+    hw, totals = _obj(doc.get("hardware")), _obj(doc.get("totals"))
     last = newest_request(doc.get("requests"))
     s = Sample(t=t, engine=engine, simulated=simulated)
     s.state = live.get("state") if isinstance(live.get("state"), str) else None
@@ -406,43 +418,43 @@ def sample_from_metrics(doc: dict[str, Any], engine: str, previous: Sample | Non
     return s
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """``name{labels} value`` lines → {name: value} (labels dropped, values summed over label sets). A family
-    whose samples are one-per-state (``strata:live_state``, ``strata:live_slots``) is better read with
-    :func:`parse_prometheus_labelled`."""
-    out: dict[str, float] = {}
-    for name, _labels, v in _prometheus_rows(text):
-        out[name] = out.get(name, 0.0) + v
-    return out
+def poll_metrics(client: Any, spec: LaunchSpec, previous: Sample | None, *, engine: str,
+                 simulated: bool) -> Sample:
+    """The poll of the Strata adapter and of the scripted engine (``engine``: the name the sample carries).
 
-
-_PROM_ROW = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_PROM_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def _prometheus_rows(text: str):
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _PROM_ROW.match(line)
-        if not m:
-            continue
+    GET /metrics (JSON; key needed); GET /v1/status too only when ``hardware`` has no GPU memory figures (no NVML
+    on the server: ``/v1/status`` has ``machine.gpu`` null then too, but a server with its own telemetry off may
+    still say). Raises ``httpx.HTTPError`` when the engine does not answer or answers an error."""
+    t = time.time()
+    r = client.get(spec.base_url + "/metrics", headers={**auth_headers(spec), "Accept": "application/json"},
+                   timeout=5.0)
+    r.raise_for_status()
+    if "json" not in r.headers.get("content-type", "json"):
+        return sample_from_prometheus(r.text, engine, t, simulated=simulated)
+    doc = r.json()
+    doc = doc if isinstance(doc, dict) else {}
+    status = None
+    hw = _obj(doc.get("hardware"))
+    if hw.get("gpu_mem_used") is None:
         try:
-            v = float(m.group(3))
-        except ValueError:
-            continue
-        if v != v:        # NaN: the exporter had no value
-            continue
-        yield m.group(1), dict(_PROM_LABEL.findall(m.group(2) or "")), v
+            rs = client.get(spec.base_url + "/v1/status", headers=auth_headers(spec), timeout=5.0)
+            status = rs.json() if rs.status_code == 200 else None
+        except Exception:  # noqa: BLE001 - /v1/status is optional
+            status = None
+    return sample_from_metrics(doc, engine, previous, t, simulated=simulated,
+                               status=status if isinstance(status, dict) else None)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``{name: value}`` of a Prometheus text page (labels dropped, values summed over label sets; the one parser:
+    :mod:`._prometheus`). A family whose samples are one-per-state (``strata:live_state``, ``strata:live_slots``)
+    is better read with :func:`parse_prometheus_labelled`."""
+    return _prom.summed(text)
 
 
 def parse_prometheus_labelled(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """``name`` → [(labels, value), ...] for every sample."""
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for name, labels, v in _prometheus_rows(text):
-        out.setdefault(name, []).append((labels, v))
-    return out
+    return _prom.labelled(text)
 
 
 def sample_from_prometheus(text: str, engine: str, t: float | None = None, simulated: bool = False) -> Sample:
@@ -485,52 +497,19 @@ def sample_from_prometheus(text: str, engine: str, t: float | None = None, simul
 
 def auth_headers(spec: LaunchSpec) -> dict[str, str]:
     """serve/server.py ``Handler._authorized`` accepts ``Authorization: Bearer KEY`` (or ``x-api-key``)."""
-    return {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-
-
-NOT_STRATA = "not a Strata server"
+    return bearer_headers(spec.api_key)
 
 
 def check_readiness(client: Any, spec: LaunchSpec, service_hint: str | None = None,
                     expect_service: str | None = None) -> Readiness:
-    """GET /health once (open, no key: serve/server.py ``do_GET``). Connection refused → loading (eager mode opens
-    the port only after the engine's READY); 200 with ``loaded: true`` → ready; ``loaded: false`` → loading or
-    unloaded, **never ready** (a lazy server, or one whose engine died). ``expect_service``: the body's
-    ``service`` must be that (Strata answers ``"strata"``; the same body as ``/api/health``, by which Strata's own
-    manager identifies a Strata server) — anything else is "not a Strata server" on that port. ``service_hint``
-    only notes a different service."""
-    import httpx
-
-    try:
-        r = client.get(spec.base_url + spec.health_path, timeout=5.0)
-    except httpx.ConnectError:
-        return Readiness("loading", "connection refused: still loading")
-    except httpx.TimeoutException:
-        return Readiness("loading", "/health did not answer within 5 s (busy loading?)")
-    except httpx.HTTPError as exc:
-        return Readiness("loading", f"/health: {exc.__class__.__name__}: {exc}")
-    if r.status_code == 503:
-        return Readiness("loading", "HTTP 503: engine starting")
-    if r.status_code != 200:
-        return Readiness("failed", f"/health answered HTTP {r.status_code}: is another server on port {spec.port}?")
-    try:
-        body = r.json()
-    except ValueError:
-        return Readiness("failed", f"/health did not answer JSON: is another server on port {spec.port}?")
-    if not isinstance(body, dict):
-        return Readiness("failed", "/health answered an unexpected document")
-    svc = body.get("service")
-    if expect_service and svc != expect_service:
-        what = f"its /health says service {svc!r}" if svc is not None else "its /health names no service"
-        return Readiness("failed", f"{NOT_STRATA} on port {spec.port}: {what} (Strata answers "
-                                   f"{expect_service!r}). Stop the other server or choose another port in Settings.")
-    if body.get("loaded") is not True:
-        why = "not loaded" if body.get("loaded") is False else f"status {body.get('status')!r}, no loaded flag"
-        return Readiness("loading", f"engine {why}: loading or unloaded (the server is up, the model is not)")
-    detail = f"{svc or 'engine'} ready: {body.get('model') or '?'}"
-    if service_hint and svc and not str(svc).startswith(service_hint):
-        detail += f" (note: service is {svc!r}, expected {service_hint!r})"
-    return Readiness("ready", detail)
+    """GET /health once (open, no key: serve/server.py ``do_GET``) through the one probe
+    (:func:`._http.probe_health`). Connection refused → loading (eager mode opens the port only after the engine's
+    READY); 200 with ``loaded: true`` → ready; ``loaded: false`` → loading or unloaded, **never ready** (a lazy
+    server, or one whose engine died). ``expect_service``: the body's ``service`` must be that (Strata answers
+    ``"strata"``; the same body as ``/api/health``, by which Strata's own manager identifies a Strata server) —
+    anything else is "not a Strata server" on that port. ``service_hint`` only notes a different service."""
+    return probe_health(client, spec.base_url, path=spec.health_path, port=spec.port, needs_loaded=True,
+                        expect_service=expect_service, service_hint=service_hint)
 
 
 # ------------------------------------------------------------------------------------------------ profile
@@ -637,7 +616,8 @@ class StrataEngine(Engine):
 
         return pack_dir_for(Path(model))
 
-    def prepare(self, settings: Any, plan: dict[str, Any] | None, force: bool = False) -> Iterator[Any]:
+    def prepare(self, settings: Any, plan: dict[str, Any] | None, force: bool = False
+                ) -> Generator[ProvisionEvent, None, Path]:
         """Provision the model's pack with the release's own tool when the panel's sentinel says it is needed
         (:func:`engine_manager.provision.provision`). Yields its events; returns the pack folder. Raises a
         ``UserError`` in plain words when it cannot be done."""
@@ -792,28 +772,8 @@ class StrataEngine(Engine):
         return check_readiness(client, spec, expect_service="strata")
 
     def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
-        """GET /metrics (JSON; key needed); GET /v1/status too only when ``hardware`` has no GPU memory figures
-        (no NVML on the server: ``/v1/status`` has ``machine.gpu`` null then too, but a server with its own
-        telemetry off may still say). Raises ``httpx.HTTPError`` when the engine does not answer or answers an
-        error."""
-        t = time.time()
-        r = client.get(spec.base_url + "/metrics", headers={**auth_headers(spec), "Accept": "application/json"},
-                       timeout=5.0)
-        r.raise_for_status()
-        if "json" not in r.headers.get("content-type", "json"):
-            return sample_from_prometheus(r.text, self.name, t, simulated=self.simulated)
-        doc = r.json()
-        doc = doc if isinstance(doc, dict) else {}
-        status = None
-        hw = doc.get("hardware") if isinstance(doc.get("hardware"), dict) else {}
-        if hw.get("gpu_mem_used") is None:
-            try:
-                rs = client.get(spec.base_url + "/v1/status", headers=auth_headers(spec), timeout=5.0)
-                status = rs.json() if rs.status_code == 200 else None
-            except Exception:  # noqa: BLE001 - /v1/status is optional
-                status = None
-        return sample_from_metrics(doc, self.name, previous, t, simulated=self.simulated,
-                                   status=status if isinstance(status, dict) else None)
+        """:func:`poll_metrics` under this engine's name."""
+        return poll_metrics(client, spec, previous, engine=self.name, simulated=self.simulated)
 
     def parse_log_line(self, line: str) -> LogEvent | None:
         return parse_strata_log_line(line, self.failure_patterns)

@@ -8,9 +8,16 @@
 - :mod:`.steady` — the steady decode rate (no ramp-up, no prompt reads; whole lone replies) the card judges;
 - :mod:`.guides` — the guides' published figures and the comparison card's logic.
 
-:func:`build_hub` wires a hub for one running engine from what the supervisor knows about it;
-:func:`hub_for_running_engine` is the Monitor's way in: it reconciles the supervisor's status with the engine
-that is ready, picks the plan the engine runs with, and loads the run recorded so far.
+:func:`build_hub` wires a hub for one running engine (a :class:`~engine_manager.session.RunningEngine`);
+:func:`hub_for_running_engine` is the Monitor's way in: the hub for the engine that is ready, with the plan it
+runs with, and its store filled with the run recorded so far. The handle comes from
+``RunningEngine.from_status(status, base_url, api_key, ...)`` (the supervisor's status reconciled with the engine
+that is ready). Signatures::
+
+    build_hub(running, *, hz=1.0, plan=None, record=True, store=None, use_nvml=True, recorder=None,
+              extra_sources=None) -> MetricsHub
+    hub_for_running_engine(running, hz, plan=None, *, old_store=None, recorder=None, use_nvml=True)
+        -> (MetricsHub, RingStore, RunningEngine, rows_loaded)
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any, Mapping
 from ..engines import get_engine
 from ..engines.base import Engine, LaunchSpec
 from ..hardware import parse_cpulist
+from ..session import RunningEngine
 from .columns import ALL_COLUMNS, BY_NAME, COLUMN_NAMES, MAX_SLOTS, SLOT_COLUMNS, Column
 from .guides import Comparison, compare, guide_figures, is_guide_model, judge
 from .hub import MetricsHub, Tick, derive, prefill_is_live
@@ -52,11 +60,13 @@ from .store import RingStore, peak_reduce
 
 __all__ = [
     "ALL_COLUMNS", "BY_NAME", "COLUMN_NAMES", "MAX_SLOTS", "SLOT_COLUMNS", "Column", "Comparison", "compare",
-    "guide_figures", "is_guide_model", "judge", "prefill_is_live", "Steady", "SteadySnapshot", "SteadyTracker", "MetricsHub", "Tick", "derive", "Recorder", "export_csv", "list_runs", "load_into",
+    "guide_figures", "is_guide_model", "judge", "prefill_is_live", "Steady", "SteadySnapshot", "SteadyTracker",
+    "MetricsHub", "Tick", "derive", "Recorder", "export_csv", "list_runs", "load_into",
     "metrics_runs_dir", "open_run", "read_recording", "prune_runs", "EngineSource", "HostSource",
-    "LogSwapSource", "NvmlSource", "Reading", "RoutingSource", "trace_path_from_argv", "Source", "spec_for", "RingStore", "peak_reduce", "build_hub",
+    "LogSwapSource", "NvmlSource", "Reading", "RoutingSource", "trace_path_from_argv", "Source", "spec_for",
+    "RingStore", "peak_reduce", "build_hub",
     "binding_cpus", "binding_bound", "predicted_hit_rate", "plan_expert_bytes", "clamp_hz",
-    "hub_for_running_engine", "running_engine_info", "supervisor_status",
+    "hub_for_running_engine", "supervisor_status",
 ]
 
 
@@ -156,25 +166,45 @@ def plan_shape(plan: Mapping[str, Any] | None) -> tuple[int, int]:
         return 43, 384
 
 
-def build_hub(engine: str | Engine, base_url: str, api_key: str, *, spec: LaunchSpec | None = None,
-              pid: int | None = None, binding: Any = None, log_path: str | Path | None = None,
-              gpu_index: int = 0, hz: float = 1.0, plan: Mapping[str, Any] | None = None, record: bool = True,
-              store: RingStore | None = None, use_nvml: bool = True, argv: list[str] | None = None,
-              recorder: Recorder | None = None, extra_sources: list[Source] | None = None) -> MetricsHub:
+def build_hub(running: RunningEngine | str | Engine, base_url: str | None = None, api_key: str | None = None, *,
+              spec: LaunchSpec | None = None, pid: int | None = None, binding: Any = None,
+              log_path: str | Path | None = None, gpu_index: int = 0, hz: float = 1.0,
+              plan: Mapping[str, Any] | None = None, record: bool = True, store: RingStore | None = None,
+              use_nvml: bool = True, argv: list[str] | None = None, recorder: Recorder | None = None,
+              extra_sources: list[Source] | None = None) -> MetricsHub:
     """A hub for one running engine: the engine's adapter, NVML (when there is a GPU), the host and the engine
-    process tree (``pid``; CPU split by ``binding``), and swaps from ``log_path``. With ``record``, a recording
+    process tree (its pid; CPU split by its binding), and swaps from its log. With ``record``, a recording
     starts (or, for the same pid after a panel restart, continues) under ``runs_dir()/metrics``; ``recorder``
-    hands over an open one (the previous hub's, after a rate change)."""
-    eng = engine if isinstance(engine, Engine) else get_engine(engine)
+    hands over an open one (the previous hub's, after a rate change).
+
+    ``running`` is the :class:`RunningEngine` (its spec, pid, binding, log, argv, gpu and plan are used; ``plan``
+    overrides its plan when given). An engine reached by URL alone may also be given as
+    ``build_hub(engine_name, base_url, api_key, spec=, pid=, binding=, log_path=, argv=, gpu_index=)``."""
+    given = running if isinstance(running, Engine) else None
+    if not isinstance(running, RunningEngine):
+        if base_url is None or api_key is None:
+            raise TypeError("build_hub: give a RunningEngine, or an engine with its base_url and api_key")
+        name = str(getattr(running, "name", running))
+        running = RunningEngine(base_url, api_key, engine=name, pid=pid, spec=spec, binding=binding,
+                                log_path=str(log_path) if log_path else None,
+                                argv=tuple(argv) if argv is not None else None, gpu_index=gpu_index)
+    if plan is None:
+        plan = running.plan
+    eng = given or get_engine(running.engine)
     hz = clamp_hz(hz)
     period = 1.0 / hz
-    spec = spec or spec_for(eng, base_url, api_key)
+    base_url, api_key, pid, binding = running.base_url, running.api_key, running.pid, running.binding
+    log_path, gpu_index = running.log_path, running.gpu_index
+    spec = running.spec or spec_for(eng, base_url, api_key)
     sources: list[Source] = [EngineSource(eng, spec, timeout_s=min(2.0, max(0.2, 0.9 * period)))]
-    if use_nvml:
+    # an engine on another machine: this box's GPU, RAM and CPU say nothing about it (missing, never this box's)
+    if use_nvml and running.on_this_machine:
         sources.append(NvmlSource(gpu_index, timeout_s=min(1.0, 0.9 * period)))
-    sources.append(HostSource(pid, binding_cpus(binding), timeout_s=min(1.0, 0.9 * period)))
+    if running.on_this_machine:
+        sources.append(HostSource(pid, binding_cpus(binding), timeout_s=min(1.0, 0.9 * period)))
+    # always: without a log file of its own the source takes lines pushed to it (MetricsHub.push_log_line)
     sources.append(LogSwapSource(eng, log_path, timeout_s=min(1.0, 0.9 * period)))
-    trace = spec.files.get("routing_trace") or trace_path_from_argv(argv or spec.argv)
+    trace = spec.files.get("routing_trace") or trace_path_from_argv(list(running.argv or spec.argv))
     if trace:
         n_layers, n_experts = plan_shape(plan)
         sources.append(RoutingSource(trace, n_layers, n_experts, timeout_s=min(1.0, 0.9 * period)))
@@ -209,10 +239,6 @@ def build_hub(engine: str | Engine, base_url: str, api_key: str, *, spec: Launch
 
 
 # -- the monitor's hub for the engine that is ready -------------------------------------------------------------
-def _status_get(status: Any, key: str) -> Any:
-    return status.get(key) if isinstance(status, Mapping) else getattr(status, key, None)
-
-
 def supervisor_status(supervisor: Any) -> Any:
     """What the supervisor says runs now (its ``status()``: I/O, so off the GUI thread); None when it cannot say."""
     if supervisor is None:
@@ -223,75 +249,42 @@ def supervisor_status(supervisor: Any) -> Any:
         return None
 
 
-def running_engine_info(info: Mapping[str, Any], status: Any = None) -> dict[str, Any]:
-    """``info`` (``base_url``, ``api_key``, and what the caller knows: ``engine``/``engine_default``, ``pid``,
-    ``binding``, ``log_path``, ``spec``, ``argv``, ``gpu_index``) completed from the supervisor's ``status`` of the
-    engine — only when that status is about the engine at ``base_url`` (the supervisor may know another one than
-    the one that is ready). Adds ``engine`` (a name), ``numa_bound`` and, when known, ``plan``: the plan the engine
-    runs with (its status's plan file, else the launch spec's), whose prediction is the reference line."""
-    info = dict(info)
-    info.pop("supervisor", None)
-    base_url = str(info["base_url"]).rstrip("/")
-    st_url = _status_get(status, "base_url") if status is not None else None
-    if status is not None and st_url and str(st_url).rstrip("/") != base_url:
-        status = None
-    if status is not None:
-        running_plan = status.plan() if callable(getattr(status, "plan", None)) else _status_get(status, "plan")
-        if isinstance(running_plan, dict):
-            info["plan"] = running_plan
-        for key in ("engine", "pid", "binding", "log_path", "spec", "argv"):
-            val = _status_get(status, key)
-            if val is not None:
-                info[key] = val
-    engine = info.get("engine") or info.get("engine_default") or "sim"
-    info["engine"] = getattr(engine, "name", engine)
-    spec = info.get("spec")
-    if spec is not None and str(getattr(spec, "base_url", "")).rstrip("/") != base_url:
-        spec = None
-    info["spec"] = spec
-    info["numa_bound"] = binding_bound(info.get("binding"))
-    if info.get("plan") is None:
-        files = getattr(spec, "files", None) or (_status_get(status, "files") if status is not None else None) or {}
-        plan_file = files.get("plan") if isinstance(files, Mapping) else None
-        if plan_file:
-            try:
-                import json
-                plan = json.loads(Path(plan_file).read_text(encoding="utf-8"))
-                if isinstance(plan, dict):
-                    info["plan"] = plan
-            except (OSError, ValueError):
-                pass
-    return info
+def _running_from_info(info: Mapping[str, Any], status: Any) -> RunningEngine:
+    """A loose dict (``base_url``, ``api_key``, ``engine``/``engine_default``, ``pid``, ``binding``, ``log_path``,
+    ``spec``, ``argv``, ``gpu_index``), as front ends passed before :class:`RunningEngine`, made into one."""
+    return RunningEngine.from_status(status, info["base_url"], info["api_key"],
+                                     engine=info.get("engine") or info.get("engine_default"), spec=info.get("spec"),
+                                     gpu_index=int(info.get("gpu_index") or 0), pid=info.get("pid"),
+                                     binding=info.get("binding"), log_path=info.get("log_path"),
+                                     argv=info.get("argv"))
 
 
-def hub_for_running_engine(info: Mapping[str, Any], hz: float, plan: Mapping[str, Any] | None = None, *,
-                           supervisor: Any = None, status: Any = None, old_store: RingStore | None = None,
-                           recorder: Recorder | None = None, use_nvml: bool = True
-                           ) -> tuple[MetricsHub, RingStore, dict[str, Any], int]:
-    """The Monitor's hub for the engine that just became ready: ask the ``supervisor`` (unless ``status`` is
-    given), reconcile with :func:`running_engine_info`, build the hub (the plan the engine runs with, else
-    ``plan``, the one shown), and fill its store with the run so far — the recording of the same engine process
-    after a panel restart or a rate change, else ``old_store`` (the plots continue across a restart).
+def hub_for_running_engine(running: RunningEngine | Mapping[str, Any], hz: float,
+                           plan: Mapping[str, Any] | None = None, *, supervisor: Any = None, status: Any = None,
+                           old_store: RingStore | None = None, recorder: Recorder | None = None,
+                           use_nvml: bool = True) -> tuple[MetricsHub, RingStore, Any, int]:
+    """The Monitor's hub for the engine that just became ready (``running``, from
+    ``RunningEngine.from_status``): the plan it runs with (read from its ``plan_path`` when the handle has none
+    yet), else ``plan`` (the one shown); its store filled with the run so far — the recording of the same engine
+    process after a panel restart or a rate change, else ``old_store`` (the plots continue across a restart:
+    :meth:`engine_manager.session.EngineSession.carries_plots` decides when to hand one over).
 
-    Returns ``(hub, store, info, rows_loaded)``; ``info`` gains ``label``. Blocking (I/O): call it off the GUI
-    thread."""
+    Returns ``(hub, store, running, rows_loaded)``; ``running`` with its plan read. Blocking (I/O): call it off
+    the GUI thread. A dict ``running`` (the loose form before issue 17) is reconciled with ``status`` (else the
+    ``supervisor``'s) first, and a dict comes back (its keys plus ``engine``, ``pid``, ``binding``, ``log_path``,
+    ``spec``, ``argv``, ``numa_bound``, ``label`` and, when known, ``plan``)."""
     import numpy as np
 
-    if status is None:
-        status = supervisor_status(supervisor)
-    info = running_engine_info(info, status)
-    if info.get("plan") is None and plan is not None:
-        use_plan: Mapping[str, Any] | None = plan
-    else:
-        use_plan = info.get("plan")
-    engine = info["engine"]
+    legacy = None
+    if not isinstance(running, RunningEngine):
+        legacy = dict(running)
+        legacy.pop("supervisor", None)
+        running = _running_from_info(legacy, status if status is not None else supervisor_status(supervisor))
+    running = running.with_plan()
+    use_plan = running.plan if running.plan is not None else plan
     hz = clamp_hz(hz)
     store = RingStore(COLUMN_NAMES, hz=hz)
-    hub = build_hub(engine, info["base_url"], info["api_key"], spec=info.get("spec"), pid=info.get("pid"),
-                    binding=info.get("binding"), log_path=info.get("log_path"),
-                    gpu_index=int(info.get("gpu_index") or 0), hz=hz, plan=use_plan, store=store,
-                    argv=info.get("argv"), recorder=recorder, use_nvml=use_nvml)
-    info["label"] = get_engine(engine).label or engine
+    hub = build_hub(running, hz=hz, plan=use_plan, store=store, recorder=recorder, use_nvml=use_nvml)
     loaded = 0
     rec = hub.recorder
     if rec is not None and rec.meta.get("resumed_at") and rec.csv_path.exists():
@@ -303,4 +296,11 @@ def hub_for_running_engine(info: Mapping[str, Any], hz: float, plan: Mapping[str
         t, d = old_store.window()
         store.extend(t, np.column_stack([d[c] for c in COLUMN_NAMES]))
         loaded = int(t.shape[0])
-    return hub, store, info, loaded
+    if legacy is not None:
+        legacy.update(engine=running.engine, pid=running.pid, binding=running.binding, log_path=running.log_path,
+                      spec=running.spec, argv=list(running.argv) if running.argv is not None else None,
+                      numa_bound=running.numa_bound, label=running.label)
+        if running.plan is not None:
+            legacy["plan"] = running.plan
+        return hub, store, legacy, loaded
+    return hub, store, running, loaded

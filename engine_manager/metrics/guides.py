@@ -128,7 +128,7 @@ def compare(decode_tok_s: float | None, users: float | None, hit_rate: float | N
             # the hit rate explains it better than NUMA when binding is in place or unknown: show it first
             c.hints.sort(key=lambda h: not h.startswith("Only"))
         first = next((h for h in c.hints if not h.startswith("Simulated")), "")
-        if first.startswith("Only"):
+        if first.startswith("Only") and hit_rate is not None:
             c.short_hint = (f"Only {hit_rate * 100:.0f}% of expert picks hit the GPU (guides ~90%): re-plan from "
                             "real traffic or give the hot set more VRAM.")
         elif first.startswith("Not bound"):

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeGuard
 
 from ..engines.base import Sample
 from .columns import COLUMN_NAMES
@@ -59,7 +59,7 @@ class Tick:
         return s
 
 
-def _finite(x: float | None) -> bool:
+def _finite(x: float | None) -> TypeGuard[float]:
     return x is not None and math.isfinite(x)
 
 
@@ -94,8 +94,9 @@ def derive(values: dict[str, float | None], simulated: bool, expert_bytes: int |
     sim = "simulated" if simulated else "engine"
     pick("swaps_per_s", ("engine_swaps_per_s", sim), ("log_swaps_per_s", "log"))
     pick("swap_mb_s", ("engine_swap_mb_s", sim), ("log_swap_mb_s", "log"))
-    if values.get("swap_mb_s") is None and _finite(values.get("swaps_per_s")) and expert_bytes:
-        values["swap_mb_s"] = values["swaps_per_s"] * expert_bytes / 1e6
+    swaps_per_s = values.get("swaps_per_s")
+    if values.get("swap_mb_s") is None and _finite(swaps_per_s) and expert_bytes:
+        values["swap_mb_s"] = swaps_per_s * expert_bytes / 1e6
         origin["swap_mb_s"] = "estimate: swaps/s × expert size"
     for c in ("decode_tok_s", "prefill_tok_s", "hit_rate", "slots_busy"):
         if _finite(values.get(c)):

@@ -249,7 +249,7 @@ def read_recording(csv_path: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     rows: list[list[float]] = []
     for t, vals in iter_rows(csv_path):
         ts.append(t)
-        rows.append([math.nan if vals[c] is None else vals[c] for c in cols])
+        rows.append([math.nan if (v := vals[c]) is None else v for c in cols])
     arr = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(cols))
     return np.asarray(ts, dtype=np.float64), {c: arr[:, i] for i, c in enumerate(cols)}
 
@@ -288,10 +288,10 @@ def export_csv(dest: Path, *, recording: Path | None = None, store: RingStore | 
                 n += 1
     elif store is not None:
         cols = list(columns) if columns is not None else list(store.columns)
-        t, data = store.window(t0, t1, cols)
+        ts, data = store.window(t0, t1, cols)
         buf.write(",".join(("t", "time", *cols)) + "\n")
-        for i in range(t.shape[0]):
-            buf.write(",".join((fmt_t(float(t[i])), iso(float(t[i])),
+        for i in range(ts.shape[0]):
+            buf.write(",".join((fmt_t(float(ts[i])), iso(float(ts[i])),
                                 *(_fmt(float(data[c][i])) for c in cols))) + "\n")
             n += 1
     else:

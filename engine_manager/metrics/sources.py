@@ -14,10 +14,12 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import psutil
 
+from .. import nvml
+from ..engines._http import bearer_headers
 from ..engines.base import Engine, LaunchSpec, LogEvent, Sample
 from .columns import ENGINE_COLUMNS, HOST_COLUMNS, LOG_COLUMNS, MAX_SLOTS, NVML_COLUMNS
 
@@ -45,7 +47,7 @@ class Source(ABC):
     def read(self) -> Reading:
         """One reading. Raise on failure (the hub shows the series as missing with the error)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release what the source holds."""
 
 
@@ -111,7 +113,7 @@ class EngineSource(Source):
         self.engine = engine
         self.spec = spec
         self.timeout_s = timeout_s
-        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        headers = bearer_headers(spec.api_key)
         self.client = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers, trust_env=False)
         self.previous: Sample | None = None
         self.model: str | None = None
@@ -193,12 +195,18 @@ def spec_for(engine: Engine, base_url: str, api_key: str) -> LaunchSpec:
 
 
 # -- the GPU driver (NVML) ------------------------------------------------------------------------------------
-_nvml_lock = threading.Lock()
+# the Monitor's column for each of engine_manager.nvml's live readings
+_NVML_TO_COLUMN = {"vram_used_bytes": "nvml_vram_used_bytes", "vram_total_bytes": "nvml_vram_total_bytes",
+                   "util_pct": "gpu_util_pct", "pcie_rx_mb_s": "nvml_pcie_rx_mb_s",
+                   "pcie_tx_mb_s": "nvml_pcie_tx_mb_s", "power_w": "gpu_power_w", "temp_c": "gpu_temp_c",
+                   "pcie_gen": "gpu_pcie_gen", "pcie_width": "gpu_pcie_width"}
 
 
 class NvmlSource(Source):
     """VRAM, utilisation, PCIe RX/TX (``nvmlDeviceGetPcieThroughput``: KB/s over ~20 ms), power, temperature,
-    PCIe generation and width of one GPU. Each figure is read on its own: one the driver refuses is missing."""
+    PCIe generation and width of one GPU (:func:`engine_manager.nvml.live_readings`). Each figure is read on its
+    own: one the driver refuses is missing. NVML is held (:func:`engine_manager.nvml.acquire`) until
+    :meth:`close`."""
 
     name = "gpu"
     columns = tuple(c.name for c in NVML_COLUMNS)
@@ -209,56 +217,31 @@ class NvmlSource(Source):
         self.handle = None
         self.nvml = None
         try:
-            import pynvml
-
-            with _nvml_lock:
-                pynvml.nvmlInit()
-            self.nvml = pynvml
-            n = pynvml.nvmlDeviceGetCount()
+            self.nvml = nvml.acquire()
+        except nvml.NvmlUnavailable as exc:   # no driver or library: a normal answer on a machine without the GPU
+            self.unavailable = f"no NVIDIA GPU: {exc}"
+            return
+        try:
+            n = nvml.device_count(self.nvml)
             if gpu_index >= n:
                 self.unavailable = f"GPU {gpu_index} not found (NVML sees {n})"
             else:
-                self.handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
-        except Exception as exc:  # no driver or library: a normal answer on a machine without the GPU
-            self.unavailable = f"no NVIDIA GPU ({type(exc).__name__}: {exc})"
-
-    def _get(self, fn, *args, scale: float = 1.0) -> float | None:
-        try:
-            return float(fn(self.handle, *args)) * scale
-        except Exception:
-            return None
+                self.handle = nvml.handle(self.nvml, gpu_index)
+        except Exception as exc:  # noqa: BLE001 - a GPU NVML cannot open is missing, with the reason
+            self.unavailable = nvml.nvml_reason(exc, f"GPU {gpu_index}")
 
     def read(self) -> Reading:
         if self.unavailable:
             raise SourceMissing(self.unavailable)
-        n = self.nvml
         v: dict[str, float | None] = {c: None for c in self.columns}
-        try:
-            mem = n.nvmlDeviceGetMemoryInfo(self.handle)
-            v["nvml_vram_used_bytes"], v["nvml_vram_total_bytes"] = float(mem.used), float(mem.total)
-        except Exception:
-            pass
-        try:
-            v["gpu_util_pct"] = float(n.nvmlDeviceGetUtilizationRates(self.handle).gpu)
-        except Exception:
-            pass
-        # KB/s → MB/s (10^3 B × 10^-6)
-        v["nvml_pcie_rx_mb_s"] = self._get(n.nvmlDeviceGetPcieThroughput, n.NVML_PCIE_UTIL_RX_BYTES, scale=1e-3)
-        v["nvml_pcie_tx_mb_s"] = self._get(n.nvmlDeviceGetPcieThroughput, n.NVML_PCIE_UTIL_TX_BYTES, scale=1e-3)
-        v["gpu_power_w"] = self._get(n.nvmlDeviceGetPowerUsage, scale=1e-3)
-        v["gpu_temp_c"] = self._get(n.nvmlDeviceGetTemperature, n.NVML_TEMPERATURE_GPU)
-        v["gpu_pcie_gen"] = self._get(n.nvmlDeviceGetCurrPcieLinkGeneration)
-        v["gpu_pcie_width"] = self._get(n.nvmlDeviceGetCurrPcieLinkWidth)
+        for key, value in nvml.live_readings(self.nvml, self.handle).items():
+            if _NVML_TO_COLUMN[key] in v:
+                v[_NVML_TO_COLUMN[key]] = value
         return Reading(v)
 
     def close(self) -> None:
-        if self.nvml is not None:
-            try:
-                with _nvml_lock:
-                    self.nvml.nvmlShutdown()   # reference-counted by the driver library
-            except Exception:
-                pass
-            self.nvml = None
+        n, self.nvml = self.nvml, None
+        nvml.release(n)                      # reference-counted by the driver library
 
 
 # -- the host (psutil) ----------------------------------------------------------------------------------------
@@ -415,11 +398,11 @@ class LogSwapSource(Source):
         self._swap_lines = False
         self._attached = False
         self._last = time.monotonic()
-        self._f = None
+        self._f: BinaryIO | None = None
         self._ino: int | None = None
         self._partial = b""
         if self.log_path is not None:
-            self._open(at_end=True)
+            self._open(self.log_path, at_end=True)
 
     # -- push API -------------------------------------------------------------------------------------------
     def push_line(self, line: str) -> LogEvent | None:
@@ -459,9 +442,9 @@ class LogSwapSource(Source):
             self._bytes_known = True
 
     # -- file tail ------------------------------------------------------------------------------------------
-    def _open(self, at_end: bool) -> None:
+    def _open(self, path: Path, at_end: bool) -> None:
         try:
-            f = open(self.log_path, "rb")
+            f = open(path, "rb")
         except OSError:
             self._f = None
             return
@@ -475,18 +458,20 @@ class LogSwapSource(Source):
             self._attached = True
 
     def _tail(self) -> None:
-        if self.log_path is None:
+        path = self.log_path
+        if path is None:
             return
         if self._f is None:
-            self._open(at_end=False)
-            if self._f is None:
-                return
+            self._open(path, at_end=False)
+        f = self._f
+        if f is None:
+            return
         try:
-            st = os.stat(self.log_path)
-            if st.st_ino != self._ino or st.st_size < self._f.tell():
+            st = os.stat(path)
+            if st.st_ino != self._ino or st.st_size < f.tell():
                 # rotated: finish the old file, then read the new one from its start
                 self._drain()
-                self._open(at_end=False)
+                self._open(path, at_end=False)
         except FileNotFoundError:
             pass
         self._drain()
@@ -559,24 +544,27 @@ class RoutingSource(Source):
         self.counts = np.zeros((self.n_layers, self.n_experts), dtype=np.float64)
         self.records = 0
         self.rotations = 0
-        self._f = None
+        self._f: BinaryIO | None = None
         self._ino: int | None = None
         self._pending = b""
 
-    def _open(self) -> bool:
+    def _open(self) -> BinaryIO | None:
+        """Open the trace (closing the one open before); the file, or None when there is no trace."""
         try:
             f = open(self.path, "rb")
         except FileNotFoundError:
-            return False
+            return None
         if self._f is not None:
             self._f.close()
         self._f, self._ino, self._pending = f, os.fstat(f.fileno()).st_ino, b""
-        return True
+        return f
 
     def _count(self, limit: int) -> int:
         """Count what the open file has past the last read (at most ``limit`` bytes); the bytes read."""
         from .. import routing
 
+        if self._f is None:
+            return 0
         data = self._f.read(limit)
         if not data:
             return 0
@@ -589,7 +577,8 @@ class RoutingSource(Source):
         return len(data)
 
     def read(self) -> Reading:
-        if self._f is None and not self._open():
+        f = self._f if self._f is not None else self._open()
+        if f is None:
             raise SourceMissing(f"no routing trace at {self.path} yet")
         before = self.records
         try:
@@ -601,8 +590,8 @@ class RoutingSource(Source):
                 pass
             self.rotations += 1
             self._open()
-        elif st is not None and st.st_size < self._f.tell():
-            self._f.seek(0)                # cut short in place: a new trace in the same file
+        elif st is not None and st.st_size < f.tell():
+            f.seek(0)                      # cut short in place: a new trace in the same file
             self._pending = b""
             self.rotations += 1
         self._count(self.MAX_READ)

@@ -200,7 +200,7 @@ class SteadyTracker:
         return True
 
     def _interval(self, a: _Obs | None, b: _Obs, period_s: float) -> None:
-        if a is None or not self._steady_pair(a, b, period_s):
+        if a is None or b.users is None or not self._steady_pair(a, b, period_s):
             self._run_start = None
             return
         if self._run_start is None:
@@ -270,7 +270,7 @@ class SteadyTracker:
                 secs += w
             if wsum >= self.recent_s:
                 break
-        if wsum <= 0 or (secs < self.min_s - 1e-6 and replies == 0):
+        if newest is None or wsum <= 0 or (secs < self.min_s - 1e-6 and replies == 0):
             return None, secs
         total = acc / wsum
         return Steady(users=users, total_tok_s=total, each_tok_s=total / users, seconds=secs, replies=replies,

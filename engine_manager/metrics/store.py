@@ -347,13 +347,14 @@ class RingStore:
                 parts_t.append(np.array([acc[0]]))
                 parts_v.append(acc[1][None, idx])
             use_overview = False
-            if max_points is not None and self._full.size:
+            full_last = self._full.last_t()
+            if max_points is not None and full_first is not None and full_last is not None:     # rows at full rate
                 f_lo = max(lo, full_first)
-                f_hi = min(hi, self._full.last_t())
+                f_hi = min(hi, full_last)
                 if f_hi > f_lo and (f_hi - f_lo) / self.overview_bucket_s * 2 >= max_points \
                         and self._full.count(f_lo, f_hi) > max_points:
                     use_overview = True
-            if use_overview:
+            if use_overview and full_first is not None:
                 # completed overview buckets (min at the bucket's start, max at its middle), then the rows of
                 # the bucket still filling at full rate, so the newest seconds are exact
                 n = len(self.columns)

@@ -3,9 +3,11 @@ that speaks Strata's endpoints and models the expert offload, labelled simulated
 
 Run it with ``python -m engine_manager.sim --plan PLAN.json --port N --api-key KEY`` (flags: ``__main__``'s
 docstring) or ``dsv41 sim``. The offload model (routing distribution, hot set, adaptive tier, cost of a token)
-lives in :mod:`.offload`; the planner can predict the sim's hit rate from :func:`expected_frequencies`.
+lives in :mod:`.offload`, the engine loop in :mod:`.model`, the HTTP layer in :mod:`.server`; the planner can
+predict the sim's hit rate from :func:`expected_frequencies`.
 """
 
+from .model import MODEL_ID, SERVICE
 from .offload import (
     GUIDE_TABLE,
     SKEWS,
@@ -18,9 +20,6 @@ from .offload import (
     parse_skew,
     predicted_hit_rate,
 )
-
-SERVICE = "strata-sim"
-MODEL_ID = "deepseek-v4.1-flash-simulated"
 
 __all__ = [
     "CostModel", "GUIDE_TABLE", "Layout", "MODEL_ID", "OffloadModel", "RoutingDistribution", "SERVICE", "SKEWS",

@@ -69,8 +69,9 @@ import threading
 import time
 from pathlib import Path
 
+from .model import Engine, Faults, Options, log
 from .offload import N_TOPICS, Layout, OffloadModel, read_strp
-from .server import Engine, Faults, Options, PortInUse, bind, log, serve
+from .server import PortInUse, bind, serve
 
 LOAD_FAILURES = {
     "cuda-oom": "CUDA error: out of memory: cudaMalloc failed while allocating the expert cache "

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from ..engines._http import bearer_headers
 from ..engines.sim import sim_env, write_key_file
 
 
@@ -102,8 +103,38 @@ class SimProcess:
                 self._cond.wait(min(left, 0.2))
 
     def wait_ready(self, timeout: float = 30.0) -> "SimProcess":
-        self.wait_for_line(r"^READY\b", timeout)
-        return self
+        """Until ``GET /health`` says ready — the one readiness probe (:func:`engine_manager.engines._http.
+        probe_health`) with Strata's rule: ``loaded: true``. Raises ``RuntimeError`` (with the log) when the sim
+        exits first or another program answers on its port, ``TimeoutError`` after ``timeout`` seconds."""
+        import httpx
+
+        from ..engines._http import probe_health
+
+        deadline = time.monotonic() + timeout
+        with httpx.Client(trust_env=False) as client:
+            while True:
+                left = deadline - time.monotonic()
+                r = probe_health(client, self.base_url, port=self.port, needs_loaded=True, service_hint="strata",
+                                 timeout_s=min(5.0, max(0.5, left)))
+                if r.state == "ready":
+                    return self
+                if r.state == "failed":
+                    raise RuntimeError(f"the sim on port {self.port} is not ready: {r.detail}; log:\n"
+                                       + self._log_tail())
+                with self._cond:
+                    if self.proc is not None and self.proc.poll() is not None and \
+                            (self._reader is None or not self._reader.is_alive()):
+                        raise RuntimeError(f"the sim exited ({self.proc.returncode}) before it was ready; log:\n"
+                                           + self._log_tail())
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"the sim was not ready within {timeout} s ({r.detail}); log:\n"
+                                           + self._log_tail())
+                    self._cond.wait(min(left, 0.1))     # a new log line (READY) wakes it at once
+
+    def _log_tail(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines[-30:])
 
     def wait_exit(self, timeout: float = 20.0) -> int:
         assert self.proc
@@ -154,7 +185,7 @@ class SimProcess:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer_headers(self.api_key)
 
     @property
     def log_text(self) -> str:

@@ -39,7 +39,8 @@ Hot set and adaptive tier
 -------------------------
 The hot set (of the plan's size) starts from an STRP profile when one is given, else from the plan's
 ``hot_set`` when the plan was made from routing data, else from the distribution's best experts — standing for the
-profile an engine release ships — or, on request, a random pick. Like Strata's adaptive tier (``--adapt-every 4 --adapt-swaps 96 --adapt-decay 0.7``), the model
+profile an engine release ships — or, on request, a random pick. Like Strata's adaptive tier
+(``--adapt-every 4 --adapt-swaps 96 --adapt-decay 0.7``), the model
 keeps decayed routing counts; every ``adapt_every`` decode steps it swaps up to ``adapt_swaps`` of the most
 routed missing experts into VRAM in place of the least routed resident ones, but only where the missing one's
 count beats the resident's by at least ``max(min_gain, z·sqrt(c_missing + c_resident))`` (hysteresis: min_gain

@@ -39,17 +39,13 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
-from engine_manager import llamacpp_bin, tinymoe  # noqa: E402
+from engine_manager import llamacpp_bin  # noqa: E402
+from engine_manager.sim.launch import free_port  # noqa: E402
+from engine_manager.testing import tinymoe  # noqa: E402
 
 KEY = "capture-key-0123456789abcdef"
 HDR = {"Authorization": f"Bearer {KEY}"}
 commands: dict[str, list[str]] = {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(name: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -173,7 +169,7 @@ def main() -> int:
             for th in ths:
                 th.join(120)
             if len(busy) == 2:
-                for i, (t, s, m) in enumerate(busy, 1):
+                for i, (t, s, _m) in enumerate(busy, 1):
                     save_json(f"slots_busy{i}.json", 200, {"t": t, "slots": s})
                 (HERE / "metrics_busy.txt").write_text(busy[0][2])
             else:

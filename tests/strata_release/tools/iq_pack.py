@@ -111,7 +111,7 @@ def main() -> int:
 
     # ---- dense.bin + index.txt (in place, as Strata writes them)
     rows, at, served = [], 0, 0
-    for name, (g, t, p) in model.where.items():
+    for name, (_g, t, _p) in model.where.items():
         if name.startswith("blk.") and name.endswith("_exps.weight"):
             continue
         ne0 = t.shape[0]
@@ -206,7 +206,7 @@ def main() -> int:
         print("experts.bin exists with the right size; not rewritten")
         return 0
     with open(path, "wb") as fo:
-        for l, gt, dt, off, blob, ts in layout:
+        for l, _gt, _dt, off, blob, ts in layout:
             fo.truncate(off + blob * n_expert)
             if l % 8 == 0:
                 print("  layer %2d  %-8s/%-7s blob %8d  at %.2f GiB" % (l, ts[0].type_name, ts[2].type_name, blob,

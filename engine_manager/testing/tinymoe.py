@@ -16,7 +16,7 @@ Two properties keep replies usable by the panel's tests:
   special tokens) is strongly negative in that dimension.
 * It never emits an end token, so a request must set ``max_tokens``.
 
-Command line: ``python -m engine_manager.tinymoe DIR [--preset tiny|gpu] [--n-layer ...]``.
+Command line: ``python -m engine_manager.testing.tinymoe DIR [--preset tiny|gpu] [--n-layer ...]``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypedDict, Unpack
 
 import numpy as np
 
@@ -72,6 +72,22 @@ class TinyMoeConfig:
         return 3 * self.n_ff_exp * self.n_embd * 2
 
 
+class TinyMoeOverrides(TypedDict, total=False):
+    """The fields of :class:`TinyMoeConfig` as keyword overrides (``write_tinymoe(dir, seed=99)``)."""
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    context_length: int
+    seed: int
+    shards: int
+    printable_only: bool
+
+
 PRESETS: dict[str, TinyMoeConfig] = {
     # what the tests run: ~1.7 MiB, loads in tens of milliseconds
     "tiny": TinyMoeConfig(),
@@ -82,21 +98,10 @@ PRESETS: dict[str, TinyMoeConfig] = {
 
 
 # -- the tokenizer ------------------------------------------------------------------------------------------------
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
 def vocabulary() -> tuple[list[str], list[int], list[str], list[bool]]:
     """(tokens, token types, merges, printable-mask). Byte tokens in byte order, then merges, then specials."""
+    from gguf.vocab import bytes_to_unicode   # GPT-2's byte → printable character map (the gguf library's)
+
     b2u = bytes_to_unicode()
     u2b = {u: b for b, u in b2u.items()}
     tokens = [b2u[b] for b in range(256)]
@@ -205,7 +210,7 @@ def shard_paths(out_dir: Path, shards: int) -> list[Path]:
 def iter_write(out_dir: Path | str, cfg: TinyMoeConfig | None = None) -> Iterator[WriteProgress]:
     """Write the model into ``out_dir``, yielding progress after each tensor. The first shard is
     ``shard_paths(out_dir, cfg.shards)[0]``; a ``tinymoe.json`` beside it records the config."""
-    import gguf  # the writer library; imported here so `import engine_manager.tinymoe` stays cheap
+    import gguf  # the writer library; imported here so `import engine_manager.testing.tinymoe` stays cheap
 
     cfg = cfg or PRESETS["tiny"]
     out_dir = Path(out_dir)
@@ -262,7 +267,8 @@ def iter_write(out_dir: Path | str, cfg: TinyMoeConfig | None = None) -> Iterato
          "n_vocab": n_vocab, "expert_bytes": cfg.expert_bytes()}, indent=1))
 
 
-def write_tinymoe(out_dir: Path | str, cfg: TinyMoeConfig | None = None, **overrides: int) -> Path:
+def write_tinymoe(out_dir: Path | str, cfg: TinyMoeConfig | None = None,
+                  **overrides: Unpack[TinyMoeOverrides]) -> Path:
     """Write the model and return the path of its first shard. ``overrides`` replace config fields."""
     cfg = replace(cfg or PRESETS["tiny"], **overrides)
     for _ in iter_write(out_dir, cfg):
@@ -271,7 +277,7 @@ def write_tinymoe(out_dir: Path | str, cfg: TinyMoeConfig | None = None, **overr
 
 
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine_manager.tinymoe",
+    p = argparse.ArgumentParser(prog="python -m engine_manager.testing.tinymoe",
                                 description="Write a deterministic random-weight qwen3moe GGUF that llama-server runs.")
     p.add_argument("dir", type=Path, help="output folder")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")

@@ -1,4 +1,4 @@
-"""A local Hugging Face hub on 127.0.0.1, for tests and demos (``python -m engine_manager.hub``).
+"""A local Hugging Face hub on 127.0.0.1, for tests and demos (``python -m engine_manager.testing.hub``).
 
 It is a real HTTP server that answers the routes ``huggingface_hub`` 2.x calls, so ``HF_ENDPOINT`` can point at it
 and the real library (``hf_hub_download``, ``snapshot_download``, ``HfApi.model_info``/``list_repo_tree``/
@@ -27,7 +27,6 @@ Admin routes (for a hub running in another process): ``POST /_hub/faults`` (JSON
 
 from __future__ import annotations
 
-import argparse
 import errno
 import fnmatch
 import hashlib
@@ -36,7 +35,6 @@ import json
 import os
 import secrets
 import select
-import signal
 import socket
 import socketserver
 import sys
@@ -45,8 +43,11 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Literal
 from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+from ..hashing import sha256_file
+from .demo import release_manifest, write_demo_release, write_demo_shards  # noqa: F401 - re-exported
 
 SEND_CHUNK = 8 << 20          # bytes per sendfile()/send() call on the fast path
 LFS_SUFFIXES = (".gguf", ".bin", ".safetensors", ".tar", ".gz", ".xz", ".zst", ".zip", ".pt", ".npz")
@@ -56,19 +57,6 @@ LFS_MIN_SIZE = 10 << 20
 # ---------------------------------------------------------------------------------------------------------------
 # content
 # ---------------------------------------------------------------------------------------------------------------
-
-def sha256_file(path: Path, bufsize: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(bufsize)
-    mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(mv[:n])
-    return h.hexdigest()
-
 
 def git_blob_oid(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
@@ -93,8 +81,11 @@ class HubFile:
         return os.open(self.source, os.O_RDONLY) if self.source is not None else None
 
     def read(self, offset: int, n: int, fd: int | None) -> bytes:
+        """``n`` bytes at ``offset``: from memory, or from ``fd`` (``open_fd()``) for a file on disk."""
         if self.data is not None:
             return self.data[offset:offset + n]
+        if fd is None:
+            raise ValueError(f"{self.path}: a file served from disk is read through its open_fd()")
         return os.pread(fd, n, offset)
 
     def tree_entry(self) -> dict[str, Any]:
@@ -114,21 +105,22 @@ class HubFile:
 
 
 def make_file(path: str, source: Path | bytes, *, lfs: bool | None = None, sha256: str | None = None) -> HubFile:
-    if isinstance(source, (bytes, bytearray)):
-        data, src = bytes(source), None
-        size = len(data)
-        sha = sha256 or hashlib.sha256(data).hexdigest()
+    content = bytes(source) if isinstance(source, (bytes, bytearray)) else Path(source)
+    if isinstance(content, bytes):
+        data, src = content, None
+        size = len(content)
+        sha = sha256 or hashlib.sha256(content).hexdigest()
     else:
-        data, src = None, Path(source)
-        size = src.stat().st_size
-        sha = sha256 or sha256_file(src)
+        data, src = None, content
+        size = content.stat().st_size
+        sha = sha256 or sha256_file(content)
     if lfs is None:
         lfs = path.lower().endswith(LFS_SUFFIXES) or size >= LFS_MIN_SIZE
     if lfs:
         pointer = lfs_pointer(sha, size)
         oid, psize = git_blob_oid(pointer), len(pointer)
     else:
-        oid, psize = git_blob_oid(data if data is not None else src.read_bytes()), 0
+        oid, psize = git_blob_oid(content if isinstance(content, bytes) else content.read_bytes()), 0
     return HubFile(path=path, size=size, sha256=sha, lfs=lfs, source=src, data=data, git_oid=oid, pointer_size=psize)
 
 
@@ -251,7 +243,7 @@ def _iso(dt: datetime) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%S.000Z")
 
 
-def parse_range(header: str | None, size: int) -> tuple[int, int] | None | str:
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None | Literal["invalid"]:
     """``bytes=a-b`` → (a, b+1). None: no (usable) range. "invalid": unsatisfiable (416)."""
     if not header or not header.strip().lower().startswith("bytes="):
         return None
@@ -620,7 +612,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except BlockingIOError:
                 _, w, _ = select.select([], [out], [], timeout)
                 if not w:
-                    raise socket.timeout("client stopped reading")
+                    raise socket.timeout("client stopped reading") from None
             except OSError as exc:
                 if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
                     continue
@@ -847,168 +839,11 @@ class LocalHub:
             self._requests.clear()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# demo content: small GGUF shards with real split metadata, and an engine release archive
-# ---------------------------------------------------------------------------------------------------------------
-
-def shard_name(n: int, count: int = 7, stem: str = "DeepSeek-V4.1-Flash-Q2_K") -> str:
-    return f"{stem}-{n:05d}-of-{count:05d}.gguf"
-
-
-def write_demo_shards(folder: Path, *, count: int = 7, bytes_per_shard: int = 1 << 20, seed: int = 41,
-                      stem: str = "DeepSeek-V4.1-Flash-Q2_K", split_no_override: dict[int, int] | None = None
-                      ) -> list[Path]:
-    """Write ``count`` small GGUF files named like the model's shards, each with the split keys
-    (``split.no``, ``split.count``, ``split.tensors.count``) and one tensor of seeded random bytes.
-    They are download fixtures, not a model."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(count):
-        p = folder / shard_name(i + 1, count, stem)
-        w = GGUFWriter(str(p), "deepseek2")
-        w.add_uint16("split.no", (split_no_override or {}).get(i, i))
-        w.add_uint16("split.count", count)
-        w.add_int32("split.tensors.count", count)
-        w.add_string("general.name", "dsv41 download fixture (not a model)")
-        n = max(32, bytes_per_shard - 512)
-        w.add_tensor(f"fixture.{i}.bytes", rng.integers(-128, 127, size=n, dtype=np.int8))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        out.append(p)
-    return out
-
-
-def write_demo_release(path: Path, version: str = "v0.1.0") -> Path:
-    """A small .tar.gz laid out like an engine release (a marked executable inside), clearly a demo."""
-    import io
-    import tarfile
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    script = ("#!/bin/sh\necho 'dsv41 local hub demo release " + version +
-              ": not the Strata engine, only a download fixture' >&2\nexit 2\n").encode()
-    readme = b"This archive comes from the dsv41 local hub (python -m engine_manager.hub --demo).\n"
-    with tarfile.open(path, "w:gz") as tar:
-        root = f"strata-{version}"
-        for name, data, mode in ((f"{root}/bin/strata-demo", script, 0o755),
-                                 (f"{root}/DEMO-RELEASE.txt", readme, 0o644)):
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mode, ti.mtime = len(data), mode, int(time.time())
-            tar.addfile(ti, io.BytesIO(data))
-    return path
-
-
-def release_manifest(hub: LocalHub, archive: Path, version: str = "v0.1.0",
-                     url_path: str | None = None) -> dict[str, Any]:
-    """Serve ``archive`` on the hub and return an engine manifest that points at it."""
-    url_path = url_path or f"/deepseek-one-gpu/releases/download/{version}/{archive.name}"
-    f = hub.add_raw(url_path, Path(archive))
-    return {"name": "strata", "version": version, "url": hub.raw_url(url_path), "size": f.size,
-            "sha256": f.sha256, "executables": ["bin/strata-demo"],
-            "note": "local hub demo release (not the engine)"}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# command line
-# ---------------------------------------------------------------------------------------------------------------
-
-def _cached_sha256(folder: Path, files: Iterable[Path]) -> dict[str, str]:
-    """sha256 of each file, cached in ``folder/.hub-sha256.json`` keyed by name, size and mtime (replica shards
-    are tens of GB: hash them once)."""
-    cache_path = folder / ".hub-sha256.json"
-    try:
-        cache = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    out = {}
-    for p in files:
-        st = p.stat()
-        key = f"{p.name}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in cache:
-            print(f"hub: hashing {p.name} ({st.st_size / 1e9:.2f} GB)…", file=sys.stderr, flush=True)
-            cache[key] = sha256_file(p)
-        out[p.name] = cache[key]
-    try:
-        cache_path.write_text(json.dumps(cache, indent=1))
-    except OSError:
-        pass
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    from .settings import DEFAULT_MODEL_REPO
+    """``python -m engine_manager.testing.hub`` (the command line and the demo: :mod:`.demo`)."""
+    from .demo import main as demo_main
 
-    p = argparse.ArgumentParser(prog="python -m engine_manager.hub",
-                                description="A local Hugging Face hub on 127.0.0.1 for tests and demos. Point "
-                                            "HF_ENDPOINT at the URL it prints.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--repo", default=DEFAULT_MODEL_REPO, help="repository id to serve the files as")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--dir", type=Path, help="serve every file of this folder (e.g. sparse replica shards)")
-    src.add_argument("--demo", type=Path, metavar="DIR",
-                     help="write seven small GGUF shards and a demo engine release into DIR and serve them")
-    src.add_argument("--replica", type=Path, metavar="DIR",
-                     help="write the planner's sparse replica of the real split into DIR (engine_manager.replica) "
-                          "and serve it")
-    p.add_argument("--demo-size-mib", type=float, default=4.0, help="size of each demo shard (MiB)")
-    p.add_argument("--token", help="require this bearer token (like a gated repo)")
-    p.add_argument("--no-redirect", action="store_true", help="serve LFS files directly, without the CDN 302")
-    p.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                   help="e.g. drop:at=1048576,path=*00002*  stall:at=0,seconds=30  corrupt:at=100,length=8  "
-                        "status:status=503,times=2  slow:rate_bps=5e6,times=inf")
-    args = p.parse_args(argv)
-
-    hub = LocalHub(args.host, args.port, token=args.token, redirect_lfs=not args.no_redirect)
-    repo = hub.repo(args.repo)
-    manifest_path = None
-    if args.demo:
-        shards = write_demo_shards(args.demo, bytes_per_shard=int(args.demo_size_mib * (1 << 20)))
-        for s in shards:
-            repo.add_file(s.name, s)
-        archive = write_demo_release(args.demo / "release" / "strata-v0.1.0-demo.tar.gz")
-        manifest = release_manifest(hub, archive)
-        manifest_path = args.demo / "release" / "engine.json"
-        manifest_path.write_text(json.dumps(manifest, indent=2))
-    else:
-        folder = args.dir or args.replica
-        if args.replica:
-            try:
-                from . import replica  # written by the planner's issue
-            except ImportError:
-                print("hub: engine_manager.replica is not available in this tree", file=sys.stderr)
-                return 2
-            replica.write_replica(args.replica)
-        if folder:
-            files = sorted(q for q in Path(folder).iterdir() if q.is_file() and not q.name.startswith("."))
-            shas = _cached_sha256(Path(folder), files)
-            for q in files:
-                repo.add_file(q.name, q, sha256=shas[q.name])
-    for spec in args.fault:
-        hub.add_fault(Fault.parse(spec))
-
-    print(f"HF_ENDPOINT={hub.url}", flush=True)
-    print(f"hub: serving {args.repo} at commit {repo.head} ({len(repo.files(repo.head))} files)", flush=True)
-    if manifest_path:
-        print(f"hub: demo engine manifest at {manifest_path} (dsv41 download --engine --engine-manifest …)",
-              flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    hub.start()
-    try:
-        while not stop.wait(0.5):
-            pass
-    except KeyboardInterrupt:
-        pass
-    hub.stop()
-    return 0
+    return demo_main(argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

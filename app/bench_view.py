@@ -1,0 +1,369 @@
+"""The Benchmark tab (issue 18): run ``engine_manager.bench`` on a worker and show its progress, the table beside
+the guides' figures, per-user bars and per-stream token timelines (the long-prompt pause), history and compare.
+
+Everything measured or decided lives in :mod:`engine_manager.bench`; this module renders its events and result.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine_manager import bench
+from engine_manager.bench import results
+
+from . import workers
+
+COLUMNS = ("users", "total tok/s", "spread", "slowest tok/s", "per stream", "first token s", "engine's total",
+           "guides' total", "guides' slowest", "ratio", "verdict")
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+
+
+def _n(x: Any, fmt: str = "{:.1f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+class BenchView(QWidget):
+    """The tab. ``run_bench()`` starts a run with the options shown; ``cancel()`` stops it (the engine is put back
+    as it was). ``finished`` carries the result document."""
+
+    finished = Signal(object)
+
+    def __init__(self, ctx, parent=None):
+        super().__init__(parent)
+        self.ctx = ctx
+        self.tasks = workers.TaskOwner(self)
+        self._stop: threading.Event | None = None
+        self.result: dict[str, Any] | None = None
+        self.last_progress: Any = None
+        self.saved_path: str | None = None
+        self.spec_overrides: dict[str, Any] = {}      # BenchSpec fields set over the options shown (tests, scripts)
+        self.formats_seen: list[str] = []             # the progress bar's texts, in order
+
+        # -- controls ----------------------------------------------------------------------------------------
+        self.engine_label = QLabel()
+        self.engine_label.setWordWrap(True)
+        self.quick = QCheckBox("Quick (64 tokens per stream)")
+        self.quick.setChecked(True)
+        self.long_prompt = QCheckBox("Long-prompt experiment (~64K tokens)")
+        self.long_prompt.setChecked(True)
+        self.preset_boxes: dict[str, QCheckBox] = {}
+        presets_row = QHBoxLayout()
+        presets_row.addWidget(QLabel("A/B:"))
+        for name in ("numerics", "numa", "hotset", "placement"):
+            box = QCheckBox(bench.PRESET_WORDS[name].split(":")[0])
+            box.setToolTip(bench.PRESET_WORDS[name])
+            self.preset_boxes[name] = box
+            presets_row.addWidget(box)
+        presets_row.addStretch(1)
+        self.run_button = QPushButton("Run benchmark")
+        self.run_button.clicked.connect(self.run_bench)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setEnabled(False)
+        self.cancel_button.clicked.connect(self.cancel)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setTextVisible(True)
+        self.progress.setFormat("idle")
+        self.phase_label = QLabel("The benchmark restarts the engine for each configuration and puts it back as "
+                                  "it was.")
+        self.phase_label.setWordWrap(True)
+        top = QHBoxLayout()
+        top.addWidget(self.engine_label, 1)
+        top.addWidget(self.run_button)
+        top.addWidget(self.cancel_button)
+        options_row = QHBoxLayout()       # a row of its own: the tab stays as narrow as the other tabs
+        options_row.addWidget(self.quick)
+        options_row.addWidget(self.long_prompt)
+        options_row.addStretch(1)
+
+        # -- results -------------------------------------------------------------------------------------------
+        self.verdict = QLabel("No benchmark run yet.")
+        self.verdict.setWordWrap(True)
+        self.verdict.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.verticalHeader().setVisible(False)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.table.horizontalHeader().setStretchLastSection(True)
+        self.details = QLabel("")
+        self.details.setWordWrap(True)
+        self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        # the Monitor's look: white background, dark axes, short titles that fit half the tab
+        self.bars = pg.PlotWidget(background="w", title="Decode tok/s per stream")
+        self.bars.setLabel("left", "tok/s")
+        self.bars.setLabel("bottom", "stream, grouped by users (last repeat)")
+        self.bars.showGrid(y=True, alpha=0.3)
+        self.timeline = pg.PlotWidget(background="w", title="Tokens over time (long prompt)")
+        self.timeline.setLabel("left", "tokens (stream n drawn 3·n higher)")
+        self.timeline.setLabel("bottom", "s since the phase began")
+        self.timeline.showGrid(x=True, y=True, alpha=0.3)
+        for plot in (self.bars, self.timeline):
+            item = plot.getPlotItem()
+            item.titleLabel.setText(item.titleLabel.text, color="#222", size="10pt")
+            for name in ("left", "bottom"):
+                item.getAxis(name).setPen(pg.mkPen("#444"))
+                item.getAxis(name).setTextPen(pg.mkPen("#333"))
+        self.timeline.addLegend(offset=(10, 10))
+        plots = QSplitter(Qt.Orientation.Horizontal)
+        plots.addWidget(self.bars)
+        plots.addWidget(self.timeline)
+
+        # -- history and compare ---------------------------------------------------------------------------
+        self.history_a = QComboBox()
+        self.history_b = QComboBox()
+        for combo in (self.history_a, self.history_b):     # a long run name must not widen the whole window
+            combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            combo.setMinimumContentsLength(16)
+        self.compare_button = QPushButton("Compare")
+        self.compare_button.clicked.connect(self.compare)
+        self.show_button = QPushButton("Show A")
+        self.show_button.clicked.connect(self.show_saved)
+        self.compare_text = QPlainTextEdit()
+        self.compare_text.setReadOnly(True)
+        hist = QWidget()
+        hl = QVBoxLayout(hist)
+        row = QHBoxLayout()
+        row.addWidget(QLabel("A:"))
+        row.addWidget(self.history_a, 1)
+        row.addWidget(QLabel("B:"))
+        row.addWidget(self.history_b, 1)
+        row.addWidget(self.show_button)
+        row.addWidget(self.compare_button)
+        hl.addLayout(row)
+        hl.addWidget(self.compare_text, 1)
+
+        result_page = QWidget()
+        rl = QVBoxLayout(result_page)
+        rl.addWidget(self.verdict)
+        self.table.setMaximumHeight(150)
+        rl.addWidget(self.table)
+        rl.addWidget(self.details)
+        rl.addWidget(plots, 3)
+        self.pages = QTabWidget()
+        self.pages.addTab(result_page, "Result")
+        self.pages.addTab(hist, "History and compare")
+
+        lay = QVBoxLayout(self)
+        lay.addLayout(top)
+        lay.addLayout(options_row)
+        lay.addLayout(presets_row)
+        lay.addWidget(self.progress)
+        lay.addWidget(self.phase_label)
+        lay.addWidget(self.pages, 1)
+
+        ctx.settingsChanged.connect(lambda _l: self._show_engine())
+        self._show_engine()
+        self.refresh_history()
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def engine_name(self) -> str:
+        return self.ctx.engine_name()
+
+    def _show_engine(self) -> None:
+        name = self.engine_name()
+        sim = " — SIMULATED: its figures check the panel's wiring, not this host" if name == "sim" else ""
+        self.engine_label.setText(f"Engine: <b>{name}</b>{sim}")
+        self.preset_boxes["placement"].setEnabled(name == "llamacpp")
+        self.preset_boxes["numerics"].setEnabled(name in ("sim", "strata"))
+        self.preset_boxes["hotset"].setEnabled(name in ("sim", "strata"))
+        if name in ("sim", "strata") and not any(b.isChecked() for b in self.preset_boxes.values()):
+            self.preset_boxes["numerics"].setChecked(True)
+
+    def spec(self) -> bench.BenchSpec:
+        name = self.engine_name()
+        presets = [p for p, b in self.preset_boxes.items() if b.isChecked() and b.isEnabled()]
+        kw: dict[str, Any] = {}
+        if not self.long_prompt.isChecked():
+            kw["long_prompt_tokens"] = 0
+        kw.update(self.spec_overrides)
+        return bench.BenchSpec.make(name, quick=self.quick.isChecked(), presets=presets, **kw)
+
+    def running(self) -> bool:
+        return self.tasks.running("bench")
+
+    # -- run -----------------------------------------------------------------------------------------------
+    def run_bench(self) -> None:
+        if self.running():
+            return
+        self._stop = threading.Event()
+        self.result = None
+        self.run_button.setEnabled(False)
+        self.cancel_button.setEnabled(True)
+        self.progress.setValue(0)
+        self.progress.setFormat("starting…")
+        self.table.setRowCount(0)
+        self.bars.clear()
+        self.timeline.clear()
+        self.verdict.setText("Running…")
+        session = getattr(self.ctx, "session", None)
+        feed = getattr(session, "feed", None)
+        self.ctx.lock_engine("The benchmark is running: it starts and stops the engine itself and puts it back "
+                             "as it was when it ends. Cancel it in the Benchmark tab to get Start/Stop back now.")
+        self.tasks.start("bench", bench.run_and_save, self.ctx.settings, self.spec(), hardware=self.ctx.hardware,
+                         stop=self._stop, on_engine_event=feed, on_event=self._on_event, on_done=self._on_done,
+                         on_error=self._on_error, on_finished=self._on_finished)
+
+    def cancel(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self.progress.setFormat("cancelling: cutting the streams, putting the engine back…")
+            self.cancel_button.setEnabled(False)
+
+    def _on_event(self, ev: Any) -> None:
+        match ev:
+            case bench.BenchProgress():
+                self.last_progress = ev
+                self.progress.setValue(int(ev.fraction * 1000))
+                eta = f" — about {ev.eta_s:.0f} s left" if ev.eta_s is not None else ""
+                self.progress.setFormat(f"{ev.phase}: %p%{eta}")
+                self.formats_seen.append(self.progress.format())
+                self.phase_label.setText(f"{ev.config + ': ' if ev.config else ''}{ev.message}")
+            case bench.BenchNote(text=text):
+                self.ctx.statusMessage.emit(text, 5000)
+            case bench.BenchPhase(phase="long_prompt", figures=figures):
+                self.plot_timeline(figures)
+
+    def _on_done(self, result: dict[str, Any] | None) -> None:
+        if not result:
+            return
+        saved = result.get("saved") or {}
+        self.saved_path = saved.get("json")
+        if saved.get("error"):
+            self.ctx.statusMessage.emit(f"The result could not be saved ({saved['error']}); it is shown here.", 8000)
+        self.show_result(result)
+        self.refresh_history()
+        self.finished.emit(result)
+
+    def _on_error(self, exc: BaseException) -> None:
+        self.verdict.setText(f"The benchmark failed: {exc}")
+
+    def _on_finished(self) -> None:
+        self.ctx.lock_engine(None)
+        self.run_button.setEnabled(True)
+        self.cancel_button.setEnabled(False)
+        if self.result is not None:
+            self.progress.setValue(1000)
+            self.progress.setFormat("cancelled" if self.result.get("cancelled") else "done")
+            self.phase_label.setText("Cancelled; the engine is as it was before." if self.result.get("cancelled")
+                                     else "Done; the engine is as it was before the benchmark.")
+
+    # -- rendering -----------------------------------------------------------------------------------------
+    def show_result(self, r: dict[str, Any]) -> None:
+        self.result = r
+        text = r.get("verdict") or ""
+        if text.startswith("SIMULATED"):
+            text = "<b>SIMULATED</b>" + text[len("SIMULATED"):]
+        self.verdict.setText(text)
+        rows = r.get("table") or []
+        self.table.setRowCount(len(rows))
+        for i, x in enumerate(rows):
+            cells = (str(x["users"]), _n(x["total_tok_s"]), _n(x["total_spread"], "{:.1%}"),
+                     _n(x["slowest_tok_s"]), _n(x["per_stream_tok_s"]), _n(x["ttft_s"], "{:.2f}"),
+                     _n(x["engine_total_tok_s"]), _n(x["guide_total_tok_s"], "{:.2f}"),
+                     _n(x["guide_slowest_tok_s"], "{:.2f}"), _n(x["ratio_total"], "{:.2f}"),
+                     x["verdict"] + (" (simulated)" if x.get("simulated") else ""))
+            for j, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setFlags(item.flags() & ~Qt.ItemFlag.ItemIsEditable)
+                self.table.setItem(i, j, item)
+        parts = bench.findings(r)
+        if self.saved_path:
+            parts.append(f"Saved: {self.saved_path} (+ .csv).")
+        self.details.setText("\n".join(parts))
+        self.plot_bars(r)
+        base = (r.get("configs") or [{}])[0].get("phases") or {}
+        if base.get("long_prompt"):
+            self.plot_timeline(base["long_prompt"])
+
+    def plot_bars(self, r: dict[str, Any]) -> None:
+        self.bars.clear()
+        phases = (r.get("configs") or [{}])[0].get("phases") or {}
+        x0 = 0.0
+        ticks: list[tuple[float, str]] = []
+        for k, ph in phases.items():
+            if not k.startswith("users_") or not ph.get("repeats"):
+                continue
+            rates = [v or 0.0 for v in ph["repeats"][-1]["per_stream_tok_s"]]
+            xs = [x0 + i for i in range(len(rates))]
+            color = PALETTE[len(ticks) % len(PALETTE)]
+            self.bars.addItem(pg.BarGraphItem(x=xs, height=rates, width=0.8, brush=color))
+            n_users = k.split("_")[1]
+            ticks.append((x0 + (len(rates) - 1) / 2, f"{n_users} user{'' if n_users == '1' else 's'}"))
+            x0 += len(rates) + 1.5
+        self.bars.getAxis("bottom").setTicks([ticks])
+
+    def plot_timeline(self, lp: dict[str, Any]) -> None:
+        self.timeline.clear()
+        for i, ts in enumerate(lp.get("timeline") or []):
+            if not ts:
+                continue
+            self.timeline.plot(ts, [k + 1 + 3 * i for k in range(len(ts))],
+                               pen=pg.mkPen(PALETTE[i % len(PALETTE)], width=2), name=f"stream {i + 1}")
+        sent, first = lp.get("sent_at_s"), lp.get("first_token_s")
+        if sent is not None and first is not None:
+            region = pg.LinearRegionItem((sent, first), movable=False, brush=pg.mkBrush(255, 0, 0, 40))
+            self.timeline.addItem(region)
+            pause = lp.get("pause_s")
+            label = pg.TextItem(f"long prompt sent → its first token: {first - sent:.2f} s"
+                                + (f"; longest pause {pause:.2f} s" if pause is not None else ""), color="#e33")
+            label.setPos(sent, 0)
+            self.timeline.addItem(label)
+
+    # -- history -------------------------------------------------------------------------------------------
+    def refresh_history(self) -> None:
+        """Read the saved runs on a worker, then fill the two lists."""
+        self.tasks.start("history", results.history, on_done=self._fill_history)
+
+    def _fill_history(self, rows: list[dict[str, Any]]) -> None:
+        for box in (self.history_a, self.history_b):
+            current = box.currentData()
+            box.clear()
+            for x in rows:
+                tot = " ".join(f"{u}u {v:.0f}" for u, v in (x.get("totals") or {}).items() if v is not None)
+                box.addItem(f"{x['id']} · {x.get('engine')}{' (sim)' if x.get('simulated') else ''} · {tot}",
+                            x["path"])
+            if current is not None:
+                i = box.findData(current)
+                if i >= 0:
+                    box.setCurrentIndex(i)
+        if self.history_b.count() > 1 and self.history_b.currentIndex() == self.history_a.currentIndex():
+            self.history_b.setCurrentIndex(1)
+
+    def show_saved(self) -> None:
+        path = self.history_a.currentData()
+        if path:
+            self.show_result(results.load(path))
+            self.pages.setCurrentIndex(0)
+
+    def compare(self) -> None:
+        a, b = self.history_a.currentData(), self.history_b.currentData()
+        if not a or not b:
+            self.compare_text.setPlainText("Run the benchmark twice to compare two runs.")
+            return
+        self.compare_text.setPlainText(results.render_compare(results.compare(results.load(a), results.load(b))))
+
+    def shutdown(self, wait_ms: int = 3000) -> bool:
+        if self._stop is not None:
+            self._stop.set()
+        return self.tasks.shutdown(wait_ms)

@@ -1,0 +1,415 @@
+"""The Monitor's plots: what each plot shows (:class:`PlotSpec`), and :class:`MonitorPlot`, a pyqtgraph PlotItem
+with its curves created once and fed with ``setData`` (pyqtgraph's PlotSpeedTest idioms: ``setClipToView(True)``,
+``setDownsampling(mode='peak')``), sticky "nice" y ranges, a legend in the title row and a hover read-out.
+
+Missing values are gaps in the curves, never zero; a lone reading is drawn as a dot.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, Qt
+from PySide6.QtGui import QFont, QFontMetricsF
+from PySide6.QtWidgets import QGraphicsItem
+
+from engine_manager import metrics as M
+from engine_manager.metrics.presenter import fmt_value
+
+GiB = float(1024**3)
+DASH = Qt.PenStyle.DashLine
+SLOT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+
+# -- what the plots show --------------------------------------------------------------------------------------
+@dataclass
+class Series:
+    column: str
+    name: str
+    color: str
+    scale: float = 1.0              # value × scale is drawn (bytes → GiB, 0..1 → %)
+    style: Qt.PenStyle = Qt.PenStyle.SolidLine
+    width: float = 1.0             # wider pens cost ~100× more to stroke in Qt's raster engine (measured:
+    # a 1,100-point jagged path, 3 ms at width 1 vs 190–270 ms at 1.6–2.4): keep 1, tell curves apart by colour
+    right: bool = False             # on the plot's right axis
+    fmt: str = "{:.1f}"
+    unit: str = ""
+
+
+@dataclass
+class PlotSpec:
+    key: str
+    title: str
+    unit: str
+    series: list[Series]
+    right_unit: str | None = None
+    y_min: float | None = 0.0
+    y_max: float | None = None
+
+
+def plot_specs() -> list[PlotSpec]:
+    pct = dict(scale=100.0, fmt="{:.1f}", unit="%")
+    gib = dict(scale=1 / GiB, fmt="{:.1f}", unit="GiB")
+    return [
+        PlotSpec("tok", "Throughput", "tok/s", [
+            Series("decode_tok_s", "decode (all slots)", "#1f77b4", unit="tok/s"),
+            # only while a prompt is read (a gap between prompts, where the card shows the last request's); Strata
+            # and the sim report prefill for all slots together, none per slot: no per-slot prefill is drawn
+            # on its own (right) axis: prompts read at hundreds of tok/s squashed a decode of ~50 to the bottom
+            Series("prefill_live_tok_s", "prefill, live (all slots; no per-slot figure)", "#ff7f0e", right=True,
+                   unit="tok/s"),
+        ], right_unit="prefill tok/s"),
+        PlotSpec("slots", "Decode per slot", "tok/s", [
+            Series(M.SLOT_COLUMNS[i], f"slot {i}", SLOT_COLORS[i], unit="tok/s")
+            for i in range(M.MAX_SLOTS)
+        ]),
+        PlotSpec("hit", "Hot-set hit rate", "%", [
+            Series("hit_rate", "observed", "#9ecae1", **pct),
+            Series("hit_rate_rolling", "rolling 60 s", "#08519c", **pct),
+            Series("hit_rate_last", "newest finished request", "#31a354", style=DASH, **pct),
+        ], y_max=100.0),
+        PlotSpec("swaps", "PCIe expert swaps", "swaps/s", [
+            Series("swaps_per_s", "swaps/s", "#d62728", fmt="{:.2f}", unit="/s"),
+            Series("swap_mb_s", "swap MB/s", "#ff9896", right=True, fmt="{:.0f}", unit="MB/s"),
+            Series("pcie_rx_mb_s", "PCIe host→GPU MB/s", "#7f7f7f", style=DASH, right=True,
+                   fmt="{:.0f}", unit="MB/s"),
+        ], right_unit="MB/s"),
+        PlotSpec("mem", "VRAM and RAM", "GiB", [
+            Series("vram_used_bytes", "VRAM used", "#2ca02c", **gib),
+            Series("vram_total_bytes", "VRAM total", "#2ca02c", style=DASH, **gib),
+            Series("ram_used_bytes", "RAM used (host)", "#9467bd", **gib),
+            Series("ram_total_bytes", "RAM total (host)", "#9467bd", style=DASH, **gib),
+            Series("engine_ram_used_bytes", "RAM, engine-reported", "#bcbd22", **gib),
+            Series("engine_rss_bytes", "engine RSS", "#8c564b", **gib),
+        ]),
+        PlotSpec("util", "CPU and GPU", "%", [
+            Series("cpu_bound_pct", "CPU bound cores", "#d62728", unit="%"),
+            Series("cpu_rest_pct", "CPU other cores", "#ff9896", unit="%"),
+            Series("cpu_total_pct", "CPU all cores", "#7f7f7f", style=DASH, unit="%"),
+            Series("gpu_util_pct", "GPU util", "#2ca02c", unit="%"),
+        ], y_max=100.0),
+    ]
+
+
+def nice_ceil(x: float) -> float:
+    """The smallest of 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8 × 10^k that is ≥ x (x > 0)."""
+    if x <= 0:
+        return 1.0
+    k = math.floor(math.log10(x))
+    for m in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0):
+        if m * 10**k >= x * (1 - 1e-12):
+            return m * 10**k
+    return 10.0 ** (k + 1)
+
+
+def nice_range(lo: float, hi: float, floor: float | None, cap: float | None) -> tuple[float, float]:
+    """A readable y range holding [lo, hi]: from ``floor`` (0 for rates) when given, else a little below the
+    data; up to a nice number above it (capped, e.g. 100 for percentages)."""
+    if floor is not None and lo >= floor:
+        bottom = floor
+        span = hi - bottom
+        top = bottom + nice_ceil(span * 1.1 if span > 0 else 1.0)
+    else:
+        span = max(hi - lo, abs(hi) * 0.05, 1e-9)
+        step = nice_ceil(span / 4)
+        bottom = math.floor((lo - 0.1 * span) / step) * step
+        top = math.ceil((hi + 0.1 * span) / step) * step
+    if cap is not None and top > cap and hi <= cap:
+        top = cap * 1.02
+    return float(bottom), float(top)
+
+
+def isolated(y: np.ndarray) -> np.ndarray:
+    """Finite values whose neighbours are both missing (or absent): a line joining finite neighbours cannot draw
+    them, so they are drawn as dots."""
+    f = np.isfinite(y)
+    prev = np.zeros_like(f)
+    nxt = np.zeros_like(f)
+    prev[1:] = f[:-1]
+    nxt[:-1] = f[1:]
+    return f & ~prev & ~nxt
+
+
+
+class _TitleItem(pg.LabelItem):
+    """A plot's title row. Unlike a plain LabelItem it does not pin its minimum width to its text's (that kept
+    the plots from narrowing with the window, so they ran off its edge): the text is wrapped to the width by
+    :meth:`MonitorPlot.relayout_title` instead; its height follows the lines."""
+
+    def updateMin(self) -> None:  # noqa: N802 - pyqtgraph naming
+        h = self.itemRect().height()
+        self.setMinimumWidth(40)
+        self.setMinimumHeight(h)
+        self._sizeHint = {Qt.SizeHint.MinimumSize: (40, h), Qt.SizeHint.PreferredSize: (40, h),
+                          Qt.SizeHint.MaximumSize: (-1, -1), Qt.SizeHint.MinimumDescent: (0, 0)}
+        self.updateGeometry()
+
+
+class MonitorPlot:
+    """A PlotItem with its curves (created once), an optional right axis, a legend and a hover read-out."""
+
+    def __init__(self, layout: pg.GraphicsLayout, spec: PlotSpec, row: int, col: int):
+        self.spec = spec
+        axis = pg.DateAxisItem(orientation="bottom")
+        self.item: pg.PlotItem = layout.addPlot(row=row, col=col, axisItems={"bottom": axis})
+        it = self.item
+        # the title row holds the title and the legend (see relayout_title), in place of the plot's own title
+        self.title = _TitleItem()
+        it.layout.removeItem(it.titleLabel)
+        it.titleLabel.hide()
+        it.layout.addItem(self.title, 0, 1)
+        it.setLabel("left", spec.unit)
+        it.getAxis("left").enableAutoSIPrefix(False)
+        # no "time" label under the clock-time ticks: the rows it took hold the legends above the plots
+        # horizontal grid lines only: the time axis redraws as the window advances, and with vertical grid
+        # lines its cached picture would span the whole plot (measured ~30 ms per plot on a software X server)
+        it.showGrid(x=False, y=True, alpha=0.25)
+        it.setClipToView(True)
+        it.setDownsampling(auto=True, mode="peak")
+        it.setMenuEnabled(True)
+        it.hideButtons()              # the auto-range "A" would fight the sticky y ranges set below
+        for name in ("left", "bottom", "right"):
+            ax = it.getAxis(name)
+            ax.setPen(pg.mkPen("#444"))
+            ax.setTextPen(pg.mkPen("#333"))
+        it.getAxis("left").setWidth(44)
+        self.right_vb: pg.ViewBox | None = None
+        if spec.right_unit:
+            self.right_vb = pg.ViewBox()
+            it.showAxis("right")
+            it.scene().addItem(self.right_vb)
+            ax = it.getAxis("right")
+            ax.linkToView(self.right_vb)
+            ax.setLabel(spec.right_unit)
+            ax.enableAutoSIPrefix(False)
+            self.right_vb.setXLink(it)
+            it.vb.sigResized.connect(self._sync_right)
+        self.curves: dict[str, pg.PlotDataItem] = {}
+        self.series: dict[str, Series] = {}
+        self.dots: dict[str, pg.ScatterPlotItem] = {}
+        for s in spec.series:
+            pen = pg.mkPen(s.color, width=s.width, style=s.style)
+            if s.right and self.right_vb is not None:
+                c = pg.PlotDataItem(pen=pen, name=f"{s.name} (right)", connect="finite")
+                c.setClipToView(True)
+                c.setDownsampling(auto=True, method="peak")
+                self.right_vb.addItem(c)
+            else:
+                c = it.plot(pen=pen, name=s.name, connect="finite")
+                c.setClipToView(True)
+                c.setDownsampling(auto=True, method="peak")
+            self.curves[s.column] = c
+            self.series[s.column] = s
+            # a reading with no neighbour (a prompt read within one poll, a slot busy for one tick) has no line
+            # segment to draw: it is a dot, so every reading shows and the y range never holds an invisible one
+            dots = pg.ScatterPlotItem(size=5, pen=None, brush=pg.mkBrush(s.color))
+            dots.setZValue(c.zValue() + 1)
+            (self.right_vb if s.right and self.right_vb is not None else it.vb).addItem(dots)
+            self.dots[s.column] = dots
+        # The legend sits in the title row, above the data, never over it (a legend inside the plot covered
+        # the newest values); it is laid out again only when the plot's width or its set of curves changes.
+        self.legend_cols: set[str] = set(self.curves)
+        self._title_width = 0.0
+        self.relayout_title(300.0)
+        self.empty: dict[str, bool] = {}
+        if spec.y_min is not None:
+            it.vb.setLimits(yMin=spec.y_min - (spec.y_max or 1) * 0.05)
+        # y ranges are set by set_data (sticky "nice" bounds), not re-fitted on every tick: an axis whose range
+        # is unchanged is not redrawn, and the scale does not jitter while you read it
+        it.vb.disableAutoRange(axis=pg.ViewBox.YAxis)
+        self.y_ranges: dict[str, tuple[float, float]] = {}
+        # static parts are painted once into a pixmap and blitted (Qt's device-coordinate cache): a tick then
+        # repaints the curves, not the legend, the axes' text and the grid (those redraw when their range moves)
+        for name in ("left", "bottom", "right"):
+            it.getAxis(name).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
+        self.title.setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
+        self.cursor = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen("#888", style=DASH))
+        self.cursor.setZValue(50)
+        self.cursor.hide()
+        it.addItem(self.cursor, ignoreBounds=True)
+        self.readout = pg.TextItem("", anchor=(0, 1), color="#222", fill=pg.mkBrush(255, 255, 255, 230),
+                                   border=pg.mkPen("#bbb"))
+        # a child of the view box itself (not of its data group), so it stays above the curves
+        self.readout.setParentItem(it.vb)
+        self.readout.setZValue(200)
+        f = QFont()
+        f.setPointSizeF(8.0)
+        self.readout.setFont(f)
+        self.readout.hide()
+        self.ref_line: pg.InfiniteLine | None = None
+        self.note = pg.TextItem("", anchor=(0, 1), color="#8a5a00")
+        self.note.setZValue(90)
+        it.addItem(self.note, ignoreBounds=True)
+        self.data_t: np.ndarray = np.empty(0)
+        self.data: dict[str, np.ndarray] = {}
+
+    LEGEND_PT = 7.5
+
+    def legend_entries(self) -> list[tuple[str, str, str]]:
+        """(swatch, colour, name) of the curves shown, in order."""
+        out = []
+        for col, s in self.series.items():
+            if col not in self.legend_cols:
+                continue
+            swatch = "╍╍" if s.style != Qt.PenStyle.SolidLine else "━━"
+            name = f"{s.name} (right axis)" if s.right and self.right_vb is not None else s.name
+            out.append((swatch, s.color, name))
+        return out
+
+    def relayout_title(self, width: float) -> None:
+        """The title and the legend above the plot, wrapped into as many lines as ``width`` px needs."""
+        width = max(160.0, float(width))
+        if abs(width - self._title_width) < 8 and getattr(self, "_title_cols", None) == self.legend_cols:
+            return
+        self._title_width = width
+        self._title_cols = set(self.legend_cols)
+        small = QFont()
+        small.setPointSizeF(self.LEGEND_PT)
+        big = QFont()
+        big.setPointSizeF(9.0)
+        big.setBold(True)
+        fm_s, fm_b = QFontMetricsF(small), QFontMetricsF(big)
+        esc = lambda t: t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")   # noqa: E731
+        width -= 50 + (50 if self.right_vb is not None else 0)     # the axes beside the title row
+        lines: list[list[str]] = [[f"<span style='font-size:9pt; color:#222'><b>{esc(self.spec.title)}</b></span>"]]
+        used = fm_b.horizontalAdvance(self.spec.title) + 14
+        for swatch, color, name in self.legend_entries():
+            w = fm_s.horizontalAdvance(f"{swatch} {name}") + 14
+            if used + w > width - 10 and len(lines[-1]) > 0 and used > 0:
+                lines.append([])
+                used = 0
+            lines[-1].append(f"<span style='font-size:{self.LEGEND_PT}pt; color:{color}'>{swatch}</span>"
+                             f"<span style='font-size:{self.LEGEND_PT}pt; color:#333'>&nbsp;{esc(name)}</span>")
+            used += w
+        html = "<br>".join("&nbsp;&nbsp;&nbsp;".join(parts) for parts in lines if parts)
+        self.title.setText(html)
+        self.item.layout.setRowFixedHeight(0, self.title.itemRect().height())
+
+    def show_columns(self, visible: set[str]) -> None:
+        """Show only these curves (and their legend entries): e.g. the slots the engine has."""
+        changed = False
+        for col, curve in self.curves.items():
+            want = col in visible
+            if want == curve.isVisible() and (col in self.legend_cols) == want:
+                continue
+            curve.setVisible(want)
+            self.dots[col].setVisible(want)
+            changed = True
+            if want:
+                self.legend_cols.add(col)
+            else:
+                self.legend_cols.discard(col)
+        if changed:
+            self.relayout_title(self._title_width or 300.0)
+
+    def _sync_right(self) -> None:
+        if self.right_vb is not None:
+            self.right_vb.setGeometry(self.item.vb.sceneBoundingRect())
+            self.right_vb.linkedViewChanged(self.item.vb, self.right_vb.XAxis)
+
+    def set_data(self, t: np.ndarray, cols: dict[str, np.ndarray], fit_y: bool = True,
+                 x_range: tuple[float, float] | None = None) -> None:
+        self.data_t = t
+        self.data = {}
+        for col, curve in self.curves.items():
+            y = cols.get(col)
+            if y is None:
+                continue
+            s = self.series[col]
+            y = y.astype(np.float64) * s.scale if s.scale != 1.0 else y.astype(np.float64)
+            self.data[col] = y
+            if not curve.isVisible():
+                continue
+            if t.size == 0 or not np.isfinite(y).any():
+                if self.empty.get(col) is not True:        # already empty: nothing to redraw
+                    curve.setData([], [])
+                    self.dots[col].setData([], [])
+                    self.empty[col] = True
+            else:
+                curve.setData(t, y, connect="finite")
+                lone = isolated(y)
+                if lone.any() or self.dots[col].data.size:
+                    self.dots[col].setData(t[lone], y[lone])
+                self.empty[col] = False
+        if fit_y:
+            self.fit_y(x_range)
+
+    def fit_y(self, x_range: tuple[float, float] | None = None) -> None:
+        """Sticky 'nice' y ranges over the visible data: changed only when the data leaves the range or fills
+        less than 40% of it."""
+        if self.data_t.size and x_range is not None:
+            vis = (self.data_t >= x_range[0]) & (self.data_t <= x_range[1])
+        else:
+            vis = slice(None)
+        for side, vb in (("left", self.item.vb), ("right", self.right_vb)):
+            if vb is None:
+                continue
+            vals = [self.data[c][vis] for c, s in self.series.items()
+                    if c in self.data and s.right == (side == "right") and self.curves[c].isVisible()]
+            if side == "left" and self.ref_line is not None and self.ref_line.isVisible():
+                vals.append(np.array([self.ref_line.value()]))
+            finite = np.concatenate([v[np.isfinite(v)] for v in vals]) if vals else np.empty(0)
+            if finite.size == 0:
+                continue
+            lo_d, hi_d = float(finite.min()), float(finite.max())
+            cur = self.y_ranges.get(side)
+            if cur is not None and cur[0] <= lo_d and hi_d <= cur[1] and \
+                    (hi_d - min(lo_d, cur[0] if self.spec.y_min is not None else lo_d)) >= 0.4 * (cur[1] - cur[0]):
+                continue
+            rng = nice_range(lo_d, hi_d, self.spec.y_min, self.spec.y_max if side == "left" else None)
+            if rng != cur:
+                self.y_ranges[side] = rng
+                vb.setYRange(*rng, padding=0)
+
+    def set_reference(self, value: float | None, label: str, unknown_note: str = "") -> None:
+        """A horizontal reference line (the planner's predicted hit rate)."""
+        if value is None:
+            if self.ref_line is not None:
+                self.ref_line.hide()
+            self.note.setText(unknown_note)
+            return
+        if self.ref_line is None:
+            self.ref_line = pg.InfiniteLine(angle=0, movable=False,
+                                            pen=pg.mkPen("#e6550d", style=Qt.PenStyle.DashDotLine),
+                                            label=label, labelOpts={"position": 0.55, "color": "#e6550d",
+                                                                    "fill": (255, 255, 255, 200)})
+            self.ref_line.setZValue(-5)       # under the curves: an observed rate on the prediction stays visible
+            self.item.addItem(self.ref_line, ignoreBounds=False)
+        self.ref_line.setValue(value)
+        self.ref_line.label.setFormat(label)
+        self.ref_line.show()
+        self.note.setText("")
+
+    def place_note(self) -> None:
+        (x0, x1), (y0, y1) = self.item.vb.viewRange()
+        self.note.setPos(x0, y0 + 0.02 * (y1 - y0))
+
+    def hover(self, x: float | None) -> None:
+        if x is None or self.data_t.size == 0:
+            self.cursor.hide()
+            self.readout.hide()
+            return
+        i = int(np.clip(np.searchsorted(self.data_t, x), 0, self.data_t.size - 1))
+        if i > 0 and abs(self.data_t[i - 1] - x) < abs(self.data_t[i] - x):
+            i -= 1
+        t = float(self.data_t[i])
+        lines = [time.strftime("%H:%M:%S", time.localtime(t))]
+        for col, y in self.data.items():
+            if not self.curves[col].isVisible():
+                continue
+            s = self.series[col]
+            v = float(y[i]) if i < y.size else float("nan")
+            lines.append(f"{s.name}: {fmt_value(v, s.fmt, s.unit)}")
+        self.cursor.setPos(t)
+        self.cursor.show()
+        self.readout.setText("\n".join(lines))
+        # beside the cursor, at the bottom of the plot, on whichever side has room
+        (x0, x1), (y0, y1) = self.item.vb.viewRange()
+        right_half = t > (x0 + x1) / 2
+        self.readout.setAnchor((1.03, 1) if right_half else (-0.03, 1))
+        self.readout.setPos(self.item.vb.mapFromView(QPointF(t, y0)))
+        self.readout.show()
+

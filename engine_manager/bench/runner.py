@@ -1,0 +1,755 @@
+"""The benchmark run: for each configuration, (re)start the engine through the supervisor, warm it up, measure
+decode at 1/4/8 concurrent streams (repeats), the long-prompt experiment, then restore the engine as it was.
+
+:func:`run_bench` is a generator of typed events (:class:`BenchProgress`, :class:`BenchPhase`, :class:`BenchDone`)
+that returns the result document (see :mod:`.results` for its schema). The CLI prints the events, the GUI turns
+them into signals, the tests assert on them. ``stop`` (a ``threading.Event``) cancels: open streams are cut, the
+bench's engine is stopped and the engine that ran before (if any) is started again with its own settings and plan.
+
+Configurations (:class:`BenchConfig`) are the A/B of issue 18: settings overrides (``numa_binding``,
+``cpu_numerics``, ``slots``, ``vram_reserve_mib``, ``llamacpp_load_mode``), a hot-set size (``expert_cache``: the
+scripted engine's and Strata's ``--expert-cache``) and, for llama.cpp, which MoE layers keep their experts in RAM
+(``cpu_layers``). The first configuration is the baseline; every other one is reported as a ratio to it.
+
+The scripted engine cannot see a NUMA binding (it is a Python process that models one), so a configuration with
+``numa_binding`` off also passes it ``--numa unbound``; likewise ``--reply-tokens`` makes its replies as long as the
+bench asks (a real engine is asked with ``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ClassVar, Generator, Iterator
+
+import httpx
+
+from ..chat import ChatClient, ChatOptions
+from ..errors import UserError
+from ..eventbase import Event
+from ..events import Crashed, StartFailed
+from ..events import Progress as EngineProgress
+from ..metrics.guides import GUIDE_TABLE, GUIDE_UNBOUND_1_USER, is_guide_model
+from ..session import RunningEngine
+from . import prompts as P
+from .stats import summary
+from .streams import StreamRecord, Streams, decode_figures
+
+# The guides' figure for each preset's effect on one user (ENGINE_CONTRACT.md §1): --cpu-numerics gpu costs 25.7%,
+# no NUMA binding ~53 instead of 63.11 tok/s.
+GUIDE_EFFECT = {"cpu_numerics=gpu": 1 - 0.257, "numa_binding=off": GUIDE_UNBOUND_1_USER / GUIDE_TABLE[1][0]}
+SIM_REPLY_TOKENS = 8192
+
+
+# ------------------------------------------------------------------------------------------------ configuration
+@dataclass
+class BenchConfig:
+    name: str
+    label: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)     # Settings field → value
+    expert_cache: int | str | None = None                      # hot-set size in experts, or "half"
+    cpu_layers: list[int] | str | None = None                  # llama.cpp: "half" | "all" | "none" | layers
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BenchConfig":
+        return cls(**{k: d[k] for k in ("name", "label", "settings", "expert_cache", "cpu_layers") if k in d})
+
+    def effect_key(self) -> str | None:
+        for k, v in self.settings.items():
+            key = f"{k}={v}"
+            if key in GUIDE_EFFECT:
+                return key
+        return None
+
+
+BASELINE = BenchConfig("baseline", "baseline (your settings)")
+
+# What the baseline sets for each preset (its A side); the preset's configuration is the B side
+PRESET_BASELINE: dict[str, dict[str, Any]] = {"numerics": {"cpu_numerics": "fork"}, "numa": {"numa_binding": "auto"},
+                                              "hotset": {}, "placement": {}}
+# The guides' three settings (issue 18 §2), plus llama.cpp's placement
+PRESETS: dict[str, list[BenchConfig]] = {
+    "numerics": [BenchConfig("numerics_gpu", "--cpu-numerics gpu", {"cpu_numerics": "gpu"})],
+    "numa": [BenchConfig("numa_off", "NUMA binding off", {"numa_binding": "off"})],
+    "hotset": [BenchConfig("hotset_half", "hot set halved", expert_cache="half")],
+    "placement": [BenchConfig("half_in_ram", "half the MoE layers' experts in RAM", cpu_layers="half")],
+}
+PRESET_WORDS = {"numerics": "CPU numerics: fork vs gpu (the guides: gpu costs 25.7% at 1 user)",
+                "numa": "NUMA binding: auto vs off (the guides: ~53 → 63 tok/s at 1 user)",
+                "hotset": "Hot set: the plan's vs half of it (the guides: ~9 in 10 picks on the GPU)",
+                "placement": "llama.cpp: all experts on the GPU vs half of the MoE layers in RAM"}
+
+
+def parse_config(text: str) -> BenchConfig:
+    """``NAME:key=value,key=value`` (keys: Settings fields, ``expert_cache``, ``cpu_layers``) — the CLI's
+    ``--config``. Plain-words :class:`UserError` on a bad one."""
+    name, _, rest = text.partition(":")
+    name = name.strip()
+    if not name or not rest:
+        raise UserError(f"bad --config {text!r}: write NAME:key=value[,key=value], e.g. gpu_num:cpu_numerics=gpu")
+    cfg = BenchConfig(name, name)
+    for part in rest.split(","):
+        k, eq, v = part.partition("=")
+        k, v = k.strip(), v.strip()
+        if not eq or not k:
+            raise UserError(f"bad --config {text!r}: {part!r} is not key=value")
+        if k == "expert_cache":
+            cfg.expert_cache = v if v == "half" else _int(v, text)
+        elif k == "cpu_layers":
+            cfg.cpu_layers = v if v in ("half", "all", "none") else [_int(x, text) for x in v.split("+") if x]
+        else:
+            cfg.settings[k] = _int(v, text) if v.isdigit() else v
+    return cfg
+
+
+def _int(v: str, text: str) -> int:
+    try:
+        return int(v)
+    except ValueError:
+        raise UserError(f"bad --config {text!r}: {v!r} is not a whole number") from None
+
+
+@dataclass
+class BenchSpec:
+    engine: str = "sim"
+    users: tuple[int, ...] = (1, 4, 8)
+    tokens: int = 256                 # generated per stream in a decode phase
+    prompt_tokens: int = 128          # each decode stream's prompt
+    repeats: int = 3
+    long_prompt_tokens: int = 65536   # the guides' ~64K-token prompt; 0 = skip the experiment
+    long_users: int = 4               # streams decoding while it arrives
+    ab_users: tuple[int, ...] = (1,)  # what the other configurations measure
+    configs: list[BenchConfig] = field(default_factory=list)     # after the baseline
+    baseline: BenchConfig = field(default_factory=lambda: BenchConfig(**BASELINE.to_dict()))
+    quick: bool = False
+    hub_hz: float = 2.0
+    timeout_s: float = 900.0          # one phase's limit
+
+    @classmethod
+    def make(cls, engine: str = "sim", quick: bool = False, presets: list[str] | None = None, **kw) -> "BenchSpec":
+        if presets is None:
+            presets = ["numerics"] if engine in ("sim", "strata") else []
+        configs = [BenchConfig(**c.to_dict()) for p in presets for c in PRESETS[p]]
+        baseline = BenchConfig(**BASELINE.to_dict())
+        for p in presets:
+            baseline.settings.update(PRESET_BASELINE[p])
+        if baseline.settings:
+            baseline.label = "baseline (" + ", ".join(f"{k} {v}" for k, v in baseline.settings.items()) + ")"
+        base: dict[str, Any] = dict(engine=engine, quick=quick, configs=configs, baseline=baseline)
+        if quick:
+            base.update(tokens=64, repeats=3)
+        base.update(kw)
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["users"], d["ab_users"] = list(self.users), list(self.ab_users)
+        return d
+
+
+# ------------------------------------------------------------------------------------------------ events
+@dataclass(frozen=True)
+class BenchProgress(Event):
+    kind: ClassVar[str] = "progress"
+    config: str
+    phase: str
+    message: str
+    fraction: float
+    elapsed_s: float
+    eta_s: float | None
+
+
+@dataclass(frozen=True)
+class BenchPhase(Event):
+    """A phase measured (``figures`` as in the result document); ``timeline`` holds each stream's token times
+    (seconds from the phase's start) for the plots."""
+    kind: ClassVar[str] = "phase"
+    config: str
+    phase: str
+    figures: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BenchNote(Event):
+    kind: ClassVar[str] = "note"
+    text: str
+
+
+@dataclass(frozen=True)
+class BenchDone(Event):
+    kind: ClassVar[str] = "done"
+    result: dict[str, Any]
+    cancelled: bool = False
+
+
+BenchEvent = BenchProgress | BenchPhase | BenchNote | BenchDone
+
+
+class Cancelled(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------ engine control
+class EngineControl:
+    """Start the engine for each configuration through the supervisor; put back what ran before.
+
+    ``supervisor_factory(settings)`` makes a :class:`engine_manager.supervisor.Supervisor`; only its public API is
+    used (``status``, ``run(engine, plan, watch=False)``, ``stop``)."""
+
+    def __init__(self, settings: Any, hardware: Any = None, supervisor_factory: Callable[..., Any] | None = None,
+                 on_engine_event: Callable[[Any], None] | None = None):
+        from .. import supervisor as sv
+        self.sv = sv
+        self.on_engine_event = on_engine_event    # every supervisor event (the GUI hands them to its EngineSession)
+        self.settings = settings
+        self.hardware = hardware
+        self.factory = supervisor_factory or (lambda s: sv.Supervisor(s, hardware=hardware, auto_restart=False))
+        self.current: Any = None          # the supervisor of the engine the bench started
+        self.prior: dict[str, Any] | None = None
+
+    def take_over(self) -> Iterator[BenchEvent]:
+        """Note what runs now; stop it (it is started again by :meth:`restore`)."""
+        sup = self.factory(self.settings)
+        st = sup.status(check_health=False)
+        if st.external:
+            raise UserError(f"Port {self.settings.port} is used by a program the panel did not start "
+                            f"({self.sv.describe_owner(st.external)}). Stop it, or set another port in Settings, "
+                            "then run the benchmark again.")
+        if st.running:
+            self.prior = {"engine": st.engine, "plan": st.plan(), "settings": self.settings}
+            yield BenchNote(f"Stopping the running {st.engine} engine for the benchmark; it is started again "
+                            "with its own settings when the benchmark ends.")
+            yield from self._drain(sup.stop(), self.on_engine_event)
+        sup.close()
+
+    def start(self, settings: Any, engine: str, plan: dict[str, Any] | None
+              ) -> Generator[BenchEvent, None, RunningEngine]:
+        """Start ``engine`` with ``settings``; returns a :class:`RunningEngine` when it is ready."""
+        self.stop_current_sync()
+        sup = self.factory(settings)
+        self.current = sup
+        failure = None
+        gen = sup.run(engine, plan, watch=False)
+        while True:
+            try:
+                ev = next(gen)
+            except StopIteration as stop:
+                st = stop.value
+                break
+            if self.on_engine_event is not None:
+                self.on_engine_event(ev)
+            match ev:
+                case StartFailed(message=message, fix=fix):
+                    failure = f"{message} {fix}".strip()
+                case Crashed(title=title, fix=fix):
+                    failure = f"{title}. {fix}".strip()
+                case EngineProgress(phase=phase) if phase:
+                    yield BenchNote(f"engine: {phase}")
+        st = st or sup.status(check_health=False)
+        if st is None or st.state != self.sv.READY:
+            raise UserError(f"The {engine} engine did not start for the benchmark: "
+                            f"{failure or (st.message if st else 'no status')}. Look at the engine's log "
+                            "(`dsv41 logs`), fix the setting it names, then run the benchmark again.")
+        base_url = st.base_url or st.spec.base_url
+        return RunningEngine.from_status(st, base_url, settings.api_key, engine=engine,
+                                         gpu_index=int(getattr(settings, "gpu_index", 0)))
+
+    def stop_current_sync(self) -> None:
+        if self.current is not None:
+            for ev in self.current.stop():
+                if self.on_engine_event is not None:
+                    self.on_engine_event(ev)
+            self.current.close()
+            self.current = None
+
+    def restore(self) -> Iterator[BenchEvent]:
+        self.stop_current_sync()
+        if self.prior:
+            yield BenchNote(f"Starting the {self.prior['engine']} engine again as it was before the benchmark.")
+            sup = self.factory(self.prior["settings"])
+            try:
+                yield from self._drain(sup.run(self.prior["engine"], self.prior["plan"], watch=False),
+                                       self.on_engine_event)
+            finally:
+                sup.close()
+
+    @staticmethod
+    def _drain(gen, forward: Callable[[Any], None] | None = None) -> Generator[BenchEvent, None, Any]:
+        while True:
+            try:
+                ev = next(gen)
+            except StopIteration as stop:
+                return stop.value
+            if forward is not None:
+                forward(ev)
+            match ev:
+                case StartFailed(message=text) | Crashed(title=text):
+                    yield BenchNote(f"engine: {text}")
+
+
+# ------------------------------------------------------------------------------------------------ the run
+class _Clock:
+    """Progress with ETA: every step has a nominal weight (seconds at the guides' speed); the ETA scales what is
+    left by how fast the done part went against its nominal weight."""
+
+    def __init__(self, weights: list[tuple[str, float]]):
+        self.weights = weights
+        self.total = sum(w for _, w in weights) or 1.0
+        self.done = 0.0
+        self.t0 = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def fraction(self) -> float:
+        # rounded: the steps credited in parts (a decode phase repeat by repeat) add up to the total only up to
+        # floating-point error, and the end must read exactly 1.0
+        return min(1.0, round(self.done / self.total, 9))
+
+    def eta(self) -> float | None:
+        if self.done <= 0:
+            return None
+        return self.elapsed() / self.done * (self.total - self.done)
+
+
+def _engine_extra(engine: str) -> dict[str, Any]:
+    # a real engine stops at its end-of-sequence token; the bench wants exactly max_tokens tokens
+    return {} if engine == "sim" else {"ignore_eos": True}
+
+
+class BenchRun:
+    """One benchmark (use :func:`run_bench`)."""
+
+    def __init__(self, settings: Any, spec: BenchSpec, *, plan: dict[str, Any] | None = None, hardware: Any = None,
+                 stop: threading.Event | None = None, supervisor_factory: Callable[..., Any] | None = None,
+                 on_token: Callable[[str, int, float], None] | None = None,
+                 on_engine_event: Callable[[Any], None] | None = None):
+        self.settings = settings
+        self.spec = spec
+        self.plan = plan
+        self.hardware = hardware
+        self.stop = stop or threading.Event()
+        self.control = EngineControl(settings, hardware, supervisor_factory, on_engine_event)
+        self.on_token = on_token
+        self.ratio = P.TokenRatio()
+        self.results: list[dict[str, Any]] = []
+        self.clock = _Clock(self._weights())
+        self.phase_label = ""
+
+    # -- plan of work ----------------------------------------------------------------------------------------
+    def _weights(self) -> list[tuple[str, float]]:
+        s = self.spec
+        w: list[tuple[str, float]] = []
+        for ci, cfg in enumerate([s.baseline] + s.configs):
+            w.append((f"{cfg.name}:start", 5.0))
+            w.append((f"{cfg.name}:warmup", 2.0))
+            users = s.users if ci == 0 else s.ab_users
+            for u in users:
+                g = GUIDE_TABLE.get(u, GUIDE_TABLE[8])[1]
+                w.append((f"{cfg.name}:users_{u}", s.repeats * (s.tokens / g + 0.5)))
+            if ci == 0 and s.long_prompt_tokens:
+                w.append((f"{cfg.name}:long_prompt", 15.0))
+        return w
+
+    def _advance(self, key: str, share: float = 1.0) -> None:
+        """Credit ``share`` of step ``key``'s weight as done (a decode phase is credited repeat by repeat, so the
+        bar and the ETA move within it)."""
+        self.clock.done += share * dict(self.clock.weights).get(key, 0.0)
+
+    def _progress(self, cfg: str, phase: str, message: str) -> BenchProgress:
+        return BenchProgress(cfg, phase, message, self.clock.fraction(), self.clock.elapsed(), self.clock.eta())
+
+    def _check(self) -> None:
+        if self.stop.is_set():
+            raise Cancelled()
+
+    # -- settings per configuration -----------------------------------------------------------------------------
+    def _settings_for(self, cfg: BenchConfig, long: bool = False) -> Any:
+        """The engine's settings for a configuration. The KV cache keeps the size the user's settings give it
+        (slots × context per slot), split over the slots the phase needs: the decode phases' short requests need
+        little context per slot, so the hot set keeps the VRAM the plan gives it; the long-prompt experiment gets
+        ``long_users`` + 1 slots with room for the long prompt (a larger KV cache: the plan may hold fewer experts
+        in VRAM then, as it would for a user who sets that context)."""
+        s = self.spec
+        kv_total = int(self.settings.slots) * int(self.settings.context_length)
+        if long:
+            slots = max(2, min(8, s.long_users + 1))
+            need = int(s.long_prompt_tokens * 1.25) + self._long_decode_tokens() + 2048
+        else:
+            slots = max(s.users) if s.users else 1
+            need = int(s.prompt_tokens * 1.5) + max(s.tokens, 64) + 1024
+        upd: dict[str, Any] = {"slots": min(8, max(1, slots)),
+                               "context_length": max(need, kv_total // max(1, slots))}
+        upd.update(cfg.settings)
+        sim_args = str(getattr(self.settings, "sim_args", "") or "")
+        if s.engine == "sim":
+            extra = [f"--reply-tokens {SIM_REPLY_TOKENS}"]
+            if upd.get("numa_binding") == "off":
+                extra.append("--numa unbound")
+            if cfg.expert_cache is not None:
+                extra.append(f"--expert-cache {self._expert_cache(cfg)}")
+            upd["sim_args"] = " ".join([sim_args] + extra).strip()
+        cls = type(self.settings)
+        unknown = [k for k in upd if k not in getattr(cls, "model_fields", upd)]
+        if unknown:
+            raise UserError(f"The configuration {cfg.name!r} sets {', '.join(unknown)}, which is not a setting. Use "
+                            "the names of `dsv41 settings show`.")
+        try:
+            return cls.model_validate({**self.settings.model_dump(), **upd})
+        except Exception as exc:  # noqa: BLE001 - a bad override is the user's input
+            first = str(exc).splitlines()[:3]
+            raise UserError(f"The configuration {cfg.name!r} sets a value the settings refuse ({' '.join(first)}). "
+                            "Use the values `dsv41 settings show` lists.") from None
+
+    def _expert_cache(self, cfg: BenchConfig) -> int:
+        if cfg.expert_cache == "half":
+            from ..sim.offload import REF_HOT, Layout
+            n = Layout.from_plan(self.plan).n_hot if self.plan else REF_HOT
+            return max(1, n // 2)
+        return int(str(cfg.expert_cache))
+
+    def _plan_for(self, cfg: BenchConfig, settings: Any) -> dict[str, Any] | None:
+        plan = dict(self.plan) if self.plan else None
+        if self.spec.engine == "llamacpp" and cfg.cpu_layers is not None:
+            from ..engines.llamacpp import resolve_model
+            from ..layout import read_layout
+            model = resolve_model(settings, plan)
+            moe = list(read_layout(model).moe_layers)
+            layers = {"half": moe[: len(moe) // 2], "all": moe, "none": []}.get(cfg.cpu_layers, cfg.cpu_layers) \
+                if isinstance(cfg.cpu_layers, str) else list(cfg.cpu_layers)
+            plan = dict(plan or {})
+            plan["model"] = {**(plan.get("model") or {}), "file": str(model), "moe_layers": moe}
+            plan["llamacpp_cpu_layers"] = layers
+        if plan is not None:
+            plan["settings"] = {**(plan.get("settings") or {}), "slots": settings.slots,
+                                "context_length": settings.context_length, "kv_type": settings.kv_type}
+        return plan
+
+    def _long_decode_tokens(self) -> int:
+        return 4096 if self.spec.engine == "sim" else 16384
+
+    # -- the run -----------------------------------------------------------------------------------------------
+    def run(self) -> Generator[BenchEvent, None, dict[str, Any]]:
+        s = self.spec
+        t_start = time.time()
+        doc: dict[str, Any] = {"started_at": t_start, "spec": s.to_dict(), "configs": self.results}
+        cancelled = False
+        error = None
+        yield self._progress("", "prepare", "Checking what runs now…")
+        try:
+            yield from self.control.take_over()
+            for ci, cfg in enumerate([s.baseline] + s.configs):
+                self._check()
+                yield from self._run_config(ci, cfg)
+        except (Cancelled, KeyboardInterrupt):      # Ctrl-C in the CLI lands here: restore, then the result
+            cancelled = True
+        except UserError as exc:
+            error = str(exc)
+        except BaseException:
+            # closed from outside (GeneratorExit: a worker asked to quit, the caller gone) or a bug: put the engine
+            # back without yielding (a closing generator must not yield), then let it go on
+            try:
+                for _ in self.control.restore():
+                    pass
+            except Exception:  # noqa: BLE001 - the original exception matters more
+                pass
+            raise
+        yield self._progress("", "restore", "Putting the engine back as it was…")
+        try:
+            yield from self.control.restore()
+        except Exception as exc:  # noqa: BLE001 - said, and the result is still saved
+            yield BenchNote(f"Could not start the previous engine again ({exc}); start it from the Engine tab "
+                            "or with `dsv41 start`.")
+        from .results import assemble
+        doc.update(finished_at=time.time(), duration_s=time.time() - t_start, cancelled=cancelled, error=error,
+                   token_ratio=self.ratio.to_dict())
+        result = assemble(doc, self.settings, self.hardware)
+        yield BenchDone(result, cancelled=cancelled)
+        return result
+
+    def _run_config(self, ci: int, cfg: BenchConfig) -> Iterator[BenchEvent]:
+        s = self.spec
+        settings = self._settings_for(cfg)
+        plan = self._plan_for(cfg, settings)
+        out: dict[str, Any] = {"config": cfg.to_dict(), "baseline": ci == 0, "phases": {}, "monitor": {},
+                               "settings": _settings_words(settings)}
+        self.results.append(out)
+        yield self._progress(cfg.name, "start", f"Starting the engine: {cfg.label or cfg.name}")
+        eng = yield from self.control.start(settings, s.engine, plan)
+        self._advance(f"{cfg.name}:start")
+        out["engine"] = {**eng.to_dict(), "model": self._model_name(eng),
+                         "llamacpp_cpu_layers": (plan or {}).get("llamacpp_cpu_layers")}
+        with self._measuring(eng, plan, out) as client:
+            self.phase_label = "warmup"
+            yield self._progress(cfg.name, "warmup", "Warming up (not counted) and measuring how the engine counts "
+                                                      "tokens…")
+            out["phases"]["warmup"] = self._warmup(client, s.engine)
+            self._advance(f"{cfg.name}:warmup")
+            users = s.users if ci == 0 else s.ab_users
+            for u in users:
+                if u > settings.slots:
+                    yield BenchNote(f"{u} users need {u} slots; the engine has {settings.slots}: skipped.")
+                    self._advance(f"{cfg.name}:users_{u}")       # nothing left to wait for there
+                    continue
+                reps = []
+                for r in range(s.repeats):
+                    self._check()
+                    self.phase_label = f"users_{u}"
+                    yield self._progress(cfg.name, f"users_{u}",
+                                         f"{u} user{'s' if u > 1 else ''} decoding, repeat {r + 1} of {s.repeats}")
+                    figs = self._decode(client, u, r, s.engine)
+                    reps.append(figs)
+                    self._advance(f"{cfg.name}:users_{u}", 1.0 / s.repeats)
+                    yield BenchPhase(cfg.name, f"users_{u}", figs)
+                out["phases"][f"users_{u}"] = _combine(reps)
+        if ci == 0 and s.long_prompt_tokens:
+            self._check()
+            lsettings = self._settings_for(cfg, long=True)
+            lplan = self._plan_for(cfg, lsettings)
+            out["long_settings"] = _settings_words(lsettings)
+            yield self._progress(cfg.name, "long_prompt", f"Restarting the engine with {lsettings.slots} slots of "
+                                                           f"{lsettings.context_length:,} tokens for the long prompt")
+            leng = yield from self.control.start(lsettings, s.engine, lplan)
+            mon: dict[str, Any] = {"monitor": {}}
+            with self._measuring(leng, lplan, mon) as client:
+                self.phase_label = "long_warmup"
+                self._one(client, P.words(P.TokenRatio().words_for(64), 9), 8, s.engine)
+                self.phase_label = "long_prompt"
+                n = max(1, min(s.long_users, lsettings.slots - 1))
+                yield self._progress(cfg.name, "long_prompt",
+                                     f"{n} users decoding while a ~{s.long_prompt_tokens:,}-token prompt arrives")
+                figs = self._long_prompt(client, n, s.engine)
+                out["phases"]["long_prompt"] = figs
+                yield BenchPhase(cfg.name, "long_prompt", figs)
+            out["monitor"].update({k: v for k, v in mon["monitor"].items() if k == "long_prompt"})
+            self._advance(f"{cfg.name}:long_prompt")
+
+    @contextlib.contextmanager
+    def _measuring(self, eng: RunningEngine, plan: dict[str, Any] | None, out: dict[str, Any]):
+        """A chat client for the phases, with the monitor's collectors running beside it."""
+        hub, ticks = self._start_hub(eng, plan)
+        client = ChatClient(eng.base_url, eng.api_key, read_timeout_s=max(120.0, self.spec.timeout_s))
+        try:
+            yield client
+        finally:
+            client.close()
+            self.phase_label = ""
+            if hub is not None:
+                try:
+                    hub.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            out["monitor"] = {**out.get("monitor", {}), **_monitor_summary(ticks)}
+
+    def _model_name(self, eng: RunningEngine) -> str | None:
+        try:
+            r = httpx.get(eng.base_url + "/v1/models", headers={"Authorization": f"Bearer {eng.api_key}"},
+                          timeout=5.0, trust_env=False)
+            data = r.json().get("data") or []
+            return str(data[0].get("id")) if data else None
+        except Exception:  # noqa: BLE001 - the name only decides "n/a"
+            return None
+
+    # -- monitor ---------------------------------------------------------------------------------------------
+    def _start_hub(self, eng: RunningEngine, plan: dict[str, Any] | None):
+        ticks: list[tuple[str, dict[str, float | None]]] = []
+        try:
+            from ..metrics import build_hub
+            hub = build_hub(eng.engine, eng.base_url, eng.api_key, spec=eng.spec, pid=eng.pid, binding=eng.binding,
+                            log_path=eng.log_path, gpu_index=eng.gpu_index, hz=self.spec.hub_hz, plan=plan,
+                            record=False, use_nvml=not eng.simulated)
+
+            def listen(tick) -> None:
+                if self.phase_label:
+                    ticks.append((self.phase_label, dict(tick.values)))
+            hub.add_listener(listen)
+            hub.start()
+            return hub, ticks
+        except Exception:  # noqa: BLE001 - the figures stand without the monitor's
+            return None, ticks
+
+    # -- phases ----------------------------------------------------------------------------------------------
+    def _one(self, client: ChatClient, text: str, max_tokens: int, engine: str) -> StreamRecord:
+        st = Streams(client, [P.messages(text)], [ChatOptions(max_tokens=max_tokens, temperature=0.0, seed=1,
+                                                              extra=_engine_extra(engine))]).start()
+        if not st.wait(self.spec.timeout_s, self.stop):
+            self._check()
+        return st.records[0]
+
+    def _warmup(self, client: ChatClient, engine: str) -> dict[str, Any]:
+        short = self._one(client, P.words(1, 7), 8, engine)
+        n_words = 256
+        long = self._one(client, P.words(n_words, 8), 16, engine)
+        for r in (short, long):
+            if r.error:
+                raise UserError(f"The engine failed the warm-up request: {r.error}")
+        self.ratio = P.calibrate(short.prompt_tokens, long.prompt_tokens, n_words)
+        return {"excluded": True, "prompt_tokens": [short.prompt_tokens, long.prompt_tokens],
+                "token_ratio": self.ratio.to_dict(), "ttft_s": long.ttft_s}
+
+    def _token_cb(self, phase: str) -> Callable[[int, float], None] | None:
+        on_token = self.on_token
+        if on_token is None:
+            return None
+        return lambda i, t: on_token(phase, i, t)
+
+    def _decode(self, client: ChatClient, users: int, rep: int, engine: str) -> dict[str, Any]:
+        s = self.spec
+        n_words = self.ratio.words_for(s.prompt_tokens)
+        texts = [P.words(n_words, 1000 * users + 100 * rep + i) for i in range(users)]
+        opts = [ChatOptions(max_tokens=s.tokens, temperature=0.0, seed=i, extra=_engine_extra(engine))
+                for i in range(users)]
+        cb = self._token_cb(f"users_{users}")
+        st = Streams(client, [P.messages(t) for t in texts], opts, on_token=cb)
+        t0 = time.perf_counter()
+        st.start()
+        if not st.wait(s.timeout_s, self.stop):
+            self._check()
+            raise UserError(f"{users} streams did not finish within {s.timeout_s:.0f} s; the engine may be stuck.")
+        figs = decode_figures(st.records)
+        if figs["errors"]:
+            raise UserError(f"The engine failed a request at {users} users: {figs['errors'][0]}")
+        figs["repeat"] = rep
+        figs["prompt_check"] = [P.length_check(s.prompt_tokens, r.prompt_tokens) for r in st.records]
+        figs["timeline"] = [[round(t - t0, 4) for t in r.token_times] for r in st.records]
+        return figs
+
+    def _long_prompt(self, client: ChatClient, n: int, engine: str) -> dict[str, Any]:
+        s = self.spec
+        n_words = self.ratio.words_for(s.prompt_tokens)
+        dec_opts = [ChatOptions(max_tokens=self._long_decode_tokens(), temperature=0.0, seed=i,
+                                extra=_engine_extra(engine)) for i in range(n)]
+        cb = self._token_cb("long_prompt")
+        dec = Streams(client, [P.messages(P.words(n_words, 5000 + i)) for i in range(n)], dec_opts, on_token=cb)
+        t0 = time.perf_counter()
+        dec.start()
+        # every stream decoding for a few tokens first
+        end = time.monotonic() + s.timeout_s
+        while not all(len(r.token_times) >= 8 for r in dec.records):
+            if self.stop.is_set() or time.monotonic() > end or dec.alive() < n:
+                dec.cancel()
+                dec.wait(10)
+                self._check()
+                errs = [r.error for r in dec.records if r.error]
+                raise UserError("The long-prompt experiment's decoding streams did not start"
+                                + (f": {errs[0]}" if errs else "."))
+            time.sleep(0.02)
+        long_words = self.ratio.words_for(s.long_prompt_tokens)
+        long_text = P.words(long_words, 64)
+        lp = Streams(client, [P.messages(long_text)], [ChatOptions(max_tokens=4, temperature=0.0, seed=99,
+                                                                   extra=_engine_extra(engine))])
+        lp.start()
+        ok = lp.wait(s.timeout_s, self.stop)
+        long_rec = lp.records[0]
+        # a little decoding after the prompt was read, then the decoders are cut
+        if ok and long_rec.token_times:
+            after = long_rec.token_times[0]
+            until = time.monotonic() + 10.0
+            while time.monotonic() < until and not self.stop.is_set() and \
+                    not all(sum(t > after for t in r.token_times) >= 8 for r in dec.records):
+                time.sleep(0.02)
+        dec.cancel()
+        dec.wait(30)
+        self._check()
+        if long_rec.error:
+            raise UserError(f"The engine failed the long prompt: {long_rec.error}. A context of "
+                            f"{s.long_prompt_tokens:,} tokens per slot may be more than it can hold; run with a "
+                            "smaller --long-prompt.")
+        sent = long_rec.sent_at
+        first = long_rec.token_times[0] if long_rec.token_times else None
+        gaps = [r.max_gap(after=sent, before=(first + 1.0) if first else None) for r in dec.records]
+        before = [r.max_gap(before=sent) for r in dec.records]
+        ttft = long_rec.ttft_s
+        return {
+            "users_decoding": n,
+            "prompt_check": P.length_check(s.long_prompt_tokens, long_rec.prompt_tokens),
+            "prompt_tokens": long_rec.prompt_tokens,
+            "max_gap_s": gaps,
+            "pause_s": max((g for g in gaps if g is not None), default=None),
+            "max_gap_before_s": before,
+            "ttft_s": ttft,
+            "prefill_tok_s_client": (long_rec.prompt_tokens / ttft) if long_rec.prompt_tokens and ttft else None,
+            "prefill_tok_s_engine": long_rec.engine_prompt_tok_s,
+            "prompt_ms_engine": long_rec.engine_prompt_ms,
+            "sent_at_s": round(sent - t0, 4),
+            "first_token_s": round(first - t0, 4) if first else None,
+            "timeline": [[round(t - t0, 4) for t in r.token_times] for r in dec.records],
+            "client_cpu_s": sum(r.client_cpu_s for r in dec.records) + long_rec.client_cpu_s,
+        }
+
+
+def _settings_words(settings: Any) -> dict[str, Any]:
+    return {k: getattr(settings, k) for k in ("numa_binding", "cpu_numerics", "slots", "vram_reserve_mib",
+                                              "context_length", "kv_type", "sim_args") if hasattr(settings, k)}
+
+
+def _combine(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """A decode phase's repeats: median and spread of each figure, every repeat kept, the last one's timeline."""
+    per_stream = [x for r in reps for x in r["per_stream_tok_s"] if x is not None]
+    ttft = [x for r in reps for x in r["ttft_s"] if x is not None]
+    checks = [c for r in reps for c in r.get("prompt_check", [])]
+    return {
+        "users": reps[0]["users"] if reps else None,
+        "total_tok_s": summary(r["total_tok_s"] for r in reps),
+        "slowest_tok_s": summary(r["slowest_tok_s"] for r in reps),
+        "per_stream_tok_s": summary(per_stream),
+        "ttft_s": summary(ttft),
+        "engine_total_tok_s": summary(r["engine_total_tok_s"] for r in reps),
+        "client_cpu_share": summary(r["client_cpu_share"] for r in reps),
+        "client_cpu_per_stream_s": summary(r["client_cpu_per_stream_s"] for r in reps),
+        "prompt_ok": all(c["ok"] is not False for c in checks),
+        "prompt_ratio": summary(c["ratio"] for c in checks),
+        "repeats": [{k: v for k, v in r.items() if k != "timeline"} for r in reps],
+        "timeline": reps[-1]["timeline"] if reps else [],
+    }
+
+
+def _monitor_summary(ticks: list[tuple[str, dict[str, float | None]]]) -> dict[str, Any]:
+    """Mean hit rate, PCIe host→GPU, swap rate and decode rate per phase, from the monitor's collectors."""
+    out: dict[str, Any] = {}
+    for phase in dict.fromkeys(p for p, _ in ticks):
+        rows = [v for p, v in ticks if p == phase]
+        d: dict[str, Any] = {}
+        # the live hit rate where the engine gives one, else its newest finished request's (Strata, the sim)
+        picked = [next((r.get(c) for c in ("hit_rate", "hit_rate_last") if r.get(c) is not None), None) for r in rows]
+        hits = [float(h) for h in picked if h is not None]
+        d["hit_rate"] = sum(hits) / len(hits) if hits else None
+        for col in ("pcie_rx_mb_s", "swaps_per_s", "decode_tok_s", "gpu_util_pct", "cpu_bound_pct"):
+            xs = [float(x) for x in (r.get(col) for r in rows) if x is not None]
+            d[col] = sum(xs) / len(xs) if xs else None
+        d["ticks"] = len(rows)
+        out[phase] = d
+    return out
+
+
+def run_bench(settings: Any, spec: BenchSpec, **kw) -> Generator[BenchEvent, None, dict[str, Any]]:
+    """Run the benchmark (see the module docstring); returns the result document (also in :class:`BenchDone`)."""
+    return (yield from BenchRun(settings, spec, **kw).run())
+
+
+def run_and_save(settings: Any, spec: BenchSpec, folder: Any = None, **kw
+                 ) -> Generator[BenchEvent, None, dict[str, Any]]:
+    """:func:`run_bench`, then the result saved (JSON + CSV, :func:`.results.save`) on the same thread; the result
+    gains ``saved`` (the two paths, or ``error``: why it could not be written)."""
+    from .results import save
+    result = yield from run_bench(settings, spec, **kw)
+    try:
+        jp, cp = save(result, folder)
+        result["saved"] = {"json": str(jp), "csv": str(cp)}
+    except OSError as exc:
+        result["saved"] = {"error": f"{exc}"}
+    return result
+
+
+def guide_effect(cfg: BenchConfig) -> float | None:
+    key = cfg.effect_key()
+    return GUIDE_EFFECT.get(key) if key else None
+
+
+def is_guides_model(name: str | None) -> bool | None:
+    return is_guide_model(name)

@@ -1,0 +1,174 @@
+"""Engines the panel only attaches to: a plain OpenAI-compatible server, and the base of the vLLM and SGLang
+adapters (:mod:`.vllm`, :mod:`.sglang`).
+
+The panel never starts these (``build_launch`` refuses in plain words); it reaches them through a saved
+connection (:mod:`engine_manager.connections`). A plain OpenAI server says nothing about its load: every figure
+is missing (``None``), and the monitor shows it so. The Prometheus-speaking subclasses map their documented
+``/metrics`` names (:attr:`METRICS`) onto the common :class:`~.base.Sample`: requests running / waiting, KV-cache
+usage, prompt / generation token counters → rates between two scrapes, TTFT and end-to-end latency histograms →
+p50/p90/p99 over the requests that finished between two scrapes (:mod:`.prom`), per-GPU figures where the server
+labels them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import EngineSetupError
+from . import prom
+from ._http import bearer_headers
+from .base import Engine, LaunchSpec, Readiness, Sample
+
+#: latency percentiles are taken over the requests that finished since a baseline scrape at most this old
+PERCENTILE_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class MetricNames:
+    """The Prometheus names one engine documents (None: it has none for that figure)."""
+
+    running: str | None = None           # gauge: requests being generated now
+    waiting: str | None = None           # gauge: requests queued
+    kv_usage: str | None = None          # gauge 0..1: KV-cache usage
+    kv_usage_old: str | None = None      # an older name of the same gauge
+    prompt_tokens: str | None = None     # counter (sample name, with _total)
+    generation_tokens: str | None = None
+    requests: str | None = None          # counter of finished requests
+    ttft: str | None = None              # histogram base name, seconds
+    e2e: str | None = None               # histogram base name, seconds
+    gen_throughput: str | None = None    # gauge tok/s, when the engine computes one itself
+    per_gpu_labels: tuple[str, ...] = ()  # labels that split figures per GPU / rank
+
+
+class _PromState:
+    """What one poll hands the next (through ``Sample.extra['prom_state']``): the last scrape and the baseline
+    the latency percentiles are taken from."""
+
+    __slots__ = ("last", "base")
+
+    def __init__(self, last: prom.Scrape, base: prom.Scrape | None):
+        self.last, self.base = last, base
+
+    def __deepcopy__(self, memo):          # Sample.to_dict() copies extras: this one is shared, never edited
+        return self
+
+    def __repr__(self) -> str:
+        return "<prom state>"
+
+
+class OpenAICompatEngine(Engine):
+    """A server that speaks the OpenAI API and nothing else the panel knows. Attach only."""
+
+    name = "openai_compat"
+    label = "OpenAI-compatible server (attached)"
+    simulated = False
+    attach_only = True
+    METRICS: MetricNames | None = None
+    health_paths: tuple[str, ...] = ("/v1/models",)
+
+    def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
+        raise EngineSetupError(
+            f"The panel cannot start {self.label.replace(' (attached)', '')}: it only attaches to one that runs. "
+            "Start it yourself, then add it with `dsv41 connections add NAME URL` and use --connection NAME.")
+
+    def _headers(self, spec: LaunchSpec) -> dict[str, str]:
+        return bearer_headers(spec.api_key)
+
+    def readiness(self, client: Any, spec: LaunchSpec) -> Readiness:
+        import httpx
+
+        for path in self.health_paths:
+            try:
+                r = client.get(spec.base_url + path, headers=self._headers(spec), timeout=5.0)
+            except httpx.ConnectError:
+                return Readiness("loading", f"connection refused at {spec.base_url}")
+            if r.status_code == 200:
+                return Readiness("ready", f"{path} answered 200")
+            if r.status_code in (401, 403):
+                return Readiness("failed", f"{path} refused the API key (HTTP {r.status_code})")
+        return Readiness("loading", f"HTTP {r.status_code} from {self.health_paths[-1]}")
+
+    def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
+        if self.METRICS is None:
+            r = client.get(spec.base_url + "/v1/models", headers=self._headers(spec), timeout=5.0)
+            r.raise_for_status()
+            return Sample(t=time.time(), engine=self.name,
+                          extra={"attach_only": True, "note": "a plain OpenAI server reports no load figures"})
+        r = client.get(spec.base_url + "/metrics", headers=self._headers(spec), timeout=5.0)
+        r.raise_for_status()
+        t = time.time()
+        return self.sample_from_text(r.text, t, previous)
+
+    # -- Prometheus → Sample ------------------------------------------------------------------------------------
+    def sample_from_text(self, text: str, t: float, previous: Sample | None) -> Sample:
+        m = self.METRICS
+        assert m is not None
+        cur = prom.parse(text, t)
+        st = previous.extra.get("prom_state") if previous is not None else None
+        last = st.last if isinstance(st, _PromState) else None
+        base = st.base if isinstance(st, _PromState) else None
+        if base is None or last is None:
+            base = last
+        elif cur.t - base.t > PERCENTILE_WINDOW_S:
+            base = last                   # the window moves on: percentiles over the requests since the last scrape
+
+        def total(name: str | None) -> float | None:
+            return cur.total(name) if name else None
+
+        running, waiting = total(m.running), total(m.waiting)
+        # a 0..1 gauge exported once per rank: the mean over ranks is the figure (a sum of fractions is not one)
+        kv = _mean_gauge(cur, m.kv_usage)
+        if kv is None:
+            kv = _mean_gauge(cur, m.kv_usage_old)
+        gen_total = total(m.generation_tokens)
+        req_total = total(m.requests)
+        extra: dict[str, Any] = {"attach_only": True, "kv_cache_usage": kv}
+        if m.gen_throughput:
+            extra["engine_gen_tok_s"] = total(m.gen_throughput)
+        next_base = base
+        for key, hist in (("ttft", m.ttft), ("e2e", m.e2e)):
+            if hist:
+                extra.update(prom.percentiles(cur, base, hist).as_dict(key))
+                if (base is not None and cur.buckets(hist) is not None and base.buckets(hist) is not None
+                        and prom.delta_buckets(cur.buckets(hist), base.buckets(hist)) is None):
+                    next_base = cur       # the server restarted (counts went down): measure from this scrape on
+        extra["prom_state"] = _PromState(cur, next_base)
+        extra["per_gpu"] = self._per_gpu(cur) or None
+        state = None if running is None else ("generating" if running > 0 else "idle")
+        return Sample(
+            t=t, engine=self.name, state=state,
+            decode_tok_s=prom.rate(cur, last, m.generation_tokens) if m.generation_tokens else None,
+            prefill_tok_s=prom.rate(cur, last, m.prompt_tokens) if m.prompt_tokens else None,
+            slots_busy=None if running is None else int(running),
+            queued=None if waiting is None else int(waiting),
+            requests_total=None if req_total is None else int(req_total),
+            tokens_generated_total=None if gen_total is None else int(gen_total),
+            extra=extra,
+        )
+
+    def _per_gpu(self, cur: prom.Scrape) -> dict[str, dict[str, float | None]]:
+        m = self.METRICS
+        assert m is not None
+        out: dict[str, dict[str, float | None]] = {}
+        for label in m.per_gpu_labels:
+            for key, name in (("running", m.running), ("waiting", m.waiting),
+                              ("kv_cache_usage", m.kv_usage or m.kv_usage_old)):
+                if not name:
+                    continue
+                for rank, v in cur.by_label(name, label).items():
+                    out.setdefault(f"{label}={rank}", {})[key] = v
+        return out
+
+
+def _mean_gauge(cur: prom.Scrape, name: str | None) -> float | None:
+    """The mean of a gauge over its label sets (one label set: its value); None when it is not exported."""
+    if not name:
+        return None
+    rows = [v for _, v in cur.samples.get(name, ())]
+    return sum(rows) / len(rows) if rows else None
+
+
+ENGINE = OpenAICompatEngine()

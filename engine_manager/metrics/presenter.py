@@ -1,0 +1,269 @@
+"""What the Monitor's "now" cards and status line show, and ``dsv41 monitor``'s line: computed from a
+:class:`~engine_manager.metrics.hub.Tick` (and the hub that made it), with no Qt, so the GUI cards, the CLI and the
+tests read the same words.
+
+Each card is a :class:`CardText`: the big value (with its unit), a line of detail, whether it is simulated, a
+tooltip and whether the value is *stale* (not a live reading: the last request's, or the engine stopped). Missing
+is "—", never 0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .columns import MAX_SLOTS, SLOT_COLUMNS
+from .hub import Tick
+
+GiB = float(1024**3)
+DASH = "—"
+
+# (key, title) of the cards, in the order the Monitor lays them out
+CARDS: tuple[tuple[str, str], ...] = (
+    ("decode", "Decode"), ("prefill", "Prefill"), ("hit", "GPU hit rate"), ("swaps", "Expert swaps"),
+    ("pcie", "PCIe"), ("vram", "VRAM"), ("ram", "RAM"), ("cpu", "CPU"), ("gpu", "GPU"),
+    ("engine", "Engine process"))
+
+PREFILL_SLOTS_NOTE = ("All slots together: Strata and the scripted engine report no per-slot prefill, so none is "
+                      "drawn.")
+STOPPED_TIP = "The engine is not running: no live figures."
+
+
+@dataclass(frozen=True)
+class CardText:
+    value: str
+    detail: str = ""
+    simulated: bool = False
+    tip: str = ""
+    stale: bool = False                 # not a live reading (the last request's, or the engine stopped): greyed
+
+
+@dataclass(frozen=True)
+class PlacementFeed:
+    """What the Monitor tells the Placement tab about the running engine: the plan it runs and its routing trace
+    (``counts`` None), or observed routing counts (layers × experts)."""
+    plan: Mapping[str, Any] | None = None
+    trace: str | None = None
+    counts: Any = None
+
+
+def fmt_value(v: float | None, fmt: str = "{:.1f}", unit: str = "") -> str:
+    if v is None or not math.isfinite(v):
+        return DASH
+    s = fmt.format(v)
+    return f"{s} {unit}".strip()
+
+
+def gib_pair(used: float | None, total: float | None) -> str:
+    if used is None:
+        return DASH
+    if total is None:
+        return f"{used / GiB:.1f} GiB"
+    return f"{used / GiB:.1f} / {total / GiB:.0f} GiB"
+
+
+def origin_words(origin: str | None) -> str:
+    return {"simulated": "modelled by the scripted engine", "driver": "GPU driver (NVML)",
+            "engine": "reported by the engine"}.get(origin or "", "")
+
+
+def is_idle(values: Mapping[str, float | None]) -> bool:
+    """No slot busy: nothing decodes, whatever a window still emptying says."""
+    return values.get("slots_busy") == 0
+
+
+def state_text(tick: Tick) -> str:
+    st = tick.sample.state if tick.sample is not None else None
+    return f"state: {st}" if st else ""
+
+
+def decode_tip(tick: Tick, last_reply: float | None) -> str:
+    per = f"{1.0 / tick.hz:g} s poll interval" if tick.engine == "llamacpp" else "last 2 s (the engine's window)"
+    tip = (f"Tokens generated per second over the {per}, all slots together. A reply shorter than that is "
+           "averaged with the idle time around it, so a short burst reads lower than the chat's own figure.")
+    if last_reply is not None:
+        tip += f" The newest finished reply decoded at {last_reply:,.1f} tok/s by the engine's own timing."
+    return tip
+
+
+def slots_total(tick: Tick) -> int | None:
+    """How many slots the engine has (the per-slot plot shows that many curves); None when unknown."""
+    total = tick.values.get("slots_total")
+    return None if total is None else min(MAX_SLOTS, int(total))
+
+
+def slot_columns(n: int) -> set[str]:
+    return {SLOT_COLUMNS[i] for i in range(min(MAX_SLOTS, int(n)))}
+
+
+def cards(tick: Tick) -> dict[str, CardText]:
+    """Every card's text for one tick."""
+    v = tick.values
+    sim = tick.simulated
+    miss = tick.missing
+    out: dict[str, CardText] = {}
+
+    def why(source: str) -> str:
+        return f"missing: {miss[source]}" if source in miss else ""
+
+    dec, pre = v.get("decode_tok_s"), v.get("prefill_tok_s")
+    busy, total = v.get("slots_busy"), v.get("slots_total")
+    slots = (f"{busy:.0f}/{total:.0f} slots busy" if busy is not None and total is not None
+             else f"{busy:.0f} slots busy" if busy is not None else "")
+    q = v.get("queued")
+    if q:
+        slots += f" · {q:.0f} queued"
+    snap = tick.notes.get("steady")
+    last_reply = getattr(snap, "last_reply_tok_s", None)
+    idle = is_idle(v)
+    if idle:
+        slots = f"idle · last reply {last_reply:,.0f} tok/s" if last_reply is not None else "idle"
+    # nothing decodes while every slot is idle: no rate, whatever a window still emptying says ("48.1 tok/s
+    # · idle" read as a live rate); the last reply's own figure is in the detail line
+    out["decode"] = CardText(DASH if idle else fmt_value(dec, "{:.1f}", "tok/s"), slots, sim,
+                             why("engine") or decode_tip(tick, last_reply))
+    live = tick.notes.get("prefill_live")
+    state = state_text(tick)
+    # not live: the last request's rate, said in the value itself (the value changes every tick anyway;
+    # a title that changed would relay the card out)
+    pre_text = fmt_value(pre, "{:.0f}", "tok/s")
+    out["prefill"] = CardText(
+        pre_text if live is not False or pre is None else f"last {pre_text}",
+        state if live is not False else f"last request · {state.removeprefix('state: ')}".rstrip(" ·"),
+        sim,
+        why("engine") or ("Prompt tokens read per second, live while a prompt is read. " + PREFILL_SLOTS_NOTE
+                          if live is not False else
+                          "No prompt is being read now: this is the last request's prompt rate, not a live one; "
+                          "the Throughput plot leaves a gap here. " + PREFILL_SLOTS_NOTE),
+        stale=live is False)
+    hr, roll, pred = v.get("hit_rate"), v.get("hit_rate_rolling"), tick.predicted_hit_rate
+    pred_s = "planner: unknown" if pred is None else f"planner {pred * 100:.1f}%"
+    # Strata reports a hit rate only when a request finishes (no live figure): the adapter's extra says the
+    # newest finished request's (hit_rate_last) and a token-weighted one over the recent finished requests
+    hx = getattr(tick.sample, "extra", None) or {}
+    hr_last, hr_recent, hr_n = hx.get("hit_rate_last"), hx.get("hit_rate_recent"), hx.get("hit_rate_recent_requests")
+    no_live = hr is None and hr_last is not None
+    if no_live:
+        hr = hr_last
+    hr_text = fmt_value(None if hr is None else hr * 100, "{:.1f}", "%")
+    idle_hr = (busy == 0 and hr is not None and tick.engine != "llamacpp") or no_live  # llama.cpp's: placement's
+    rolling = (f"last {hr_n:.0f} requests {fmt_value(hr_recent * 100, '{:.1f}', '%')}"
+               if hr_recent is not None and hr_n else
+               f"rolling {fmt_value(None if roll is None else roll * 100, '{:.1f}', '%')}")
+    out["hit"] = CardText(
+        f"last request {hr_text}" if hr_last is not None and idle_hr else f"last {hr_text}" if idle_hr else hr_text,
+        f"{rolling} · {pred_s}", sim,
+        why("engine") or ("The newest finished request's share of expert picks that hit the GPU: the engine "
+                          "reports it when a request finishes, not while one runs." if no_live else
+                          "Idle: the last request's share of expert picks that hit the GPU."
+                          if idle_hr else "Expert picks that hit the GPU, while decoding."),
+        stale=idle_hr)
+    sw, swmb, swt = v.get("swaps_per_s"), v.get("swap_mb_s"), v.get("swaps_total")
+    det = fmt_value(swmb, "{:.0f}", "MB/s")
+    if swt is not None:
+        det += f" · {swt:,.0f} total"
+    if "swap_mb_s" in tick.origin and tick.origin["swap_mb_s"].startswith("estimate"):
+        det += " (est.)"
+    out["swaps"] = CardText(fmt_value(sw, "{:.2f}", "/s"), det,
+                            sim and tick.origin.get("swaps_per_s") == "simulated",
+                            "; ".join(x for x in (why("engine"), why("log")) if x))
+    rx, tx = v.get("pcie_rx_mb_s"), v.get("pcie_tx_mb_s")
+    gen_, width = v.get("gpu_pcie_gen"), v.get("gpu_pcie_width")
+    link = f" · gen {gen_:.0f} ×{width:.0f}" if gen_ is not None and width is not None else ""
+    out["pcie"] = CardText(f"RX {fmt_value(rx, '{:.0f}', 'MB/s')}", f"TX {fmt_value(tx, '{:.0f}', 'MB/s')}{link}",
+                           tick.origin.get("pcie_rx_mb_s") == "simulated", why("gpu"))
+    vu, vt = v.get("vram_used_bytes"), v.get("vram_total_bytes")
+    out["vram"] = CardText(gib_pair(vu, vt), origin_words(tick.origin.get("vram_used_bytes")),
+                           tick.origin.get("vram_used_bytes") == "simulated",
+                           "; ".join(x for x in (why("gpu"), why("engine")) if x))
+    ru, rt = v.get("ram_used_bytes"), v.get("ram_total_bytes")
+    out["ram"] = CardText(gib_pair(ru, rt), "host (psutil)", False, why("host"))
+    cb, cr, ct = v.get("cpu_bound_pct"), v.get("cpu_rest_pct"), v.get("cpu_total_pct")
+    if cb is not None:
+        out["cpu"] = CardText(f"bound {fmt_value(cb, '{:.0f}', '%')}",
+                              f"rest {fmt_value(cr, '{:.0f}', '%')} · all {fmt_value(ct, '{:.0f}', '%')}",
+                              False, why("host"))
+    else:
+        out["cpu"] = CardText(f"all {fmt_value(ct, '{:.0f}', '%')}", "engine not bound to a node", False,
+                              why("host") or "The engine runs without a NUMA binding, so there is no bound/rest "
+                              "split.")
+    gu, pw, tc = v.get("gpu_util_pct"), v.get("gpu_power_w"), v.get("gpu_temp_c")
+    out["gpu"] = CardText(fmt_value(gu, "{:.0f}", "%"),
+                          "no NVIDIA GPU" if "gpu" in miss and gu is None
+                          else f"{fmt_value(pw, '{:.0f}', 'W')} · {fmt_value(tc, '{:.0f}', '°C')}",
+                          False, why("gpu"))
+    rss, ecpu = v.get("engine_rss_bytes"), v.get("engine_cpu_pct")
+    out["engine"] = CardText(fmt_value(None if rss is None else rss / GiB, "{:.2f}", "GiB"),
+                             f"CPU {fmt_value(ecpu, '{:.0f}', '%')} of a core",
+                             False, why("host") or str(tick.notes.get("engine_process", "")))
+    return out
+
+
+def stopped_cards() -> dict[str, CardText]:
+    """Nothing is live any more: every card shows "—" and says so."""
+    return {key: CardText(DASH, "engine stopped", False, STOPPED_TIP, stale=True) for key, _ in CARDS}
+
+
+def status_text(hub: Any, tick: Tick | None) -> tuple[str, str | None]:
+    """The Monitor's status line for a running ``hub`` (engine, rate, recording, what is missing) and its tooltip
+    (the whole recording path; None when nothing is recorded)."""
+    parts = [f"{hub.engine}" + (" (simulated)" if hub.simulated else "") + f" · {hub.hz:g} Hz"]
+    recording = hub.recorder is not None and not hub.record_error
+    if recording:
+        # the run's folder and file; the whole path is in the tooltip
+        csv = hub.recorder.csv_path
+        parts.append(f"recording to {csv.parent.name}/{csv.name}")
+    if hub.record_error:
+        parts.append(hub.record_error)
+    # a source that cannot work on this machine (no NVIDIA GPU) is said on its card, not here every tick
+    never = {s.name for s in hub.sources if s.unavailable}
+    missing = {k: v for k, v in (tick.missing.items() if tick is not None else ()) if k not in never}
+    if missing:
+        parts.append("missing: " + "; ".join(f"{k} ({v})" for k, v in sorted(missing.items())))
+    text = " · ".join(parts)
+    return text, (f"{text}\n\nRecording: {hub.recorder.csv_path}" if recording else None)
+
+
+def stopped_status(had_ticks: bool) -> str:
+    # short: a longer one fit no status row
+    return "Engine stopped. Ctrl+E exports the run." if had_ticks else "Not collecting: no engine is running."
+
+
+def text_line(tick: Tick) -> str:
+    """One line per tick, as ``dsv41 monitor`` prints it."""
+    v = tick.values
+
+    def f(name: str, fmt: str = "{:.1f}", scale: float = 1.0, unit: str = "") -> str:
+        x = v.get(name)
+        if x is None or not math.isfinite(x):
+            return DASH
+        return fmt.format(x * scale) + unit
+
+    # prefill while no prompt is being read is the last request's, not a live rate: say so
+    prefill = "last prefill" if tick.notes.get("prefill_live") is False else "prefill"
+    users = f"users {f('slots_busy', '{:.0f}')}"
+    idle = is_idle(v)
+    if idle:
+        users += " (idle)"
+    # nothing decodes while every slot is idle: no rate (a window still emptying read "decode 10.1 tok/s … idle")
+    decode = DASH if idle else f("decode_tok_s", unit=" tok/s")
+    parts = [
+        time.strftime("%H:%M:%S", time.localtime(tick.t)),
+        f"decode {decode}",
+        f"{prefill} {f('prefill_tok_s', '{:.0f}', unit=' tok/s')}",
+        users,
+        f"hit {f('hit_rate', '{:.1f}', 100, '%')} (rolling {f('hit_rate_rolling', '{:.1f}', 100, '%')})",
+        f"swaps {f('swaps_per_s', '{:.2f}', unit='/s')} {f('swap_mb_s', '{:.0f}', unit=' MB/s')}",
+        f"PCIe rx {f('pcie_rx_mb_s', '{:.0f}', unit=' MB/s')}",
+        f"VRAM {gib_pair(v.get('vram_used_bytes'), v.get('vram_total_bytes'))}",
+        f"RAM {gib_pair(v.get('ram_used_bytes'), v.get('ram_total_bytes'))}",
+        (f"CPU bound {f('cpu_bound_pct', '{:.0f}', unit='%')} rest {f('cpu_rest_pct', '{:.0f}', unit='%')}"
+         if v.get("cpu_bound_pct") is not None else f"CPU {f('cpu_total_pct', '{:.0f}', unit='%')}"),
+        f"GPU {f('gpu_util_pct', '{:.0f}', unit='%')}",
+    ]
+    if tick.simulated:
+        parts.append("[simulated]")
+    return "  ".join(parts)

@@ -1,0 +1,154 @@
+"""The import contracts in pyproject.toml ([tool.importlinter]), checked by the real `lint-imports` the way
+scripts/lint (and so CI) runs it: kept on the real tree, and broken on a temporary copy of the tree with one
+forbidden import added: Qt or app/ in engine_manager, one panel importing another, app.workers importing a panel."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import require_or_skip
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+RULES = {c["id"]: c for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]}
+CONTRACTS = {cid: c["name"] for cid, c in RULES.items()}
+GUIDANCE = {cid: c["broken_contract_guidance"] for cid, c in RULES.items()}
+QT_FREE, PANELS, BASE, FIXTURES = "core-qt-free", "panels-independent", "app-foundation", "fixtures-not-product"
+
+
+def lint_imports(where: Path) -> tuple[int, str]:
+    if not LINT_IMPORTS.exists():
+        require_or_skip(f"{LINT_IMPORTS} is missing: install the lint extra (./scripts/test does)")
+    env = {**os.environ, "PYTHONPATH": str(where)}    # the copy's packages, not the installed (editable) ones
+    cp = subprocess.run([str(LINT_IMPORTS), "--no-logo", "--no-cache"], cwd=where, env=env, capture_output=True,
+                        text=True, timeout=120, stdin=subprocess.DEVNULL)
+    return cp.returncode, cp.stdout + cp.stderr
+
+
+def verdicts(out: str) -> dict[str, str]:
+    """Contract id -> KEPT / BROKEN, from the summary lines `<name> KEPT|BROKEN`."""
+    got = {}
+    for cid, name in CONTRACTS.items():
+        m = re.search(rf"^{re.escape(name)} (KEPT|BROKEN)\b", out, re.MULTILINE)
+        assert m, f"no verdict for {name!r} in:\n{out}"
+        got[cid] = m[1]
+    return got
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    """A copy of the two packages and pyproject.toml: what lint-imports reads."""
+    dest = tmp_path / "tree"
+    for pkg in ("engine_manager", "app"):
+        shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+    return dest
+
+
+def add_lines(path: Path, *lines: str) -> None:
+    text = path.read_text() if path.exists() else ""
+    path.write_text(text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(lines) + "\n")
+
+
+def test_the_contracts_are_the_four_that_scripts_lint_enforces():
+    assert set(CONTRACTS) == {QT_FREE, PANELS, BASE, FIXTURES}
+    assert set(RULES[QT_FREE]["forbidden_modules"]) >= {"PySide6", "shiboken6", "pyqtgraph", "superqt", "app"}
+    assert RULES[QT_FREE]["source_modules"] == ["engine_manager"]
+
+
+# app modules that are not a panel nor part of one: the entry points, the window that puts the panels together,
+# what every panel builds on, and the window's own furniture (status bar, dialogs, first-run flow)
+SHELL = {"__init__", "__main__", "main", "main_window", "context", "workers", "statusbar", "first_run", "doctor_view",
+         "settings_dialog"}
+
+
+def test_every_app_module_is_a_panel_in_the_contract_or_part_of_the_shell():
+    """A new panel (or a new part of a split one) that nobody adds to the contract would be free to import the
+    others: this makes its author decide."""
+    panels = {m.removeprefix("app.") for m in RULES[PANELS]["modules"]}
+    modules = {p.stem for p in (ROOT / "app").glob("*.py")}
+    unplaced = modules - panels - SHELL
+    assert not unplaced, (f"app/{sorted(unplaced)[0]}.py is in neither list: add it to the panels-independent "
+                          "contract in pyproject.toml (with its panel's imports of it under ignore_imports) or, if "
+                          "it is no panel, to SHELL in tests/test_boundaries.py")
+    assert not panels & SHELL
+    assert panels <= modules, f"the contract names modules that are gone: {sorted(panels - modules)}"
+
+
+def test_the_real_tree_keeps_every_contract():
+    rc, out = lint_imports(ROOT)
+    assert rc == 0, out
+    assert set(verdicts(out).values()) == {"KEPT"}, out
+
+
+def test_an_untouched_copy_keeps_every_contract(tree):
+    rc, out = lint_imports(tree)
+    assert rc == 0, out
+    assert set(verdicts(out).values()) == {"KEPT"}, out
+
+
+def lazy(statement: str, name: str) -> list[str]:
+    """A function-level import: grimp reads those too, so a lazy import is still a dependency."""
+    return ["", "", "def _boundary_probe():", f"    {statement}", f"    return {name}"]
+
+
+# (what is added, to which file, the contracts it breaks, the import chain the report must name)
+PROBE, PROBED = "engine_manager/_boundary_probe.py", "engine_manager._boundary_probe"
+BREAKS = [
+    (["import PySide6"], PROBE, {QT_FREE}, f"{PROBED} -> PySide6"),
+    (["from PySide6.QtCore import QObject"], PROBE, {QT_FREE}, f"{PROBED} -> PySide6"),
+    (["import shiboken6"], PROBE, {QT_FREE}, f"{PROBED} -> shiboken6"),
+    (["import pyqtgraph as pg"], PROBE, {QT_FREE}, f"{PROBED} -> pyqtgraph"),
+    (["from superqt.utils import thread_worker"], PROBE, {QT_FREE}, f"{PROBED} -> superqt"),
+    (["from app import workers"], PROBE, {QT_FREE}, f"{PROBED} -> app"),
+    (lazy("from PySide6 import QtWidgets", "QtWidgets"), "engine_manager/errors.py", {QT_FREE},
+     "engine_manager.errors -> PySide6"),
+    (["from app import placement_view  # noqa: E402"], "app/log_view.py", {PANELS},
+     "app.log_view -> app.placement_view"),
+    # the main window imports every panel, so a panel that imports it reaches them all (an indirect chain)
+    (lazy("from app.main_window import MainWindow", "MainWindow"), "app/engine_panel.py", {PANELS},
+     "app.engine_panel -> app.main_window"),
+    # app.monitor_view may import its own parts, but they are still not the chat pane's
+    (["from app.chat_pane import ChatPane  # noqa: E402"], "app/monitor_cards.py", {PANELS},
+     "app.monitor_cards -> app.chat_pane"),
+    # the benchmark tab borrowing the monitor's plots
+    (["from app.monitor_plots import PlotSpec  # noqa: E402"], "app/bench_view.py", {PANELS},
+     "app.bench_view -> app.monitor_plots"),
+    # two parts of two split panels
+    (lazy("from app import monitor_plots", "monitor_plots"), "app/chat_render.py", {PANELS},
+     "app.chat_render -> app.monitor_plots"),
+    # every panel imports app.workers: a panel imported by it is reached from every other panel too
+    (lazy("from app.download_panel import DownloadPanel", "DownloadPanel"), "app/workers.py", {BASE, PANELS},
+     "app.workers -> app.download_panel"),
+    # product code reaching for a test fixture (the tiny model, the local hub)
+    (lazy("from engine_manager.testing import tinymoe", "tinymoe"), "engine_manager/replica.py", {FIXTURES},
+     "engine_manager.replica -> engine_manager.testing.tinymoe"),
+    (lazy("from engine_manager.testing.hub import make_file", "make_file"), "app/download_panel.py", {FIXTURES},
+     "app.download_panel -> engine_manager.testing.hub"),
+]
+
+
+def _case_id(case) -> str:
+    lines, where = case[0], case[1]
+    statement = next(ln for ln in lines if "import" in ln).split("#")[0].strip()
+    return f"{Path(where).stem}: {statement}"
+
+
+@pytest.mark.parametrize("lines, where, broken, chain", BREAKS, ids=[_case_id(b) for b in BREAKS])
+def test_one_forbidden_import_breaks_its_contract_and_ci_says_what_to_do(tree, lines, where, broken, chain):
+    add_lines(tree / where, *lines)
+    rc, out = lint_imports(tree)
+    assert rc != 0, out
+    assert verdicts(out) == {cid: "BROKEN" if cid in broken else "KEPT" for cid in CONTRACTS}, out
+    flat = " ".join(out.split())
+    assert chain in flat, out
+    for cid in broken:                                     # each broken contract's guidance: what to do instead
+        assert " ".join(GUIDANCE[cid].split()) in flat, out
