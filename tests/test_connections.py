@@ -452,6 +452,8 @@ def test_an_engine_on_another_machine_gets_no_figures_from_this_one(sim_process)
     assert ticks["away"].values["ram_used_bytes"] is None and ticks["away"].values["cpu_total_pct"] is None
     assert ticks["away"].values["slots_total"] is not None           # the engine's own figures still arrive
     assert "host" not in ticks["away"].missing          # no source at all, so nothing to call missing
+    for t in ticks.values():                             # an attached engine has no log of ours: not "missing"
+        assert "log" not in t.missing and t.values["swaps_per_s"] is None
     C.add_connection("far", "http://10.255.255.1:8080", None)
     C.add_connection("near", sim.base_url, sim.api_key)
     assert C.resolve_connection("near").on_this_machine is True

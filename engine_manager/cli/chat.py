@@ -147,17 +147,11 @@ def run(args, ctx) -> int:
             print(f"dsv41 chat: {exc}", file=sys.stderr)
             return 1
     if args.connection:
-        if args.url:
-            print("dsv41 chat: give --connection or --url, not both.", file=sys.stderr)
-            return 2
-        from ..connections import resolve_connection
-        from ..errors import UserError
-        try:
-            running = resolve_connection(args.connection)       # its key stays in the keyring / 0600 file
-        except UserError as exc:
-            print(f"dsv41 chat: {exc}", file=sys.stderr)
-            return 1
-        where = f"connection {args.connection}"
+        from .connections import attached_engine
+        attached, rc = attached_engine("dsv41 chat", args.connection, args.url)
+        if attached is None:
+            return rc
+        running, where = attached, f"connection {args.connection}"
     else:
         try:
             target = engine_address(settings, args.url)

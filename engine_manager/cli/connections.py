@@ -21,6 +21,9 @@ from pathlib import Path
 
 from .. import connections as C
 from ..atomic import LinkRefused, read_bytes_nofollow
+from ..errors import UserError
+from ..exitcodes import ExitCode
+from ..session import RunningEngine
 
 
 def register(sub) -> None:
@@ -125,3 +128,17 @@ def run(args, ctx) -> int:
         print(f"Removed {c.name} ({c.base_url}) and its key.")
         return 0
     return 2
+
+
+def attached_engine(prog: str, name: str, url: str | None) -> tuple[RunningEngine | None, int]:
+    """``--connection NAME`` of ``dsv41 monitor`` and ``dsv41 chat``: the saved connection as the one handle (its
+    key from the keyring or the 0600 file, never from the command line), or ``(None, exit code)`` after saying in
+    plain words why not (``--url`` too, an unknown name, nothing usable answering)."""
+    if url:
+        print(f"{prog}: give --connection or --url, not both.", file=sys.stderr)
+        return None, ExitCode.USAGE
+    try:
+        return C.resolve_connection(name), ExitCode.OK
+    except UserError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None, ExitCode.FAIL

@@ -90,16 +90,10 @@ def run(args, ctx) -> int:
     settings = ctx.settings
     attached = None
     if args.connection:
-        if args.url:
-            print("dsv41 monitor: give --connection or --url, not both.", file=sys.stderr)
-            return 2
-        from ..connections import resolve_connection
-        from ..errors import UserError
-        try:
-            attached = resolve_connection(args.connection)      # its key stays in the keyring / 0600 file
-        except UserError as exc:
-            print(f"dsv41 monitor: {exc}", file=sys.stderr)
-            return 1
+        from .connections import attached_engine
+        attached, rc = attached_engine("dsv41 monitor", args.connection, args.url)
+        if attached is None:
+            return rc
         args.url = attached.base_url
         args.engine = args.engine or attached.engine
     st = None if args.url else _engine_status(settings)

@@ -202,8 +202,10 @@ def build_hub(running: RunningEngine | str | Engine, base_url: str | None = None
         sources.append(NvmlSource(gpu_index, timeout_s=min(1.0, 0.9 * period)))
     if running.on_this_machine:
         sources.append(HostSource(pid, binding_cpus(binding), timeout_s=min(1.0, 0.9 * period)))
-    # always: without a log file of its own the source takes lines pushed to it (MetricsHub.push_log_line)
-    sources.append(LogSwapSource(eng, log_path, timeout_s=min(1.0, 0.9 * period)))
+    # always: without a log file of its own the source takes lines pushed to it (MetricsHub.push_log_line); for an
+    # attached engine (no log of ours) its figures are None without being called missing
+    sources.append(LogSwapSource(eng, log_path, timeout_s=min(1.0, 0.9 * period),
+                                 expected=bool(log_path) or running.started_by_panel))
     trace = spec.files.get("routing_trace") or trace_path_from_argv(list(running.argv or spec.argv))
     if trace:
         n_layers, n_experts = plan_shape(plan)

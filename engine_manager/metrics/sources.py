@@ -385,9 +385,13 @@ class LogSwapSource(Source):
     columns = tuple(c.name for c in LOG_COLUMNS)
     MAX_READ = 4 * 1024 * 1024
 
-    def __init__(self, engine: Engine, log_path: str | Path | None = None, timeout_s: float = 1.0):
+    def __init__(self, engine: Engine, log_path: str | Path | None = None, timeout_s: float = 1.0,
+                 expected: bool = True):
         self.engine = engine
         self.timeout_s = timeout_s
+        # False for an engine the panel did not start (attached): no log of it will come, so until a line is
+        # pushed the swap figures are simply None, not a "missing: log" the status line would show for ever
+        self.expected = expected
         self.log_path = Path(log_path) if log_path else None
         self._lock = threading.Lock()
         self._swaps = 0
@@ -499,6 +503,8 @@ class LogSwapSource(Source):
             self._swaps = self._bytes = 0
             self._last = now
         if not attached:
+            if not self.expected:
+                return Reading({"log_swaps_per_s": None, "log_swap_mb_s": None})
             raise SourceMissing("no engine log attached yet")
         return Reading({"log_swaps_per_s": swaps / dt,
                         "log_swap_mb_s": (nbytes / dt / 1e6) if known else None},
