@@ -127,6 +127,13 @@ def describe_owner(info: dict[str, Any] | None) -> str:
     return f"pid {info['pid']} ({info.get('name', '?')}{': ' + cmd if cmd else ''})"
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the kernel's pick), for an engine, a test server or a tunnel's local end."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def port_free(host: str, port: int) -> bool:
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(fam, socket.SOCK_STREAM) as s:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import UserError
+from .procs import free_port
 
 CONNECT_TIMEOUT_S = 10          # ssh's own ConnectTimeout: an unreachable host fails in this long, not minutes
 OPEN_TIMEOUT_S = 30.0
@@ -79,12 +80,6 @@ def explain(stderr: str, host: str, returncode: int | None) -> TunnelError:
             "(a new port is picked each time)."), text)
     return TunnelError("ssh_failed", f"ssh to {host} failed: {last}. Try `ssh {host}` in a terminal to see why.",
                        text)
-
-
-def free_local_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(port: int) -> bool:
@@ -150,7 +145,7 @@ class Tunnel:
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def _spawn(self, timeout_s: float) -> None:
         if self.local_port is None:
-            self.local_port = free_local_port()
+            self.local_port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}   # the agent socket stays
         proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, env=env, start_new_session=True)

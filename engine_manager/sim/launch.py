@@ -12,7 +12,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,12 +22,7 @@ from typing import Iterable
 
 from ..engines._http import bearer_headers
 from ..engines.sim import sim_env, write_key_file
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from ..procs import free_port
 
 
 class SimProcess:
