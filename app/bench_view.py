@@ -17,7 +17,6 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QLabel,
-    QPlainTextEdit,
     QProgressBar,
     QPushButton,
     QSplitter,
@@ -30,12 +29,19 @@ from PySide6.QtWidgets import (
 
 from engine_manager import bench
 from engine_manager.bench import results
+from engine_manager.errors import UserError
 
 from . import workers
 
 COLUMNS = ("users", "total tok/s", "spread", "slowest tok/s", "per stream", "first token s", "engine's total",
            "guides' total", "guides' slowest", "ratio", "verdict")
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+
+
+def _read_history() -> tuple[list[dict[str, Any]], list[str]]:
+    """The saved runs and a line per file that could not be read (on a worker thread)."""
+    skipped: list[str] = []
+    return results.history(skipped=skipped), skipped
 
 
 def _n(x: Any, fmt: str = "{:.1f}") -> str:
@@ -56,6 +62,7 @@ class BenchView(QWidget):
         self.result: dict[str, Any] | None = None
         self.last_progress: Any = None
         self.saved_path: str | None = None
+        self.history_notes: list[str] = []        # the bench folder's files that could not be read, in words
         self.spec_overrides: dict[str, Any] = {}      # BenchSpec fields set over the options shown (tests, scripts)
         self.formats_seen: list[str] = []             # the progress bar's texts, in order
 
@@ -118,8 +125,10 @@ class BenchView(QWidget):
         self.timeline.setLabel("left", "tokens (stream n drawn 3·n higher)")
         self.timeline.setLabel("bottom", "s since the phase began")
         self.timeline.showGrid(x=True, y=True, alpha=0.3)
+        from .plot_export import add_export     # right click: Save plot as PNG/SVG…, Copy figures
         for plot in (self.bars, self.timeline):
             item = plot.getPlotItem()
+            add_export(item, item.titleLabel.text, self)
             item.titleLabel.setText(item.titleLabel.text, color="#222", size="10pt")
             for name in ("left", "bottom"):
                 item.getAxis(name).setPen(pg.mkPen("#444"))
@@ -139,8 +148,15 @@ class BenchView(QWidget):
         self.compare_button.clicked.connect(self.compare)
         self.show_button = QPushButton("Show A")
         self.show_button.clicked.connect(self.show_saved)
-        self.compare_text = QPlainTextEdit()
-        self.compare_text.setReadOnly(True)
+        # the two runs named above a table: figure | A | B | unit | B/A (plain text did not line up)
+        self.compare_text = QLabel("Pick two saved runs and press Compare.")
+        self.compare_text.setWordWrap(True)
+        self.compare_table = QTableWidget(0, 5)
+        self.compare_table.setObjectName("benchCompare")
+        self.compare_table.setHorizontalHeaderLabels(["figure", "A", "B", "unit", "B / A"])
+        self.compare_table.verticalHeader().setVisible(False)
+        self.compare_table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.compare_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         hist = QWidget()
         hl = QVBoxLayout(hist)
         row = QHBoxLayout()
@@ -151,7 +167,8 @@ class BenchView(QWidget):
         row.addWidget(self.show_button)
         row.addWidget(self.compare_button)
         hl.addLayout(row)
-        hl.addWidget(self.compare_text, 1)
+        hl.addWidget(self.compare_text)
+        hl.addWidget(self.compare_table, 1)
 
         result_page = QWidget()
         rl = QVBoxLayout(result_page)
@@ -236,7 +253,7 @@ class BenchView(QWidget):
                 self.last_progress = ev
                 self.progress.setValue(int(ev.fraction * 1000))
                 eta = f" — about {ev.eta_s:.0f} s left" if ev.eta_s is not None else ""
-                self.progress.setFormat(f"{ev.phase}: %p%{eta}")
+                self.progress.setFormat(f"{results.phase_words(ev.phase)}: %p%{eta}")
                 self.formats_seen.append(self.progress.format())
                 self.phase_label.setText(f"{ev.config + ': ' if ev.config else ''}{ev.message}")
             case bench.BenchNote(text=text):
@@ -333,9 +350,14 @@ class BenchView(QWidget):
     # -- history -------------------------------------------------------------------------------------------
     def refresh_history(self) -> None:
         """Read the saved runs on a worker, then fill the two lists."""
-        self.tasks.start("history", results.history, on_done=self._fill_history)
+        self.tasks.start("history", _read_history, on_done=self._fill_history)
 
-    def _fill_history(self, rows: list[dict[str, Any]]) -> None:
+    def _fill_history(self, found: tuple[list[dict[str, Any]], list[str]]) -> None:
+        rows, skipped = found
+        self.history_notes = skipped
+        if skipped:       # a bad file in the bench folder is named, and the good ones are still listed
+            self.ctx.statusMessage.emit(skipped[0] + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1
+                                                      else ""), 10000)
         for box in (self.history_a, self.history_b):
             current = box.currentData()
             box.clear()
@@ -353,15 +375,36 @@ class BenchView(QWidget):
     def show_saved(self) -> None:
         path = self.history_a.currentData()
         if path:
-            self.show_result(results.load(path))
+            try:
+                r = results.load(path)
+            except UserError as exc:      # changed or damaged since it was listed
+                self.verdict.setText(str(exc))
+                return
+            self.show_result(r)
             self.pages.setCurrentIndex(0)
 
     def compare(self) -> None:
         a, b = self.history_a.currentData(), self.history_b.currentData()
         if not a or not b:
-            self.compare_text.setPlainText("Run the benchmark twice to compare two runs.")
+            self.compare_text.setText("Run the benchmark twice to compare two runs.")
             return
-        self.compare_text.setPlainText(results.render_compare(results.compare(results.load(a), results.load(b))))
+        try:
+            c = results.compare(results.load(a), results.load(b))
+        except UserError as exc:          # changed or damaged since it was listed
+            self.compare_text.setText(str(exc))
+            return
+        self.compare_text.setText("\n".join(results.render_compare(c).splitlines()[:2]))   # A = …, B = …
+        self.compare_table.setRowCount(len(c["rows"]))
+        right = Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter
+        for i, row in enumerate(c["rows"]):
+            cells = (row["figure"], _n(row["a"], "{:.3f}"), _n(row["b"], "{:.3f}"), row["unit"],
+                     _n(row["ratio"], "{:.2f}"))
+            for j, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                if j in (1, 2, 4):
+                    item.setTextAlignment(right)
+                self.compare_table.setItem(i, j, item)
+        self.compare_table.resizeColumnsToContents()
 
     def shutdown(self, wait_ms: int = 3000) -> bool:
         if self._stop is not None:

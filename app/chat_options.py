@@ -23,8 +23,9 @@ from engine_manager.chat_events import REASONING_EFFORTS, ChatOptions
 
 
 class OptionsForm(QWidget):
-    """A fold-out line "Options: 2048 tokens · …" and, under it, max tokens, temperature, reasoning effort and
-    reproducible. :meth:`options` is what the next request sends; :meth:`apply` shows a conversation's."""
+    """A fold-out line "Options: 2048 tokens · …" and, under it, max tokens, temperature, reasoning effort,
+    reproducible and the system prompt. :meth:`options` is what the next request sends; :meth:`apply` shows a
+    conversation's (its system prompt included: it is kept with the conversation)."""
 
     def __init__(self, default_max_tokens: int, parent=None):
         super().__init__(parent)
@@ -75,10 +76,20 @@ class OptionsForm(QWidget):
         self.effort.setItemText(0, "reasoning: default")
         for i, e in enumerate(REASONING_EFFORTS, start=1):
             self.effort.setItemText(i, f"reasoning: {e}")
+        self.system = QPlainTextEdit()
+        self.system.setObjectName("chatSystemPrompt")
+        self.system.setPlaceholderText("System prompt (optional): how the model should answer in this "
+                                       "conversation")
+        self.system.setToolTip("Sent as the first message of every request of this conversation, and kept with "
+                               "it; empty sends none")
+        self.system.setTabChangesFocus(True)
+        line = self.system.fontMetrics().lineSpacing()
+        self.system.setFixedHeight(3 * line + 2 * int(self.system.document().documentMargin()) + 4)
         og.addWidget(self.max_tokens, 0, 0)
         og.addWidget(self.temperature, 0, 1)
         og.addWidget(self.effort, 1, 0)
         og.addWidget(self.reproducible, 1, 1)
+        og.addWidget(self.system, 2, 0, 1, 2)
         for w in (self.max_tokens, self.temperature, self.effort):
             w.setMinimumWidth(60)
             w.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
@@ -91,18 +102,21 @@ class OptionsForm(QWidget):
         self.max_tokens.valueChanged.connect(self._max_tokens_edited)
         self.effort.currentIndexChanged.connect(self._update_options_label)
         self.reproducible.toggled.connect(self._update_options_label)
+        self.system.textChanged.connect(self._update_options_label)
 
     def options(self) -> ChatOptions:
         t = self.temperature.value()
+        system = self.system.toPlainText()
         return ChatOptions(max_tokens=self.max_tokens.value(), temperature=None if t < 0 else round(t, 2),
-                           reasoning_effort=self.effort.currentData(), reproducible=self.reproducible.isChecked())
+                           reasoning_effort=self.effort.currentData(), reproducible=self.reproducible.isChecked(),
+                           system=system if system.strip() else None)
 
     def apply(self, opts: dict[str, Any]) -> None:
         """Show the options stored with a conversation (nothing when it has none)."""
         if not opts:
             return
         o = ChatOptions.from_dict(opts)
-        for w in (self.max_tokens, self.temperature, self.effort, self.reproducible):
+        for w in (self.max_tokens, self.temperature, self.effort, self.reproducible, self.system):
             w.blockSignals(True)
         if o.max_tokens:
             self.max_tokens.setValue(o.max_tokens)
@@ -110,7 +124,8 @@ class OptionsForm(QWidget):
         idx = self.effort.findData(o.reasoning_effort) if o.reasoning_effort else 0
         self.effort.setCurrentIndex(max(0, idx))
         self.reproducible.setChecked(bool(o.reproducible))
-        for w in (self.max_tokens, self.temperature, self.effort, self.reproducible):
+        self.system.setPlainText(o.system or "")
+        for w in (self.max_tokens, self.temperature, self.effort, self.reproducible, self.system):
             w.blockSignals(False)
         self._update_options_label()
 
@@ -138,6 +153,8 @@ class OptionsForm(QWidget):
             bits.append(f"reasoning {o.reasoning_effort}")
         if o.reproducible:
             bits.append("reproducible")
+        if o.system:
+            bits.append("system prompt")
         self.options_toggle.setText("Options: " + " · ".join(bits))
 
 

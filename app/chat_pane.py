@@ -138,8 +138,8 @@ class ChatPane(ConversationList, QWidget):
         self.options_form.setObjectName("chatOptionsForm")
         f = self.options_form             # its widgets, by the names the pane always had
         self.options_toggle, self.options_box = f.options_toggle, f.options_box
-        self.max_tokens, self.temperature, self.effort, self.reproducible = \
-            f.max_tokens, f.temperature, f.effort, f.reproducible
+        self.max_tokens, self.temperature, self.effort, self.reproducible, self.system_prompt = \
+            f.max_tokens, f.temperature, f.effort, f.reproducible, f.system
         bl.addWidget(self.options_form)
 
         # edit banner -----------------------------------------------------------------------------------------

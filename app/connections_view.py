@@ -6,8 +6,11 @@
   the chat pane at it through ``ctx.watch`` — exactly as at a started engine; the panel's own engine keeps running
   and choosing "This panel's engine" shows it again. The choice survives a restart (``uistate``).
 - :class:`OverviewStrip` — every saved connection with its state, users and tok/s, polled by
-  :class:`engine_manager.connections.OverviewPoller` on a worker every ``OVERVIEW_PERIOD_S`` (never on the GUI
-  thread); a figure an engine cannot give is "—", never 0. Clicking a line watches that connection.
+  :class:`engine_manager.connections.OverviewPoller` every ``OVERVIEW_PERIOD_S``, each connection (and the panel's
+  own engine) on its own worker, never on the GUI thread: one slow or stalled connection holds up no other line
+  (every request has a size cap and a deadline). A figure an engine cannot give is "—", never 0; a connection
+  that does not answer is "unreachable", with the reason and when it was last seen in its tooltip, and no
+  figures. Clicking a line watches that connection.
 
 Keys are typed into a password field, stored by ``engine_manager.connections`` (keyring or an owner-only file)
 and never shown, logged or put in a label.
@@ -121,6 +124,8 @@ class AddConnectionDialog(QDialog):
 
     def test(self) -> None:
         _name, url, key, ssh = self.values()
+        self._tested_values = (url, key, ssh)
+        self.detection = None
         self.test_button.setEnabled(False)
         self.result.setStyleSheet("")
         self.result.setText(f"Testing {url or '(no URL)'}…")
@@ -141,27 +146,45 @@ class AddConnectionDialog(QDialog):
 
     def save(self) -> None:
         name, url, key, ssh = self.values()
+        # the test of these very values is kept as the connection's last test (`dsv41 connections list` says it)
+        tested = self.detection if getattr(self, "_tested_values", None) == (url, key, ssh) else None
         self.save_button.setEnabled(False)
-        self.tasks.start("save", C.add_connection, name, url, key, ssh, on_done=self._saved, on_error=self._refused,
-                         on_finished=lambda: self.save_button.setEnabled(True))
+        self.tasks.start("save", C.add_connection, name, url, key, ssh, tested=tested, on_done=self._saved,
+                         on_error=self._refused, on_finished=lambda: self.save_button.setEnabled(True))
 
     def _saved(self, conn: C.Connection) -> None:
         self.saved = conn
         self.accept()
 
 
-def _poll_all(poller: Any, own: Any) -> list:
-    """One overview poll (on a worker): the panel's own engine when it runs, then every saved connection."""
-    lines = [poller.poll_running(OWN_ROW, own)] if own is not None else []
-    return lines + poller.poll()
+def _when(t: float | None) -> str:
+    import time
+
+    if not t:
+        return ""
+    fmt = "%H:%M:%S" if time.time() - t < 20 * 3600 else "%Y-%m-%d %H:%M"
+    return time.strftime(fmt, time.localtime(t))
+
+
+def status_words(st: C.ConnectionStatus, shown_name: str) -> tuple[str, str, str]:
+    """(state text, colour, tooltip) of an overview line."""
+    if st.state == "ok":
+        return ("ok" + (" (sim)" if st.simulated else ""), "#1b6b2b",
+                f"{shown_name}: {st.label}" + (" — its figures are simulated" if st.simulated else ""))
+    seen = (f"Last seen answering at {_when(st.last_seen)}." if st.last_seen
+            else "Not seen answering since it was saved.")
+    if st.state == "unreachable":
+        return "unreachable", "#9a5b00", f"{shown_name} cannot be reached: {st.message}\n{seen}"
+    return "problem", "#a1131c", f"{shown_name}: {st.message}\n{seen}"
 
 
 class OverviewStrip(QTreeWidget):
     """This panel's engine and every saved connection: name, state, users (requests running), tok/s — polled at a
-    low rate on a worker. ``connectionClicked(name)`` when a line is clicked (None: this panel's engine)."""
+    low rate, each line on its own worker. ``connectionClicked(name)`` when a line is clicked (None: this panel's
+    engine)."""
 
     connectionClicked = Signal(object)
-    polled = Signal(object)               # the list of ConnectionStatus just shown
+    polled = Signal(object)               # the list of ConnectionStatus just shown (one line each time)
 
     COLUMNS = ("Connection", "State", "Users", "tok/s")
 
@@ -189,6 +212,7 @@ class OverviewStrip(QTreeWidget):
         self.watched: str | None = None
         self.polls = 0
         self._items: dict[str, QTreeWidgetItem] = {}
+        self._conns: dict[str, C.Connection] = {}
         self.itemClicked.connect(lambda item, _col: self.connectionClicked.emit(
             item.data(0, Qt.ItemDataRole.UserRole) or None))
         self.timer = QTimer(self)
@@ -196,13 +220,16 @@ class OverviewStrip(QTreeWidget):
         self.timer.timeout.connect(self.poll)
         self.timer.start()
 
-    def set_names(self, names: list[str]) -> None:
+    def set_names(self, names: list[str], conns: list[C.Connection] | None = None) -> None:
         """The saved connections (their order), after this panel's engine; lines of removed ones go, new ones wait
-        for the next poll."""
+        for the next poll. ``conns``: the saved records (what each line polls)."""
+        if conns is not None:
+            self._conns = {c.name: c for c in conns}
         names = [OWN_ROW, *names]
         for name in [n for n in self._items if n not in names]:
             self.takeTopLevelItem(self.indexOfTopLevelItem(self._items.pop(name)))
             self.statuses.pop(name, None)
+            self.tasks.cancel(f"poll:{name}")
         for name in names:
             if name not in self._items:
                 item = QTreeWidgetItem(["This panel" if name == OWN_ROW else name, "…", MISSING, MISSING])
@@ -219,15 +246,20 @@ class OverviewStrip(QTreeWidget):
         self.setFixedHeight(self.header().sizeHint().height() + rows * max(18, self.sizeHintForRow(0)) + 6)
 
     def poll(self) -> None:
-        """One poll of every saved connection on a worker (skipped while the last one still runs)."""
-        if self.tasks.running("poll") or self.tasks.shut_down:
+        """Poll every line, each on its own worker; a line whose last poll still runs is skipped this time (a slow
+        connection holds up only its own line)."""
+        if self.tasks.shut_down:
             return
         own = self.own() if self.own is not None else None
         if own is None:
             self._show_stopped_own()
-            if len(self._items) <= 1:
-                return                        # nothing else to poll: no saved connection
-        self.tasks.start("poll", _poll_all, self.poller, own, on_done=self._show, on_error=lambda _e: None)
+        elif not self.tasks.running(f"poll:{OWN_ROW}"):
+            self.tasks.start(f"poll:{OWN_ROW}", self.poller.poll_running, OWN_ROW, own, on_done=self._show_one,
+                             on_error=lambda _e: None)
+        for name, conn in list(self._conns.items()):
+            key = f"poll:{name}"
+            if name in self._items and not self.tasks.running(key):
+                self.tasks.start(key, self.poller.poll_one, conn, on_done=self._show_one, on_error=lambda _e: None)
 
     def _show_stopped_own(self) -> None:
         item = self._items.get(OWN_ROW)
@@ -239,6 +271,12 @@ class OverviewStrip(QTreeWidget):
             for col in range(len(self.COLUMNS)):
                 item.setToolTip(col, "This panel's engine is not running (Start it below)")
 
+    def _show_one(self, st: C.ConnectionStatus) -> None:
+        if st.name == OWN_ROW and self.own is not None and self.own() is None:
+            self._show_stopped_own()         # it stopped while being polled: no figures of the engine that was
+            return
+        self._show([st])
+
     def _show(self, statuses: list[C.ConnectionStatus]) -> None:
         self.polls += 1
         for st in statuses:
@@ -246,16 +284,13 @@ class OverviewStrip(QTreeWidget):
             if item is None:
                 continue
             self.statuses[st.name] = st
-            if st.state == "ok":
-                state = "ok" + (" (sim)" if st.simulated else "")
-                colour = "#1b6b2b"
-                tip = f"{item.text(0)}: {st.label}" + (" — its figures are simulated" if st.simulated else "")
-            else:
-                state, colour, tip = "problem", "#a1131c", f"{item.text(0)}: {st.message}"
+            state, colour, tip = status_words(st, item.text(0))
+            ok = st.state == "ok"
             item.setText(1, state)
             item.setForeground(1, QBrush(QColor(colour)))
-            item.setText(2, MISSING if st.users is None else str(st.users))
-            item.setText(3, MISSING if st.decode_tok_s is None else f"{st.decode_tok_s:.1f}")
+            # figures only for a line that answered now: never one kept from an earlier reading
+            item.setText(2, MISSING if not ok or st.users is None else str(st.users))
+            item.setText(3, MISSING if not ok or st.decode_tok_s is None else f"{st.decode_tok_s:.1f}")
             for col in range(len(self.COLUMNS)):
                 item.setToolTip(col, tip)
         self.polled.emit(statuses)
@@ -271,6 +306,9 @@ class OverviewStrip(QTreeWidget):
         """The texts of a line (``name`` None: this panel's engine)."""
         item = self._items[name or OWN_ROW]
         return [item.text(c) for c in range(len(self.COLUMNS))]
+
+    def row_tooltip(self, name: str | None) -> str:
+        return self._items[name or OWN_ROW].toolTip(1)
 
     def shutdown(self) -> None:
         self.timer.stop()
@@ -288,6 +326,8 @@ class ConnectionsView(QWidget):
         self.dialog: AddConnectionDialog | None = None
         self._names: list[str] = []
         self._remote: dict[str, bool] = {}
+        self._conns: dict[str, C.Connection] = {}
+        self.note = ""                        # what happened to a list file that could not be used
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.setSpacing(4)
@@ -356,11 +396,16 @@ class ConnectionsView(QWidget):
         """Read the saved list (a small owner-only file) into the picker and the overview."""
         try:
             conns = C.load_connections()
-        except C.ConnectionSetupError as exc:
-            conns = []
-            self.info.setText(str(exc))
+        except C.ConnectionSetupError as exc:      # a bad list is set aside: said, and a new one starts
+            self.note = str(exc)
+            try:
+                conns = C.load_connections()
+            except C.ConnectionSetupError as again:
+                self.note, conns = str(again), []
+            self._show_info()
         self._names = [c.name for c in conns]
         self._remote = {c.name: c.remote for c in conns}
+        self._conns = {c.name: c for c in conns}
         current = self.ctx.watching
         self.picker.blockSignals(True)
         self.picker.clear()
@@ -374,7 +419,7 @@ class ConnectionsView(QWidget):
         self.picker.setCurrentIndex(max(0, idx))
         self.picker.blockSignals(False)
         self.remove_button.setEnabled(bool(current))
-        self.overview.set_names(self._names)
+        self.overview.set_names(self._names, conns)
         self.overview.poll()
 
     def names(self) -> list[str]:
@@ -418,9 +463,16 @@ class ConnectionsView(QWidget):
         self.refresh()                       # the detected kind is in the list now
 
     def _unreachable(self, name: str, exc: BaseException) -> None:
+        """Watching ``name``, which does not answer: its own state, said with the reason and when it was last
+        seen; nothing of another engine is shown for it (the Monitor and the chat have no engine)."""
         self.ctx.watch(None, name, remote=self._remote.get(name, False))
+        self.refresh()                       # its last test (just kept) is in the list now
+        conn = self._conns.get(name)
+        lt = conn.last_test if conn is not None else None
+        seen = (f"Last seen answering at {_when(lt.last_ok)}." if lt is not None and lt.last_ok
+                else "Not seen answering since it was saved.")
         self.info.setStyleSheet("color: #a1131c;")
-        self.info.setText(f"{exc}")
+        self.info.setText(f"{exc}\n{seen} Choose it again to retry.")
 
     def _watch_changed(self, name: str | None) -> None:
         self.overview.set_watched(name)
@@ -428,6 +480,10 @@ class ConnectionsView(QWidget):
 
     def _show_info(self) -> None:
         name, running = self.ctx.watching, self.ctx.running
+        if self.note and name is None:
+            self.info.setStyleSheet("color: #a1131c;")
+            self.info.setText(self.note)
+            return
         if name is None:
             self.info.setStyleSheet("color: palette(mid);")
             self.info.setText("The Monitor and the chat work on the engine this panel starts (below)."
@@ -436,7 +492,9 @@ class ConnectionsView(QWidget):
         elif running is not None:
             self.info.setStyleSheet("color: palette(mid);")
             sim = " Its figures are simulated." if running.simulated else ""
-            self.info.setText(f"Watching {running.label} at {running.base_url}. This panel did not start it: it "
+            conn = self._conns.get(name)
+            where = conn.base_url if conn is not None else running.base_url      # not an SSH forward's own URL
+            self.info.setText(f"Watching {running.label} at {where}. This panel did not start it: it "
                               f"is never started or stopped from here.{sim}")
 
     def _save_choice(self, name: str | None) -> None:
@@ -454,6 +512,7 @@ class ConnectionsView(QWidget):
 
         def done(result: int) -> None:
             if result == QDialog.DialogCode.Accepted and dlg.saved is not None:
+                self.note = ""
                 self.refresh()
                 self.select(dlg.saved.name)
             self.dialog = None

@@ -43,6 +43,7 @@ from PySide6.QtWidgets import (
 from engine_manager import fmt
 from engine_manager import supervisor as sv
 from engine_manager.engines.llamacpp import PlacementSummary, placement_from_log
+from engine_manager.release_check import engine_release_facts
 from engine_manager.settings import resolve_engine
 
 from .connections_view import ConnectionsView
@@ -75,6 +76,7 @@ BADGE = {  # state: (text, background, foreground)
     sv.STOPPING: ("Stopping…", "#fff0d6", "#8a5300"),
     sv.CRASHED: ("Crashed", "#fde2e1", "#a1131c"),
     sv.RESTARTING: ("Restarting…", "#ffe7cc", "#9a4a00"),
+    "reattaching": ("Re-attaching…", "#dbe8ff", "#1f4e99"),   # the panel's own: finding the engine left running
 }
 POLL_MS = 3000
 
@@ -172,6 +174,8 @@ class EnginePanel(QWidget):
         self._build()
         self._build_actions()
         ctx.requestStart.connect(self.start)
+        ctx.requestRestart.connect(self.restart)
+        self._restart_after_stop = False
         ctx.settingsChanged.connect(self._settings_changed)
         ctx.hardwareChanged.connect(self._hardware_changed)
         ctx.watchChanged.connect(lambda _name: self._render_state(self._state, ""))
@@ -345,6 +349,10 @@ class EnginePanel(QWidget):
             self.resolved.setText("Every figure it reports is simulated.")
         else:
             self.resolved.setText("")
+        build = engine_release_facts(name, self.ctx.settings)     # e.g. Strata's engine/BUILD.json
+        if build:
+            shown = self.resolved.text()
+            self.resolved.setText((shown + "\n" if shown else "") + f"Engine build: {build}")
         self.resolved.setVisible(bool(self.resolved.text()))
 
     @property
@@ -382,6 +390,8 @@ class EnginePanel(QWidget):
 
     def start(self) -> None:
         if self.is_running() or self.tasks.running("stop"):
+            if getattr(self.ctx, "start_plan", None) is not None:     # "Start with this plan" while one runs
+                self._offer_restart_with_plan()
             return
         why = self._watch_refusal()
         if why:                              # (the chat pane's Start, a shortcut): never while a connection is shown
@@ -407,6 +417,54 @@ class EnginePanel(QWidget):
             self._add_note(warning[0].upper() + warning[1:], "warning")
         self.tasks.start("run", self.sup.run, engine, plan, on_event=self._on_event, on_done=self._run_done,
                          on_error=self._on_error, on_finished=self._run_finished)
+
+    def ask_restart(self, text: str, action: str) -> bool:
+        """Ask whether to restart the running engine now (a dialog; tests replace this method)."""
+        box = QMessageBox(self.window())
+        box.setIcon(QMessageBox.Icon.Question)
+        box.setWindowTitle("The engine is running")
+        box.setText(text)
+        yes = box.addButton(action, QMessageBox.ButtonRole.AcceptRole)
+        box.addButton("Not now", QMessageBox.ButtonRole.RejectRole)
+        box.setDefaultButton(yes)
+        box.exec()
+        return box.clickedButton() is yes
+
+    def _offer_restart_with_plan(self) -> None:
+        if self.tasks.running("stop") or self._restart_after_stop:
+            return
+        label = ((self.ctx.start_plan or {}).get("hardware") or {}).get("label")
+        text = ("The engine is already running, with the plan it was started with. Restart it with this plan"
+                + (f" (made for {label})" if label else "") + "? It stops, then starts again with the plan.")
+        if self.ask_restart(text, "Restart with this plan"):
+            self.restart()              # start() takes ctx.start_plan once the engine has stopped
+        else:
+            self.ctx.start_plan = None
+            self.ctx.statusMessage.emit("Not restarted: the engine keeps running with its plan.", 6000)
+
+    def restart(self) -> None:
+        """Stop the engine, then start it again with the settings as they are now (and ``ctx.start_plan``, the
+        Placement tab's plan, when one was chosen)."""
+        why = self._watch_refusal()
+        if why:
+            self.ctx.statusMessage.emit(why, 8000)
+            return
+        if not self.is_running() and not self.tasks.running("stop"):
+            self.start()
+            return
+        self._restart_after_stop = True
+        self.ctx.statusMessage.emit("Restarting the engine: stopping it first…", 8000)
+        if not self.tasks.running("stop"):
+            self.stop()
+
+    def _start_when_stopped(self) -> None:
+        if self.tasks.shut_down or not self._restart_after_stop:
+            return
+        if self.is_running() or self.tasks.running("stop"):
+            QTimer.singleShot(100, self._start_when_stopped)
+            return
+        self._restart_after_stop = False
+        self.start()
 
     def stop(self) -> None:
         why = self._watch_refusal()
@@ -442,6 +500,9 @@ class EnginePanel(QWidget):
             return
         self.sup.settings = self.ctx.settings
         self.sup.auto_restart = self.auto_restart.isChecked()
+        if self._state == sv.STOPPED and self.sup.state_path.exists():
+            # an engine was left running (or its record was): say so for the seconds the check takes, not "Stopped"
+            self._render_state("reattaching", "re-attaching to the running engine…")
         self.tasks.start("run", self.sup.watch, on_event=self._on_event, on_done=self._run_done,
                          on_error=self._on_error, on_finished=self._run_finished)
 
@@ -592,6 +653,8 @@ class EnginePanel(QWidget):
             self._render_state(st.state, st.message)
 
     def _run_finished(self) -> None:
+        if self._state == "reattaching":        # the look found nothing to re-attach to
+            self._state = sv.STOPPED
         if self._state in (sv.STOPPED, sv.CRASHED):
             self._clear_ready()
         self._render_state(self._state, "")
@@ -601,6 +664,8 @@ class EnginePanel(QWidget):
     def _stop_finished(self) -> None:
         self._stop_started = None
         self._render_state(self._state, "")
+        if self._restart_after_stop and self._close_after_stop is None:
+            QTimer.singleShot(0, self._start_when_stopped)
         if self._close_after_stop is not None and not self.tasks.running("run"):
             win, self._close_after_stop = self._close_after_stop, None
             QTimer.singleShot(0, win.close)

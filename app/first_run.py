@@ -27,7 +27,10 @@ from engine_manager import download as dl
 from .doctor_view import verdicts_html
 from .workers import run_function
 
-DISMISS_KEY = "first_run_dismissed"
+DISMISS_KEY = "first_run_dismissed"      # finished or closed with "Don't show this at startup" ticked
+KEEP_KEY = "first_run_keep_showing"      # the user unticked it: shown at every start until a model is present
+
+
 class DoctorPage(QWizardPage):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
@@ -75,11 +78,15 @@ class ModelPage(QWizardPage):
         self.ctx = ctx
         self.panel = panel
         self.setTitle("2 · The model")
-        self.setSubTitle("DeepSeek-V4.1-Flash at Q2_K: 264.5 GB in seven GGUF files, for the real engine. Download "
-                         "them (resumable, every byte verified), or use a folder that already has them. The scripted "
-                         "engine (what a machine without a big NVIDIA GPU runs, labelled simulated) needs none of "
-                         "it: press Next to skip this step.")
+        # (a wizard's subtitle is cut to the height of the first page's: the longer words go in the page)
+        self.setSubTitle("DeepSeek-V4.1-Flash at Q2_K: 264.5 GB in seven GGUF files, for the real engine.")
         lay = QVBoxLayout(self)
+        intro = QLabel("Download them (resumable, every byte verified), or use a folder that already has them. The "
+                       "scripted engine (what a machine without a big NVIDIA GPU runs, labelled simulated) needs "
+                       "none of it: press Next to skip this step.")
+        intro.setObjectName("firstRunModelIntro")
+        intro.setWordWrap(True)
+        lay.addWidget(intro)
         self.state = QLabel("Looking at the model folder…")
         self.state.setObjectName("firstRunModelState")
         self.state.setWordWrap(True)
@@ -261,9 +268,10 @@ class FirstRunDialog(QWizard):
         self.setWizardStyle(QWizard.WizardStyle.ClassicStyle)
         self.setOption(QWizard.WizardOption.NoBackButtonOnStartPage, True)
         self.setOption(QWizard.WizardOption.HaveCustomButton1, True)
+        # finished or closed, it stays away at the next starts (ticked by default); unticked, it comes back
         self.dont_show = QCheckBox("Don't show this at startup (Help ▸ Getting started… opens it)")
         self.dont_show.setObjectName("firstRunDontShow")
-        self.dont_show.setChecked(bool(uistate.load().get(DISMISS_KEY)))
+        self.dont_show.setChecked(not uistate.load().get(KEEP_KEY))
         self.setButton(QWizard.WizardButton.CustomButton1, self.dont_show)
         self.setButtonLayout([QWizard.WizardButton.CustomButton1, QWizard.WizardButton.Stretch,
                               QWizard.WizardButton.BackButton, QWizard.WizardButton.NextButton,
@@ -279,7 +287,7 @@ class FirstRunDialog(QWizard):
         self.finished.connect(self._remember)
 
     def _remember(self, _result: int) -> None:
-        uistate.save({DISMISS_KEY: self.dont_show.isChecked()})
+        uistate.save({DISMISS_KEY: self.dont_show.isChecked(), KEEP_KEY: not self.dont_show.isChecked()})
 
 
 def should_show(ctx) -> bool:

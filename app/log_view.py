@@ -1,7 +1,10 @@
 """The engine log viewer: the size-rotated ``engine.log`` (secrets already masked by the keeper), followed live.
 
-Follow (keeps the newest line in view), search (Ctrl+F, Enter / Shift+Enter or F3 / Shift+F3 for next / previous,
-with a match count), copy (selection with Ctrl+C, or Copy all). Big logs stay cheap: the view holds at most
+Every line the engine prints while the tab is open carries the time the panel read it (``12:04:31``, at most a
+poll interval after the engine wrote it; Times turns them off); the lines of the file read at opening carry no
+time but the keeper's own ``[dsv41 keeper <date time>]`` lines. Follow (keeps the newest line in view), search
+(Ctrl+F, Enter / Shift+Enter or F3 / Shift+F3 for next / previous, with a match count), copy (selection with
+Ctrl+C, or Copy all). Big logs stay cheap: the view holds at most
 ``MAX_LINES`` lines (``QPlainTextEdit.maximumBlockCount``), new lines arrive in batches from the supervisor
 (``ctx.engineLog``), and the initial read of the file's tail happens on a worker thread.
 """
@@ -9,6 +12,8 @@ with a match count), copy (selection with Ctrl+C, or Copy all). Big logs stay ch
 from __future__ import annotations
 
 import re
+import time
+from collections import deque
 
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import (
@@ -16,7 +21,7 @@ from PySide6.QtGui import (
     QTextCursor, QTextDocument, QTextOption,
 )
 from PySide6.QtWidgets import (
-    QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget,
+    QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSizePolicy, QVBoxLayout, QWidget,
 )
 
 from engine_manager.supervisor import log_path, read_log_tail
@@ -25,6 +30,14 @@ from .workers import TaskOwner
 
 MAX_LINES = 20_000
 INITIAL_BYTES = 2_000_000
+STAMP = re.compile(r"^\d\d:\d\d:\d\d  ")
+STAMP_LEN = 10
+NO_STAMP = ""                       # a line read from the file at opening: its time is not known
+
+
+def stamp(t: float | None = None) -> str:
+    """The time a line was read, as shown before it: ``HH:MM:SS`` and two spaces."""
+    return time.strftime("%H:%M:%S  ", time.localtime(time.time() if t is None else t))
 
 
 class LogHighlighter(QSyntaxHighlighter):
@@ -33,15 +46,18 @@ class LogHighlighter(QSyntaxHighlighter):
     RULES = (
         (re.compile(r"error|fatal|traceback|killed|out of memory|refused|segmentation|insufficient", re.I), "#b00020",
          True),
-        (re.compile(r"^\[dsv41"), "#4a5d7a", False),
+        (re.compile(r"^(?:\d\d:\d\d:\d\d  )?\[dsv41"), "#4a5d7a", False),
         (re.compile(r"\bREADY\b"), "#1b7a2b", True),
-        (re.compile(r"^\s*phase:", re.I), "#1f4e99", False),
+        (re.compile(r"^(?:\d\d:\d\d:\d\d  )?\s*phase:", re.I), "#1f4e99", False),
         (re.compile(r"\bwarn(ing)?\b", re.I), "#9a6700", False),
     )
 
     def __init__(self, doc):
         super().__init__(doc)
         self.formats = []
+        self.stamp_format = QTextCharFormat()
+        self.stamp_format.setForeground(QColor("#8a8f98"))
+        self.stamp_format.setFontWeight(QFont.Weight.Normal)
         for rx, color, bold in self.RULES:
             f = QTextCharFormat()
             f.setForeground(QColor(color))
@@ -53,7 +69,9 @@ class LogHighlighter(QSyntaxHighlighter):
         for rx, fmt in self.formats:
             if rx.search(text):
                 self.setFormat(0, len(text), fmt)
-                return
+                break
+        if STAMP.match(text):
+            self.setFormat(0, STAMP_LEN, self.stamp_format)
 
 
 class LogView(QWidget):
@@ -73,6 +91,10 @@ class LogView(QWidget):
         self.wrap.setObjectName("logWrap")
         self.wrap.setChecked(True)
         self.wrap.setToolTip("Wrap long lines at the window's edge (off: one line per log line, scroll sideways)")
+        self.times = QCheckBox("Times")
+        self.times.setObjectName("logTimes")
+        self.times.setChecked(True)
+        self.times.setToolTip("Show the time each line arrived (the lines read from the file at opening have none)")
         self.search = QLineEdit()
         self.search.setObjectName("logSearch")
         self.search.setPlaceholderText("Search the log (Ctrl+F; Enter next, Shift+Enter previous)")
@@ -93,6 +115,7 @@ class LogView(QWidget):
         self.reload_btn.setToolTip("Read the log file again")
         bar.addWidget(self.follow)
         bar.addWidget(self.wrap)
+        bar.addWidget(self.times)
         bar.addWidget(self.search, 1)
         bar.addWidget(self.prev_btn)
         bar.addWidget(self.next_btn)
@@ -118,6 +141,9 @@ class LogView(QWidget):
         self.path_label.setObjectName("logPath")
         self.path_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.path_label.setStyleSheet("color: palette(mid);")
+        # a long log path wraps (never widens the window past a 1280-pixel screen); whole in the tooltip
+        self.path_label.setWordWrap(True)
+        self.path_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         lay.addWidget(self.path_label)
 
         self.search.returnPressed.connect(self.find_next)
@@ -128,6 +154,7 @@ class LogView(QWidget):
         self.reload_btn.clicked.connect(self.reload)
         self.follow.toggled.connect(lambda on: on and self._scroll_to_end())
         self.wrap.toggled.connect(self.set_wrap)
+        self.times.toggled.connect(lambda _on: self._render_all())
         self.text.verticalScrollBar().valueChanged.connect(self._user_scrolled)
         ctx_sc = Qt.ShortcutContext.WidgetWithChildrenShortcut
         for seq, slot in ((QKeySequence.StandardKey.Find, self.focus_search), ("F3", self.find_next),
@@ -138,7 +165,8 @@ class LogView(QWidget):
         ctx.engineLog.connect(self.append_lines)
         self.tasks = TaskOwner(self)        # "tail": the first read of the log file's tail
         self._loading = False
-        self._pending: list[str] = []
+        self._pending: list[tuple[str, str]] = []
+        self._entries: deque[tuple[str, str]] = deque(maxlen=MAX_LINES)    # (stamp or NO_STAMP, line)
         self._programmatic_scroll = False
         self._count_timer = QTimer(self)
         self._count_timer.setSingleShot(True)
@@ -154,14 +182,27 @@ class LogView(QWidget):
         self._pending = []
         path = log_path()
         self.path_label.setText(f"{path}  (rotated to {path.name}.1 … by size; the API key is masked)")
+        self.path_label.setToolTip(str(path))
         self.tasks.start("tail", read_log_tail, path, INITIAL_BYTES, on_done=self._loaded,
                          on_finished=lambda: setattr(self, "_loading", False))
 
+    def _rendered(self, entries) -> str:
+        if self.times.isChecked():
+            return "\n".join(s + ln for s, ln in entries)
+        return "\n".join(ln for _s, ln in entries)
+
+    def _render_all(self) -> None:
+        self.text.setPlainText(self._rendered(self._entries))
+        if self.follow.isChecked():
+            self._scroll_to_end()
+
     def _loaded(self, lines: list[str]) -> None:
-        lines = lines + self._pending
-        self._pending = []
-        cut = max(0, len(lines) - MAX_LINES)
-        self.text.setPlainText("\n".join(lines[cut:]))
+        pending, self._pending = self._pending, []
+        cut = max(0, len(lines) + len(pending) - MAX_LINES)
+        self._entries.clear()
+        self._entries.extend((NO_STAMP, ln) for ln in lines)
+        self._entries.extend(pending)
+        self.text.setPlainText(self._rendered(self._entries))
         if not lines:
             self.text.setPlaceholderText("The engine log is empty: it fills once the engine is started.")
         if cut:
@@ -172,12 +213,15 @@ class LogView(QWidget):
         lines = getattr(batch, "lines", batch)
         if not lines:
             return
+        now = stamp()
+        entries = [(now, ln) for ln in lines]
         if self._loading:
-            self._pending.extend(lines)
+            self._pending.extend(entries)
             return
+        self._entries.extend(entries)
         bar = self.text.verticalScrollBar()
         keep = bar.value()
-        self.text.appendPlainText("\n".join(lines))
+        self.text.appendPlainText(self._rendered(entries))
         if self.follow.isChecked():
             self._scroll_to_end()
         else:

@@ -1,17 +1,23 @@
 """The main window: a control column (engine, state, Start/Stop), the plot area (Monitor, Placement, Downloads,
-Log tabs), the chat pane, and a status bar with live RAM / CPU / GPU. Geometry and splitter sizes persist."""
+Log tabs), the chat pane, and a status bar with live RAM / CPU / GPU.
+
+The first window fits the screen it opens on (``QScreen.availableGeometry``: the screen less panels and docks), so
+the chat's input and Send/Stop are in view on a 1280×800 screen; size, position and the splitter are remembered per
+screen (``engine_manager.uistate``), and a remembered window that no longer fits (a smaller screen now) is fitted
+again."""
 
 from __future__ import annotations
 
 import base64
 
-from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtCore import QByteArray, QRect, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QFrame,
     QLabel,
     QMainWindow,
     QMessageBox,
+    QScrollArea,
     QSplitter,
     QStatusBar,
     QTabWidget,
@@ -21,9 +27,13 @@ from PySide6.QtWidgets import (
 
 from engine_manager import __version__, uistate
 
+from . import theme
+
 # The pages are imported when they are built (MainWindow.build_pages), not here: their imports (numpy, pyqtgraph,
 # superqt, the supervisor, httpx …) took ~1 s, and a window that waits for them appears that much later.
 TAB_NAMES = ("Monitor", "Placement", "Downloads", "Log", "Benchmark")
+DEFAULT_SIZE = (1440, 900)      # the first window, where the screen has room for it
+FRAME_GUESS = (0, 32)           # what a window manager adds around the window (a title bar) until it is known
 
 
 def _tab_classes() -> dict[str, type]:
@@ -104,7 +114,9 @@ class MainWindow(QMainWindow):
         self.ctx = None if self._ctx_factory is not None else ctx
         self.show_first_run = show_first_run      # False: no Getting-started wizard at start (--quit-after, shots)
         self.setWindowTitle("dsv41 panel — DeepSeek-V4.1-Flash on one GPU")
-        self.resize(1440, 900)
+        self.resize(*DEFAULT_SIZE)
+        self._placed = False
+        self._framed = False
         self.built = False
         self._building = False
         self.pages: dict[str, QWidget] = {}
@@ -181,9 +193,17 @@ class MainWindow(QMainWindow):
 
         ctx = self.ctx
         self._engine_panel = EnginePanel(ctx)
+        # the column scrolls when the screen is short (1280×800 with a crash banner up): its labels are never
+        # squeezed below the height their words need
+        self.control_scroll = QScrollArea()
+        self.control_scroll.setObjectName("controlScroll")
+        self.control_scroll.setWidgetResizable(True)
+        self.control_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.control_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.control_scroll.setWidget(self._engine_panel)
         cl = self.control.layout()
-        cl.replaceWidget(self._engine_placeholder, self._engine_panel)
-        cl.setStretchFactor(self._engine_panel, 1)
+        cl.replaceWidget(self._engine_placeholder, self.control_scroll)
+        cl.setStretchFactor(self.control_scroll, 1)
         self._engine_placeholder.deleteLater()
 
         current = self.tabs.currentIndex()
@@ -265,6 +285,24 @@ class MainWindow(QMainWindow):
         self.chat_toggle = self._action(view_menu, "Show &chat pane", self.toggle_chat, "Ctrl+Shift+C")
         self.chat_toggle.setCheckable(True)
         self.chat_toggle.setChecked(True)
+        # light / dark: the desktop's, or a choice that is remembered
+        self.theme_menu = view_menu.addMenu("&Theme")
+        self.theme_actions: dict[str, QAction] = {}
+        group = QActionGroup(self)
+        group.setExclusive(True)
+        current = theme.saved_mode()
+        for mode, words in theme.MODES.items():
+            act = self._action(self.theme_menu, words, lambda _c=False, m=mode: self.set_theme(m), None,
+                               f"actionTheme_{mode}")
+            act.setCheckable(True)
+            act.setChecked(mode == current)
+            group.addAction(act)
+            self.theme_actions[mode] = act
+        theme.apply(current)
+        app = QGuiApplication.instance()
+        if app is not None and not app.property("dsv41_follows_desktop"):
+            app.setProperty("dsv41_follows_desktop", True)
+            theme.follow_desktop(theme.saved_mode)
 
         help_menu = mb.addMenu("&Help")
         self._action(help_menu, "&About dsv41 panel", self.about, None, "actionAbout")
@@ -275,6 +313,20 @@ class MainWindow(QMainWindow):
             self.file_menu.insertAction(self._file_sep, act)
         for act in getattr(self._engine_panel, "actions_for_menu", lambda: [])():
             self.engine_menu.insertAction(self._engine_sep, act)
+
+    def set_theme(self, mode: str) -> None:
+        """View ▸ Theme: "auto" (follow the desktop), "light" or "dark"; remembered for the next start."""
+        dark = theme.apply(mode)
+        if mode in self.theme_actions:
+            self.theme_actions[mode].setChecked(True)
+        try:
+            theme.save_mode(mode)
+        except OSError as exc:
+            if self.ctx is not None:
+                self.ctx.statusMessage.emit(f"The theme is not remembered: {exc}", 6000)
+        if self.ctx is not None:
+            self.ctx.statusMessage.emit(f"Theme: {theme.MODES[mode].lower()} ({'dark' if dark else 'light'}).",
+                                        3000)
 
     def show_tab(self, name: str) -> None:
         page = self.pages.get(name) or self._placeholders.get(name)
@@ -320,6 +372,64 @@ class MainWindow(QMainWindow):
             "on the CPU from RAM.</p><p>Engines: deepseek-one-gpu / Strata, stock llama.cpp, and a scripted engine "
             "(simulated) for machines without the GPU.</p>")
 
+    # -- the window on its screen ----------------------------------------------------------------------------------
+    def _screen(self):
+        return self.screen() or QGuiApplication.primaryScreen()
+
+    @staticmethod
+    def _key_of(screen) -> str:
+        g = screen.geometry()
+        return uistate.screen_key(screen.name(), g.width(), g.height())
+
+    def screen_key(self) -> str:
+        """The screen the window is on, as the UI state names it (name and size)."""
+        return self._key_of(self._screen())
+
+    def _frame_extra(self) -> tuple[int, int]:
+        fg, g = self.frameGeometry(), self.geometry()
+        extra = (fg.width() - g.width(), fg.height() - g.height())
+        return extra if self.isVisible() and extra != (0, 0) else FRAME_GUESS
+
+    def fit_to_screen(self, available: QRect | None = None, size: tuple[int, int] | None = None) -> None:
+        """Size (``size``, default :data:`DEFAULT_SIZE`) and centre the window within ``available`` (default:
+        its screen's available geometry), frame included."""
+        avail = available if available is not None else self._screen().availableGeometry()
+        want = size or DEFAULT_SIZE
+        # never below what the layout needs, as far as the screen allows
+        want = (max(want[0], min(self.minimumSizeHint().width(), avail.width())),
+                max(want[1], min(self.minimumSizeHint().height(), avail.height())))
+        x, y, w, h = uistate.fit_rect(want, (avail.x(), avail.y(), avail.width(), avail.height()),
+                                      self._frame_extra())
+        self.resize(w, h)
+        self.move(x, y)                        # (move places the frame; resize sizes the inside)
+
+    def keep_on_screen(self, available: QRect | None = None) -> bool:
+        """Fit the window again when its frame does not lie within ``available`` (its screen's available
+        geometry): a size remembered on a bigger screen. True when it moved or shrank."""
+        avail = available if available is not None else self._screen().availableGeometry()
+        fw, fh = self._frame_extra()
+        fg = QRect(self.x(), self.y(), self.width() + fw, self.height() + fh)
+        if avail.contains(fg):
+            return False
+        self.fit_to_screen(avail, (self.width(), self.height()))
+        return True
+
+    def showEvent(self, ev) -> None:  # noqa: N802 - Qt's name
+        super().showEvent(ev)
+        if not self._placed:           # its real screen; the frame, if the window manager has put one on yet
+            self._placed = True
+            QTimer.singleShot(0, self.keep_on_screen)
+
+    def moveEvent(self, ev) -> None:  # noqa: N802 - Qt's name
+        super().moveEvent(ev)
+        # the window manager frames the window after it is shown (a title bar, borders) and moves it: the first
+        # time the frame is known, the window is fitted again with it
+        if self._placed and not self._framed and self._frame_extra() != FRAME_GUESS:
+            fg, g = self.frameGeometry(), self.geometry()
+            if (fg.width(), fg.height()) != (g.width(), g.height()):
+                self._framed = True
+                QTimer.singleShot(0, self.keep_on_screen)
+
     # -- state -----------------------------------------------------------------------------------------------
     _chat_wanted = True
     ask_on_close = True         # False (automation: --quit-after, --screenshot): close without a question, an
@@ -329,13 +439,26 @@ class MainWindow(QMainWindow):
     def _restore_state(self) -> None:
         try:
             st = uistate.load()
+            # the screen the window was last on, when it is still there; else the one it opens on
+            screens = {self._key_of(sc): sc for sc in QGuiApplication.screens()}
+            last = st.get("main_screen")
+            key = last if isinstance(last, str) and last in screens else self.screen_key()
+            win = uistate.window_state(key)
         except (OSError, ValueError):      # a config folder variable no folder can be named by: the settings'
-            st = {}                        # loading (after the first paint) says so, in a message box
-        geo = st.get("main_geometry")
+            st, win = {}, {}               # loading (after the first paint) says so, in a message box
+        geo = win.get("geometry")
+        restored = False
         if geo:
-            self.restoreGeometry(QByteArray(base64.b64decode(geo)))
-        sizes = st.get("main_splitter")
-        if isinstance(sizes, list) and len(sizes) == 3 and all(isinstance(s, int) for s in sizes):
+            try:
+                restored = bool(self.restoreGeometry(QByteArray(base64.b64decode(geo, validate=True))))
+            except ValueError:
+                restored = False
+        if restored:
+            self.keep_on_screen()
+        else:
+            self.fit_to_screen()
+        sizes = win.get("splitter")
+        if isinstance(sizes, list) and len(sizes) == 3:
             self.splitter.setSizes(sizes)
             self._restored_sizes = list(sizes)
         tab = st.get("main_tab")
@@ -348,9 +471,11 @@ class MainWindow(QMainWindow):
     def save_state(self) -> None:
         if self.ctx is None:               # the settings never loaded (a bad one): nothing of this run to keep
             return
+        key = self.screen_key()
+        uistate.save_window_state(key, base64.b64encode(bytes(self.saveGeometry())).decode(),
+                                  [int(s) for s in self.splitter.sizes()])
         uistate.save({
-            "main_geometry": base64.b64encode(bytes(self.saveGeometry())).decode(),
-            "main_splitter": [int(s) for s in self.splitter.sizes()],
+            "main_screen": key,
             "main_tab": self.tabs.tabText(self.tabs.currentIndex()),
             "chat_visible": self._chat_widget().isVisibleTo(self),
         })

@@ -66,10 +66,13 @@ def plot_specs() -> list[PlotSpec]:
             Series(M.SLOT_COLUMNS[i], f"slot {i}", SLOT_COLORS[i], unit="tok/s")
             for i in range(M.MAX_SLOTS)
         ]),
-        PlotSpec("hit", "Hot-set hit rate", "%", [
-            Series("hit_rate", "observed", "#9ecae1", **pct),
-            Series("hit_rate_rolling", "rolling 60 s", "#08519c", **pct),
-            Series("hit_rate_last", "newest finished request", "#31a354", style=DASH, **pct),
+        # the observed VRAM share of routed picks is what the planner predicts (its line); the engine's own hit
+        # rate (its lookups leave out the experts read over PCIe) and the PCIe share are drawn under their names
+        PlotSpec("hit", "Expert picks served from VRAM", "%", [
+            Series("vram_share", "in VRAM (observed)", "#9ecae1", **pct),
+            Series("hit_rate_rolling", "in VRAM, last minute", "#08519c", **pct),
+            Series("hit_rate", "engine's hit rate (PCIe excluded)", "#31a354", style=DASH, **pct),
+            Series("pcie_share", "read over PCIe", "#756bb1", **pct),
         ], y_max=100.0),
         PlotSpec("swaps", "PCIe expert swaps", "swaps/s", [
             Series("swaps_per_s", "swaps/s", "#d62728", fmt="{:.2f}", unit="/s"),
@@ -170,6 +173,8 @@ class MonitorPlot:
         it.setClipToView(True)
         it.setDownsampling(auto=True, mode="peak")
         it.setMenuEnabled(True)
+        from .plot_export import add_export     # right click: Save plot as PNG/SVG…, Copy figures
+        add_export(it, spec.title)
         it.hideButtons()              # the auto-range "A" would fight the sticky y ranges set below
         for name in ("left", "bottom", "right"):
             ax = it.getAxis(name)
@@ -382,6 +387,11 @@ class MonitorPlot:
         self.ref_line.label.setFormat(label)
         self.ref_line.show()
         self.note.setText("")
+
+    def set_note(self, text: str) -> None:
+        """A line of words at the bottom of the plot (e.g. why the planner and the observed figure differ)."""
+        if self.note.toPlainText() != text:
+            self.note.setText(text)
 
     def place_note(self) -> None:
         (x0, x1), (y0, y1) = self.item.vb.viewRange()

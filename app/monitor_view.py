@@ -399,7 +399,8 @@ class MonitorView(QWidget):
                    f"{plan.get('predicted_hit_rate_note') or 'unknown until the engine has seen traffic'}")
             self.plots["hit"].set_reference(None, "", f"planner's prediction: {why}")
         else:
-            self.plots["hit"].set_reference(pred * 100.0, f"planner predicted {pred * 100:.1f}%")
+            self.plots["hit"].set_reference(pred * 100.0, f"planner predicted {pred * 100:.1f}% "
+                                                         f"({presenter.PLANNER_MEANS})")
 
     # -- ticks ------------------------------------------------------------------------------------------------
     def _on_tick(self, tick: M.Tick) -> None:
@@ -609,6 +610,8 @@ class MonitorView(QWidget):
             self.plots["slots"].show_columns(presenter.slot_columns(total))
         for key, text in presenter.cards(tick).items():
             self.cards[key].show(text)
+        if tick.predicted_hit_rate is not None:        # else the note says why the prediction is unknown
+            self.plots["hit"].set_note(presenter.hit_difference_line(tick))
         if abs(tick.t - getattr(self, "_compared_at", -1e18)) >= self.COMPARE_EVERY_S - 0.01:
             self._compared_at = tick.t
             self._update_compare(tick)
@@ -618,9 +621,9 @@ class MonitorView(QWidget):
         """The guides card judges the steady decode rate the hub tracks (``tick.notes["steady"]``): not the
         live window rate, which reads low while users start and finish."""
         v = tick.values
-        hr = v.get("hit_rate_rolling")
+        hr = v.get("hit_rate_rolling")           # the observed VRAM share over the last minute
         if hr is None:
-            hr = v.get("hit_rate")
+            hr = v.get("vram_share")
         model = tick.notes.get("model")
         if model:
             self.model_name = model

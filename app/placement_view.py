@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFileDialog, QFrame, Q
 
 from engine_manager import placement
 from engine_manager import uistate
+from engine_manager.metrics import presenter
 
 from . import workers
 
@@ -240,6 +241,10 @@ class PlacementView(QWidget):
         self.heat.invertY(True)
         self.image = pg.ImageItem()
         self.heat.addItem(self.image)
+        # the colour scale beside the map: what a colour means in each mode (set in _redraw_heatmap)
+        self.colorbar = pg.ColorBarItem(values=(0.0, 1.0), colorMap=pg.colormap.get("viridis"), interactive=False,
+                                        width=14)
+        self.colorbar.setImageItem(self.image, insert_in=self.heat.getPlotItem())
         self.heat.scene().sigMouseMoved.connect(self._hover)
         self.heat_stack = QStackedWidget()
         self.heat_empty = _empty_label("No plan yet: the layer × expert map appears here once you press Plan "
@@ -287,6 +292,9 @@ class PlacementView(QWidget):
         split.addWidget(right)
         split.setSizes([700, 400])
         lay.addWidget(split, 1)
+        from .plot_export import add_export     # right click: Save plot as PNG/SVG…, Copy figures
+        add_export(self.heat.getPlotItem(), "placement_heatmap", self)
+        add_export(self.cov.getPlotItem(), "coverage", self)
 
         self._restore()
         self._host_changed()
@@ -476,7 +484,7 @@ class PlacementView(QWidget):
             self.summary.setText(
                 f"{head}<br><b>{d['hot_experts']:,}</b> of {d['total_experts']:,} experts in VRAM "
                 f"({d['hot_expert_bytes'] / GiB:.1f} GiB), {d['cold_experts']:,} in RAM "
-                f"({d.get('cold_expert_bytes', 0) / GiB:.1f} GiB). Predicted hit rate: {hr_s}.<br>"
+                f"({d.get('cold_expert_bytes', 0) / GiB:.1f} GiB). Predicted share of expert picks in VRAM: {hr_s}.<br>"
                 f"Strata: <code>{_esc(' '.join(d.get('strata_args') or []))}</code>")
         v, r = d.get("vram") or {}, d.get("ram") or {}
         self.vram_bar.set_budget(v.get("budget_bytes", 0), v.get("terms") or [])
@@ -543,18 +551,18 @@ class PlacementView(QWidget):
         hot = g["hot_rank"] >= 0
         if mode == "frequency" and g["freq"] is not None:
             img = np.log10(g["freq"] * 1e6 + 1)
-            self.image.setColorMap(pg.colormap.get("viridis"))
+            cmap, label = pg.colormap.get("viridis"), "planned picks per million, log10(x + 1)"
             levels = (0, max(1e-9, float(img.max())))
         elif mode == "observed" and self.observed is not None:
             o = self.observed
             img = np.log10(o / max(o.sum(), 1e-12) * 1e6 + 1)
-            self.image.setColorMap(pg.colormap.get("inferno"))
+            cmap, label = pg.colormap.get("inferno"), "observed picks per million, log10(x + 1)"
             levels = (0, max(1e-9, float(img.max())))
         elif not g.get("hot_known", True):
             # no routing data: which experts are hot is unknown — one flat, neutral field, said in words, never
             # a pattern of "experts 0..N of every layer"
             img = np.full(hot.shape, 0.5)
-            self.image.setColorMap(pg.ColorMap([0.0, 1.0], ["#d9d9d9", "#d9d9d9"]))
+            cmap, label = pg.ColorMap([0.0, 1.0], ["#d9d9d9", "#d9d9d9"]), "hot set unknown"
             levels = (0.0, 1.0)
             per_layer = int(hot.sum()) / max(1, len(g["layers"]))
             self.hover.setText(f"Hot set unknown: the plan keeps {int(hot.sum()):,} experts in VRAM (~{per_layer:.0f} "
@@ -567,11 +575,15 @@ class PlacementView(QWidget):
                 f = g["freq"] / max(g["freq"].max(), 1e-12)
                 base = base + 0.2 * np.sqrt(f)
             img = base
-            self.image.setColorMap(pg.ColorMap([0.0, 0.3, 0.55, 0.8, 1.0],
-                                               ["#0b1d2e", "#2f6f6a", "#76b7b2", "#f28e2b", "#ffd27f"]))
+            cmap = pg.ColorMap([0.0, 0.3, 0.55, 0.8, 1.0], ["#0b1d2e", "#2f6f6a", "#76b7b2", "#f28e2b", "#ffd27f"])
+            label = "RAM (cold) 0.3 … 0.8 VRAM (hot); brighter = routed more"
             levels = (0.0, 1.0)
         # ImageItem's first axis is x: experts across, layers down
         self.image.setImage(img.T, levels=levels, autoLevels=False)
+        self.colorbar.setColorMap(cmap)                 # the bar sets the image's colours and levels too
+        self.colorbar.setLevels(levels)
+        self.colorbar.axis.setLabel(label)
+        self.colorbar_label = label
         self.image.setRect(QRectF(0, 0, g["n_experts"], len(g["layers"])))
         self.heat.getAxis("left").setTicks([[(i + 0.5, str(b)) for i, b in enumerate(g["layers"]) if i % 5 == 0]])
 
@@ -625,10 +637,19 @@ class PlacementView(QWidget):
             self.cov_line.setValue(d.get("hot_experts", 0))
             self.cov_line.show()
             self.cov.setXRange(0, max(1, d.get("total_experts", 1)))
-            self.cov_text.setText(f"No routing data: the curve needs real frequencies, so the hit rate is unknown "
-                                  f"until the engine has seen traffic. The dashed line marks the "
-                                  f"{d.get('hot_experts', 0):,} experts planned for VRAM.")
+            self.cov_text.setText(self._no_coverage_text(d))
             self.cov_text.show()
+
+    def _no_coverage_text(self, d: dict[str, Any]) -> str:
+        """Why the shown plan has no coverage curve — never "no routing data" while the engine's picks are being
+        observed: the plan was made before them."""
+        planned = (f"The dashed line marks the {d.get('hot_experts', 0):,} experts planned for VRAM.")
+        picks = float(self.observed.sum()) if self.observed is not None else 0.0
+        if picks:
+            return (f"This plan was made without routing data, so it has no coverage curve; {picks:,.0f} expert picks "
+                    f"observed since — re-plan from observed routing to draw it. {planned}")
+        return (f"No routing data: the curve needs real frequencies, so the predicted share is unknown until the "
+                f"engine has seen traffic. {planned}")
 
     # -- observed routing (fed by the monitor) -------------------------------------------------------------------
     def on_feed(self, feed) -> None:
@@ -672,12 +693,29 @@ class PlacementView(QWidget):
         self._usage_text()
         g = self._grid
         if g and g["layers"] and rows.sum() > 0:
-            hot = g["hot_rank"] >= 0
-            share = float(rows[hot].sum() / rows.sum())
-            self.hover.setText(f"Observed routing: {rows.sum():,.0f} picks; {share:.1%} of them fall in the planned "
-                               "hot set")
+            self.hover.setText(self.observed_share_text(rows))
+        if self.plan is not None and not self.plan.get("coverage") and not self.cov_text.isHidden():
+            self.cov_text.setText(self._no_coverage_text(self.plan))
         if self.mode.currentData() == "observed":
             self._redraw_heatmap()
+
+    def observed_share_text(self, rows: np.ndarray) -> str:
+        """The observed routing against the plan, said as what it measures and how it differs from the other two
+        figures (the planner's and the Monitor's)."""
+        g = self._grid
+        hot = g["hot_rank"] >= 0
+        share = float(rows[hot].sum() / rows.sum())
+        pred = (self.plan or {}).get("predicted_hit_rate")
+        text = (f"Observed routing: {rows.sum():,.0f} picks; {share:.1%} of them fall in the planned hot set "
+                f"({presenter.PLACEMENT_MEANS}, since the trace began).")
+        if pred is not None:
+            text += (f" The planner's {pred:.1%} was {presenter.PLANNER_MEANS}; the Monitor's figure is the "
+                     "observed VRAM share over the last minute, after the adaptive tier moved experts in, so the "
+                     "three differ.")
+        else:
+            text += (" The Monitor's figure is the observed VRAM share over the last minute, after the adaptive tier "
+                     "moved experts in, so it runs higher than this.")
+        return text
 
     def _observed_rows(self, arr: np.ndarray) -> np.ndarray | None:
         """The counts on the shown plan's MoE rows (all blocks → the MoE ones); as given without a plan; None when

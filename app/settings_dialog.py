@@ -11,10 +11,12 @@ from typing import Any, Literal
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout,
-    QLabel, QLineEdit, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget,
+    QLabel, QLineEdit, QMessageBox, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget,
 )
 
-from engine_manager.settings import Settings, SettingsError, field_allowed, field_env, mask_secret
+from engine_manager.settings import (
+    Settings, SettingsError, field_allowed, field_env, mask_secret, restart_needed,
+)
 
 GROUPS = {
     "Engine": ["server_engine", "host", "port", "api_key", "slots", "context_length", "kv_type", "cpu_numerics",
@@ -256,3 +258,25 @@ class SettingsDialog(QDialog):
                 editor.setFocus(Qt.FocusReason.OtherFocusReason)
             return
         self.accept()
+        later = restart_needed(updates)
+        if later and getattr(self.ctx, "own", None) is not None:      # the panel's own engine runs
+            names = ", ".join(later[:-1]) + (" and " if len(later) > 1 else "") + later[-1]
+            text = (f"{names} {'takes' if len(later) == 1 else 'take'} effect at the next start of the engine, "
+                    "which is running now. Restart it now?")
+            self.restart_question = text
+            if self.ask_restart(text):
+                self.ctx.requestRestart.emit()
+            else:
+                self.ctx.statusMessage.emit(f"Saved. {names}: at the engine's next start.", 8000)
+
+    def ask_restart(self, text: str) -> bool:
+        """"Restart now" or not (a dialog; tests replace this method)."""
+        box = QMessageBox(self.parentWidget() or self)
+        box.setIcon(QMessageBox.Icon.Question)
+        box.setWindowTitle("Restart the engine?")
+        box.setText(text)
+        yes = box.addButton("Restart now", QMessageBox.ButtonRole.AcceptRole)
+        box.addButton("At the next start", QMessageBox.ButtonRole.RejectRole)
+        box.setDefaultButton(yes)
+        box.exec()
+        return box.clickedButton() is yes

@@ -113,12 +113,45 @@ def _nofollow_open(path: Path, flags: int, mode: int = OWNER_ONLY) -> int:
         raise
 
 
+class NotARegularFile(OSError):
+    """A file the panel reads is a named pipe, a device, a socket or a folder: refused (a pipe would block the
+    read for ever, a device could be endless)."""
+
+
 def read_bytes_nofollow(path: Path, max_bytes: int | None = None) -> bytes:
     """The bytes of ``path`` (at most ``max_bytes``), refusing a symbolic link (:class:`LinkRefused`) instead of
-    reading what it points to."""
-    fd = _nofollow_open(Path(path), os.O_RDONLY)
+    reading what it points to, and anything but a regular file (:class:`NotARegularFile`: opened without blocking,
+    so a named pipe with no writer cannot hang the caller)."""
+    import stat
+
+    fd = _nofollow_open(Path(path), os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotARegularFile(errno.EINVAL, f"{path} is not a regular file (a named pipe, a device or a folder); "
+                                            "give a plain file", str(path))
     with os.fdopen(fd, "rb") as f:
         return f.read() if max_bytes is None else f.read(max_bytes)
+
+
+def read_json_capped(path: Path, cap: int) -> Any:
+    """The JSON document in ``path``: never through a link (:class:`LinkRefused`), a regular file only
+    (:class:`NotARegularFile`), at most ``cap`` bytes. ``FileNotFoundError`` when it is not there; ``ValueError``
+    in plain words when it is larger than ``cap``, not UTF-8, not JSON, or nested too deeply for Python's parser
+    (a ``RecursionError``, which is not a ``ValueError``, turned into one)."""
+    raw = read_bytes_nofollow(Path(path), max_bytes=cap + 1)
+    if len(raw) > cap:
+        raise ValueError(f"it is larger than {cap:,} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("it nests too deeply to be read") from None
+    except UnicodeDecodeError:
+        raise ValueError("it is not UTF-8 text") from None
 
 
 def open_append_nofollow(path: Path, mode: int = OWNER_ONLY) -> int:

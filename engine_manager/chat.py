@@ -12,7 +12,13 @@ typed events as the Server-Sent Events arrive:
 
 Anything that goes wrong raises :class:`ChatError` whose ``str()`` says in plain words what happened and what to do:
 HTTP 400 / 401 / 409 / 503 with the engine's own message, an ``{"error": ...}`` frame in the middle of the stream,
-the connection lost, the engine process gone, no data for longer than the read timeout.
+the connection lost, the engine process gone, no token for longer than the read timeout, a chunk of the wrong shape.
+The API key is masked wherever a server echoes it back.
+
+What a server sends is bounded (:meth:`ChatClient.stream`): a line or an event of the stream at most
+``SSE_LINE_CAP``, an error body at most ``SMALL_BODY_CAP``, the answer at most ``max_tokens`` plus a margin (then it
+is cut off, what arrived kept), and no server holds a chat for ever with keep-alives or empty frames. Figures that
+are not finite, negative or impossible are missing, never an error.
 
 Cancel: :class:`CancelToken.cancel` may be called from any thread. It shuts the stream's socket down, which wakes a
 read blocked inside httpx at once (a plain flag would wait for the next token, or forever on a stalled engine); the
@@ -36,10 +42,11 @@ is the one the panel started before a request (and the API key) is sent there.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Generator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Mapping, Sequence, cast
 
 import httpx
 from httpx_sse import EventSource, SSEError
@@ -59,14 +66,37 @@ from .chat_events import (  # noqa: F401 - re-exported: engine_manager.chat is w
     TimingsInfo,
     UsageInfo,
 )
+from .engines._http import (
+    REQUEST_DEADLINE_S,
+    SMALL_BODY_CAP,
+    SSE_LINE_CAP,
+    AnswerTooLarge,
+    AnswerTooSlow,
+    get_capped,
+)
+from .engines.base import mask_in
 from .errors import UserError
+from .tunnel import transport_for
+from .fmt import MB
 
 if TYPE_CHECKING:
     from .session import RunningEngine
 
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
-# Strata sends ": keep-alive" comments while it reads a long prompt, so silence this long means a stalled engine.
+# The longest an engine may go without a token once it has started answering (its keep-alives and empty frames do
+# not count then: a server that only pings would otherwise hold a chat for ever).
 DEFAULT_READ_TIMEOUT_S = 120.0
+# Before the first token, Strata's ": keep-alive" comments do count: it sends one every 10 s while the request waits
+# its turn or the engine reads the prompt (serve/server.py@2291cb3 Service.run, QUEUE_BEAT_S and the engine's
+# heartbeat), which on a slow PC takes minutes. Not for ever, though: the first token must come within this long
+# (or within the read timeout, when that is longer).
+FIRST_TOKEN_DEADLINE_S = 600.0
+# A stream that goes on past max_tokens is cut there, plus this margin (one delta is one token for Strata,
+# llama-server and the scripted engine; a few more can come: a held-back stop-string tail, a parser's flush).
+TOKEN_MARGIN_MIN = 64
+TOKEN_MARGIN_SHARE = 0.25
+NO_MAX_TOKENS = 1_048_576          # no max_tokens sent: the engine's own cap is its context, at most this
+CHARS_PER_TOKEN_CAP = 256          # a token's text is a few characters; this many per token is never a real answer
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -75,8 +105,10 @@ class ChatError(UserError):
 
     ``unreachable`` (nothing listens), ``bad_request`` (400), ``auth`` (401), ``busy`` (409), ``unavailable`` (503,
     or the panel's engine is still starting), ``http`` (another status), ``stream_error`` (an error frame
-    mid-stream), ``connection_lost``, ``engine_died``, ``stalled`` (read timeout), ``protocol`` (not an event stream
-    / not JSON); before sending (:func:`check_target`): ``not_ours`` (a program the panel did not start holds the
+    mid-stream), ``connection_lost``, ``engine_died``, ``stalled`` (no token for the read timeout: silence, or only
+    keep-alives and empty frames), ``protocol`` (not an event stream / not JSON / a frame of the wrong shape),
+    ``too_large`` (a line or event past its cap), ``overrun`` (tokens past max_tokens and its margin: cut off);
+    before sending (:func:`check_target`): ``not_ours`` (a program the panel did not start holds the
     port), ``key_mismatch`` (the panel's engine runs with another key), ``unknown`` (the status cannot be read:
     nothing is sent).
     """
@@ -91,6 +123,23 @@ class ChatError(UserError):
         return str(self)
 
 
+ENGINE_MESSAGE_CHARS = 500        # the engine's own words quoted in a message: at most this much
+
+
+def _words(v: Any) -> str:
+    """A value from an engine's error, as words: text as it is, anything else as compact JSON (never Python's
+    repr), cut to ENGINE_MESSAGE_CHARS."""
+    if isinstance(v, str):
+        text = v
+    else:
+        try:
+            text = json.dumps(v, ensure_ascii=False, default=str)
+        except (ValueError, TypeError, RecursionError):
+            text = "(an error the engine described in a form that cannot be read)"
+    text = text.strip()
+    return text if len(text) <= ENGINE_MESSAGE_CHARS else text[:ENGINE_MESSAGE_CHARS] + "…"
+
+
 def _engine_message(payload: Any) -> str | None:
     """The human part of ``{"error": {"message": ..., "type": ...}}`` / ``{"error": "..."}`` / ``{"detail": ...}``."""
     if isinstance(payload, Mapping):
@@ -98,19 +147,30 @@ def _engine_message(payload: Any) -> str | None:
         if isinstance(err, Mapping):
             msg = err.get("message") or err.get("detail") or err.get("type") or err.get("code")
             typ = err.get("type") or err.get("code")
-            if msg and typ and str(typ) not in str(msg):
-                return f"{msg} ({typ})"
-            return str(msg) if msg else json.dumps(err)[:500]
+            if msg and typ and _words(typ) not in _words(msg):
+                return _words(f"{_words(msg)} ({_words(typ)})")
+            return _words(msg) if msg else _words(err)
         if err is not None:
-            return str(err)
+            return _words(err)
     if isinstance(payload, str) and payload.strip():
-        return payload.strip()[:500]
+        return _words(payload)
     return None
 
 
-def http_error(status: int, body_text: str, base_url: str) -> ChatError:
+def _loads(text: str) -> Any:
+    """``json.loads`` that raises only ValueError (a 100,000-deep nesting is a RecursionError in the parser)."""
     try:
-        payload: Any = json.loads(body_text) if body_text else None
+        return json.loads(text)
+    except RecursionError as exc:
+        raise ValueError("nested too deeply") from exc
+
+
+def http_error(status: int, body_text: str, base_url: str, secrets: Sequence[str] = ()) -> ChatError:
+    """The :class:`ChatError` for an HTTP error answer; any of ``secrets`` (the API key) the body echoes is masked
+    in the message."""
+    body_text = mask_in(body_text or "", [s for s in secrets if s])
+    try:
+        payload: Any = _loads(body_text) if body_text else None
     except ValueError:
         payload = body_text
     msg = _engine_message(payload)
@@ -160,20 +220,186 @@ def _engine_answers(base_url: str, timeout_s: float = 1.0, tries: int = 2) -> bo
     accepts connections for a process that is being killed until its listening socket is finally closed.)"""
     for i in range(tries):
         try:
-            with httpx.Client(trust_env=False, timeout=timeout_s) as c:
-                c.get(base_url.rstrip("/") + "/health")
+            with httpx.Client(trust_env=False, timeout=timeout_s, transport=transport_for(base_url)) as c:
+                get_capped(c, base_url.rstrip("/") + "/health", deadline_s=timeout_s)
             return True
+        except (AnswerTooLarge, AnswerTooSlow):
+            return True                    # something answers there, too much or too slowly: it is not gone
         except httpx.HTTPError:
             if i + 1 < tries:
                 time.sleep(0.2)
     return False
 
 
-def _num(d: Mapping[str, Any], key: str, cast=float):
-    v = d.get(key)
+NUMBER_MAX = 1e12       # a token count or a rate past this is no measurement (a server's 10**400 or 1e999)
+
+
+def _figure(v: Any) -> int | float | None:
+    """A figure an engine reported, or None: not a number, not finite (``1e999`` parses as inf, ``NaN`` as nan),
+    negative or past NUMBER_MAX are missing, never an error."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    return cast(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if v < 0 or v > NUMBER_MAX:
+        return None
+    return v
+
+
+def _num(d: Mapping[str, Any], key: str, cast: Callable[[Any], Any] = float) -> Any:
+    v = _figure(d.get(key))
+    return None if v is None else cast(v)
+
+
+def _clean_timings(timings: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine's ``timings`` as they are kept with an answer: named figures only (see :func:`_figure`)."""
+    out: dict[str, Any] = {}
+    for k, v in list(timings.items())[:64]:
+        f = _figure(v)
+        if isinstance(k, str) and len(k) <= 64 and f is not None:
+            out[k] = f
+    return out
+
+
+def token_limit(max_tokens: int | None) -> int:
+    """How many tokens a stream may bring before it is cut off: ``max_tokens`` plus a margin."""
+    n = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else NO_MAX_TOKENS
+    return n + max(TOKEN_MARGIN_MIN, int(n * TOKEN_MARGIN_SHARE))
+
+
+@dataclass
+class _Chunk:
+    """What one chunk of an answer carries, checked: texts are strings, the rest of the right type or absent."""
+
+    reasoning: list[str]
+    content: list[str]
+    finish: str | None
+    usage: Mapping[str, Any] | None
+    timings: Mapping[str, Any] | None
+
+
+def _malformed(what: str, v: Any, expected: str) -> ChatError:
+    kind = {dict: "an object", list: "a list", str: "text", int: "a number", float: "a number",
+            bool: "true or false"}.get(type(v), "something else")
+    return ChatError("protocol", f"The engine sent a malformed answer: {what} is {kind}, not {expected} as in "
+                                 "OpenAI's chat API. What arrived is kept; is this an OpenAI-compatible engine?")
+
+
+def parse_chunk(chunk: Any, *, message_key: str = "delta") -> _Chunk:
+    """One chunk of a streamed answer (``message_key="delta"``), or a whole non-streamed answer (``"message"``),
+    checked. Raises :class:`ChatError` ``protocol`` in plain words for a chunk of the wrong shape (never a Python
+    error: a ``content`` that is an object or a list, ``choices`` that is not a list …)."""
+    if not isinstance(chunk, Mapping):
+        raise _malformed("a frame", chunk, "an object")
+    out = _Chunk([], [], None, None, None)
+    choices = chunk.get("choices")
+    if choices is None:
+        choices = []
+    if not isinstance(choices, list):
+        raise _malformed("`choices`", choices, "a list")
+    for i, choice in enumerate(choices[:16]):
+        if not isinstance(choice, Mapping):
+            raise _malformed(f"`choices[{i}]`", choice, "an object")
+        delta = choice.get(message_key)
+        if delta is None:
+            delta = {}
+        if not isinstance(delta, Mapping):
+            raise _malformed(f"`choices[{i}].{message_key}`", delta, "an object")
+        for key, into in (("reasoning_content", out.reasoning), ("reasoning", out.reasoning),
+                          ("content", out.content)):
+            v = delta.get(key)
+            if v is None:
+                continue
+            if not isinstance(v, str):
+                raise _malformed(f"`choices[{i}].{message_key}.{key}`", v, "text")
+            if v and (key != "reasoning" or not delta.get("reasoning_content")):
+                into.append(v)
+        fr = choice.get("finish_reason")
+        if fr is not None and not isinstance(fr, str):
+            raise _malformed(f"`choices[{i}].finish_reason`", fr, "text")
+        if fr:
+            out.finish = fr[:64]
+    usage, timings = chunk.get("usage"), chunk.get("timings")
+    out.usage = usage if isinstance(usage, Mapping) else None
+    out.timings = timings if isinstance(timings, Mapping) else None
+    return out
+
+
+class _Watch:
+    """One stream's limits, checked on every piece of text that arrives (keep-alive comments too, which the SSE
+    parser never hands on): a line or an event longer than :data:`SSE_LINE_CAP`, no token for the read timeout once
+    the answer began, no first token within the first-token deadline. Raises :class:`ChatError`."""
+
+    def __init__(self, url: str, read_timeout_s: float, first_token_s: float):
+        self.url, self.read_timeout_s, self.first_token_s = url, read_timeout_s, first_token_s
+        self.t0 = time.monotonic()
+        self.last_token: float | None = None
+        self.line = 0                 # characters since the last line end
+        self.event = 0                # characters since the last blank line (an event's end)
+        self.prev = ""
+
+    def token(self) -> None:
+        self.last_token = time.monotonic()
+
+    def check_time(self) -> None:
+        now = time.monotonic()
+        if self.last_token is None:
+            if now - self.t0 > self.first_token_s:
+                raise ChatError(
+                    "stalled",
+                    f"The engine sent no token within {self.first_token_s:.0f} s of the question, only keep-alives "
+                    f"or empty frames: a request ahead of this one takes that long, or the engine is stuck. "
+                    f"Nothing arrived; ask again when it is free, or look at the engine's state and log.")
+        elif now - self.last_token > self.read_timeout_s:
+            raise ChatError(
+                "stalled",
+                f"The engine sent no token for {self.read_timeout_s:.0f} s while answering (only keep-alives or "
+                f"empty frames); it may be stuck. What arrived is kept; look at the engine's state and log.")
+
+    def feed(self, text: str) -> None:
+        i = max(text.rfind("\n"), text.rfind("\r"))
+        self.line = len(text) - i - 1 if i >= 0 else self.line + len(text)
+        both = self.prev + text
+        j = max(both.rfind("\n\n"), both.rfind("\r\r"), both.rfind("\n\r"))   # a line end right after one
+        self.event = len(both) - j - 2 if j >= 0 else self.event + len(text)
+        self.prev = text[-1:]
+        if self.line > SSE_LINE_CAP or self.event > SSE_LINE_CAP:
+            what = "a line" if self.line > SSE_LINE_CAP else "an event"
+            raise ChatError("too_large",
+                            f"The answer at {self.url} sent {what} longer than {SSE_LINE_CAP / MB:g} MB, which no "
+                            f"engine sends; stopped reading it. What arrived is kept. Is that really the engine's "
+                            f"address?")
+        self.check_time()
+
+
+class _WatchedResponse:
+    """What httpx-sse's ``EventSource`` reads of a response (its headers and its text), every piece of text
+    passed through a :class:`_Watch` first."""
+
+    def __init__(self, response: httpx.Response, watch: _Watch):
+        self._response, self._watch = response, watch
+
+    @property
+    def headers(self) -> httpx.Headers:
+        return self._response.headers
+
+    def iter_text(self) -> Iterator[str]:
+        for text in self._response.iter_text():
+            self._watch.feed(text)
+            yield text
+
+
+def _read_capped(response: httpx.Response, cap: int, deadline_s: float) -> tuple[str, bool]:
+    """At most ``cap`` bytes of ``response``'s body within ``deadline_s``: ``(text, complete)``."""
+    end = time.monotonic() + deadline_s
+    chunks: list[bytes] = []
+    got = 0
+    for chunk in response.iter_bytes():
+        chunks.append(chunk)
+        got += len(chunk)
+        if got > cap or time.monotonic() > end:
+            return b"".join(chunks)[:cap].decode("utf-8", "replace"), False
+    return b"".join(chunks).decode("utf-8", "replace"), True
 
 
 class ChatClient:
@@ -183,15 +409,20 @@ class ChatClient:
     def __init__(self, base_url: str, api_key: str | None, *, model: str | None = None,
                  connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                 engine_alive: Callable[[], bool] | None = None):
+                 engine_alive: Callable[[], bool] | None = None,
+                 first_token_deadline_s: float = FIRST_TOKEN_DEADLINE_S):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.engine_alive = engine_alive
+        self._secrets = [api_key] if api_key else []
+        self.first_token_s = max(read_timeout_s, first_token_deadline_s)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(
             base_url=self.base_url, headers=headers, trust_env=False,
             timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=5.0),
             limits=httpx.Limits(max_keepalive_connections=0),
+            # an SSH forward's URL is reached only through its Unix socket (engine_manager.tunnel)
+            transport=transport_for(self.base_url, limits=httpx.Limits(max_keepalive_connections=0)),
         )
         self.read_timeout_s = read_timeout_s
 
@@ -212,15 +443,20 @@ class ChatClient:
         self.close()
 
     def health(self, timeout_s: float = 3.0) -> dict[str, Any]:
-        """``GET /health`` as a dict; raises :class:`ChatError` (``unreachable`` / ``http``)."""
+        """``GET /health`` as a dict; raises :class:`ChatError` (``unreachable`` / ``http`` / ``too_large`` /
+        ``stalled``). The answer is read up to SMALL_BODY_CAP within ``timeout_s`` in all."""
         try:
-            r = self._http.get("/health", timeout=timeout_s)
+            r = get_capped(self._http, "/health", deadline_s=timeout_s)
+        except AnswerTooLarge as exc:
+            raise ChatError("too_large", f"{str(exc)[:1].upper()}{str(exc)[1:]}.") from exc
+        except AnswerTooSlow as exc:
+            raise ChatError("stalled", f"{str(exc)[:1].upper()}{str(exc)[1:]}.") from exc
         except httpx.TransportError as exc:
             raise self._unreachable(exc) from exc
         if r.status_code != 200:
-            raise http_error(r.status_code, r.text, self.base_url)
+            raise http_error(r.status_code, r.text, self.base_url, self._secrets)
         try:
-            data = r.json()
+            data = _loads(r.text)
         except ValueError:
             data = {}
         return data if isinstance(data, dict) else {}
@@ -252,17 +488,30 @@ class ChatClient:
         return body
 
     # -- the stream -------------------------------------------------------------------------------------
+    def _mask(self, text: str) -> str:
+        """``text`` with the API key masked (a server may echo it in an error)."""
+        return mask_in(text, self._secrets)
+
     def stream(self, messages: Sequence[Mapping[str, Any]], options: ChatOptions | None = None,
                cancel: CancelToken | None = None) -> Generator[ChatEvent, None, None]:
-        """Post the chat and yield events as they arrive (see the module docstring)."""
+        """Post the chat and yield events as they arrive (see the module docstring).
+
+        Limits, so that no server holds a chat for ever or grows it without end: a line or an event of the stream
+        past :data:`SSE_LINE_CAP` (``too_large``); no token for ``read_timeout_s`` once the answer began, whatever
+        else arrives (``stalled``); no first token within the first-token deadline (``stalled``); more tokens than
+        ``max_tokens`` and its margin (:func:`token_limit`), or more text than CHARS_PER_TOKEN_CAP a token
+        (``overrun``: the answer is cut off there, what arrived is kept). An answer sent whole as JSON instead of a
+        stream is read up to the same size and yielded as one delta."""
         cancel = cancel or CancelToken()
         stats = StreamStats()
-        body = self.request_body(messages, options)
+        opts = options or ChatOptions()
+        body = self.request_body(messages, opts)
+        limit = token_limit(opts.max_tokens)
         sockets: list[socket.socket] = []
 
         def trace(name: str, info: dict[str, Any]) -> None:
             # httpcore reports the new connection: keep its socket so cancel can shut it down mid-read.
-            if name == "connection.connect_tcp.complete":
+            if name in ("connection.connect_tcp.complete", "connection.connect_unix_socket.complete"):
                 stream = info.get("return_value")
                 sock = stream.get_extra_info("socket") if stream is not None else None
                 if sock is not None:
@@ -281,86 +530,122 @@ class ChatClient:
             yield StreamDone(stats)
             return
         cancel.on_cancel(on_cancel)
+        watch = _Watch(self.base_url, self.read_timeout_s, self.first_token_s)
         got_any = False
         saw_end = False
         saw_usage = False
         t_first: float | None = None
         t_last: float | None = None
         n_chunks = 0
+        n_chars = 0
+
+        def events_of(ck: _Chunk) -> Iterator[ChatEvent]:
+            nonlocal got_any, saw_usage, t_first, t_last, n_chunks, n_chars
+            now = time.perf_counter()
+            if ck.reasoning or ck.content:
+                n_chunks += 1
+                n_chars += sum(map(len, ck.reasoning)) + sum(map(len, ck.content))
+                if n_chunks > limit or n_chars > limit * CHARS_PER_TOKEN_CAP:
+                    asked = f"max tokens {opts.max_tokens:,}" if opts.max_tokens else "no max tokens"
+                    raise ChatError(
+                        "overrun",
+                        f"The engine went on past the answer's length ({asked}: more than {limit:,} tokens"
+                        f"{'' if n_chunks > limit else ' worth of text'} arrived without the end of the answer), so "
+                        f"it was cut off there. What arrived is kept.")
+                watch.token()
+                t_last = now
+                if t_first is None:
+                    t_first = now
+                    stats.ttft_s = now - t0
+                got_any = True
+            for r in ck.reasoning:
+                stats.reasoning_chunks += 1
+                yield ReasoningDelta(r, now)
+            for c in ck.content:
+                stats.content_chunks += 1
+                if stats.first_content_s is None:
+                    stats.first_content_s = now - t0
+                yield ContentDelta(c, now)
+            if ck.finish:
+                stats.finish_reason = ck.finish
+                yield FinishReason(ck.finish)
+            if ck.usage is not None:
+                u = UsageInfo(_num(ck.usage, "prompt_tokens", int), _num(ck.usage, "completion_tokens", int),
+                              _num(ck.usage, "total_tokens", int))
+                stats.prompt_tokens = u.prompt_tokens
+                stats.completion_tokens = u.completion_tokens
+                saw_usage = True
+                yield u
+            if ck.timings is not None:
+                clean = _clean_timings(ck.timings)
+                ti = TimingsInfo(_num(clean, "prompt_n", int), _num(clean, "prompt_ms"),
+                                 _num(clean, "prompt_per_second"), _num(clean, "predicted_n", int),
+                                 _num(clean, "predicted_ms"), _num(clean, "predicted_per_second"))
+                stats.timings = clean
+                stats.engine_tok_s = ti.predicted_per_second
+                stats.engine_prompt_tok_s = ti.prompt_per_second
+                yield ti
+
         try:
             try:
                 with self._http.stream("POST", "/v1/chat/completions", json=body,
-                                       headers={"Accept": "text/event-stream", "Cache-Control": "no-store"},
+                                       headers={"Accept": "text/event-stream", "Cache-Control": "no-store",
+                                                "Accept-Encoding": "identity"},
                                        extensions={"trace": trace}) as response:
                     if response.status_code != 200:
-                        text = response.read().decode("utf-8", "replace")
-                        raise http_error(response.status_code, text, self.base_url)
-                    yield StreamOpened(response.status_code, time.perf_counter())
-                    source = EventSource(response)
-                    for sse in source.iter_sse():
-                        data = sse.data
-                        if not data:
-                            continue
-                        if data.strip() == "[DONE]":
-                            saw_end = True
-                            break
-                        now = time.perf_counter()
+                        text, _ = _read_capped(response, SMALL_BODY_CAP, REQUEST_DEADLINE_S)
+                        raise http_error(response.status_code, text, self.base_url, self._secrets)
+                    ctype = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+                    if ctype == "application/json":
+                        # an answer sent whole (a server that does not stream): read up to what a stream may bring
+                        cap = max(SMALL_BODY_CAP, limit * CHARS_PER_TOKEN_CAP)
+                        text, whole = _read_capped(response, cap, max(self.first_token_s, REQUEST_DEADLINE_S))
+                        if not whole:
+                            raise ChatError("too_large", f"The answer at {self.base_url} is larger than "
+                                                         f"{cap / MB:g} MB (or did not arrive in time); stopped "
+                                                         "reading it.")
                         try:
-                            chunk = json.loads(data)
+                            whole_answer = _loads(text)
                         except ValueError as exc:
-                            raise ChatError("protocol", f"The engine sent a frame that is not JSON: {data[:200]!r}"
-                                            ) from exc
-                        if not isinstance(chunk, dict):
-                            continue
-                        if "error" in chunk:
-                            msg = _engine_message(chunk) or "no details"
-                            raise ChatError(
-                                "stream_error",
-                                f"The engine reported an error {'while answering' if got_any else 'before answering'}:"
-                                f" {msg}. What arrived is kept.",
-                                engine_message=msg)
-                        for choice in chunk.get("choices") or ():
-                            delta = choice.get("delta") or {}
-                            r = delta.get("reasoning_content") or delta.get("reasoning")
-                            c = delta.get("content")
-                            if r or c:
-                                n_chunks += 1
-                                t_last = now
-                                if t_first is None:
-                                    t_first = now
-                                    stats.ttft_s = now - t0
-                                got_any = True
-                            if r:
-                                stats.reasoning_chunks += 1
-                                yield ReasoningDelta(r, now)
-                            if c:
-                                stats.content_chunks += 1
-                                if stats.first_content_s is None:
-                                    stats.first_content_s = now - t0
-                                yield ContentDelta(c, now)
-                            fr = choice.get("finish_reason")
-                            if fr:
-                                stats.finish_reason = str(fr)
-                                yield FinishReason(str(fr))
-                        usage = chunk.get("usage")
-                        if isinstance(usage, Mapping):
-                            u = UsageInfo(_num(usage, "prompt_tokens", int), _num(usage, "completion_tokens", int),
-                                          _num(usage, "total_tokens", int))
-                            stats.prompt_tokens = u.prompt_tokens
-                            stats.completion_tokens = u.completion_tokens
-                            saw_usage = True
-                            yield u
-                        timings = chunk.get("timings")
-                        if isinstance(timings, Mapping):
-                            ti = TimingsInfo(_num(timings, "prompt_n", int), _num(timings, "prompt_ms"),
-                                             _num(timings, "prompt_per_second"), _num(timings, "predicted_n", int),
-                                             _num(timings, "predicted_ms"), _num(timings, "predicted_per_second"))
-                            stats.timings = dict(timings)
-                            stats.engine_tok_s = ti.predicted_per_second
-                            stats.engine_prompt_tok_s = ti.prompt_per_second
-                            yield ti
-                        if cancel.cancelled:
-                            break
+                            raise ChatError("protocol", "The engine answered with JSON that cannot be read, not "
+                                            f"with an event stream. Is {self.base_url} really the engine's "
+                                            "address?") from exc
+                        if not isinstance(whole_answer, Mapping) or not whole_answer.get("choices"):
+                            if isinstance(whole_answer, Mapping) and whole_answer.get("error") is not None:
+                                msg = self._mask(_engine_message(whole_answer) or "no details")
+                                raise ChatError("stream_error", f"The engine reported an error before answering: "
+                                                f"{msg}. What arrived is kept.", engine_message=msg)
+                            raise ChatError("protocol", "The engine answered with JSON that is not a chat answer "
+                                            f"(no choices), not with an event stream. Is {self.base_url} really the "
+                                            "engine's address?")
+                        yield StreamOpened(response.status_code, time.perf_counter())
+                        yield from events_of(parse_chunk(whole_answer, message_key="message"))
+                        saw_end = True
+                    else:
+                        yield StreamOpened(response.status_code, time.perf_counter())
+                        source = EventSource(cast(httpx.Response, _WatchedResponse(response, watch)))
+                        for sse in source.iter_sse():
+                            data = sse.data
+                            if not data:
+                                continue
+                            if data.strip() == "[DONE]":
+                                saw_end = True
+                                break
+                            try:
+                                chunk = _loads(data)
+                            except ValueError as exc:
+                                raise ChatError("protocol", "The engine sent a frame that is not JSON: "
+                                                f"{self._mask(data[:200])!r}") from exc
+                            if isinstance(chunk, Mapping) and chunk.get("error") is not None:
+                                msg = self._mask(_engine_message(chunk) or "no details")
+                                raise ChatError(
+                                    "stream_error",
+                                    f"The engine reported an error "
+                                    f"{'while answering' if got_any else 'before answering'}: {msg}. What arrived "
+                                    f"is kept.", engine_message=msg)
+                            yield from events_of(parse_chunk(chunk))
+                            if cancel.cancelled:
+                                break
                     if not saw_end and not saw_usage and not cancel.cancelled:
                         # Strata (HTTP/1.0) ends every answer by closing the connection, after a last chunk that
                         # always carries `usage`, then `data: [DONE]` (serve/server.py @2291cb3 `openai_chunks`,
@@ -478,8 +763,8 @@ def engine_status(settings):
         raise ChatError(
             "unknown",
             f"Could not tell which program holds the engine's port ({type(exc).__name__}: {exc}), so nothing was "
-            f"sent: not your question, not your API key. Look at `dsv41 status` (or the Engine tab), fix what it "
-            f"names, and ask again.") from None
+            f"sent: not your question, not your API key. Look at `dsv41 status` (or the panel's engine column), fix "
+            f"what it names, and ask again.") from None
 
 
 def _port_of(base_url: str) -> int | None:

@@ -29,9 +29,13 @@ class ChatOptions:
     reproducible: bool = False           # Strata's strata_reproducible: bit-identical batched answers
     seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)   # more top-level body keys, sent as they are
+    # the conversation's system prompt: sent as the first message (never a body key), kept with the conversation's
+    # options so that a conversation continued later (the pane, `dsv41 chat --conversation`) keeps it
+    system: str | None = None
 
     def body_fields(self) -> dict[str, Any]:
-        """The request-body keys these options add (all top-level, never nested under ``extra_body``)."""
+        """The request-body keys these options add (all top-level, never nested under ``extra_body``; the system
+        prompt is a message, not a key)."""
         out: dict[str, Any] = {}
         if self.max_tokens is not None:
             out["max_tokens"] = int(self.max_tokens)
@@ -52,6 +56,8 @@ class ChatOptions:
         d = asdict(self)
         if not d["extra"]:
             d.pop("extra")
+        if not d["system"]:
+            d.pop("system")
         return d
 
     @classmethod
@@ -59,7 +65,8 @@ class ChatOptions:
         d = dict(d or {})
         known = {k: d[k] for k in ("max_tokens", "temperature", "top_p", "reasoning_effort", "reproducible",
                                    "seed", "extra") if k in d}
-        return cls(**known)
+        system = d.get("system")
+        return cls(**known, system=system if isinstance(system, str) and system.strip() else None)
 
 
 # ------------------------------------------------------------------------------------------------ events

@@ -9,10 +9,10 @@ Imports go one way: this module uses :mod:`engine_manager.chat` and :mod:`engine
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Generator
 
-from .chat import DEFAULT_READ_TIMEOUT_S, CancelToken, ChatClient, ChatError
+from .chat import DEFAULT_READ_TIMEOUT_S, FIRST_TOKEN_DEADLINE_S, CancelToken, ChatClient, ChatError
 from .chat_events import (
     ChatEvent,
     ChatOptions,
@@ -92,6 +92,7 @@ def run_turn(store, conversation_id: int | None, *, engine: RunningEngine | None
              edit_message_id: int | None = None, cancel: CancelToken | None = None, model: str | None = None,
              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, flush_interval_s: float = 0.5,
              engine_alive: Callable[[], bool] | None = None, system_prompt: str | None = None,
+             first_token_deadline_s: float = FIRST_TOKEN_DEADLINE_S,
              ) -> Generator[TurnStarted | ChatEvent | TurnEnded, None, None]:
     """One chat turn, recorded. ``mode``: ``send`` (append ``user_text``), ``regenerate`` (replace the answers
     after the last user message) or ``edit`` (replace message ``edit_message_id`` with ``user_text`` and what
@@ -107,6 +108,9 @@ def run_turn(store, conversation_id: int | None, *, engine: RunningEngine | None
     seconds, and at the end). A new question whose answer then fails before a single token arrived is taken back
     out again (the conversation too, when this turn created it): ``saved=False`` as well.
 
+    The system prompt is ``options.system`` (``system_prompt``, when given, replaces it; ``""`` removes it): sent
+    as the first message and kept with the conversation's options, so a conversation continued later keeps it.
+
     Yields the stream's events, :class:`TurnStarted` right after :class:`StreamOpened`, and :class:`TurnEnded`
     last — always, also on errors (``TurnEnded.error``), so a caller never has to catch a :class:`ChatError`.
     Raises ValueError / ``HistoryError`` before anything is sent when the turn cannot be asked at all.
@@ -119,10 +123,12 @@ def run_turn(store, conversation_id: int | None, *, engine: RunningEngine | None
     else:
         raise ValueError("run_turn needs the engine: a RunningEngine, or its base_url and api_key")
     options = options or ChatOptions()
+    if system_prompt is not None:
+        options = replace(options, system=system_prompt if system_prompt.strip() else None)
     cancel = cancel or CancelToken()
     context = _plan_context(store, conversation_id, mode, user_text, edit_message_id)
-    if system_prompt:
-        context = [{"role": "system", "content": system_prompt}, *context]
+    if options.system:
+        context = [{"role": "system", "content": options.system}, *context]
 
     created = False
     user_id: int | None = None
@@ -147,7 +153,8 @@ def run_turn(store, conversation_id: int | None, *, engine: RunningEngine | None
 
     stats = StreamStats()
     status, error, error_kind = STATUS_COMPLETE, None, None
-    client = ChatClient(url, key, model=model, read_timeout_s=read_timeout_s, engine_alive=engine_alive)
+    client = ChatClient(url, key, model=model, read_timeout_s=read_timeout_s, engine_alive=engine_alive,
+                        first_token_deadline_s=first_token_deadline_s)
     events = client.stream(context, options, cancel)
     try:
         for ev in events:
@@ -190,7 +197,10 @@ def run_turn(store, conversation_id: int | None, *, engine: RunningEngine | None
         error, error_kind = str(exc), "refused"
         status = STATUS_INTERRUPTED if recorder is not None and recorder.has_text else STATUS_ERROR
     except Exception as exc:  # noqa: BLE001 - anything else still ends the turn and is recorded
-        error, error_kind = f"{exc.__class__.__name__}: {exc}", "internal"
+        # in words, never Python's own text ("'str' object has no attribute 'get'") in the history or a terminal
+        error, error_kind = (f"The panel could not handle the engine's answer (an internal error, "
+                             f"{exc.__class__.__name__}). What arrived is kept; ask again, and report it if it "
+                             f"happens again."), "internal"
         status = STATUS_INTERRUPTED if recorder is not None and recorder.has_text else STATUS_ERROR
     finally:
         events.close()

@@ -26,7 +26,11 @@ This module never imports Qt.
 from __future__ import annotations
 
 import atexit
-import json
+import contextlib
+import errno
+import fcntl
+import math
+import os
 import re
 import ssl
 import threading
@@ -34,17 +38,29 @@ import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import atomic, paths
+from .engines.base import mask_in
 from .errors import UserError
-from .session import RunningEngine
+from .fmt import MB
+from .session import RunningEngine, why_invalid
 
 SCHEMA = 1
 KEYRING_SERVICE = "dsv41-panel"
 CONNECTIONS_FILE = "connections.json"
 KEYS_FILE = "connection-keys.json"
-DETECT_TIMEOUT_S = 5.0
+LOCK_FILE = ".connections.lock"
+FILE_CAP = 4 * MB                   # the list and the key file: a few kB each in real use
+MAX_CONNECTIONS = 1000
+LOCK_WAIT_S = 30.0
+DETECT_TIMEOUT_S = 5.0              # each read (httpx's timeout)
+DETECT_DEADLINE_S = 10.0            # the whole detection, every request together
+MODELS_KEPT = 20                    # model ids kept (and printed) of a server's list; the count says the rest
+MODEL_ID_CHARS = 200
+MESSAGE_CHARS = 1000
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 #: the engine adapter (``engine_manager.engines``) for each detected kind
@@ -53,12 +69,33 @@ KIND_LABELS = {
     "vllm": "vLLM", "sglang": "SGLang", "openai_compat": "OpenAI-compatible server",
 }
 
+#: a detection's ``problem`` that means the engine could not be reached at all (it may be down, or the network);
+#: the others (a refused key, not an LLM server, TLS, an answer too large) mean something answered and said no
+UNREACHABLE_PROBLEMS = frozenset({"refused", "timeout", "dns", "slow", "http", "unreachable", "unknown_host",
+                                  "closed", "forward_failed", "ssh_failed", "no_ssh", "host_key_unknown",
+                                  "host_key_changed", "auth_refused", "bad_host", "bad_port"})
+
 
 class ConnectionSetupError(UserError):
     """A connection cannot be saved, found or reached; the message says what to do."""
 
 
 # -- the saved list -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LastTest:
+    """The one record of a connection's last test — by ``dsv41 connections test/add``, by watching it in the
+    window, or by the window's overview when its state changed: what answered, and when it was last seen."""
+
+    t: float                            # when it was tested
+    state: str                          # "ok" | "unreachable" | "problem"
+    kind: str | None = None             # what answered (when it did)
+    message: str = ""                   # in plain words (the key masked)
+    last_ok: float | None = None        # when it last answered (None: never, as far as this machine knows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
 class Connection:
     name: str
@@ -67,6 +104,7 @@ class Connection:
     kind: str | None = None             # last detected kind (a hint for lists; detection runs again on use)
     key_store: str | None = None        # "keyring" | "file" | None (no key)
     added_at: float = field(default_factory=time.time)
+    last_test: LastTest | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """For the list file and ``--json``: no key in it, ever (it is not a field)."""
@@ -85,36 +123,188 @@ def keys_file() -> Path:
     return paths.config_dir() / KEYS_FILE
 
 
+# -- the files, validated ------------------------------------------------------------------------------------------
+def _finite(v: float | None) -> float | None:
+    if v is not None and not math.isfinite(v):
+        raise ValueError("not a finite number")
+    return v
+
+
+class _LastTestRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    t: float = Field(ge=0)
+    state: Literal["ok", "unreachable", "problem"]
+    kind: str | None = Field(None, max_length=40)
+    message: str = Field("", max_length=4 * MESSAGE_CHARS)
+    last_ok: float | None = Field(None, ge=0)
+
+    _check_t = field_validator("t", "last_ok")(_finite)
+
+
+class _ConnectionRecord(BaseModel):
+    """One saved connection as the list file must hold it: every field typed, the URL and host as
+    :func:`add_connection` would accept them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(pattern=_NAME_RE.pattern)
+    base_url: str = Field(max_length=2048)
+    ssh_host: str | None = None
+    kind: str | None = None
+    key_store: Literal["keyring", "file"] | None = None
+    added_at: float = Field(0.0, ge=0)
+    last_test: _LastTestRecord | None = None
+
+    _check_added = field_validator("added_at")(_finite)
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        try:
+            return check_url(v)
+        except ConnectionSetupError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("ssh_host")
+    @classmethod
+    def _host(cls, v: str | None) -> str | None:
+        from .tunnel import valid_host
+
+        if v is not None and not valid_host(v):
+            raise ValueError("not an ssh host")
+        return v or None
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str | None) -> str | None:
+        if v is not None and v not in KIND_LABELS:
+            raise ValueError(f"not a kind of engine the panel knows ({', '.join(KIND_LABELS)})")
+        return v
+
+
+class _ConnectionsFile(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    schema_version: int = Field(SCHEMA, alias="schema", ge=1)
+    connections: list[_ConnectionRecord] = Field(max_length=MAX_CONNECTIONS)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "_ConnectionsFile":
+        names = [c.name for c in self.connections]
+        if len(set(names)) != len(names):
+            raise ValueError("a name is saved twice")
+        return self
+
+    def to_connections(self) -> list[Connection]:
+        out = []
+        for r in self.connections:
+            lt = r.last_test
+            out.append(Connection(name=r.name, base_url=r.base_url, ssh_host=r.ssh_host, kind=r.kind,
+                                  key_store=r.key_store, added_at=r.added_at,
+                                  last_test=LastTest(lt.t, lt.state, lt.kind, lt.message, lt.last_ok)
+                                  if lt is not None else None))
+        return out
+
+
 _lock = threading.RLock()
+_flock_depth = 0
 
 
-def _read_json(path: Path) -> Any:
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """Hold the list and the key file for a read-modify-write: a thread lock in this process and an ``fcntl``
+    lock on ``.connections.lock`` between processes (two ``dsv41 connections add`` at once, the window and the
+    CLI). Re-entrant within a thread. The kernel drops the lock when its holder dies, so a stale one cannot
+    block."""
+    global _flock_depth
+    with _lock:
+        fd = None
+        if _flock_depth == 0:
+            path = paths.config_dir() / LOCK_FILE
+            atomic.ensure_private_dir(path.parent)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, atomic.OWNER_ONLY)
+            except OSError as exc:
+                raise ConnectionSetupError(f"Cannot open the lock of the saved connections ({path}): "
+                                           f"{exc.strerror or exc}. Remove it if it is a link or a folder.") from None
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        os.close(fd)
+                        raise
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise ConnectionSetupError(f"Another dsv41 has held the saved connections for "
+                                               f"{LOCK_WAIT_S:.0f} s ({path}); wait for it to finish, then try "
+                                               "again.")
+                time.sleep(0.02)
+        _flock_depth += 1
+        try:
+            yield
+        finally:
+            _flock_depth -= 1
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+
+
+def _set_aside(path: Path, why: str, what: str, redo: str) -> ConnectionSetupError:
+    """Move a file that cannot be used out of the way (never deleted, never half-used) and say so."""
     try:
-        raw = atomic.read_bytes_nofollow(path)
+        moved: Path | str = atomic.move_aside(path, "invalid")
+        kept = f"it was kept as {moved}"
     except FileNotFoundError:
-        return None
+        kept = "another dsv41 has already set it aside"
+    except OSError as exc:
+        return ConnectionSetupError(f"{path} cannot be used ({why}) and could not be moved aside ({exc}): move it "
+                                    "away yourself, then try again.")
+    return ConnectionSetupError(f"{path} could not be used as {what} ({why}); {kept}, and a new one is started. "
+                                f"{redo}")
+
+
+_ABSENT = object()
+
+
+def _read_file(path: Path) -> Any:
+    """The JSON of one of the two files; :data:`_ABSENT` when it is not there. Raises :class:`ConnectionSetupError`
+    for a link, and ``ValueError`` (why) for anything else that is not a JSON document of at most
+    :data:`FILE_CAP`."""
+    try:
+        return atomic.read_json_capped(path, FILE_CAP)
+    except FileNotFoundError:
+        return _ABSENT
     except atomic.LinkRefused as exc:
         raise ConnectionSetupError(str(exc)) from None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        moved = atomic.move_aside(path)
-        raise ConnectionSetupError(f"{path} was not readable JSON; it was kept as {moved}. The panel starts a new one: "
-                               "add your connections again (their keys are still in the keyring or key file)."
-                               ) from None
+    except atomic.NotARegularFile:
+        raise ValueError("it is not a regular file") from None
+    except PermissionError as exc:
+        raise ConnectionSetupError(f"{path} cannot be read ({exc.strerror}): it should belong to you with mode "
+                                   f"0600 (`chmod 600 {path}`).") from None
 
 
 def load_connections() -> list[Connection]:
-    with _lock:
-        d = _read_json(connections_file())
-    out: list[Connection] = []
-    for e in (d or {}).get("connections", []) if isinstance(d, dict) else []:
-        if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not isinstance(e.get("base_url"), str):
-            continue
-        out.append(Connection(name=e["name"], base_url=e["base_url"], ssh_host=e.get("ssh_host") or None,
-                              kind=e.get("kind"), key_store=e.get("key_store"),
-                              added_at=float(e.get("added_at") or 0.0)))
-    return out
+    """The saved list, every record validated. A file that does not fit (a wrong type, a bad date, a record
+    without its URL, 100,000 nested brackets, not JSON at all) is moved aside and :class:`ConnectionSetupError`
+    says where; the next call starts from an empty list. Never a half-used file."""
+    path = connections_file()
+    redo = ("Add your connections again with `dsv41 connections add` (their keys are still in the keyring or "
+            "the key file).")
+    try:
+        d = _read_file(path)
+        if d is _ABSENT:
+            return []
+        if not isinstance(d, dict):
+            raise ValueError(f"it holds a JSON {type(d).__name__}, not the list's object")
+        return _ConnectionsFile.model_validate(d).to_connections()
+    except ValidationError as exc:
+        raise _set_aside(path, why_invalid(exc), "the list of saved connections", redo) from None
+    except ValueError as exc:
+        raise _set_aside(path, str(exc), "the list of saved connections", redo) from None
 
 
 def _save(conns: Iterable[Connection]) -> None:
@@ -122,69 +312,91 @@ def _save(conns: Iterable[Connection]) -> None:
 
 
 def get_connection(name: str) -> Connection:
-    for c in load_connections():
+    conns = load_connections()
+    for c in conns:
         if c.name == name:
             return c
-    known = ", ".join(c.name for c in load_connections()) or "none yet"
+    known = ", ".join(c.name for c in conns) or "none yet"
     raise ConnectionSetupError(f"There is no saved connection named {name!r} (saved: {known}). Add it with "
-                           f"`dsv41 connections add {name} URL`.")
+                               f"`dsv41 connections add {name} URL`.")
 
 
 def check_url(url: str) -> str:
-    """A base URL as saved: http/https, a host, no credentials, no query; trailing slash dropped."""
+    """A base URL as saved: http/https, a host, a port in 1–65535 when one is given, no credentials, no query;
+    trailing slash dropped."""
     import httpx
 
+    text = url.strip() if isinstance(url, str) else ""
     try:
-        u = httpx.URL(url.strip())
+        u = httpx.URL(text)
+        port = urllib.parse.urlsplit(text).port        # raises for a port out of 0–65535 or not a number
     except Exception:  # noqa: BLE001 - any parse failure is a bad URL
-        u = None
+        u, port = None, None
     if u is None or u.scheme not in ("http", "https") or not u.host:
         raise ConnectionSetupError(f"{url!r} is not an engine address: give its base URL, such as "
-                               "http://127.0.0.1:8000 or https://gpu-box.example:8443.")
+                                   "http://127.0.0.1:8000 or https://gpu-box.example:8443 (a port from 1 to "
+                                   "65535).")
+    if port is not None and not 1 <= port <= 65535 or (u.port is not None and not 1 <= u.port <= 65535):
+        raise ConnectionSetupError(f"{url!r} names port {port if port is not None else u.port}: a TCP port is 1 to "
+                                   "65535. Give the port the engine listens on.")
     if u.userinfo:
         raise ConnectionSetupError("Put no user name or password in the URL: the API key is asked for separately and "
-                               "kept in the keyring (or an owner-only file).")
+                                   "kept in the keyring (or an owner-only file).")
     if u.query or u.fragment:
         raise ConnectionSetupError(f"{url!r} has a query or fragment: give only the base URL, such as "
-                               "http://127.0.0.1:8000.")
+                                   "http://127.0.0.1:8000.")
     return str(u).rstrip("/")
 
 
-def add_connection(name: str, base_url: str, api_key: str | None = None, ssh_host: str | None = None, *,
-                   replace: bool = False) -> Connection:
-    """Save a connection (and its key, apart from it). Raises :class:`ConnectionSetupError` on a bad name, URL or
-    host, or an existing name without ``replace``."""
+def check_new(name: str, base_url: str, api_key: str | None, ssh_host: str | None
+             ) -> tuple[str, str | None, str | None]:
+    """What :func:`add_connection` would save, checked (nothing is saved): (url, ssh host, key). Raises
+    :class:`ConnectionSetupError` in plain words."""
     from .tunnel import valid_host
 
-    if not _NAME_RE.match(name or ""):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ConnectionSetupError(f"{name!r} cannot name a connection: use letters, digits, '.', '_' or '-' "
-                               "(up to 64, starting with a letter or digit).")
+                                   "(up to 64, starting with a letter or digit).")
     url = check_url(base_url)
     if ssh_host is not None:
         ssh_host = ssh_host.strip() or None
     if ssh_host is not None and not valid_host(ssh_host):
         raise ConnectionSetupError(f"{ssh_host!r} is not an ssh host: use a name such as gpu-box, user@gpu-box or a "
-                               "Host from ~/.ssh/config (it may not start with '-' or hold spaces).")
+                                   "Host from ~/.ssh/config (it may not start with '-', or hold spaces, quotes or "
+                                   "any of $ ` ; | & < >).")
     if api_key is not None:
         api_key = api_key.strip() or None
-    if api_key is not None and any(c in api_key for c in "\r\n\0"):
-        raise ConnectionSetupError("The API key holds a line break: paste just the key.")
-    with _lock:
+    if api_key is not None and (any(c in api_key for c in "\r\n\0") or not api_key.isprintable()):
+        raise ConnectionSetupError("The API key holds a line break or a control character: paste just the key.")
+    return url, ssh_host, api_key
+
+
+def add_connection(name: str, base_url: str, api_key: str | None = None, ssh_host: str | None = None, *,
+                   replace: bool = False, tested: "Detection | None" = None) -> Connection:
+    """Save a connection (and its key, apart from it), under the lock between processes. Raises
+    :class:`ConnectionSetupError` on a bad name, URL or host, or an existing name without ``replace``.
+    ``tested``: the detection just run on these very values — kept as the connection's last test."""
+    url, ssh_host, api_key = check_new(name, base_url, api_key, ssh_host)
+    with _locked():
         conns = load_connections()
         if any(c.name == name for c in conns) and not replace:
             raise ConnectionSetupError(f"A connection named {name!r} exists already: remove it first "
-                                   f"(`dsv41 connections remove {name}`) or pick another name.")
+                                       f"(`dsv41 connections remove {name}`) or pick another name.")
         conns = [c for c in conns if c.name != name]
         conn = Connection(name=name, base_url=url, ssh_host=ssh_host)
         _forget_key(name)
         conn.key_store = _store_key(name, api_key) if api_key else None
+        if tested is not None:
+            conn.last_test = _last_test_of(tested, None, api_key)
+            if tested.ok:
+                conn.kind = tested.kind
         conns.append(conn)
         _save(conns)
     return conn
 
 
 def remove_connection(name: str) -> Connection:
-    with _lock:
+    with _locked():
         conns = load_connections()
         gone = [c for c in conns if c.name == name]
         if not gone:
@@ -195,9 +407,43 @@ def remove_connection(name: str) -> Connection:
     return gone[0]
 
 
+def state_of(det: "Detection") -> str:
+    """``ok``, ``unreachable`` (nothing answered: down, or the network) or ``problem`` (something answered and
+    said no: a refused key, not an LLM server, TLS)."""
+    if det.ok:
+        return "ok"
+    return "unreachable" if (det.problem or "") in UNREACHABLE_PROBLEMS else "problem"
+
+
+def _last_test_of(det: "Detection", previous: LastTest | None, api_key: str | None,
+                  t: float | None = None) -> LastTest:
+    now = time.time() if t is None else t
+    state = state_of(det)
+    last_ok = now if state == "ok" else (previous.last_ok if previous is not None else None)
+    message = mask_in(det.message, [api_key] if api_key else [])[:MESSAGE_CHARS]
+    return LastTest(t=now, state=state, kind=det.kind if det.ok else None, message=message, last_ok=last_ok)
+
+
+def record_test(name: str, det: "Detection", api_key: str | None = None, *, t: float | None = None
+                ) -> LastTest | None:
+    """Keep ``det`` as the connection's one record of its last test (and its kind when it answered); None when
+    no connection of that name is saved (removed meanwhile). Read by ``dsv41 connections list`` and the window
+    alike. ``t``: when it was seen (default: now)."""
+    with _locked():
+        conns = load_connections()
+        for c in conns:
+            if c.name == name:
+                c.last_test = _last_test_of(det, c.last_test, api_key, t)
+                if det.ok:
+                    c.kind = det.kind
+                _save(conns)
+                return c.last_test
+    return None
+
+
 def set_kind(name: str, kind: str | None) -> None:
     """Remember the last detected kind (a hint for lists)."""
-    with _lock:
+    with _locked():
         conns = load_connections()
         for c in conns:
             if c.name == name and c.kind != kind:
@@ -225,8 +471,20 @@ def usable_keyring() -> Any | None:
 
 
 def _file_keys() -> dict[str, str]:
-    d = _read_json(keys_file())
-    return {k: v for k, v in d.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(d, dict) else {}
+    """The owner-only key file: ``{name: key}``. One that does not fit (not an object of strings) is moved aside
+    and :class:`ConnectionSetupError` says so; its keys are kept there, never half-used."""
+    path = keys_file()
+    try:
+        d = _read_file(path)
+        if d is _ABSENT:
+            return {}
+        if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, str) and v.isprintable()
+                                              for k, v in d.items()):
+            raise ValueError("it is not an object of names and keys")
+        return d
+    except ValueError as exc:
+        raise _set_aside(path, str(exc), "the connections' key file",
+                         "Give each connection its key again: `dsv41 connections add NAME URL --replace`.") from None
 
 
 def _store_key(name: str, key: str) -> str:
@@ -272,7 +530,11 @@ def connection_key(conn: Connection | str) -> str | None:
                                        f"again (`dsv41 connections add {c.name} {c.base_url} --replace`).")
         return key
     if c.key_store == "file":
-        return _file_keys().get(c.name)
+        key = _file_keys().get(c.name)
+        if key is None:
+            raise ConnectionSetupError(f"The key of {c.name!r} is no longer in {keys_file()}: add the connection "
+                                       f"again (`dsv41 connections add {c.name} {c.base_url} --replace`).")
+        return key
     return None
 
 
@@ -284,11 +546,12 @@ class Detection:
     base_url: str
     ok: bool = False
     kind: str | None = None            # engine adapter name (engine_manager.engines), when recognised
-    problem: str | None = None         # refused | tls | timeout | dns | auth | not_llm | http
+    problem: str | None = None         # refused | tls | timeout | slow | dns | auth | not_llm | http | a tunnel cause
     message: str = ""
     found: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
-    models: list[str] = field(default_factory=list)
+    models: list[str] = field(default_factory=list)      # the first MODELS_KEPT ids of the server's list
+    models_total: int = 0                                # how many the list held
     simulated: bool = False
 
     @property
@@ -308,11 +571,28 @@ class Detection:
             lines.append("missing: " + "; ".join(self.missing))
         return "\n".join(lines)
 
+    def masked(self, secrets: list[str]) -> "Detection":
+        """The same detection with each of ``secrets`` masked in every text a server could have put it in (a
+        server that echoes the key in an error must not get it printed or saved)."""
+        if not any(secrets):
+            return self
+        self.message = mask_in(self.message, secrets)
+        self.found = [mask_in(x, secrets) for x in self.found]
+        self.missing = [mask_in(x, secrets) for x in self.missing]
+        self.models = [mask_in(x, secrets) for x in self.models]
+        return self
 
-def _transport_problem(exc: BaseException, url: str) -> tuple[str, str]:
+
+def _transport_problem(exc: BaseException, url: str, timeout_s: float = DETECT_TIMEOUT_S,
+                       deadline_s: float = DETECT_DEADLINE_S) -> tuple[str, str]:
     import httpx
 
+    from .engines._http import AnswerTooSlow
+
     text = str(exc)
+    if isinstance(exc, AnswerTooSlow):
+        return "slow", (f"{url} is too slow: its answers did not arrive within {deadline_s:g} s (the server sends "
+                        "slowly or stalls). It may be overloaded, or not an engine; check the address and port.")
     chain: list[BaseException] = []
     e: BaseException | None = exc
     while e is not None and len(chain) < 6:
@@ -328,7 +608,7 @@ def _transport_problem(exc: BaseException, url: str) -> tuple[str, str]:
                            "http:// on its loopback.")
         return "tls", f"TLS failed at {url} ({text}). Check that the server really serves https on that port."
     if isinstance(exc, httpx.TimeoutException):
-        return "timeout", (f"{url} did not answer within {DETECT_TIMEOUT_S:.0f} s: a firewall may drop the "
+        return "timeout", (f"{url} did not answer within {timeout_s:g} s: a firewall may drop the "
                            "connection, or the server is overloaded. Check the address and port.")
     low = text.lower()
     if "name or service not known" in low or "nodename nor servname" in low or "no address associated" in low \
@@ -338,68 +618,96 @@ def _transport_problem(exc: BaseException, url: str) -> tuple[str, str]:
         return "refused", (f"Nothing listens at {url} (connection refused): wrong port, or the engine is not "
                            "running. Check the port the engine was started with.")
     if isinstance(exc, httpx.RemoteProtocolError):
-        return "not_llm", (f"The program at {url} does not speak HTTP ({text}): wrong port? If it speaks https, "
-                           "use https:// in the connection.")
-    return "http", f"Could not talk to {url}: {text}."
+        return "not_llm", (f"The program at {url} does not speak HTTP ({text[:200]}): wrong port? If it speaks "
+                           "https, use https:// in the connection.")
+    return "http", f"Could not talk to {url}: {text[:200]}."
+
+
+def _clip(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def detect(base_url: str, api_key: str | None, *, timeout_s: float = DETECT_TIMEOUT_S,
-           verify: bool | ssl.SSLContext = True) -> Detection:
+           deadline_s: float = DETECT_DEADLINE_S, verify: bool | ssl.SSLContext = True) -> Detection:
     """Ask ``base_url`` what it is (see the module docstring). Sends ``api_key`` (as ``Authorization: Bearer``)
-    only to ``base_url``, the address the user saved."""
+    only to ``base_url``, the address the user saved (through its SSH forward's own socket for a tunnel URL).
+    Every answer is read with a size cap (1 MB; 16 MB for ``/metrics``) and the whole detection ends within
+    ``deadline_s``, however slowly the server drips; the key is masked in every word it returns."""
     import httpx
 
     from .engines import prom
+    from .engines._http import (
+        METRICS_BODY_CAP,
+        SMALL_BODY_CAP,
+        AnswerTooLarge,
+        AnswerTooSlow,
+        bearer_headers,
+        get_capped,
+        json_body,
+    )
+    from .tunnel import transport_for
 
     det = Detection(base_url=base_url.rstrip("/"))
     url = det.base_url
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    secrets = [api_key] if api_key else []
     auth_refused: list[str] = []
-    with httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers, trust_env=False, verify=verify,
-                      follow_redirects=False) as client:
-        def get(path: str) -> httpx.Response:
-            r = client.get(url + path)
+    too_large: dict[str, str] = {}
+    end = time.monotonic() + deadline_s
+    with httpx.Client(timeout=httpx.Timeout(timeout_s), headers=bearer_headers(api_key), trust_env=False,
+                      verify=verify, follow_redirects=False, transport=transport_for(url, verify=verify)) as client:
+        def get(path: str, cap: int = SMALL_BODY_CAP) -> httpx.Response | None:
+            rest = end - time.monotonic()
+            if rest <= 0:
+                raise AnswerTooSlow(f"the answers at {url} did not arrive within {deadline_s:g} s")
+            try:
+                r = get_capped(client, url + path, cap=cap, deadline_s=rest)
+            except AnswerTooLarge as exc:
+                too_large[path] = str(exc)
+                return None
             if r.status_code in (401, 403):
                 auth_refused.append(f"{path} (HTTP {r.status_code})")
             return r
 
         try:
             health = get("/api/health")
-        except (httpx.HTTPError, OSError) as exc:
-            det.problem, det.message = _transport_problem(exc, url)
-            return det
-        try:
             models_r = get("/v1/models")
-            metrics_r = get("/metrics")
+            metrics_r = get("/metrics", METRICS_BODY_CAP)
             props_r = get("/props")
-        except (httpx.HTTPError, OSError) as exc:
-            det.problem, det.message = _transport_problem(exc, url)
-            return det
+        except (httpx.HTTPError, OSError, AnswerTooSlow) as exc:
+            det.problem, det.message = _transport_problem(exc, url, timeout_s, deadline_s)
+            return det.masked(secrets)
 
-    service = None
-    if health.status_code == 200:
+    def code(r: httpx.Response | None) -> str:
+        return "too large" if r is None else f"HTTP {r.status_code}"
+
+    def body(r: httpx.Response | None) -> Any:
+        if r is None or r.status_code != 200:
+            return None
         try:
-            hj = health.json()
-            service = hj.get("service") if isinstance(hj, dict) else None
+            return json_body(r)
         except ValueError:
-            pass
+            return None
+
+    hj = body(health)
+    service = hj.get("service") if isinstance(hj, dict) and isinstance(hj.get("service"), str) else None
     owned_by: set[str] = set()
     models_ok = False
-    if models_r.status_code == 200:
-        try:
-            data = models_r.json().get("data")
-            if isinstance(data, list):
-                models_ok = True
-                for m in data:
-                    if isinstance(m, dict):
-                        if isinstance(m.get("id"), str):
-                            det.models.append(m["id"])
-                        if isinstance(m.get("owned_by"), str):
-                            owned_by.add(m["owned_by"].lower())
-        except (ValueError, AttributeError):
-            pass
+    mj = body(models_r)
+    data = mj.get("data") if isinstance(mj, dict) else None
+    if isinstance(data, list):
+        models_ok = True
+        for m in data:
+            if not isinstance(m, dict):
+                continue
+            mid, owner = m.get("id"), m.get("owned_by")
+            if isinstance(mid, str):
+                det.models_total += 1
+                if len(det.models) < MODELS_KEPT:
+                    det.models.append(_clip(mid, MODEL_ID_CHARS))
+            if isinstance(owner, str) and len(owned_by) < 16:
+                owned_by.add(owner.lower()[:40])
     prefixes: set[str] = set()
-    if metrics_r.status_code == 200:
+    if metrics_r is not None and metrics_r.status_code == 200:
         try:
             scrape = prom.parse(metrics_r.text, time.time())
             for p in ("llamacpp:", "vllm:", "sglang:", "strata"):
@@ -407,21 +715,15 @@ def detect(base_url: str, api_key: str | None, *, timeout_s: float = DETECT_TIME
                     prefixes.add(p)
         except Exception:  # noqa: BLE001 - /metrics that is not Prometheus text says nothing about the kind
             pass
-    props_ok = False
-    if props_r.status_code == 200:
-        try:
-            pj = props_r.json()
-            props_ok = isinstance(pj, dict) and bool({"default_generation_settings", "total_slots", "build_info"}
-                                                     & set(pj))
-        except ValueError:
-            pass
+    pj = body(props_r)
+    props_ok = isinstance(pj, dict) and bool({"default_generation_settings", "total_slots", "build_info"} & set(pj))
 
     if isinstance(service, str) and service.lower() == "strata-sim":
         det.kind, det.simulated = "sim", True
         det.found.append("the scripted engine's /api/health (service strata-sim): its figures are simulated")
     elif isinstance(service, str) and "strata" in service.lower():
         det.kind = "strata"
-        det.found.append(f"Strata's /api/health (service {service})")
+        det.found.append(f"Strata's /api/health (service {_clip(service)})")
     elif props_ok or "llamacpp:" in prefixes:
         det.kind = "llamacpp"
         if props_ok:
@@ -449,9 +751,13 @@ def detect(base_url: str, api_key: str | None, *, timeout_s: float = DETECT_TIME
         det.missing.append("load figures: a plain OpenAI-compatible server reports none (users, tok/s, KV cache "
                            "show as missing)")
     if models_ok:
-        det.found.append("models: " + (", ".join(det.models) if det.models else "(an empty list)"))
+        shown = ", ".join(det.models) if det.models else "(an empty list)"
+        more = det.models_total - len(det.models)
+        det.found.append("models: " + shown + (f" and {more:,} more" if more > 0 else ""))
     elif det.kind is not None and not auth_refused:
-        det.missing.append(f"the model list (/v1/models answered HTTP {models_r.status_code})")
+        det.missing.append(f"the model list (/v1/models answered {code(models_r)})")
+    for path, why in too_large.items():
+        det.missing.append(f"{path}: {why}")
 
     if auth_refused:
         det.problem = "auth"
@@ -463,22 +769,38 @@ def detect(base_url: str, api_key: str | None, *, timeout_s: float = DETECT_TIME
         else:
             det.message = (f"{what} at {url} asks for an API key ({', '.join(auth_refused)}) and none is saved: add "
                            "the connection again with --api-key-file or --api-key-stdin.")
-        return det
+        return det.masked(secrets)
     if det.kind is None:
         det.problem = "not_llm"
-        seen = f"/api/health HTTP {health.status_code}, /v1/models HTTP {models_r.status_code}, /metrics HTTP " \
-               f"{metrics_r.status_code}"
+        seen = f"/api/health {code(health)}, /v1/models {code(models_r)}, /metrics {code(metrics_r)}"
         det.message = (f"Something answers at {url}, but not an LLM server the panel knows ({seen}). Wrong port? "
                        "An engine answers /v1/models (OpenAI API).")
-        return det
+        return det.masked(secrets)
     det.ok = True
     det.message = f"{det.label} at {url}" + (" (simulated)" if det.simulated else "")
-    return det
+    return det.masked(secrets)
+
+
+def _tunnel_url(conn_url: str, t: Any) -> str:
+    """The URL that reaches ``conn_url`` through the open tunnel ``t`` (its host names the tunnel)."""
+    import httpx
+
+    u = httpx.URL(conn_url)
+    path = u.raw_path.decode("ascii").rstrip("/")
+    return f"{u.scheme}://{t.url_host}:{t.remote_port}{path}"
+
+
+def _forward_target(conn_url: str) -> tuple[str, int]:
+    import httpx
+
+    u = httpx.URL(conn_url)
+    return u.host, u.port or (443 if u.scheme == "https" else 80)
 
 
 def check_connection(name: str, *, ssh_options: list[str] | None = None) -> Detection:
     """Reach a saved connection (through its SSH forward when it names a host) and detect what answers; the
-    detected kind is remembered. Tunnel failures come back as a Detection with ``problem`` = the ssh cause."""
+    result is kept as its last test (:func:`record_test`). Tunnel failures come back as a Detection with
+    ``problem`` = the ssh cause."""
     from .tunnel import TunnelError
 
     conn = get_connection(name)
@@ -486,34 +808,36 @@ def check_connection(name: str, *, ssh_options: list[str] | None = None) -> Dete
     try:
         url = _local_url(conn, ssh_options)
     except TunnelError as exc:
-        return Detection(base_url=conn.base_url, problem=exc.cause, message=str(exc))
-    det = detect(url, key)
-    if conn.remote:
-        det.found.insert(0, f"SSH forward through {conn.ssh_host} to {conn.base_url}")
-    if det.ok:
-        set_kind(name, det.kind)
+        det = Detection(base_url=conn.base_url, problem=exc.cause, message=str(exc))
+    else:
+        det = detect(url, key)
+        det.base_url = conn.base_url
+        if conn.remote:
+            det.found.insert(0, f"SSH forward through {conn.ssh_host} to {conn.base_url}")
+    record_test(name, det, key)
     return det
 
 
 def check_unsaved(base_url: str, api_key: str | None, ssh_host: str | None = None, *,
                   ssh_options: list[str] | None = None) -> Detection:
-    """"Test connection" before it is saved (the GUI's Add dialog): :func:`detect`, through a throwaway SSH forward
-    when ``ssh_host`` is given (closed before returning). A bad URL raises :class:`ConnectionSetupError`."""
-    import httpx
-
-    from .tunnel import Tunnel, TunnelError
+    """"Test connection" before it is saved (the GUI's Add dialog, ``dsv41 connections add``): :func:`detect`,
+    through a throwaway SSH forward when ``ssh_host`` is given (closed before returning). A bad URL or host
+    raises :class:`ConnectionSetupError`."""
+    from .tunnel import Tunnel, TunnelError, valid_host
 
     url = check_url(base_url)
     host = (ssh_host or "").strip()
     if not host:
         return detect(url, api_key)
-    u = httpx.URL(url)
+    if not valid_host(host):
+        raise ConnectionSetupError(f"{host!r} is not an ssh host: use a name such as gpu-box or user@gpu-box.")
+    rhost, rport = _forward_target(url)
     try:
-        with Tunnel(host, u.port or (443 if u.scheme == "https" else 80), remote_host=u.host,
-                    options=list(ssh_options or [])) as t:
-            det = detect(f"{u.scheme}://127.0.0.1:{t.local_port}{u.raw_path.decode('ascii').rstrip('/')}", api_key)
+        with Tunnel(host, rport, remote_host=rhost, options=list(ssh_options or [])) as t:
+            det = detect(_tunnel_url(url, t), api_key)
     except TunnelError as exc:
         return Detection(base_url=url, problem=exc.cause, message=str(exc))
+    det.base_url = url
     det.found.insert(0, f"SSH forward through {host} to {url}")
     return det
 
@@ -521,28 +845,41 @@ def check_unsaved(base_url: str, api_key: str | None, ssh_host: str | None = Non
 # -- attaching: tunnels and the RunningEngine ---------------------------------------------------------------------
 _tunnels: dict[str, Any] = {}
 _tunnels_lock = threading.Lock()
+_opening: dict[str, threading.Lock] = {}          # one opening at a time per connection
 
 
 def _local_url(conn: Connection, ssh_options: list[str] | None = None) -> str:
-    """The URL to use from this machine: the saved one, or the local end of an SSH forward (opened once and
-    kept until :func:`close_tunnel`)."""
-    import httpx
-
+    """The URL to use from this machine: the saved one, or one that reaches it through the connection's SSH
+    forward (a Unix socket; opened once and kept until :func:`close_tunnel`). Raises ``TunnelError``."""
     if not conn.remote:
         return conn.base_url
     from .tunnel import Tunnel
 
-    u = httpx.URL(conn.base_url)
-    port = u.port or (443 if u.scheme == "https" else 80)
+    rhost, rport = _forward_target(conn.base_url)
     with _tunnels_lock:
-        t = _tunnels.get(conn.name)
-        if t is None or not t.alive() or t.host != conn.ssh_host:
-            if t is not None:
-                t.close()
-            t = Tunnel(conn.ssh_host or "", port, remote_host=u.host, options=list(ssh_options or [])).open()
-            _tunnels[conn.name] = t
-    path = u.raw_path.decode("ascii").rstrip("/")
-    return f"{u.scheme}://127.0.0.1:{t.local_port}{path}"
+        opening = _opening.setdefault(conn.name, threading.Lock())
+    with opening:
+        with _tunnels_lock:
+            t = _tunnels.get(conn.name)
+            stale = t is not None and (not t.alive() or t.host != conn.ssh_host or t.remote_port != rport
+                                       or t.remote_host != rhost)
+            if stale:
+                _tunnels.pop(conn.name, None)
+        if stale and t is not None:
+            t.close()
+            t = None
+        if t is None:
+            t = Tunnel(conn.ssh_host or "", rport, remote_host=rhost, options=list(ssh_options or []))
+            with _tunnels_lock:
+                _tunnels[conn.name] = t            # closable (close_all_tunnels) while ssh is still logging in
+            try:
+                t.open()
+            except BaseException:
+                with _tunnels_lock:
+                    if _tunnels.get(conn.name) is t:
+                        del _tunnels[conn.name]
+                raise
+    return _tunnel_url(conn.base_url, t)
 
 
 def tunnel_for(name: str) -> Any | None:
@@ -559,6 +896,7 @@ def close_tunnel(name: str) -> None:
 
 
 def close_all_tunnels() -> None:
+    """Close every SSH forward — those still opening too (their ssh is ended at once)."""
     with _tunnels_lock:
         ts = list(_tunnels.values())
         _tunnels.clear()
@@ -572,8 +910,9 @@ atexit.register(close_all_tunnels)
 def resolve_connection(name: str, *, ssh_options: list[str] | None = None) -> RunningEngine:
     """The running engine a saved connection reaches, as the one typed handle the monitor and the chat use
     (``started_by_panel=False``: no Stop is ever offered or sent). Opens the SSH forward when the connection
-    names a host (closed by :func:`close_tunnel` or at exit). Raises :class:`ConnectionSetupError` in plain words
-    when nothing usable answers."""
+    names a host (closed by :func:`close_tunnel` or at exit); its ``base_url`` is then the forward's URL, which
+    only the forward's transport reaches (:func:`engine_manager.tunnel.transport_for`). The result is kept as the
+    connection's last test. Raises :class:`ConnectionSetupError` in plain words when nothing usable answers."""
     from .tunnel import TunnelError
 
     conn = get_connection(name)
@@ -581,11 +920,12 @@ def resolve_connection(name: str, *, ssh_options: list[str] | None = None) -> Ru
     try:
         url = _local_url(conn, ssh_options)
     except TunnelError as exc:
+        record_test(name, Detection(base_url=conn.base_url, problem=exc.cause, message=str(exc)), key)
         raise ConnectionSetupError(f"Connection {name!r}: {exc}") from None
     det = detect(url, key)
+    record_test(name, det, key)
     if not det.ok:
         raise ConnectionSetupError(f"Connection {name!r}: {det.message}")
-    set_kind(name, det.kind)
     where = f" via {conn.ssh_host}" if conn.remote else ""
     host = (urllib.parse.urlsplit(conn.base_url).hostname or "").lower()
     here = not conn.remote and (host in ("localhost", "::1") or host.startswith("127."))
@@ -596,41 +936,77 @@ def resolve_connection(name: str, *, ssh_options: list[str] | None = None) -> Ru
 
 # -- the overview: every saved connection, polled at a low rate ----------------------------------------------------
 OVERVIEW_PERIOD_S = 5.0
+OVERVIEW_TIMEOUT_S = 3.0            # one line's whole poll (detection included): its deadline
 
 
 @dataclass
 class ConnectionStatus:
-    """One line of the overview: what a saved connection is doing now. Missing figures are None, never 0."""
+    """One line of the overview: what a saved connection is doing now. Missing figures are None, never 0.
+    ``unreachable`` is its own state: nothing answered (with the reason and when it was last seen), and no figure
+    is shown for it — never one carried over from an earlier reading or another engine."""
 
     name: str
     t: float
-    state: str                           # "ok" | "problem"
+    state: str                           # "ok" | "unreachable" | "problem"
     kind: str | None = None
     label: str = ""
     users: int | None = None             # requests running (slots busy)
     queued: int | None = None
     decode_tok_s: float | None = None
     simulated: bool = False
-    message: str = ""                    # the problem in plain words, when state == "problem"
+    message: str = ""                    # the reason in plain words, when state is not "ok"
+    last_seen: float | None = None       # when it last answered (None: not since this machine knows it)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-class OverviewPoller:
-    """Polls every saved connection once per :meth:`poll` (the GUI runs it on a worker at
-    :data:`OVERVIEW_PERIOD_S`; never on the GUI thread): detection the first time (and after a problem), then the
-    engine adapter's ``poll`` with the previous sample, so rates come from two readings. A connection that fails
-    is a ``problem`` line with plain words; the others are not held up beyond their own timeout."""
+def _poll_failure_state(exc: BaseException) -> str:
+    """A poll's failure: ``unreachable`` when nothing answered in time, ``problem`` when something answered."""
+    import httpx
 
-    def __init__(self, *, timeout_s: float = 3.0, ssh_options: list[str] | None = None):
-        self.timeout_s = timeout_s
+    from .engines._http import AnswerTooSlow
+
+    return "unreachable" if isinstance(exc, (httpx.TransportError, AnswerTooSlow, OSError)) else "problem"
+
+
+class OverviewPoller:
+    """Polls saved connections: detection the first time (and after a problem), then the engine adapter's
+    ``poll`` with the previous sample of *that same engine* (kind, address and process), so rates come from two
+    readings of one engine. Every request has a size cap and an overall deadline (``timeout_s``), so a line is
+    never held up longer than that. Thread-safe: the window polls each connection on its own worker
+    (:meth:`poll_one`), so one slow connection holds up neither the others nor the panel's own engine
+    (:meth:`poll_running`). A connection whose state changes (it stops or starts answering, or says no) has that
+    kept as its last test (:func:`record_test`), so ``dsv41 connections list`` says what the window saw."""
+
+    def __init__(self, *, timeout_s: float | None = None, ssh_options: list[str] | None = None,
+                 record: bool = True):
+        self.timeout_s = OVERVIEW_TIMEOUT_S if timeout_s is None else timeout_s
         self.ssh_options = ssh_options
-        self._prev: dict[str, Any] = {}          # name -> previous Sample
-        self._kind: dict[str, tuple[str, str, bool]] = {}   # name -> (kind, url, simulated)
+        self.record = record
+        self._lock = threading.Lock()
+        self._prev: dict[str, tuple[tuple[Any, ...], Any]] = {}      # name -> (which engine, its previous Sample)
+        self._kind: dict[str, tuple[str, str, bool]] = {}           # name -> (kind, url, simulated)
+        self._last_ok: dict[str, float] = {}
+        self._state: dict[str, str] = {}                            # name -> the state last recorded
 
     def poll(self) -> list[ConnectionStatus]:
-        return [self.poll_one(c) for c in load_connections()]
+        """Every saved connection, one after the other (the CLI; the window polls each on its own)."""
+        try:
+            conns = load_connections()
+        except ConnectionSetupError:
+            return []
+        return [self.poll_one(c) for c in conns]
+
+    def _previous(self, name: str, ident: tuple[Any, ...]) -> Any:
+        with self._lock:
+            got = self._prev.get(name)
+        return got[1] if got is not None and got[0] == ident else None
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._prev.pop(name, None)
+            self._kind.pop(name, None)
 
     def poll_running(self, name: str, running: RunningEngine) -> ConnectionStatus:
         """A line for an engine known by its handle (the GUI's own engine, not a saved connection): its adapter's
@@ -639,49 +1015,113 @@ class OverviewPoller:
 
         from .engines import get_engine
         from .metrics.sources import plain_engine_error, spec_for
+        from .tunnel import transport_for
 
+        ident = (running.engine, running.base_url, running.pid)
         try:
             eng = get_engine(running.engine)
-            with httpx.Client(timeout=httpx.Timeout(self.timeout_s), trust_env=False) as client:
-                s = eng.poll(client, spec_for(eng, running.base_url, running.api_key), self._prev.get(name))
+            with httpx.Client(timeout=httpx.Timeout(self.timeout_s), trust_env=False,
+                              transport=transport_for(running.base_url)) as client:
+                s = eng.poll(client, spec_for(eng, running.base_url, running.api_key), self._previous(name, ident))
         except Exception as exc:  # noqa: BLE001 - a failing engine is a line of the overview, never a crash
-            self._prev.pop(name, None)
-            return ConnectionStatus(name, time.time(), "problem", running.engine, running.label,
-                                    message=plain_engine_error(exc, running.base_url, self.timeout_s))
-        self._prev[name] = s
-        return ConnectionStatus(name, s.t, "ok", running.engine, running.label, users=s.slots_busy, queued=s.queued,
-                                decode_tok_s=s.decode_tok_s, simulated=running.simulated or s.simulated)
+            self._forget(name)
+            seen = self._last_ok.get(name)
+            return ConnectionStatus(name, time.time(), _poll_failure_state(exc), running.engine, running.label,
+                                    message=mask_in(plain_engine_error(exc, running.base_url, self.timeout_s),
+                                                    [running.api_key]), last_seen=seen)
+        with self._lock:
+            self._prev[name] = (ident, s)
+            self._last_ok[name] = s.t
+        return ConnectionStatus(name, s.t, "ok", running.engine, running.label, users=_count(s.slots_busy),
+                                queued=_count(s.queued), decode_tok_s=_rate(s.decode_tok_s),
+                                simulated=running.simulated or s.simulated, last_seen=s.t)
 
     def poll_one(self, conn: Connection) -> ConnectionStatus:
+        """One line for ``conn`` (never raises): ``ok`` with its figures, or ``unreachable``/``problem`` with the
+        reason and when it was last seen, and no figures."""
+        st = self._poll_one(conn)
+        if st.state == "ok":
+            with self._lock:
+                self._last_ok[conn.name] = st.t
+        else:
+            self._forget(conn.name)
+            seen = self._last_ok.get(conn.name)
+            if seen is None and conn.last_test is not None:
+                seen = conn.last_test.last_ok
+            st.last_seen = seen
+        self._record(conn, st)
+        return st
+
+    def _record(self, conn: Connection, st: ConnectionStatus) -> None:
+        """Keep a change of state as the connection's last test (the file is written on changes only)."""
+        if not self.record:
+            return
+        with self._lock:
+            before = self._state.get(conn.name) or (conn.last_test.state if conn.last_test is not None else None)
+            self._state[conn.name] = st.state
+        if before == st.state and not (st.state == "ok" and conn.last_test is not None
+                                       and conn.last_test.kind != st.kind):
+            return
+        det = Detection(base_url=conn.base_url, ok=st.state == "ok", kind=st.kind,
+                        problem=None if st.state == "ok" else ("refused" if st.state == "unreachable" else "http"),
+                        message=st.message or f"{st.label} at {conn.base_url}")
+        try:
+            record_test(conn.name, det, t=st.t)
+        except (ConnectionSetupError, OSError):
+            pass                     # a list that cannot be written now: the line is still shown
+
+    def _poll_one(self, conn: Connection) -> ConnectionStatus:
         import httpx
 
         from .engines import get_engine
         from .metrics.sources import plain_engine_error, spec_for
-        from .tunnel import TunnelError
+        from .tunnel import TunnelError, transport_for
 
         now = time.time()
+        key: str | None = None
         try:
             key = connection_key(conn)
-            known = self._kind.get(conn.name)
+            with self._lock:
+                known = self._kind.get(conn.name)
             if known is None:
                 url = _local_url(conn, self.ssh_options)
-                det = detect(url, key, timeout_s=self.timeout_s)
+                det = detect(url, key, timeout_s=self.timeout_s, deadline_s=self.timeout_s)
                 if not det.ok:
-                    return ConnectionStatus(conn.name, now, "problem", det.kind, det.label, message=det.message)
+                    return ConnectionStatus(conn.name, now, state_of(det), det.kind, det.label,
+                                            message=det.message)
                 known = (det.kind or "openai_compat", url, det.simulated)
-                self._kind[conn.name] = known
+                with self._lock:
+                    self._kind[conn.name] = known
             kind, url, simulated = known
             eng = get_engine(kind)
-            with httpx.Client(timeout=httpx.Timeout(self.timeout_s), trust_env=False) as client:
-                s = eng.poll(client, spec_for(eng, url, key or ""), self._prev.get(conn.name))
-        except (TunnelError, ConnectionSetupError) as exc:
-            self._kind.pop(conn.name, None)
+            ident = (kind, url)
+            with httpx.Client(timeout=httpx.Timeout(self.timeout_s), trust_env=False,
+                              transport=transport_for(url)) as client:
+                s = eng.poll(client, spec_for(eng, url, key or ""), self._previous(conn.name, ident))
+        except TunnelError as exc:
+            return ConnectionStatus(conn.name, now, "unreachable", message=str(exc))
+        except ConnectionSetupError as exc:
             return ConnectionStatus(conn.name, now, "problem", message=str(exc))
         except Exception as exc:  # noqa: BLE001 - a failing engine is a line of the overview, never a crash
-            self._kind.pop(conn.name, None)
-            self._prev.pop(conn.name, None)
-            return ConnectionStatus(conn.name, now, "problem", conn.kind, KIND_LABELS.get(conn.kind or "", ""),
-                                    message=plain_engine_error(exc, conn.base_url, self.timeout_s))
-        self._prev[conn.name] = s
-        return ConnectionStatus(conn.name, s.t, "ok", kind, KIND_LABELS.get(kind, kind), users=s.slots_busy,
-                                queued=s.queued, decode_tok_s=s.decode_tok_s, simulated=simulated or s.simulated)
+            why = plain_engine_error(exc, conn.base_url, self.timeout_s)
+            return ConnectionStatus(conn.name, now, _poll_failure_state(exc), conn.kind,
+                                    KIND_LABELS.get(conn.kind or "", ""),
+                                    message=mask_in(why, [key] if key else []))
+        with self._lock:
+            self._prev[conn.name] = (ident, s)
+        return ConnectionStatus(conn.name, s.t, "ok", kind, KIND_LABELS.get(kind, kind), users=_count(s.slots_busy),
+                                queued=_count(s.queued), decode_tok_s=_rate(s.decode_tok_s),
+                                simulated=simulated or s.simulated, last_seen=s.t)
+
+
+def _count(v: Any) -> int | None:
+    """A number of requests as shown: None (missing) unless a whole number ≥ 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        return None
+    return int(v)
+
+
+def _rate(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        return None
+    return float(v)

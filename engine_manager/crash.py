@@ -15,7 +15,10 @@ from .engines.base import Engine, FailureHint
 
 #: causes that another try cannot fix by itself: no auto-restart for these
 PERMANENT_CAUSES = {"port_in_use", "driver_too_old", "placement_refused", "bad_arguments", "bad_engine_flag",
-                    "model_missing", "spawn_failed"}
+                    "model_missing", "spawn_failed",
+                    # Strata's own refusals (engines/strata.py): the same start fails the same way
+                    "expert_cache_oom", "cuda_libs_missing", "engine_ready_timeout", "ple_gguf_missing",
+                    "pack_arch_unsupported", "release_python_missing"}
 
 
 @dataclass

@@ -155,6 +155,26 @@ def verdicts(report: HardwareReport, settings: Settings) -> list[Verdict]:
     return out
 
 
+def release_verdicts(report: HardwareReport, settings: Settings) -> list[Verdict]:
+    """The Strata engine release on this machine, as Strata's setup lays it out (one core check:
+    :func:`engine_manager.release_check.check_release`): engine binary, BUILD.json (its CUDA vs this driver, its
+    architectures vs this GPU), the release's .venv Python and the server's packages, the CUDA wheels, the server and
+    iq_pack. A release that is not installed is one verdict (info without a GPU, warn with one)."""
+    from .engines.strata import StrataEngine
+    from .release_check import check_release
+
+    release = StrataEngine().engine_dir(settings)
+    gpu = report.gpu(settings.gpu_index) or (report.gpus[0] if report.gpus else None)
+    if not release.is_dir():
+        return [Verdict("release", "Strata engine release", "warn" if gpu is not None else "info",
+                        f"not installed ({release} does not exist)",
+                        "Download it (`dsv41 download --engine`) or set DSV41_ENGINE_DIR to an unpacked Strata "
+                        "release (only the strata engine needs it).")]
+    checks = check_release(release, compute_capability=gpu.compute_capability if gpu else None,
+                           driver_cuda=gpu.cuda_driver_version if gpu else None)
+    return [Verdict(f"release_{c.id}", c.title, c.status, c.figure, c.fix) for c in checks]
+
+
 def summary(vs: list[Verdict]) -> dict[str, int]:
     out = {"pass": 0, "warn": 0, "fail": 0, "info": 0}
     for v in vs:

@@ -73,3 +73,20 @@ def ranges(xs: Iterable[int], dash: str = "–", sep: str = ", ", empty: str = "
         out.append(str(s[i]) if i == j else f"{s[i]}{dash}{s[j]}")
         i = j + 1
     return sep.join(out) if out else empty
+
+
+def terminal_safe(text: str, keep_newlines: bool = True) -> str:
+    """``text`` with every control or unprintable character written as an escape (``\\x1b``, ``\\u2028``), so words
+    from a server, a file or a release tool cannot set a terminal's title, clear its screen or fake a line. Tabs
+    become a space; newlines stay where ``keep_newlines`` (else ``\\n``)."""
+    out = []
+    for c in text:
+        if c.isprintable() or (c == "\n" and keep_newlines):
+            out.append(c)
+        elif c == "\t":
+            out.append(" ")
+        else:
+            o = ord(c)
+            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
+    return "".join(out)
+

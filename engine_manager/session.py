@@ -182,7 +182,10 @@ class EngineRecord(BaseModel):
     @classmethod
     def from_json(cls, raw: bytes) -> "EngineRecord":
         """Parse and validate; ``ValueError`` (or pydantic's ``ValidationError``) when it is not a record."""
-        d = json.loads(raw.decode("utf-8"))
+        try:
+            d = json.loads(raw.decode("utf-8"))
+        except RecursionError:              # 100,000 nested brackets: not a ValueError by itself
+            raise ValueError("it nests too deeply to be read") from None
         if not isinstance(d, dict):
             raise ValueError(f"it holds a JSON {type(d).__name__}, not a record")
         return cls.model_validate(d)
@@ -274,7 +277,7 @@ def read_plan_file(path: str | Path | None) -> dict[str, Any] | None:
         return None
     try:
         d = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return d if isinstance(d, dict) else None
 

@@ -132,6 +132,13 @@ class Settings(BaseModel):
         description="CPU expert numerics: fork (fast) or gpu (bit-identical batched answers, ~26% slower)",
         json_schema_extra={"env": "DSV41_CPU_NUMERICS", "allowed": "one of fork, gpu"},
     )
+    strata_prefill_auto: bool = Field(
+        True,
+        title="Read prompts in chunks (Strata --prefill auto)",
+        description="Pass --prefill auto to the Strata engine, as Strata's setup does (its default reads a prompt "
+                    "token by token)",
+        json_schema_extra={"env": "DSV41_STRATA_PREFILL_AUTO", "allowed": "true or false"},
+    )
     vram_reserve_mib: int = Field(
         700,
         title="VRAM reserve (MiB)",
@@ -350,6 +357,22 @@ PATH_FIELDS = frozenset(n for n, f in Settings.model_fields.items()
                          if "Path" in str(f.annotation))
 MAX_TEXT = 4096                     # characters in any text setting (a key, a token, flags, a repository name)
 
+# The settings an engine reads when it starts (its command line, its environment, the files made for it): a change
+# reaches a running engine only at its next start. The others act at once (auto_restart, metrics_hz) or concern
+# the downloads (cache_dir, model_repo, model_revision, engine_manifest, hf_token) or the next start's wait
+# (ready_timeout_s).
+RESTART_FIELDS = frozenset({
+    "server_engine", "host", "port", "api_key", "slots", "context_length", "kv_type", "cpu_numerics",
+    "vram_reserve_mib", "gpu_index", "numa_binding", "model_dir", "engine_dir", "llama_server", "llamacpp_model",
+    "llamacpp_log_verbosity", "llamacpp_load_mode", "sim_args", "default_max_tokens", "strata_prefill_auto",
+})
+
+
+def restart_needed(changed) -> list[str]:
+    """Of the settings ``changed`` (names), the titles of those that take effect at the engine's next start, in
+    the model's order."""
+    return [f.title or n for n, f in Settings.model_fields.items() if n in RESTART_FIELDS and n in set(changed)]
+
 
 def mask_secret(value: str | None) -> str:
     """``sk-abcdef…`` → ``sk-a…(43 chars)``; never the whole secret."""
@@ -491,7 +514,7 @@ def load_settings(env: Mapping[str, str] | None = None, path: Path | None = None
             file_values = raw
         except OSError as exc:
             raise SettingsFileError(path, exc) from None
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             moved = move_aside(path, "corrupt")
             notices.append(
                 f"The settings file {path} could not be read ({exc.__class__.__name__}: {exc}); "

@@ -8,13 +8,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
+def _hardware(plan: dict[str, Any]) -> dict[str, Any]:
+    hw = plan.get("hardware")
+    return hw if isinstance(hw, dict) else {}
+
+
 def usable_plan(engine_name: str, plan: dict[str, Any] | None) -> dict[str, Any] | None:
     """The plan on screen (the Placement tab's), if ``engine_name`` should start with it; else None, and the start
     falls back to :func:`default_plan`. Never a refused plan; a real engine only one made for this machine (not
     for a hypothetical host); the scripted engine may model any host, that is what it is for."""
     if not plan or plan.get("refused"):
         return None
-    if engine_name != "sim" and (plan.get("hardware") or {}).get("hypothetical"):
+    if engine_name != "sim" and _hardware(plan).get("hypothetical"):
         return None
     return plan
 
@@ -25,8 +30,8 @@ def plan_host_warning(plan: dict[str, Any] | None, hardware: Any = None) -> str 
     another host name); None when it was made here."""
     if not plan:
         return None
-    hwd = plan.get("hardware") or {}
-    label = str(hwd.get("label") or "an unknown host")
+    hwd = _hardware(plan)
+    label = str(hwd.get("label") or "an unknown host")[:200]
     here = getattr(getattr(hardware, "host", None), "hostname", None)
     if not hwd.get("hypothetical") and here and f"({here})" in label:
         return None
@@ -69,7 +74,7 @@ def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple
             notes.append("No GPU here: llama.cpp runs every layer on the CPU, so there is no placement to plan.")
             return None, notes
         last = placement.load_last_plan()
-        if last and not last.get("refused") and not (last.get("hardware") or {}).get("hypothetical"):
+        if last and not last.get("refused") and not _hardware(last).get("hypothetical"):
             made = last.get("created_at")
             when = time.strftime(" (made %Y-%m-%d %H:%M)", time.localtime(made)) if isinstance(made, (int, float)) \
                 else ""

@@ -21,7 +21,9 @@ The lifecycle::
   SIGKILL → the OOM killer, port in use, driver too old, CUDA out of memory, placement refused, silent, unknown
   with the last 20 log lines); restarts with backoff unless the cause cannot heal by itself or a crash loop is
   detected.
-- **stop**: SIGTERM to the whole group, a grace period, then SIGKILL — and it checks that no process of the group
+- **stop**: SIGTERM to the whole group, a grace period, then SIGKILL — an engine whose top process stops its own
+  children (``Engine.stop_leader_grace_s``: Strata's server sends its engine QUIT) gets one SIGTERM to that process
+  alone first, and the group only after that budget — and it checks that no process of the group
   (nor any descendant that left it) is left. A stop beats a start in flight in another process: it leaves a stop
   request (``engine-stop-request.json``) that the starting supervisor checks while it waits, at the engine's exit
   and before any restart, so that start ends "stopped by request" instead of reporting a crash and restarting.
@@ -338,7 +340,7 @@ class Supervisor:
         try:
             d = json.loads(read_bytes_nofollow(path, 16 * 2**20).decode("utf-8"))
             return d if isinstance(d, dict) else None
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return None
 
     def _read_state_file(self) -> EngineRecord | None:
@@ -410,6 +412,12 @@ class Supervisor:
         who = req.get("by_pid")
         msg = f"stopped by request (`dsv41 stop`{f', pid {who}' if who else ''}); not restarted"
         if h is not None:
+            # the `dsv41 stop` that asked signals the engine itself; an engine that stops through its top process
+            # (Engine.stop_leader_grace_s) must not get a second SIGTERM from here (Strata's server kills its engine
+            # at once on a second one): wait for that stop first, then make sure
+            end = time.monotonic() + float(getattr(h.engine, "stop_leader_grace_s", 0.0) or 0.0)
+            while not h.exited() and time.monotonic() < end:
+                time.sleep(self.poll_s)
             if not h.exited():
                 yield from self._terminate(h, grace=self.grace_s, quiet=True)
             yield from self._final_lines(h)
@@ -912,7 +920,9 @@ class Supervisor:
                 else:
                     yield Note(ev.text)
         except UserError as exc:
-            yield from self._fail("prepare_failed", str(exc),
+            # a known refusal (the release's tool cannot pack this model) carries its own cause and fix
+            yield from self._fail(getattr(exc, "cause", None) or "prepare_failed", str(exc),
+                                  getattr(exc, "fix", None) or
                                   "Fix what the message names, then start again (or run `dsv41 prepare`).")
             return False
         finally:
@@ -1306,7 +1316,7 @@ class Supervisor:
             return self.status(check_health=False)
         self._mark_state_file(state=STOPPING, stop_requested={"by_pid": os.getpid(), "at": time.time()})
         yield from _emit(self._set_state(STOPPING, "stopping" + (" (SIGKILL)" if force else "")))
-        forced, leftovers = yield from self._terminate(h, grace=0.0 if force else self.grace_s)
+        forced, leftovers = yield from self._terminate(h, grace=0.0 if force else self.grace_s, leader_first=True)
         if h.tail is not None:                  # the engine's last words (and the keeper's exit line)
             time.sleep(0.02)
             batch = self._drain(h)
@@ -1340,9 +1350,11 @@ class Supervisor:
             fcntl.flock(f, fcntl.LOCK_UN)
         return None
 
-    def _terminate(self, h: _Handle, grace: float, quiet: bool = False) -> Events:
+    def _terminate(self, h: _Handle, grace: float, quiet: bool = False, leader_first: bool = False) -> Events:
         """SIGTERM the group (SIGKILL at once when ``grace`` is 0), wait, then SIGKILL; every descendant too,
-        also one that left the group. Returns ``(forced, leftover pids)``."""
+        also one that left the group. ``leader_first`` (a stop asked for): an engine that declares
+        ``stop_leader_grace_s`` gets one SIGTERM to its top process alone first, and the group only after that
+        budget. Returns ``(forced, leftover pids)``."""
         tracked: dict[int, psutil.Process] = {}
 
         def track(pid: int | None, ctime: float | None) -> None:
@@ -1366,6 +1378,14 @@ class Supervisor:
         track(h.engine_pid, h.engine_ctime)
         refresh()
         forced = grace <= 0 or self._force_req.is_set()
+        leader_s = float(getattr(h.engine, "stop_leader_grace_s", 0.0) or 0.0)
+        if leader_first and not forced and leader_s > 0 and h.engine_pid and _alive(h.engine_pid, h.engine_ctime):
+            # the engine's top process stops its children in its own order (Strata's server: QUIT to the native
+            # engine first); it gets ONE SIGTERM, the group only once its own budget has run out
+            done = yield from self._leader_first(h, tracked, refresh, leader_s, quiet)
+            if done:
+                return False, []
+            forced = self._force_req.is_set()
         self._signal_all(h, tracked, signal.SIGKILL if forced else signal.SIGTERM)
         t0 = time.monotonic()
         killed_at: float | None = t0 if forced else None
@@ -1399,6 +1419,40 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
         return forced, [p.pid for p in _live(list(tracked.values()))]
+
+    def _leader_first(self, h: _Handle, tracked: dict[int, psutil.Process], refresh: Callable[[], None],
+                      budget_s: float, quiet: bool) -> Generator[Event, None, bool]:
+        """SIGTERM (with SIGCONT) to the engine's top process only, then wait until every tracked process has
+        ended (→ True) or ``budget_s`` passed or a Force stop was asked for (→ False)."""
+        try:
+            leader = psutil.Process(h.engine_pid)
+            leader.send_signal(signal.SIGTERM)
+            leader.send_signal(signal.SIGCONT)
+        except (psutil.Error, OSError):
+            return False
+        t0 = time.monotonic()
+        next_ev = next_scan = 0.0
+        while time.monotonic() - t0 < budget_s and not self._force_req.is_set():
+            if h.popen is not None:
+                h.popen.poll()
+            if time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + 0.2
+                refresh()
+            if not _live(list(tracked.values())):
+                refresh()
+                if not _live(list(tracked.values())):
+                    if h.popen is not None:
+                        try:
+                            h.popen.wait(timeout=5)
+                        except subprocess.TimeoutExpired:
+                            pass
+                    return True
+            if not quiet and time.monotonic() >= next_ev:
+                next_ev = time.monotonic() + 0.25
+                yield Stopping(time.monotonic() - t0, budget_s, "SIGTERM to the engine's server",
+                               len(_live(list(tracked.values()))))
+            time.sleep(0.02)
+        return False
 
     @staticmethod
     def _signal_all(h: _Handle, tracked: dict[int, psutil.Process], sig: int) -> None:

@@ -1,34 +1,50 @@
-"""An SSH port forward to an engine on another machine, with the system ``ssh`` (issue 19).
+"""An SSH forward to an engine on another machine, with the system ``ssh`` (issue 19).
 
-``Tunnel(host, remote_port).open()`` runs ``ssh -N -L 127.0.0.1:LPORT:127.0.0.1:RPORT [options] -- host`` as an
-argv list (never a shell): the user's own ``~/.ssh/config``, keys and agent decide how to log in; ``BatchMode=yes``
-makes ssh fail instead of asking anything (no password prompt, no "trust this host key?" question, which the panel
-could not answer), ``ExitOnForwardFailure=yes`` makes a forward that cannot be set up an exit instead of a silent
-half-working tunnel. Nothing secret is on its command line: the engine's API key never goes near ssh.
+``Tunnel(host, remote_port).open()`` runs ``ssh -N -L SOCKET:127.0.0.1:RPORT [options] -- host`` as an argv list
+(never a shell), where SOCKET is a Unix socket in a private folder of this user (mode 0700, made fresh for each
+tunnel): nothing listens on TCP, so no other local user can connect to the forward, and none can put a listener of
+their own in its place before ssh binds it (a TCP port picked in advance is visible in ``ps`` and can be taken by
+anyone first; the engine's API key would then go to them). Requests reach the socket through httpx's own Unix-socket
+transport: :func:`transport_for` gives it for a tunnel's URL, whose host (``ssh-tunnel-….invalid``) is a name that
+can never resolve, so a client that forgot the transport fails instead of sending the key anywhere else.
 
-``open()`` returns once the local port accepts connections (ssh binds it only after the login succeeded), or
-raises :class:`TunnelError` with ssh's refusal in plain words (unknown or changed host key, login refused, host
-unreachable, port taken). Afterwards a supervisor thread restarts ssh if it dies (with a back-off), and
-``close()`` ends it (SIGTERM to the ssh process the tunnel started, then SIGKILL).
+The user's own ``~/.ssh/config``, keys and agent decide how to log in; ``BatchMode=yes`` makes ssh fail instead of
+asking anything (no password prompt, no "trust this host key?" question, which the panel could not answer),
+``ExitOnForwardFailure=yes`` makes a forward that cannot be set up an exit instead of a silent half-working
+tunnel. Nothing secret is on its command line: the engine's API key never goes near ssh.
+
+``open()`` returns once the socket accepts connections (ssh creates it only after the login succeeded), or raises
+:class:`TunnelError` with ssh's refusal in plain words (unknown or changed host key, login refused, host
+unreachable). Afterwards a supervisor thread restarts ssh if it dies (with a back-off; the same socket path, so the
+URL does not change), and ``close()`` ends it (SIGTERM to the ssh process the tunnel started, then SIGKILL) and
+removes its folder.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import UserError
-from .procs import free_port
 
 CONNECT_TIMEOUT_S = 10          # ssh's own ConnectTimeout: an unreachable host fails in this long, not minutes
 OPEN_TIMEOUT_S = 30.0
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+#: the host part of every tunnel URL ends so: ``.invalid`` never resolves (RFC 6761), so only the Unix-socket
+#: transport of :func:`transport_for` can reach it
+TUNNEL_DOMAIN = ".ssh-tunnel.invalid"
 
 
 class TunnelError(UserError):
@@ -40,9 +56,15 @@ class TunnelError(UserError):
         self.stderr = stderr
 
 
+#: an ssh destination: ``host``, ``user@host``, an IPv6 address, ``ssh://user@host:port`` or a Host alias of
+#: ~/.ssh/config — never a shell word (``$``, backticks, ``;``, ``|``, ``&``, ``<``, ``>``, quotes, spaces) and
+#: never an option (a leading ``-``)
+_HOST_RE = re.compile(r"^[A-Za-z0-9_:\[][A-Za-z0-9_.@:%+/\[\]-]{0,254}$")
+
+
 def valid_host(host: str) -> bool:
-    """An ssh destination that cannot be read as an option or hold a second argument."""
-    return bool(host) and not host.startswith("-") and not any(c.isspace() or c == "\0" for c in host)
+    """An ssh destination that cannot be read as an option, hold a second argument or a shell word."""
+    return isinstance(host, str) and bool(_HOST_RE.fullmatch(host))
 
 
 def explain(stderr: str, host: str, returncode: int | None) -> TunnelError:
@@ -74,15 +96,17 @@ def explain(stderr: str, host: str, returncode: int | None) -> TunnelError:
         return TunnelError("unreachable", (
             f"{host} cannot be reached over ssh ({last}). Check that the machine is on, that its ssh server runs "
             "and that the port in your ssh config is right."), text)
-    if "address already in use" in low or "cannot listen to port" in low or "port forwarding failed" in low:
+    if ("address already in use" in low or "cannot listen to" in low or "forwarding failed" in low
+            or "unix_listener" in low):
         return TunnelError("forward_failed", (
-            f"ssh could not set up the port forward ({last}). Another program may hold the local port; try again "
-            "(a new port is picked each time)."), text)
+            f"ssh could not set up the forward ({last}). Try again; if it keeps failing, check that "
+            f"`ssh -N -L /tmp/test.sock:127.0.0.1:PORT {host}` works in a terminal."), text)
     return TunnelError("ssh_failed", f"ssh to {host} failed: {last}. Try `ssh {host}` in a terminal to see why.",
                        text)
 
 
 def port_open(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port`` (tests and sshd's own port)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
             return True
@@ -90,20 +114,108 @@ def port_open(port: int) -> bool:
         return False
 
 
+def _private_dir() -> str:
+    """A new folder only this user can enter (``mkdtemp`` makes it 0700 and fails rather than reuse one), in
+    ``$XDG_RUNTIME_DIR`` when that is this user's private folder, else in the temporary folder. Short, since a
+    Unix socket's path is limited to ~100 bytes."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or ""
+    try:
+        st = os.stat(base) if base else None
+    except OSError:
+        st = None
+    if st is None or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077 or len(base) > 60:
+        base = tempfile.gettempdir()
+        if len(base) > 60:
+            base = "/tmp"
+    return tempfile.mkdtemp(prefix="dsv41-ssh-", dir=base)
+
+
+def socket_ready(path: str) -> bool:
+    """Whether ``path`` is a Unix socket of this user that accepts a connection."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(path)
+            return True
+        except OSError:
+            return False
+
+
+_registry: dict[str, "Tunnel"] = {}        # url host -> the open tunnel it names
+_registry_lock = threading.Lock()
+
+
+def is_tunnel_url(url: Any) -> bool:
+    import httpx
+
+    try:
+        host = httpx.URL(str(url)).host
+    except Exception:  # noqa: BLE001 - not a URL: not a tunnel's
+        return False
+    return host.endswith(TUNNEL_DOMAIN)
+
+
+def transport_for(url: Any, *, verify: Any = True, limits: Any = None) -> Any:
+    """The httpx transport to reach ``url``: None for an ordinary URL (httpx's default), the Unix-socket transport
+    of the open tunnel whose URL it is, or — for a tunnel URL whose forward is closed — a transport that fails
+    every request in plain words (nothing is sent anywhere). Pass it as ``httpx.Client(transport=…)``; ``verify``
+    and ``limits`` as the client would have had them."""
+    import httpx
+
+    try:
+        host = httpx.URL(str(url)).host
+    except Exception:  # noqa: BLE001 - not a URL: httpx will say so itself
+        return None
+    if not host.endswith(TUNNEL_DOMAIN):
+        return None
+    with _registry_lock:
+        t = _registry.get(host)
+    path = t.socket_path if t is not None else None
+    if path is None:
+        return _closed_transport_class()()
+    kw: dict[str, Any] = {"uds": path, "verify": verify}
+    if limits is not None:
+        kw["limits"] = limits
+    return httpx.HTTPTransport(**kw)
+
+
+@functools.lru_cache(maxsize=1)
+def _closed_transport_class() -> type:
+    import httpx
+
+    class ClosedTunnelTransport(httpx.BaseTransport):
+        """Every request fails before anything is sent: the SSH forward this URL named is closed."""
+
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            raise httpx.ConnectError("the SSH forward of this connection is closed: open the connection again",
+                                     request=request)
+
+    return ClosedTunnelTransport
+
+
 @dataclass
 class Tunnel:
-    """One supervised ``ssh -N -L`` forward from 127.0.0.1:``local_port`` to 127.0.0.1:``remote_port`` on
-    ``host`` (the remote engine listens on its own loopback). ``options`` are extra ssh arguments placed before
-    the destination (e.g. ``["-F", config]`` in tests); ``remote_host`` is where the remote side connects."""
+    """One supervised ``ssh -N -L`` forward from a Unix socket in a private folder to ``remote_host``:
+    ``remote_port`` as seen on ``host`` (the remote engine usually listens on its own loopback). ``options`` are
+    extra ssh arguments placed before the destination (e.g. ``["-F", config]`` in tests). Reach it with
+    :attr:`base_url` and :meth:`transport` (or :func:`transport_for` on any URL built on :attr:`url_host`)."""
 
     host: str
     remote_port: int
-    local_port: int | None = None
     options: list[str] = field(default_factory=list)
     remote_host: str = "127.0.0.1"
     ssh: str | None = None
     restarts: int = 0
     last_error: TunnelError | None = None
+    socket_path: str | None = None
+    url_host: str = field(default_factory=lambda: f"ssh-{secrets.token_hex(6)}{TUNNEL_DOMAIN}")
+    _dir: str | None = field(default=None, repr=False)
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _closing: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -112,8 +224,9 @@ class Tunnel:
     def __post_init__(self) -> None:
         if not valid_host(self.host):
             raise TunnelError("bad_host", f"{self.host!r} is not an ssh host name: use a name such as gpu-box, "
-                                          "user@gpu-box or a Host from ~/.ssh/config (it may not start with -).")
-        if not (0 < int(self.remote_port) < 65536):
+                                          "user@gpu-box or a Host from ~/.ssh/config (it may not start with -, or "
+                                          "hold spaces, quotes or any of $ ` ; | & < >).")
+        if isinstance(self.remote_port, bool) or not (0 < int(self.remote_port) < 65536):
             raise TunnelError("bad_port", f"remote port {self.remote_port} is not a TCP port (1–65535).")
 
     # -- the command ------------------------------------------------------------------------------------------
@@ -122,9 +235,10 @@ class Tunnel:
         if not ssh:
             raise TunnelError("no_ssh", "The `ssh` program is not installed: install OpenSSH's client "
                                         "(`sudo apt install openssh-client`) to reach engines on other machines.")
-        assert self.local_port is not None
+        assert self.socket_path is not None
         remote = f"[{self.remote_host}]" if ":" in self.remote_host else self.remote_host     # an IPv6 address
-        return [ssh, "-N", "-L", f"127.0.0.1:{self.local_port}:{remote}:{self.remote_port}",
+        return [ssh, "-N", "-L", f"{self.socket_path}:{remote}:{self.remote_port}",
+                "-o", "StreamLocalBindUnlink=yes", "-o", "StreamLocalBindMask=0177",
                 "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}",
                 "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=3",
                 *self.options, "--", self.host]
@@ -136,7 +250,18 @@ class Tunnel:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.local_port}"
+        """``http://URL_HOST:REMOTE_PORT``: reached only through :meth:`transport`."""
+        return f"http://{self.url_host}:{self.remote_port}"
+
+    def transport(self, **kw: Any) -> Any:
+        """httpx's Unix-socket transport to the forward (``verify``, ``limits`` as for :func:`transport_for`)."""
+        return transport_for(self.base_url, **kw)
+
+    def client(self, **kw: Any) -> Any:
+        """An ``httpx.Client`` through the forward (``kw`` for the client: timeout, headers, ...)."""
+        import httpx
+
+        return httpx.Client(transport=self.transport(), trust_env=False, **kw)
 
     def alive(self) -> bool:
         p = self._proc
@@ -144,8 +269,14 @@ class Tunnel:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def _spawn(self, timeout_s: float) -> None:
-        if self.local_port is None:
-            self.local_port = free_port()
+        if self._dir is None:
+            self._dir = _private_dir()
+            self.socket_path = os.path.join(self._dir, "fwd.sock")
+        assert self.socket_path is not None
+        try:
+            os.unlink(self.socket_path)       # a dead ssh's socket (ssh would refuse to bind over it)
+        except FileNotFoundError:
+            pass
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}   # the agent socket stays
         proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, env=env, start_new_session=True)
@@ -155,7 +286,7 @@ class Tunnel:
             if proc.poll() is not None:
                 err = proc.stderr.read().decode("utf-8", "replace") if proc.stderr else ""
                 raise explain(err, self.host, proc.returncode)
-            if port_open(self.local_port):
+            if socket_ready(self.socket_path):
                 return
             if self._closing.is_set():            # closed while ssh was still logging in
                 self._terminate(proc)
@@ -167,17 +298,24 @@ class Tunnel:
             time.sleep(0.05)
 
     def open(self, timeout_s: float = OPEN_TIMEOUT_S) -> "Tunnel":
-        """Start ssh and wait for the forward; then supervise it. Raises :class:`TunnelError`."""
-        self._closing.clear()
-        with self._lock:
-            self._spawn(timeout_s)
+        """Start ssh and wait for the forward; then supervise it. Raises :class:`TunnelError` (also for a tunnel
+        closed before or while it opens: a closed tunnel stays closed)."""
+        if self._closing.is_set():
+            raise TunnelError("closed", f"the tunnel to {self.host} was closed while it was opening.")
+        try:
+            with self._lock:
+                self._spawn(timeout_s)
+        except BaseException:
+            self._remove_dir()
+            raise
+        with _registry_lock:
+            _registry[self.url_host] = self
         self._thread = threading.Thread(target=self._supervise, name=f"ssh-tunnel-{self.host}", daemon=True)
         self._thread.start()
         return self
-
     def _supervise(self) -> None:
         """Restart ssh when it dies while the tunnel is wanted (network blip, server restart), with a back-off;
-        the same local port is kept so the engine's address does not change."""
+        the same socket path is kept so the engine's address does not change."""
         attempt = 0
         while not self._closing.is_set():
             p = self._proc
@@ -218,9 +356,17 @@ class Tunnel:
         except ProcessLookupError:
             pass
 
+    def _remove_dir(self) -> None:
+        d, self._dir = self._dir, None
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+
     def close(self) -> None:
-        """End the forward (and its supervision). Safe to call twice."""
+        """End the forward (and its supervision) and remove its socket's folder. Safe to call twice."""
         self._closing.set()
+        with _registry_lock:
+            if _registry.get(self.url_host) is self:
+                del _registry[self.url_host]
         with self._lock:
             p = self._proc
             if p is not None:
@@ -230,6 +376,7 @@ class Tunnel:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5)
+        self._remove_dir()
 
     def __enter__(self) -> "Tunnel":
         return self if self.alive() else self.open()

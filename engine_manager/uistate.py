@@ -25,7 +25,7 @@ def load() -> dict[str, Any]:
         return data if isinstance(data, dict) else {}
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):     # (100,000 nested brackets raise RecursionError)
         try:
             move_aside(p, "corrupt")
         except OSError:
@@ -37,3 +37,60 @@ def save(update: dict[str, Any]) -> None:
     data = load()
     data.update(update)
     atomic_write_json(state_file(), data)
+
+
+# ---- the main window, per screen ------------------------------------------------------------------------------
+WINDOWS_KEY = "windows"          # {screen key: {"geometry": base64, "splitter": [ints], "saved_at": epoch s}}
+WINDOWS_KEPT = 8                 # screens remembered (the most recently used)
+
+
+def screen_key(name: str, width: int, height: int) -> str:
+    """Which screen a window state belongs to: its name and size (a laptop panel and the monitor beside it, or
+    the same connector at another resolution, each keep their own window)."""
+    return f"{(name or 'screen').strip()[:80]}:{int(width)}x{int(height)}"
+
+
+def window_state(key: str) -> dict[str, Any]:
+    """The window state saved for the screen ``key`` (empty when none): only well-formed values."""
+    entry = (load().get(WINDOWS_KEY) or {})
+    entry = entry.get(key) if isinstance(entry, dict) else None
+    if not isinstance(entry, dict):
+        return {}
+    out: dict[str, Any] = {}
+    if isinstance(entry.get("geometry"), str) and len(entry["geometry"]) < 4096:
+        out["geometry"] = entry["geometry"]
+    sp = entry.get("splitter")
+    if isinstance(sp, list) and 0 < len(sp) <= 8 and all(isinstance(s, int) and 0 <= s < 100_000 for s in sp):
+        out["splitter"] = list(sp)
+    return out
+
+
+def save_window_state(key: str, geometry: str, splitter: list[int], now: float | None = None) -> None:
+    """Remember the window for the screen ``key``; the least recently saved screens beyond
+    :data:`WINDOWS_KEPT` are forgotten."""
+    import time
+
+    windows = load().get(WINDOWS_KEY)
+    windows = dict(windows) if isinstance(windows, dict) else {}
+    windows[key] = {"geometry": geometry, "splitter": [int(s) for s in splitter],
+                    "saved_at": time.time() if now is None else now}
+
+    def when(k: str) -> float:
+        v = windows[k].get("saved_at") if isinstance(windows[k], dict) else None
+        return float(v) if isinstance(v, (int, float)) else 0.0
+    keep = sorted(windows, key=when, reverse=True)[:WINDOWS_KEPT]
+    save({WINDOWS_KEY: {k: windows[k] for k in keep}})
+
+
+def fit_rect(size: tuple[int, int], available: tuple[int, int, int, int],
+             frame: tuple[int, int] = (0, 0)) -> tuple[int, int, int, int]:
+    """A window of ``size`` (width, height, without its frame) fitted to the screen's ``available`` area (x, y,
+    width, height: the screen less panels and docks) and centred in it; ``frame`` is what the window manager adds
+    around it (width, height). Returns the window's (x, y, width, height) without the frame."""
+    ax, ay, aw, ah = available
+    fw, fh = frame
+    w = max(1, min(int(size[0]), aw - fw))
+    h = max(1, min(int(size[1]), ah - fh))
+    x = ax + max(0, (aw - fw - w) // 2)
+    y = ay + max(0, (ah - fh - h) // 2)
+    return x, y, w, h

@@ -218,3 +218,62 @@ def test_the_last_watched_connection_is_watched_again_after_a_restart(qtbot, fix
 
 def strip_state(view, name: str) -> str:
     return view.overview.row_text(name)[1]
+
+
+def test_one_slow_connection_holds_up_no_other_line(qtbot, free_port, monkeypatch):
+    """Each line of the overview is polled on its own worker: a connection whose server stalls holds up only its
+    own line; one that does not answer is "unreachable", with the reason and when it was last seen, and no
+    figures."""
+    from hostile_servers import HostileServer
+
+    from app.connections_view import ConnectionsView
+    from app.context import AppContext
+
+    monkeypatch.setattr(C, "OVERVIEW_TIMEOUT_S", 120.0)     # the stalled line's poll outlasts the whole test
+    slow, fast = HostileServer({"/api/health": "stall"}), HostileServer()
+    view = None
+    try:
+        C.add_connection("slow", slow.base_url, "k-slow")
+        C.add_connection("fast", fast.base_url, "k-fast")
+        C.add_connection("gone", f"http://127.0.0.1:{free_port}")
+        ctx = AppContext(load_settings())
+        view = ConnectionsView(ctx, period_s=0.5)
+        qtbot.addWidget(view)
+        strip = view.overview
+        qtbot.waitUntil(lambda: strip.row_text("fast")[1] == "ok" and strip.row_text("gone")[1] == "unreachable",
+                        timeout=30_000)
+        assert strip.tasks.running("poll:slow") and strip.row_text("slow")[1] == "…"
+        tip = strip.row_tooltip("gone")
+        assert "cannot be reached" in tip and "Nothing listens" in tip and "Not seen answering" in tip
+        assert strip.row_text("gone")[2:] == ["—", "—"]
+        # the fast line keeps being polled while the slow one still waits
+        n = strip.polls
+        qtbot.waitUntil(lambda: strip.polls >= n + 2, timeout=30_000)
+        assert strip.tasks.running("poll:slow") and strip.row_text("fast")[1] == "ok"
+    finally:
+        slow.stop()                 # the stalled answer ends: its worker finishes
+        fast.stop()
+        if view is not None:
+            view.shutdown()
+
+
+def test_a_connections_file_of_the_wrong_shape_does_not_brick_the_view(qtbot, fixture_server):
+    """``{"connections": null}`` once left every pane at "Loading…": the file is set aside with a note in the view,
+    the picker and the overview work, and a connection added then is watched as usual."""
+    from app.connections_view import ConnectionsView
+    from app.context import AppContext
+
+    path = C.connections_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"schema": 1, "connections": null}')
+    ctx = AppContext(load_settings())
+    view = ConnectionsView(ctx, period_s=1.0)
+    qtbot.addWidget(view)
+    assert view.picker.count() == 1 and view.names() == []
+    assert "kept as" in view.info.text() and "connections.json" in view.info.text()
+    srv = fixture_server("openai")
+    C.add_connection("plain", srv.base_url, srv.key)
+    view.refresh()
+    view.select("plain")
+    qtbot.waitUntil(lambda: ctx.watching == "plain" and ctx.running is not None, timeout=20_000)
+    view.shutdown()

@@ -48,7 +48,7 @@ def test_run_shows_progress_table_and_plots(view, qtbot):
     r = blocker.args[0]
     qtbot.waitUntil(lambda: view.run_button.isEnabled(), timeout=10_000)
     assert view.ctx.engine_lock is None and locks[0] and locks[-1] is None
-    assert any("users_1" in f for f in view.formats_seen) and any("s left" in f for f in view.formats_seen)
+    assert any("1 user:" in f for f in view.formats_seen) and any("s left" in f for f in view.formats_seen)
     assert view.progress.value() == 1000 and view.progress.format() == "done"
     # the table beside the guides'
     assert view.table.rowCount() == 2
@@ -81,8 +81,30 @@ def test_cancel_stops_the_run_and_says_so(view, qtbot):
     view.spec_overrides = {"users": (1,), "tokens": 400, "repeats": 3, "long_prompt_tokens": 0}
     with qtbot.waitSignal(view.finished, timeout=120_000) as blocker:
         view.run_bench()
-        qtbot.waitUntil(lambda: any("users_1" in f for f in view.formats_seen), timeout=60_000)
+        qtbot.waitUntil(lambda: any("1 user:" in f for f in view.formats_seen), timeout=60_000)
         view.cancel()
     assert blocker.args[0]["cancelled"] is True
     qtbot.waitUntil(lambda: view.run_button.isEnabled(), timeout=10_000)
     assert view.progress.format() == "cancelled" and "Cancelled" in view.verdict.text()
+
+
+def test_history_skips_a_bad_file_with_a_note_and_a_damaged_one_is_said(view, qtbot):
+    import json
+
+    from test_hostile_bench import fake_result
+
+    from engine_manager.bench import results
+    good = fake_result()
+    jp, _ = results.save(good)
+    (results.bench_dir() / "bench_20990101T000000Z.json").write_text(json.dumps({"schema": "dsv41-bench",
+                                                                                  "table": "x"}))
+    messages = []
+    view.ctx.statusMessage.connect(lambda text, *_: messages.append(text))
+    view.refresh_history()
+    qtbot.waitUntil(lambda: view.history_notes != [], timeout=10_000)
+    assert view.history_a.count() == 1 and view.history_a.currentData() == str(jp)
+    assert "bench_20990101T000000Z.json" in view.history_notes[0] and any("Skipped" in m for m in messages)
+    jp.write_text(json.dumps({"schema": "dsv41-bench", "engine": 5}))     # damaged after it was listed
+    view.show_saved()
+    assert "not a benchmark result this panel can read" in view.verdict.text()
+    view.compare()

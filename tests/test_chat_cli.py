@@ -358,3 +358,121 @@ def test_after_the_panels_engine_died_a_stranger_on_its_port_gets_no_key_and_no_
     finally:
         os.killpg(stranger.pid, signal.SIGKILL)
         stranger.wait(timeout=10)
+
+
+# ------------------------------------------------------------------------------------------------ a conversation
+class Terminal:
+    """``dsv41 chat`` in a real pseudo-terminal that is its controlling terminal (``setsid -c``), so typed keys
+    arrive as a person's do: Enter, Ctrl+C (SIGINT from the terminal), Ctrl+D (end of input)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]):
+        from terminal_sigint import popen_interruptible
+
+        self.master, slave = pty.openpty()
+        env = dict(env, TERM="dumb")
+        self.proc = popen_interruptible(["setsid", "-c", sys.executable, "-m", "engine_manager", *args], env=env,
+                                        cwd=ROOT, stdin=slave, stdout=slave, stderr=slave)
+        os.close(slave)
+        self.out = ""
+        self.seen = 0                    # what expect() has looked past
+
+    def read(self, timeout: float = 0.2) -> None:
+        r, _, _ = select.select([self.master], [], [], timeout)
+        if r:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:
+                return
+            self.out += chunk.decode("utf-8", "replace")
+
+    def expect(self, text: str, timeout: float = 60) -> str:
+        """Wait for ``text`` after what was already matched; returns the output up to it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            i = self.out.find(text, self.seen)
+            if i >= 0:
+                got, self.seen = self.out[self.seen:i + len(text)], i + len(text)
+                return got
+            self.read()
+        raise AssertionError(f"no {text!r} within {timeout} s; the terminal shows:\n{self.out[-3000:]}")
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def close(self) -> int:
+        deadline = time.monotonic() + 30
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.read()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        rc = self.proc.wait(10)
+        os.close(self.master)
+        return rc
+
+
+def test_an_interactive_chat_at_a_terminal(start_sim, tmp_path):
+    """``dsv41 chat`` with no message at a terminal: questions and answers kept in one conversation of the history,
+    /help, /system, /save FILE, /new; Ctrl+C at the prompt clears the line, during an answer stops it (saved, the
+    conversation goes on); Ctrl+D leaves with 0."""
+    sim = start_sim("--reply-tokens", "400", speed=2.0)
+    term = Terminal(["chat", "--max-tokens", "400"], env_for(sim))
+    try:
+        term.expect("Ctrl+D leaves")
+        term.expect("you> ")
+        term.type("/help\r")
+        assert "/system TEXT" in term.expect("you> ")
+        term.type("First question about expert offload\r")
+        said = term.expect("you> ")
+        assert "conversation 1]" in said and "tok/s" in said
+        term.type("\x03")                                          # Ctrl+C at the prompt: the line is dropped
+        term.expect("(Ctrl+D or /quit leaves)")
+        term.expect("you> ")
+        term.type("/system Answer like a pirate.\r")
+        assert "system prompt set" in term.expect("you> ")
+        term.type("Second question, a long one\r")
+        term.expect("\x1b[2m")                                     # the answer streams (its reasoning, dimmed)
+        term.type("\x03")                                          # Ctrl+C: stop this answer, stay in the chat
+        said = term.expect("you> ")
+        assert "[stopped:" in said and "saved in conversation 1" in said
+        term.type(f"/save {tmp_path / 'conv.md'}\r")
+        assert "wrote" in term.expect("you> ")
+        term.type("/new\r")
+        term.expect("you> ")
+        term.type("Third question\r")
+        assert "conversation 2]" in term.expect("you> ")
+        term.type("\x04")                                          # Ctrl+D: leave
+        rc = term.close()
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+    assert rc == 0, term.out[-2000:]
+    store = hist.HistoryStore()
+    first = store.get_conversation(1)
+    assert [(m.role, m.status) for m in first.messages] == [
+        ("user", hist.STATUS_COMPLETE), ("assistant", hist.STATUS_COMPLETE),
+        ("user", hist.STATUS_COMPLETE), ("assistant", hist.STATUS_STOPPED)]
+    assert first.messages[0].content == "First question about expert offload"
+    assert first.options["system"] == "Answer like a pirate." and "system" not in first.messages[1].options
+    assert first.messages[3].options["system"] == "Answer like a pirate."
+    saved = (tmp_path / "conv.md").read_text()
+    assert "## System prompt\n\nAnswer like a pirate." in saved and "Second question, a long one" in saved
+    second = store.get_conversation(2)                             # /new: a conversation of its own, no system
+    assert [m.role for m in second.messages] == ["user", "assistant"] and "system" not in second.options
+
+
+def test_the_system_prompt_reaches_the_engine_and_stays_with_the_conversation(recording_engine):
+    env = env_for()
+    env["DSV41_API_KEY"] = "k" * 24
+    url = recording_engine.base_url
+    r = dsv41("chat", "--url", url, "--system", "Be brief.", "first", env=env)
+    assert r.returncode == 0, r.stderr
+    r = dsv41("chat", "--url", url, "--conversation", "1", "second", env=env)     # kept: no --system needed
+    assert r.returncode == 0, r.stderr
+    r = dsv41("chat", "--url", url, "--conversation", "1", "--system", "", "third", env=env)   # removed
+    assert r.returncode == 0, r.stderr
+    first, second, third = (b["messages"] for b in recording_engine.bodies)
+    assert first == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"}]
+    assert second[0] == {"role": "system", "content": "Be brief."} and second[-1]["content"] == "second"
+    assert all(m["role"] != "system" for m in third) and third[-1]["content"] == "third"
+    assert "system" not in hist.HistoryStore().get_conversation(1).options
+    assert all(m.role != "system" for m in hist.HistoryStore().messages(1))     # an option, never a message

@@ -570,3 +570,34 @@ def test_request_options_set_in_the_pane_reach_the_engine_and_are_stored(qtbot, 
         {"max_tokens": 777, "temperature": 0.7, "reasoning_effort": "high", "reproducible": True}
     assert p.store.get_conversation(cid).options == a.options
     p.shutdown()
+
+
+def test_a_system_prompt_set_in_the_pane_is_sent_first_and_kept_with_the_conversation(qtbot, pane, ctx,
+                                                                                      recording_engine):
+    """The Options box's system prompt goes as the first message of every request of the conversation, is stored
+    with it, and comes back in the box when the conversation is opened again (and not into another one)."""
+    ready(ctx, recording_engine.base_url, "k" * 24)
+    qtbot.waitUntil(lambda: recording_engine.MODEL in pane.engine_label.text(), timeout=5000)
+    qtbot.mouseClick(pane.options_toggle, Qt.MouseButton.LeftButton)
+    assert pane.system_prompt.isVisibleTo(pane)
+    qtbot.mouseClick(pane.system_prompt.viewport(), Qt.MouseButton.LeftButton)
+    qtbot.keyClicks(pane.system_prompt, "Answer in one line.")
+    assert "system prompt" in pane.options_toggle.text()
+    for text in ("First question", "Second question"):
+        pane.composer.setPlainText(text)
+        qtbot.keyClick(pane.composer, Qt.Key.Key_Return)
+        qtbot.waitUntil(lambda: pane.streaming_count() == 0 and doc(pane).count("Recorded and answered.") ==
+                        len(recording_engine.bodies), timeout=20000)
+    first, second = (b["messages"] for b in recording_engine.bodies)
+    assert first == [{"role": "system", "content": "Answer in one line."},
+                     {"role": "user", "content": "First question"}]
+    assert second[0] == {"role": "system", "content": "Answer in one line."} and len(second) == 4
+    cid = pane.current_conversation_id()
+    assert pane.store.get_conversation(cid).options["system"] == "Answer in one line."
+    # another conversation with its own (no) system prompt, then back: the box follows the conversation shown
+    other = pane.store.create_conversation(options={"max_tokens": 100})
+    pane.open_conversation(other)
+    qtbot.waitUntil(lambda: pane.max_tokens.value() == 100, timeout=5000)
+    assert pane.system_prompt.toPlainText() == "" and "system prompt" not in pane.options_toggle.text()
+    pane.open_conversation(cid)
+    qtbot.waitUntil(lambda: pane.system_prompt.toPlainText() == "Answer in one line.", timeout=5000)

@@ -348,7 +348,8 @@ def test_overview_lists_every_connection_with_state_users_and_rate(fixture_serve
     assert list(first) == ["vl", "sim", "gone"]
     assert first["vl"].state == "ok" and first["vl"].users == 1 and first["vl"].decode_tok_s is None
     assert first["sim"].state == "ok" and first["sim"].simulated and first["sim"].users is not None
-    assert first["gone"].state == "problem" and "Nothing listens" in first["gone"].message
+    # nothing answers: its own state, with the reason (and no figure)
+    assert first["gone"].state == "unreachable" and "Nothing listens" in first["gone"].message
     assert first["gone"].users is None and first["gone"].decode_tok_s is None
     vl.advance()
     second = {s.name: s for s in poller.poll()}
@@ -385,14 +386,15 @@ def test_an_untrusted_certificate_is_a_tls_problem_in_plain_words(tmp_path, fixt
 def test_strata_stand_in_detected_monitored_chatted(tmp_path, free_port, caplog):
     """Strata's server (the stand-in release, its mock engine), started by the test with the key in
     STRATA_API_KEY: detected by ``/api/health`` ``service: strata``, monitored, chatted with, never stopped."""
-    from strata_support import make_strata_release, stop, wait_port
+    from strata_support import make_strata_release, release_python, stop, wait_port
 
     caplog.set_level(logging.DEBUG)
     release = make_strata_release(tmp_path / "strata-release")
     key = "strata-" + secrets.token_urlsafe(16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
     env["STRATA_API_KEY"] = key
-    proc = subprocess.Popen([sys.executable, str(release / "serve" / "server.py"), "--host", "127.0.0.1", "--port",
+    proc = subprocess.Popen([str(release_python(release)), str(release / "serve" / "server.py"), "--host", "127.0.0.1",
+                             "--port",
                              str(free_port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             stdin=subprocess.DEVNULL)
     try:

@@ -70,6 +70,9 @@ def test_strata_launch_follows_the_contract(settings, tmp_path):
     (edir / "serve" / "server.py").write_text("# placeholder\n")
     (edir / "bin").mkdir()
     (edir / "bin" / "strata").write_text("")
+    (edir / ".venv" / "bin").mkdir(parents=True)           # the release's own Python (Strata's setup makes .venv)
+    (edir / ".venv" / "bin" / "python").write_text("")
+    (edir / ".venv" / "bin" / "python").chmod(0o755)
     s = settings.model_copy(update={"engine_dir": edir})
     spec = STRATA.build_launch(s, _plan(), tmp_path / "run")
     # serve/server.py main() (Niko1221/Strata): --engine defaults to "mock", so "--engine strata" is required

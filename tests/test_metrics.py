@@ -386,9 +386,10 @@ def test_rolling_hit_rate_weights_by_decode_and_ignores_idle():
     vals = [(0.8, 100.0), (1.0, 300.0), (0.1, 0.0)]             # the idle tick does not move it
     out = None
     for i, (hr, dec) in enumerate(vals):
-        out = hub._rolling(1000.0 + i, {"hit_rate": hr, "decode_tok_s": dec})
+        out = hub._rolling(1000.0 + i, {"vram_share": hr, "hit_rate": 0.5, "decode_tok_s": dec})
+    # the observed VRAM share of routed picks (what the planner predicts), never the engine's hit rate
     assert out == pytest.approx((0.8 * 100 + 1.0 * 300) / 400)
-    assert hub._rolling(2000.0, {"hit_rate": None, "decode_tok_s": None}) is None   # window moved on
+    assert hub._rolling(2000.0, {"vram_share": None, "decode_tok_s": None}) is None   # window moved on
 
 
 def test_sample_mapping_idle_slots_are_zero_only_when_the_engine_listed_its_slots():

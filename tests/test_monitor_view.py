@@ -136,12 +136,15 @@ def test_plots_and_cards_follow_a_running_scripted_engine(qtbot, ctx, view, sim,
     assert np.nanmax(dec) < 400                                   # sensible: the guides' 4 users run ~128
     # the hit curve has a gap (not a made-up line) while requests run: Strata reports a hit rate only per finished
     # request (tests/data/strata/SOURCES.md "Live hit rate"); whatever is drawn is in %
-    for col in ("hit_rate", "hit_rate_rolling"):
+    for col in ("vram_share", "hit_rate", "hit_rate_rolling", "pcie_share"):
         y = curve_y(view, "hit", col)
         assert ((y[np.isfinite(y)] >= 0) & (y[np.isfinite(y)] <= 100)).all()
-    # the card shows the newest finished request's hit rate, named as such, with the recent requests' figure
+    # the card shows the newest finished request's VRAM share of routed picks, named as such, beside the planner,
+    # the PCIe share the sim reports through Strata's fields, and the engine's own hit rate under its name
     assert view.cards["hit"].value.text().endswith("%")
-    assert "last " in view.cards["hit"].detail.text() and "requests" in view.cards["hit"].detail.text()
+    detail = view.cards["hit"].detail.text()
+    assert "planner " in detail and "· PCIe " in detail and "engine's hit rate " in detail
+    assert np.nanmax(curve_y(view, "hit", "pcie_share")) > 0
     assert view.last_tick.values["swaps_per_s"] is not None and view.last_tick.origin["swaps_per_s"] == "log"
     assert np.nanmax(curve_y(view, "slots", "slot0_tok_s")) > 0
     assert view.plots["slots"].curves["slot3_tok_s"].isVisible()
@@ -623,3 +626,52 @@ def test_a_hub_made_for_an_engine_that_stopped_meanwhile_is_stopped(qtbot, ctx, 
                     timeout=15000)
     qtbot.waitUntil(lambda: not view._stopping, timeout=10000)
     assert view.hub is None and view.engine_info is None and view.store is None
+
+
+def test_hit_rates_are_labelled_pcie_share_plotted_and_differences_explained(qtbot, ctx, view):
+    """The observed share of routed picks served from VRAM is compared with the planner (its line says what it
+    was predicted on); the PCIe share and the engine's own hit rate are drawn under their own names; a batched
+    request's figure is labelled as its admission's; where planner and observed differ, one line says why."""
+    store, now = synthetic_history(0.05)
+    ctx.set_plan({"predicted_hit_rate": 0.90, "model": {"expert_bytes": 12_792_627}})
+    assert "predicted on the planning traffic" in view.plots["hit"].ref_line.label.format
+    legend = {s.column: s.name for s in view.plots["hit"].series.values()}
+    assert legend["vram_share"] == "in VRAM (observed)" and legend["pcie_share"] == "read over PCIe"
+    assert legend["hit_rate"] == "engine's hit rate (PCIe excluded)" and legend["hit_rate_rolling"] == \
+        "in VRAM, last minute"
+    for k in range(5):
+        vals = {"hit_rate": 0.92, "engine_pcie_share": 0.10, "slots_busy": 0.0, "slots_total": 4.0}
+        M.derive(vals, simulated=False)
+        store.append(now + k, {**vals, "hit_rate_rolling": 0.81})
+    tick = tick_at(now + 4, hit_rate=0.92, engine_pcie_share=0.10, slots_busy=0.0, slots_total=4.0,
+                   hit_rate_rolling=0.81)
+    tick.origin = M.derive(tick.values, simulated=False)
+    tick.sample = Sample(t=tick.t, engine="strata", state="idle")
+    tick.sample.extra.update(hit_rate_last=0.92, hit_rate_scope="admission")
+    tick.predicted_hit_rate = 0.90
+    view.feed(tick, store)
+    card = view.cards["hit"]
+    assert card.title.text() == "Expert picks in VRAM"
+    assert card.value.text() == "last admission 82.8 %" and card.is_stale()
+    assert card.detail.text() == "planner 90.0 % · 1 min 81.0 % · PCIe 10.0 %\nengine's hit rate 92.0 % (admission only)"
+    assert view.plots["hit"].note.toPlainText().startswith("Planner 90.0 % vs observed 81.0 %: the planner ranked")
+    qtbot.waitUntil(lambda: np.nanmax(curve_y(view, "hit", "pcie_share"), initial=0) == pytest.approx(10.0),
+                    timeout=5000)
+    assert np.nanmax(curve_y(view, "hit", "vram_share")) == pytest.approx(82.8, abs=0.01)
+    assert np.nanmax(curve_y(view, "hit", "hit_rate")) == pytest.approx(92.0, abs=0.01)
+
+
+def test_one_request_on_one_slot_draws_decode_per_slot(qtbot, ctx, view, sim1):
+    """One busy slot is a slot: a single chat on the default one slot is drawn on "Decode per slot"."""
+    stop = threading.Event()
+    threads = chats(sim1, 1, stop)
+    try:
+        with qtbot.waitSignal(view.hubStarted, timeout=15000):
+            ctx.set_running(RunningEngine.from_status(None, sim1.base_url, sim1.api_key, engine="sim"))
+        qtbot.waitUntil(lambda: np.nanmax(curve_y(view, "slots", "slot0_tok_s"), initial=0) > 20, timeout=30000)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(10)
+    assert view.plots["slots"].curves["slot0_tok_s"].isVisible()
+    assert not view.plots["slots"].curves["slot1_tok_s"].isVisible()     # the engine has one slot

@@ -215,3 +215,33 @@ def test_running_engine_plan_and_trace_are_the_tabs_data_without_a_click(view, l
     d = blocker.args[0]
     assert str(trace) in " ".join(d["usage"]["sources"]) and d["predicted_hit_rate"] is not None
     assert np.unique(np.asarray(view.image.image)).size > 2
+
+
+def test_observed_picks_never_sit_under_no_routing_data_and_each_figure_says_what_it_measures(view, lay, tmp_path):
+    """A plan made before any traffic has no coverage curve; once the engine's picks are observed the tab says so
+    and how to draw it — never "No routing data" under "N expert picks observed". The observed share is named as
+    the share of all observed picks in the planned set, against the planner's and the Monitor's figures; the
+    heatmap has a colour scale that names what a colour means in each mode."""
+    from engine_manager.metrics import presenter
+
+    running = P.plan(lay, P.reference_hardware(), None, None).to_dict()
+    view.show_running(running, str(tmp_path / "routing.trace"))
+    assert "No routing data" in view.cov_text.text()
+    assert view.colorbar.axis.labelText == "hot set unknown"
+    counts = np.zeros((43, 384))
+    counts[3:, :32] = 100.0
+    view.update_observed(counts)
+    picks = f"{counts.sum():,.0f} expert picks observed"
+    assert picks in view.usage_label.text()
+    assert "No routing data" not in view.cov_text.text() and "re-plan from observed routing" in view.cov_text.text()
+    assert presenter.PLACEMENT_MEANS in view.hover.text()
+    assert "observed VRAM share over the last minute" in view.hover.text()
+    assert view.mode.currentData() == "observed" and "observed picks" in view.colorbar.axis.labelText
+    lo, hi = view.colorbar.levels()
+    assert lo == 0 and hi > 0
+    view.mode.setCurrentIndex(view.mode.findData("placement"))
+    assert view.colorbar.axis.labelText.startswith("RAM (cold)")
+    d = P.plan(lay, P.reference_hardware(), FrequencyTable(counts[3:], ["observed"]), None).to_dict()
+    view.show_plan(d)
+    assert "Predicted share of expert picks in VRAM" in view.summary.text()
+    assert "predicted on the planning traffic" in view.summary.text()

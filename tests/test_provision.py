@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -92,7 +91,7 @@ def test_a_missing_shard_is_named(model_src, tmp_path):
 def test_provision_runs_the_release_tool_once_and_records_its_own_sentinel(model_src, tmp_path):
     release = make_release(tmp_path / "release")
     d = model_copy(model_src, tmp_path / "model")
-    events, pack = drain(provision.provision(release, d, python=sys.executable))
+    events, pack = drain(provision.provision(release, d))
     phases = [e.phase for e in events]
     assert phases[0] == "check" and "start" in phases and phases[-1] == "done"
     start = next(e for e in events if e.phase == "start")
@@ -109,7 +108,7 @@ def test_provision_runs_the_release_tool_once_and_records_its_own_sentinel(model
     assert rec["files"]["index.txt"] == (pack / "index.txt").stat().st_size
     assert not list(pack.parent.glob(".*.partial"))
     # a second run does not run the tool again
-    events2, pack2 = drain(provision.provision(release, d, python=sys.executable))
+    events2, pack2 = drain(provision.provision(release, d))
     assert pack2 == pack and [e.phase for e in events2] == ["done"] and events2[0].skipped
 
 
@@ -126,7 +125,7 @@ def test_a_pack_left_without_the_panels_sentinel_is_made_again(model_src, tmp_pa
     (pack / "tokenizer" / "vocab.json").write_text("{")
     ready, why = provision.pack_state(pack, find_split(d))
     assert not ready and "never saw it finish" in why
-    events, _ = drain(provision.provision(release, d, python=sys.executable))
+    events, _ = drain(provision.provision(release, d))
     assert any(e.phase == "start" for e in events)
     assert json.loads((pack / "tokenizer" / "vocab.json").read_text())      # made again, whole
 
@@ -134,12 +133,12 @@ def test_a_pack_left_without_the_panels_sentinel_is_made_again(model_src, tmp_pa
 def test_a_pack_whose_files_changed_is_made_again(model_src, tmp_path):
     release = make_release(tmp_path / "release")
     d = model_copy(model_src, tmp_path / "model")
-    _, pack = drain(provision.provision(release, d, python=sys.executable))
+    _, pack = drain(provision.provision(release, d))
     with open(pack / "index.txt", "a") as f:
         f.write("x\n")
     ready, why = provision.pack_state(pack, find_split(d))
     assert not ready and "index.txt" in why
-    events, _ = drain(provision.provision(release, d, python=sys.executable))
+    events, _ = drain(provision.provision(release, d))
     assert any(e.phase == "start" for e in events)
     assert provision.pack_state(pack, find_split(d))[0]
 
@@ -150,7 +149,7 @@ def test_a_killed_step_fails_in_plain_words_and_is_redone(model_src, tmp_path, m
     d = model_copy(model_src, tmp_path / "model")
     monkeypatch.setenv("STRATA_STANDIN_PACK_FAIL", where)
     with pytest.raises(provision.ProvisionError) as ei:
-        drain(provision.provision(release, d, python=sys.executable))
+        drain(provision.provision(release, d))
     msg = str(ei.value)
     assert "iq_pack.py stopped with exit code 1" in msg and f"STRATA_STANDIN_PACK_FAIL={where}" in msg
     assert "dsv41 prepare" in msg
@@ -158,7 +157,7 @@ def test_a_killed_step_fails_in_plain_words_and_is_redone(model_src, tmp_path, m
     pack = provision.pack_dir_for(shard1)
     assert not provision.pack_state(pack, find_split(d))[0]
     monkeypatch.delenv("STRATA_STANDIN_PACK_FAIL")
-    events, _ = drain(provision.provision(release, d, python=sys.executable))
+    events, _ = drain(provision.provision(release, d))
     assert any(e.phase == "start" for e in events) and provision.pack_state(pack, find_split(d))[0]
 
 
@@ -167,7 +166,7 @@ def test_a_release_without_the_tool_is_said_plainly(model_src, tmp_path):
     release.mkdir()
     d = model_copy(model_src, tmp_path / "model")
     with pytest.raises(provision.ProvisionError, match=r"has no tools/iq_pack.py.*DSV41_ENGINE_DIR"):
-        drain(provision.provision(release, d, python=sys.executable))
+        drain(provision.provision(release, d))
 
 
 def test_progress_from_the_tools_counts():
@@ -182,7 +181,7 @@ def test_closing_the_generator_kills_the_tool(model_src, tmp_path):
     slow = release / "tools" / "iq_pack.py"
     slow.write_text("import sys, time\nprint('model shards: x', flush=True)\ntime.sleep(600)\n")
     d = model_copy(model_src, tmp_path / "model")
-    gen = provision.provision(release, d, python=sys.executable)
+    gen = provision.provision(release, d)
     pid = None
     for ev in gen:
         if ev.phase == "start":
@@ -213,7 +212,7 @@ def test_preflight_names_each_missing_piece_in_plain_words(model_src, tmp_path):
     drain(eng.prepare(load_settings(env={"DSV41_ENGINE_DIR": str(release), "DSV41_MODEL_DIR": str(d)},
                                     path=tmp_path / "s.json").settings, None))
     assert problems(release, d) == ""
-    (release / "bin" / "strata").unlink()
+    (release / "engine" / "strata").unlink()
     assert "engine binary" in problems(release, d)
     shutil.rmtree(release / "tools")
     with open(provision.pack_dir_for(find_split(d).first) / "index.txt", "a") as f:
@@ -236,6 +235,6 @@ def test_two_provisionings_of_one_pack_do_not_run_at_once(model_src, tmp_path):
     with open(pack.parent / f".{pack.name}.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(provision.ProvisionError, match="Another dsv41 .* is preparing"):
-            drain(provision.provision(release, d, python=sys.executable))
-    events, _ = drain(provision.provision(release, d, python=sys.executable))
+            drain(provision.provision(release, d))
+    events, _ = drain(provision.provision(release, d))
     assert events[-1].phase == "done"

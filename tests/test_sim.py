@@ -309,9 +309,11 @@ def test_one_four_eight_users_match_the_guides_table(sim_process):
 
 
 def observed_hit_rate(requests: list[dict]) -> float:
-    """The finished requests' hit rate, weighted by their decoded tokens (Strata reports it per request only)."""
+    """The finished requests' share of routed picks served from VRAM — what the planner predicts — weighted by
+    their decoded tokens (Strata reports it per request only). The engine's ``hit_rate`` leaves the experts read
+    over PCIe out of its lookups: the VRAM share is ``hit_rate × (1 − pcie_share)``."""
     n = sum(r["output_tokens"] for r in requests)
-    return sum(r["hit_rate"] * r["output_tokens"] for r in requests) / n
+    return sum(r["hit_rate"] * (1 - r["pcie_share"]) * r["output_tokens"] for r in requests) / n
 
 
 # ------------------------------------------------------------------------------------------------ the planner loop
@@ -760,3 +762,27 @@ def test_a_bad_default_max_tokens_breaks_only_what_uses_it(value, free_port):
                            "--default-max-tokens", "12", "--fail-at-load", "crash"], capture_output=True, text=True,
                           timeout=60, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
     assert flag.returncode == 1 and "DSV41_DEFAULT_MAX_TOKENS" not in flag.stdout + flag.stderr
+
+
+@pytest.mark.parametrize("text,tokens", [
+    ("Write 3000 words on expert offload", 3000), ("a 2,000-word essay about NUMA", 2000),
+    ("about 1.5k tokens please", 1500), ("between 300 and 3000 words", 3000),
+    ("Hello, what can you do today?", None), ("why 384 experts per layer?", None),
+])
+def test_asked_length_reads_the_words_a_question_asks_for(text, tokens):
+    from engine_manager.sim.server import asked_length
+    assert asked_length(text) == tokens
+
+
+def test_a_length_asked_for_in_the_prompt_is_answered_up_to_max_tokens(sim_process):
+    """A "600-word" request gets ~600 tokens (a scripted token is a word), not the topic's ~100; max_tokens still
+    caps it (finish "length"); a question that asks no length keeps its short canned reply."""
+    sp = sim_process("--speed", "200").wait_ready()
+    status, body = chat(sp, "Write 600 words about how experts are offloaded", max_tokens=2000, stream=False)
+    assert status == 200 and body["usage"]["completion_tokens"] == 600
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert len(body["choices"][0]["message"]["content"].split()) > 400
+    status, body = chat(sp, "Write 3000 words about how experts are offloaded", max_tokens=250, stream=False)
+    assert body["usage"]["completion_tokens"] == 250 and body["choices"][0]["finish_reason"] == "length"
+    status, body = chat(sp, "How are experts offloaded?", max_tokens=2000, stream=False)
+    assert body["usage"]["completion_tokens"] < 300 and body["choices"][0]["finish_reason"] == "stop"

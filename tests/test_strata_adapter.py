@@ -57,7 +57,8 @@ def test_a_lone_request_on_the_solo_path_is_one_busy():
     s = sample_from_metrics(_doc("metrics_generating_solo.json"), "strata", None, t=100.0)
     assert s.state == "generating" and s.decode_tok_s == 63.1
     assert (s.slots_busy, s.slots_total) == (1, 4)
-    assert s.decode_tok_s_per_slot is None          # no slot holds it: per-slot rates are missing, not 0
+    # no slot holds it, but one busy slot is a slot: drawn as slot 0 ("Decode per slot" was empty for one chat)
+    assert s.decode_tok_s_per_slot == {0: 63.1}
     assert s.extra["solo"] is True and s.extra["decode_tok_s_source"] == "live.tok_s"
 
 
@@ -111,7 +112,10 @@ def test_hit_rate_is_labelled_last_and_recent_never_live():
     idle = sample_from_metrics(_doc("metrics_idle.json"), "strata", None, t=1.0)
     assert idle.hit_rate == 0.9 and idle.extra["hit_rate_last"] == 0.9
     assert idle.extra["hit_rate_last_at"] == reqs[0]["time"]
-    assert idle.extra["hit_rate_recent"] == pytest.approx(want) and idle.extra["hit_rate_recent_requests"] == 3
+    # this engine runs 4 slots: each request's figure is its admission's (serve/server.py @2291cb3
+    # generate_batched), so each counts once, not by the tokens the whole request decoded
+    each = sum(r["hit_rate"] for r in reqs) / len(reqs)
+    assert idle.extra["hit_rate_recent"] == pytest.approx(each) and idle.extra["hit_rate_recent_requests"] == 3
     for name in ("metrics_generating_solo.json", "metrics_generating_batch.json", "metrics_reading_single.json"):
         s = sample_from_metrics(_doc(name), "strata", None, t=1.0)
         assert s.hit_rate is None, name                          # the previous request's is not shown as live
@@ -267,8 +271,10 @@ def test_engine_log_lines_in_stratas_real_formats():
     assert all(e is None or e.kind != "swap" for e in events)
     by_text = {e.text: e for e in events if e}
     hit = next(e for t, e in by_text.items() if "decode expert cache hit rate" in t)
+    # generate.cpp @2291cb3 adds "; N more read by the GPU over PCIe …" only when N > 0: none here
     assert hit.kind == "info" and hit.data == {"hit_rate": 0.9, "hits": 2764800, "lookups": 3072000,
-                                               "finished_request": True}
+                                               "finished_request": True, "offloaded": 0, "pcie_share": 0.0,
+                                               "vram_share": 0.9, "decode_scope": "request"}
     req = next(e for t, e in by_text.items() if t.startswith("strata serve: prompt 1812"))
     assert req.data["decode_tok_s"] == 63.1 and req.data["reused"] == 1536 and req.data["generated"] == 512
     ex = next(e for t, e in by_text.items() if "exchanged with the VRAM tier" in t)
@@ -300,8 +306,10 @@ def test_refused_argument_out_of_memory_and_stall_are_named():
 @pytest.mark.parametrize("name,busy", [("metrics_generating_solo.json", 1), ("metrics_idle.json", 0)])
 def test_the_hit_rate_card_says_last_request_and_recent(app_ctx, shown, name, busy):
     """The Monitor's hit-rate card on a Strata sample: no live figure exists (Strata reports it per finished request,
-    ``Service.run``), so the card shows the newest finished request's rate labelled "last request", greyed, and the
-    token-weighted figure over the listed finished requests ("last 3 requests") — while generating too."""
+    ``Service.run``), so the card shows the newest finished request's share of routed picks served from VRAM
+    (hit rate × (1 − PCIe share)), greyed — while generating too. These fixtures run 4 slots: a request's own
+    figures are its admission's (serve/server.py @2291cb3 ``generate_batched``), said so, beside the engine's own
+    hit rate under its name."""
     import time
 
     from app.monitor_view import MonitorView
@@ -312,14 +320,15 @@ def test_the_hit_rate_card_says_last_request_and_recent(app_ctx, shown, name, bu
     values = {c: None for c in M.COLUMN_NAMES}
     values.update({k: v for k, v in sample_values(sample).items() if k in values})
     assert values["hit_rate"] == (None if busy else 0.9) and values["slots_busy"] == busy
+    origin = M.derive(values, simulated=False)              # as the hub does
     view = shown(MonitorView(app_ctx), 1100, 800)       # marked gui by tests/gui_conftest.py (it uses qtbot)
     try:
-        view.feed(M.Tick(seq=1, t=sample.t, values=values, engine="strata", sample=sample),
+        view.feed(M.Tick(seq=1, t=sample.t, values=values, engine="strata", sample=sample, origin=origin),
                   M.RingStore(M.COLUMN_NAMES, hz=1.0))
         card = view.cards["hit"]
-        recent = sample.extra["hit_rate_recent"] * 100
-        assert card.value.text() == "last request 90.0 %" and card.is_stale()
-        assert card.detail.text().startswith(f"last 3 requests {recent:.1f} %")
+        assert card.value.text() == f"last admission {90 * (1 - 0.035):.1f} %" and card.is_stale()
+        assert card.detail.text().endswith("\nengine's hit rate 90.0 % (admission only)")
+        assert "· PCIe 3.5 %" in card.detail.text()
     finally:
         view.shutdown()
 

@@ -9,20 +9,20 @@ import json
 import os
 import struct
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
-from strata_support import run_iq_pack, stop, strata_config, wait_port, write_config
+from strata_support import engine_env, release_python, run_iq_pack, stop, strata_config, wait_port, write_config
 
 KEY = "test-key-0123456789"
 
 
 def server_argv(release: Path, port: int, *extra: str) -> list:
-    return [sys.executable, str(release / "serve" / "server.py"), *extra, "--host", "127.0.0.1", "--port", str(port)]
+    return [str(release_python(release)), str(release / "serve" / "server.py"), *extra, "--host", "127.0.0.1",
+            "--port", str(port)]
 
 
 def server_env(**extra) -> dict:
@@ -152,11 +152,12 @@ def test_the_engine_option_loop_refuses_like_generate_cpp(small_model, strata_re
     """src/program/generate.cpp main(): `next(what)` without a value is "<flag> needs a value", exit 2; --kv takes
     fp16|int8|q4_0|k8v4 ("strata generate: --kv must be fp16, int8, q4_0 or k8v4", exit 2); without --serve,
     --tokens is required; known flags with their values pass."""
-    exe = [str(strata_release / "bin" / "strata")]
+    exe = [str(strata_release / "engine" / "strata")]
     base = ["--serve", "--pack", str(small_model["pack"]), "--native", str(small_model["shard1"])]
 
     def run(*args):
-        return subprocess.run(exe + list(args), capture_output=True, text=True, timeout=60, input="QUIT\n")
+        return subprocess.run(exe + list(args), capture_output=True, text=True, timeout=60, input="QUIT\n",
+                              env=engine_env(strata_release))
 
     r = run(*base, "--expert-cache")
     assert r.returncode == 2 and "--expert-cache needs a value" in r.stderr
@@ -182,14 +183,15 @@ def test_an_expert_profile_of_another_shape_is_refused(small_model, strata_relea
     good = write_strp(tmp_path / "good.strp", [(spec.n_dense, 3), (spec.n_dense + 1, 5)], spec.n_layers,
                       spec.n_expert, 2)
     bad = write_strp(tmp_path / "bad.strp", [(0, 3)], len(spec.moe_layers), spec.n_expert, 1)
-    exe = [str(strata_release / "bin" / "strata"), "--serve", "--pack", str(small_model["pack"]),
+    exe = [str(strata_release / "engine" / "strata"), "--serve", "--pack", str(small_model["pack"]),
            "--native", str(small_model["shard1"])]
-    r = subprocess.run(exe + ["--expert-profile", str(bad)], capture_output=True, text=True, timeout=60, input="")
+    r = subprocess.run(exe + ["--expert-profile", str(bad)], capture_output=True, text=True, timeout=60, input="",
+                       env=engine_env(strata_release))
     assert r.returncode == 1
     assert (f"strata generate: read_expert_profile: {bad} is {len(spec.moe_layers)}x{spec.n_expert} but this model "
             f"is {spec.n_layers}x{spec.n_expert} - it is a profile for a different artifact") in r.stderr
     r = subprocess.run(exe + ["--expert-profile", str(good), "--expert-cache", "auto"], capture_output=True,
-                       text=True, timeout=60, input="QUIT\n")
+                       text=True, timeout=60, input="QUIT\n", env=engine_env(strata_release))
     assert r.returncode == 0, r.stderr
     assert "expert_slots=2" in r.stdout
 
@@ -205,8 +207,9 @@ def test_a_pack_without_its_completion_marker_is_refused(small_model, strata_rel
     assert not (pack / "index.txt").exists()
     r = run_iq_pack(strata_release, small_model["shard1"], pack, env={"STRATA_STANDIN_PACK_FAIL": "after-index"})
     assert r.returncode != 0 and (pack / "index.txt").exists() and not (pack / "native_experts.txt").exists()
-    r = subprocess.run([str(strata_release / "bin" / "strata"), "--serve", "--pack", str(pack), "--native",
-                        str(small_model["shard1"])], capture_output=True, text=True, timeout=60, input="")
+    r = subprocess.run([str(strata_release / "engine" / "strata"), "--serve", "--pack", str(pack), "--native",
+                        str(small_model["shard1"])], capture_output=True, text=True, timeout=60, input="",
+                       env=engine_env(strata_release))
     assert r.returncode == 1 and "no native_experts.txt" in r.stderr
     r = run_iq_pack(strata_release, small_model["shard1"], pack)          # the step done again completes the pack
     assert r.returncode == 0, r.stderr
@@ -366,9 +369,10 @@ def test_dump_routing_writes_a_format_2_trace(small_model, strata_release, tmp_p
     0 <= layer < n_layers and k = the model's experts per token."""
     spec = small_model["spec"]
     trace = tmp_path / "routing.bin"
-    exe = [str(strata_release / "bin" / "strata"), "--serve", "--pack", str(small_model["pack"]), "--native",
+    exe = [str(strata_release / "engine" / "strata"), "--serve", "--pack", str(small_model["pack"]), "--native",
            str(small_model["shard1"]), "--dump-routing", str(trace)]
-    r = subprocess.run(exe, capture_output=True, text=True, timeout=60, input="GEN 5 1,2,3\nQUIT\n")
+    r = subprocess.run(exe, capture_output=True, text=True, timeout=60, input="GEN 5 1,2,3\nQUIT\n",
+                       env=engine_env(strata_release))
     assert r.returncode == 0, r.stderr
     assert [x.split()[0] for x in r.stdout.splitlines()] == ["INFO", "READY", "PP", "T", "T", "T", "T", "T", "DONE"]
     data = trace.read_bytes()
@@ -463,10 +467,10 @@ def test_expert_profile_save_writes_every_pair_ranked_at_quit(small_model, strat
     prior = write_strp(tmp_path / "prior.strp", [(spec.n_dense, 3), (spec.n_dense + 1, 5)], spec.n_layers,
                        spec.n_expert, 2)
     out = tmp_path / "learned.strp"
-    r = subprocess.run([str(strata_release / "bin" / "strata"), "--serve", "--pack", str(small_model["pack"]),
+    r = subprocess.run([str(strata_release / "engine" / "strata"), "--serve", "--pack", str(small_model["pack"]),
                         "--native", str(small_model["shard1"]), "--expert-profile", str(prior), "--expert-cache",
                         "auto", "--expert-profile-save", str(out)], capture_output=True, text=True, timeout=60,
-                       input="GEN 4 1,2,3\nQUIT\n")
+                       input="GEN 4 1,2,3\nQUIT\n", env=engine_env(strata_release))
     assert r.returncode == 0, r.stderr
     data = out.read_bytes()
     magic, version, nl, ne, slots, n = struct.unpack_from("<4s5I", data, 0)
@@ -483,7 +487,7 @@ def test_iq_pack_experts_bin_comes_after_the_marker_with_its_lines(small_model, 
     native_experts.txt is published, printing "  layer %2d ..." every 8th layer and "experts.bin: %d layers, %.2f
     GiB"; its size is the sum the marker's header names ("total %d")."""
     pack = tmp_path / "pack"
-    r = subprocess.run([sys.executable, str(strata_release / "tools" / "iq_pack.py"), "--gguf",
+    r = subprocess.run([str(release_python(strata_release)), str(strata_release / "tools" / "iq_pack.py"), "--gguf",
                         str(small_model["shard1"]), "--out", str(pack), "--experts-bin"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr

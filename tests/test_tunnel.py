@@ -2,8 +2,11 @@
 throwaway keys: its own host key, port, authorized_keys and config (``sshd -D -e -f CONFIG``), and an ssh client
 config given with ``-F`` so the user's own ~/.ssh is never read or changed.
 
-- the tunnel is opened, used (the scripted engine, reached through it: detected and chatted with), restarted when
-  ssh dies, and closed (the ssh process gone, the local port shut);
+- the tunnel is opened, used (the scripted engine, reached through it: detected, monitored and chatted with),
+  restarted when ssh dies, and closed (the ssh process gone, its socket and private folder removed);
+- the forward is a Unix socket in a 0700 folder, never a TCP port: a local listener that took the port the old
+  forward would have used receives nothing, and a client that forgets the socket's transport cannot send the key
+  anywhere (the URL's host never resolves);
 - an unknown host key, a changed host key, a refused login and a closed port give their plain-words errors;
 - the engine's key is never on ssh's command line (``/proc/PID/cmdline``).
 
@@ -20,13 +23,19 @@ import subprocess
 import time
 from pathlib import Path
 
+import socket
+import stat
+import threading
+
 import httpx
 import pytest
 
 from engine_manager import connections as C
-from engine_manager.chat import ChatClient, ContentDelta
+from engine_manager import procs
+from engine_manager.chat import ChatClient, ChatError, ContentDelta
+from engine_manager.metrics import build_hub
 from engine_manager.sim.launch import free_port
-from engine_manager.tunnel import Tunnel, TunnelError, port_open
+from engine_manager.tunnel import TUNNEL_DOMAIN, Tunnel, TunnelError, port_open, socket_ready
 
 from conftest import require_or_skip
 
@@ -124,46 +133,131 @@ def test_tunnel_opened_used_restarted_and_closed(sshd, sim_process):
         argv = _cmdline(t.pid)
         assert argv[-2:] == ["--", "testbox"] and "BatchMode=yes" in argv and "ExitOnForwardFailure=yes" in argv
         assert sim.api_key not in "\0".join(argv)
-        r = httpx.get(t.base_url + "/health", timeout=10)
+        # the local end is a Unix socket in a folder only this user can enter: no TCP port at all
+        forward = argv[argv.index("-L") + 1]
+        assert forward == f"{t.socket_path}:127.0.0.1:{sim.port}"
+        folder = os.path.dirname(t.socket_path)
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700 and os.stat(folder).st_uid == os.getuid()
+        assert stat.S_ISSOCK(os.lstat(t.socket_path).st_mode)
+        assert t.base_url.split("//")[1].split(":")[0].endswith(TUNNEL_DOMAIN)
+        with t.client(timeout=10) as client:
+            r = client.get(t.base_url + "/health")
         assert r.status_code == 200 and r.json()["service"] == "strata-sim"
-        # ssh dies (network blip): the supervisor starts it again on the same local port
+        # ssh dies (network blip): the supervisor starts it again on the same socket
         first_pid = t.pid
         os.kill(first_pid, 9)
         deadline = time.monotonic() + 60
-        while not (t.restarts >= 1 and t.alive() and port_open(t.local_port)):
+        while not (t.restarts >= 1 and t.alive() and socket_ready(t.socket_path)):
             assert time.monotonic() < deadline, f"the tunnel was not restarted: {t.last_error}"
             time.sleep(0.1)
         assert t.pid != first_pid
-        assert httpx.get(t.base_url + "/health", timeout=10).status_code == 200
+        with t.client(timeout=10) as client:
+            assert client.get(t.base_url + "/health").status_code == 200
     finally:
-        pid, port = t.pid, t.local_port
+        pid, path = t.pid, t.socket_path
         t.close()
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
-    assert not port_open(port)
+    assert not os.path.exists(os.path.dirname(path))
     assert sim.proc.poll() is None
 
 
-def test_connection_over_ssh_detected_chatted_and_closed(sshd, sim_process):
+class Listener:
+    """A local program that took a TCP port first: it accepts and records every byte sent to it."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.received = b""
+        self.connections = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.settimeout(2)
+            try:
+                while chunk := conn.recv(65536):
+                    self.received += chunk
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_listener_that_took_the_forward_port_first_receives_nothing(sshd, sim_process, monkeypatch):
+    """A local user who binds the port a TCP forward would use (it shows in every user's ``ps``) before ssh does
+    must get nothing: the forward is a Unix socket, so the key goes only through ssh. (Before, the tunnel declared
+    itself up as soon as anything accepted on its port, and ``connections test`` sent that listener
+    ``Authorization: Bearer <key>``.)"""
+    sim = sim_process().wait_ready()
+    thief = Listener()
+    try:
+        # the race won: every "free port" the panel could pick is the one the thief holds
+        monkeypatch.setattr(procs, "free_port", lambda host="127.0.0.1": thief.port)
+        monkeypatch.setattr("engine_manager.tunnel.free_port", lambda host="127.0.0.1": thief.port, raising=False)
+        cfg = sshd.client_config("thief")
+        C.add_connection("remote", f"http://127.0.0.1:{sim.port}", sim.api_key, ssh_host="testbox")
+        det = C.check_connection("remote", ssh_options=["-F", str(cfg)])
+        assert det.ok and det.kind == "sim", det.summary()
+        C.close_tunnel("remote")
+        time.sleep(0.2)                         # (not a timing assertion: lets the thief's thread record)
+        assert thief.connections == 0 and thief.received == b""
+        assert sim.api_key.encode() not in thief.received
+    finally:
+        thief.close()
+
+
+def test_connection_over_ssh_detected_monitored_chatted_and_closed(sshd, sim_process):
     sim = sim_process().wait_ready()
     cfg = sshd.client_config("conn")
     C.add_connection("remote", f"http://127.0.0.1:{sim.port}", sim.api_key, ssh_host="testbox")
     det = C.check_connection("remote", ssh_options=["-F", str(cfg)])
     assert det.ok and det.kind == "sim", det.summary()
     assert det.found[0] == f"SSH forward through testbox to http://127.0.0.1:{sim.port}"
+    assert C.get_connection("remote").last_test.state == "ok"
     re = C.resolve_connection("remote", ssh_options=["-F", str(cfg)])
     t = C.tunnel_for("remote")
     assert t is not None and t.alive()
-    assert re.base_url == f"http://127.0.0.1:{t.local_port}" and re.started_by_panel is False
+    assert re.base_url == t.base_url and re.started_by_panel is False
     assert re.on_this_machine is False        # reached through ssh: no local GPU/RAM/CPU figures for it
     assert "via testbox" in re.label
     assert sim.api_key not in "\0".join(_cmdline(t.pid))
+    # a client that forgets the forward's transport reaches nothing: the URL's host never resolves
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(re.base_url + "/health", timeout=5, headers={"Authorization": f"Bearer {re.api_key}"})
+    # the monitor (its engine source) and the chat go through the forward's socket
+    hub = build_hub(re, record=False, use_nvml=False, hz=4)
+    try:
+        for tick in hub.iter_ticks():
+            if "engine" not in tick.missing and tick.values.get("slots_total") is not None:
+                break
+            assert tick.seq < 40, tick.missing
+    finally:
+        hub.stop()
     with ChatClient(re.base_url, re.api_key) as client:
         text = "".join(ev.text for ev in client.stream([{"role": "user", "content": "hi"}])
                        if isinstance(ev, ContentDelta))
     assert text.strip()
+    # the overview polls it through the same forward
+    line = C.OverviewPoller(ssh_options=["-F", str(cfg)]).poll_one(C.get_connection("remote"))
+    assert line.state == "ok" and line.users is not None, line.message
+    path = t.socket_path
     C.close_tunnel("remote")                    # the connection is closed: so is its forward
-    assert not t.alive() and not port_open(t.local_port)
+    assert not t.alive() and not os.path.exists(path)
     assert C.tunnel_for("remote") is None
+    with pytest.raises(ChatError) as ei:            # nothing is sent anywhere once the forward is closed
+        with ChatClient(re.base_url, re.api_key) as client:
+            client.health()
+    assert ei.value.kind == "unreachable"
 
 
 @pytest.mark.parametrize("name,kw,cause,words", [
@@ -191,6 +285,21 @@ def test_a_host_that_reads_as_an_option_is_refused_before_ssh_runs(tmp_path):
     with pytest.raises(TunnelError, match="not an ssh host"):
         Tunnel(f"-oProxyCommand=touch {marker}", 80)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("host", ["box$(touch x)", "box`id`", "box;id", "box|id", "box&id", "box<x", "box>x",
+                                  "box'x", 'box"x', "box two", "box\\x", "box\nx", "box\n", ""])
+def test_a_host_with_a_shell_word_is_refused(host):
+    with pytest.raises(TunnelError, match="not an ssh host"):
+        Tunnel(host, 80)
+    if host and host == host.strip():
+        with pytest.raises(C.ConnectionSetupError, match="not an ssh host"):
+            C.add_connection("x", "http://127.0.0.1:8000", None, host)
+
+
+@pytest.mark.parametrize("host", ["gpu-box", "user@gpu-box", "gpu-box.example.org", "10.0.0.7", "u_1@h-2.lan"])
+def test_ordinary_hosts_are_accepted(host):
+    assert Tunnel(host, 80).host == host
 
 
 def test_resolve_over_a_refused_tunnel_says_why(sshd):

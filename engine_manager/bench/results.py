@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths
-from ..atomic import atomic_write_json, atomic_write_text, read_bytes_nofollow
+from ..atomic import atomic_write_text, read_bytes_nofollow
 from ..errors import UserError
 from ..metrics.guides import AS_PUBLISHED, GUIDE_HOST, GUIDE_MODEL, GUIDE_TABLE, is_guide_model
+from .stats import finite_json, measured
 
 SCHEMA = "dsv41-bench"
 SCHEMA_VERSION = 1
@@ -229,7 +230,8 @@ def to_csv(r: dict[str, Any]) -> str:
 
 
 def _f(x: Any) -> str:
-    return "" if x is None else f"{float(x):.4f}"
+    v = measured(x, lo=None)
+    return "" if v is None else f"{v:.4f}"
 
 
 def save(r: dict[str, Any], folder: Path | None = None) -> tuple[Path, Path]:
@@ -237,7 +239,9 @@ def save(r: dict[str, Any], folder: Path | None = None) -> tuple[Path, Path]:
     folder = Path(folder) if folder is not None else bench_dir()
     r["id"] = _unique_id(folder, r.get("id") or time.strftime("bench_%Y%m%dT%H%M%SZ", time.gmtime()))
     jp, cp = folder / f"{r['id']}.json", folder / f"{r['id']}.csv"
-    atomic_write_json(jp, r)
+    # strict JSON: a figure that is not finite is written as missing (null), never as Infinity / NaN
+    text = json.dumps(finite_json(r), indent=2, sort_keys=True, default=str, allow_nan=False) + "\n"
+    atomic_write_text(jp, text)
     atomic_write_text(cp, to_csv(r))
     return jp, cp
 
@@ -249,30 +253,191 @@ def load(ref: str | Path, folder: Path | None = None) -> dict[str, Any]:
     if not p.suffix and _ID_RE.match(str(ref)):
         p = folder / f"{ref}.json"
     try:
-        d = json.loads(read_bytes_nofollow(p, 64 * 2**20).decode("utf-8"))
+        raw = read_bytes_nofollow(p, RESULT_MAX_BYTES + 1)
+        if len(raw) > RESULT_MAX_BYTES:
+            raise ValueError(f"it is larger than {RESULT_MAX_BYTES // 2**20} MB")
+        d = finite_json(json.loads(raw.decode("utf-8")))       # Infinity / NaN of older files: missing
     except FileNotFoundError:
         raise UserError(f"No saved benchmark {ref!r}. `dsv41 bench --history` lists the saved ones.") from None
+    except RecursionError:
+        raise UserError(f"The benchmark file {p} cannot be read (it is nested too deeply); it is not a result of "
+                        "this panel.") from None
     except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"The benchmark file {p} cannot be read ({exc}); run the benchmark again.") from None
+        raise UserError(f"The benchmark file {p} cannot be read ({str(exc)[:200]}); run the benchmark "
+                        "again.") from None
     if not isinstance(d, dict) or d.get("schema") != SCHEMA:
         raise UserError(f"{p} is not a benchmark result of this panel (no schema {SCHEMA}).")
-    if int(d.get("schema_version") or 0) > SCHEMA_VERSION:
-        raise UserError(f"{p} was written by a newer panel (schema version {d.get('schema_version')}); update the "
-                        "panel to read it.")
-    return d
+    version = d.get("schema_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise UserError(f"{p} was written by a newer panel (schema version {version}); update the panel to read "
+                        "it.")
+    return check_result(d, str(p))
 
 
-def history(folder: Path | None = None) -> list[dict[str, Any]]:
-    """Saved runs, newest first: id, when, engine, simulated, quick, headline, 1/4/8 totals."""
+def engine_words(r: dict) -> str:
+    """Which engine a saved run measured, in words (its label, else its kind): the run records no "name"."""
+    eng = r.get("engine") or {}
+    return str(eng.get("label") or eng.get("engine") or eng.get("name") or "engine not recorded")
+
+
+def phase_words(key: str) -> str:
+    """A phase's id in words: ``users_4`` → "4 users", ``long_prompt`` → "long prompt"."""
+    if key.startswith("users_"):
+        n = key.split("_", 1)[1]
+        return f"{n} user{'' if n == '1' else 's'}"
+    return {"warmup": "warm-up", "long_warmup": "long-prompt warm-up"}.get(key, key.replace("_", " "))
+
+
+RESULT_MAX_BYTES = 64 * 2**20
+
+
+def _result_model() -> Any:
+    """The shape of a result document as far as the panel reads it (``render``, ``findings``, ``compare``,
+    ``history``, the Benchmark tab) — pydantic models built on first use. Fields the readers do not use pass as they
+    are (new fields may be added within a version); a field that is read must have its type."""
+    global _RESULT_MODEL
+    if _RESULT_MODEL is not None:
+        return _RESULT_MODEL
+    from typing import Annotated
+
+    from pydantic import BaseModel, ConfigDict, Field
+
+    Num = Annotated[float, Field(allow_inf_nan=False)] | None
+    Users = Annotated[int, Field(strict=True, ge=1, le=1024)]
+    Text = Annotated[str, Field(max_length=100_000)]
+    Short = Annotated[str, Field(max_length=1000)]
+    NumList = Annotated[list[Num], Field(max_length=100_000)]
+
+    class _M(BaseModel):
+        model_config = ConfigDict(extra="allow")
+
+    class Row(_M):
+        users: Users
+        total_tok_s: Num = None
+        total_spread: Num = None
+        slowest_tok_s: Num = None
+        per_stream_tok_s: Num = None
+        ttft_s: Num = None
+        engine_total_tok_s: Num = None
+        guide_total_tok_s: Num = None
+        guide_slowest_tok_s: Num = None
+        ratio_total: Num = None
+        ratio_slowest: Num = None
+        verdict: Short = "n/a"
+        prompt_ok: bool | None = None
+        simulated: bool | None = None
+
+    class LongPrompt(_M):
+        users_decoding: Annotated[int, Field(strict=True, ge=0, le=1024)] | None = None
+        prompt_tokens: Annotated[int, Field(strict=True, ge=0)] | None = None
+        prompt_ok: bool | None = None
+        pause_s: Num = None
+        max_gap_s: NumList | None = None
+        prefill_tok_s_client: Num = None
+        prefill_tok_s_engine: Num = None
+        guide_pause_s: Num = None
+        simulated: bool | None = None
+
+    class AB(_M):
+        config: Short
+        label: Short = ""
+        users: Users
+        total_tok_s: Num = None
+        baseline_tok_s: Num = None
+        ratio: Num = None
+        low: Num = None
+        high: Num = None
+        guide_ratio: Num = None
+        simulated: bool | None = None
+
+    class Client(_M):
+        cpu_share_of_wall: Annotated[dict[Short, Num], Field(max_length=1024)] = {}
+        cpu_per_stream_s: Annotated[dict[Short, Num], Field(max_length=1024)] = {}
+        limit: Num = None
+        ok: bool | None = None
+
+    class Engine(_M):
+        name: Short | None = None
+        engine: Short | None = None
+        label: Short | None = None
+        model: Short | None = None
+
+    class Repeat(_M):
+        per_stream_tok_s: NumList = []
+
+    class Phase(_M):
+        repeats: Annotated[list[Repeat], Field(max_length=10_000)] = []
+        timeline: Annotated[list[NumList], Field(max_length=1024)] = []
+        sent_at_s: Num = None
+        first_token_s: Num = None
+        pause_s: Num = None
+
+    class MonitorPhase(_M):
+        hit_rate: Num = None
+
+    class Config(_M):
+        config: dict[Short, Any] = {}
+        phases: Annotated[dict[Short, Phase], Field(max_length=1024)] = {}
+        monitor: Annotated[dict[Short, MonitorPhase], Field(max_length=1024)] = {}
+
+    class Spec(_M):
+        quick: bool | None = None
+
+    class Result(_M):
+        id: Annotated[str, Field(max_length=200)] | None = None
+        started_at: Num = None
+        verdict: Text | None = None
+        error: Text | None = None
+        simulated: bool | None = None
+        cancelled: bool | None = None
+        engine: Engine | None = None
+        spec: Spec | None = None
+        table: Annotated[list[Row], Field(max_length=1024)] = []
+        long_prompt: LongPrompt | None = None
+        ab: Annotated[list[AB], Field(max_length=10_000)] = []
+        client: Client | None = None
+        configs: Annotated[list[Config], Field(max_length=1024)] = []
+
+    _RESULT_MODEL = Result
+    return Result
+
+
+_RESULT_MODEL: Any = None
+
+
+def check_result(d: dict[str, Any], where: str = "the result") -> dict[str, Any]:
+    """``d`` with every field the panel reads of the type it reads (missing ones as None / empty), else
+    :class:`UserError` in words naming the field: a hand-edited or damaged file is refused, never half-read."""
+    from pydantic import ValidationError
+
+    try:
+        m = _result_model().model_validate(d)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc") or ()) or "the document"
+        msg = str(err.get("msg") or "is not valid")
+        raise UserError(f"{where} is not a benchmark result this panel can read: {loc}: {msg[:1].lower()}{msg[1:]}"
+                        + (f" (and {exc.error_count() - 1} more problem(s))" if exc.error_count() > 1 else "")
+                        + ". Run the benchmark again, or move the file out of the bench folder.") from None
+    except RecursionError:
+        raise UserError(f"{where} is nested too deeply to be a benchmark result.") from None
+    return m.model_dump(exclude_unset=False)
+
+
+def history(folder: Path | None = None, skipped: list[str] | None = None) -> list[dict[str, Any]]:
+    """Saved runs, newest first: id, when, engine, simulated, quick, headline, 1/4/8 totals. A file that is not a
+    result this panel can read is left out; ``skipped`` (when given) gets one line per such file saying why."""
     folder = Path(folder) if folder is not None else bench_dir()
     out = []
     for p in sorted(folder.glob("bench_*.json"), reverse=True):
         try:
             d = load(p)
-        except UserError:
+        except UserError as exc:
+            if skipped is not None:
+                skipped.append(f"Skipped {p.name}: {exc}")
             continue
         out.append({"id": d.get("id"), "path": str(p), "started_at": d.get("started_at"),
-                    "engine": (d.get("engine") or {}).get("name"), "model": (d.get("engine") or {}).get("model"),
+                    "engine": engine_words(d), "model": (d.get("engine") or {}).get("model"),
                     "simulated": d.get("simulated"), "quick": (d.get("spec") or {}).get("quick"),
                     "cancelled": d.get("cancelled"), "verdict": d.get("verdict"),
                     "totals": {x["users"]: x["total_tok_s"] for x in d.get("table") or []}})
@@ -300,8 +465,8 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     for x in a.get("ab") or []:
         y = abb.get((x["config"], x["users"]))
         add(f"{x['label']} vs baseline", x.get("ratio"), (y or {}).get("ratio"), "×")
-    return {"a": {"id": a.get("id"), "engine": (a.get("engine") or {}).get("name"), "simulated": a.get("simulated")},
-            "b": {"id": b.get("id"), "engine": (b.get("engine") or {}).get("name"), "simulated": b.get("simulated")},
+    return {"a": {"id": a.get("id"), "engine": engine_words(a), "simulated": a.get("simulated")},
+            "b": {"id": b.get("id"), "engine": engine_words(b), "simulated": b.get("simulated")},
             "rows": rows}
 
 
@@ -326,6 +491,7 @@ def findings(r: dict) -> list[str]:
         out.append(f"A/B {a['label']}, {a['users']} user{'s' if a['users'] > 1 else ''}: "
                    f"{_n(a.get('ratio'), '{:.3f}')}× the baseline [{_n(a.get('low'), '{:.3f}')}–"
                    f"{_n(a.get('high'), '{:.3f}')}]{g}.")
+    out.extend(prompt_findings(r))
     c = r.get("client") or {}
     shares = ", ".join(f"{k.split('_')[1]} users {v:.1%}" for k, v in (c.get("cpu_share_of_wall") or {}).items()
                        if v is not None)
@@ -333,11 +499,46 @@ def findings(r: dict) -> list[str]:
         out.append(f"The bench's own CPU against wall time: {shares} "
                    f"({'under' if c.get('ok') else 'OVER'} the 5% limit).")
     mon = ((r.get("configs") or [{}])[0].get("monitor") or {})
-    hr = ", ".join(f"{k} {v['hit_rate'] * 100:.0f}%" for k, v in mon.items()
+    hr = ", ".join(f"{phase_words(k)} {v['hit_rate'] * 100:.0f}%" for k, v in mon.items()
                    if k.startswith("users_") and v.get("hit_rate") is not None)
     if hr:
         out.append(f"Hit rate (Monitor's collectors): {hr}.")
     return out
+
+
+def prompt_findings(r: dict) -> list[str]:
+    """What the report must say about prompt lengths it could not confirm: each prompt is sized from the engine's
+    own token counts, and checked against them; where the engine gave no counts (or counted far off), the figures
+    stand on prompts of unconfirmed length."""
+    out: list[str] = []
+    ratio = r.get("token_ratio") if isinstance(r.get("token_ratio"), dict) else {}
+    wanted = (r.get("spec") or {}).get("prompt_tokens")
+    size = f"{wanted:,}-token " if isinstance(wanted, int) and not isinstance(wanted, bool) else ""
+    if ratio and ratio.get("measured") is False:
+        out.append("Prompt lengths unconfirmed: the engine reported no prompt token counts in the warm-up, so the "
+                   f"{size}prompts were sized at one token per word (a guess).")
+    rows = r.get("table") or []
+    unsaid = [x["users"] for x in rows if x.get("prompt_ok") is None]
+    off = [x["users"] for x in rows if x.get("prompt_ok") is False]
+    if unsaid:
+        out.append(f"Prompt lengths unconfirmed at {_users_words(unsaid)}: the engine did not report how many tokens "
+                   f"it read, so the {size}prompts may be longer or shorter there.")
+    if off:
+        out.append(f"Prompt lengths off at {_users_words(off)}: the engine counted more than 10% more or fewer "
+                   f"tokens than the {size}prompts were meant to have; compare those rows with care.")
+    lp = r.get("long_prompt") or {}
+    if lp and lp.get("prompt_ok") is None:
+        out.append("The long prompt's length is unconfirmed: the engine did not report how many tokens it read.")
+    elif lp and lp.get("prompt_ok") is False:
+        out.append(f"The long prompt's length is off: the engine read {_n(lp.get('prompt_tokens'), '{:,}')} tokens, "
+                   "more than 10% away from the length asked for.")
+    return out
+
+
+def _users_words(users: list[Any]) -> str:
+    xs = [str(u) for u in users]
+    many = len(xs) > 1 or xs != ["1"]
+    return (", ".join(xs[:-1]) + " and " + xs[-1] if len(xs) > 1 else xs[0]) + (" users" if many else " user")
 
 
 def render(r: dict) -> str:

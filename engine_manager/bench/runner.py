@@ -34,13 +34,21 @@ from ..events import Progress as EngineProgress
 from ..metrics.guides import GUIDE_TABLE, GUIDE_UNBOUND_1_USER, is_guide_model
 from ..session import RunningEngine
 from . import prompts as P
-from .stats import summary
+from .stats import measured, summary
 from .streams import StreamRecord, Streams, decode_figures
 
 # The guides' figure for each preset's effect on one user (ENGINE_CONTRACT.md §1): --cpu-numerics gpu costs 25.7%,
 # no NUMA binding ~53 instead of 63.11 tok/s.
 GUIDE_EFFECT = {"cpu_numerics=gpu": 1 - 0.257, "numa_binding=off": GUIDE_UNBOUND_1_USER / GUIDE_TABLE[1][0]}
 SIM_REPLY_TOKENS = 8192
+# A stalled engine is given up on from its own measured pace, not after a phase's whole limit (900 s): no token on
+# any stream for STALL_GAPS times the gap between tokens it showed in the warm-up (× the users sharing a step), or
+# STALL_MIN_S, whichever is longer; before the first token, PREFILL_FACTOR times the time it took to read a prompt
+# of that length in the warm-up.
+STALL_MIN_S = 30.0
+STALL_GAPS = 50.0
+PREFILL_FACTOR = 4.0
+WARMUP_STALL_S = 120.0             # before the pace is known: the warm-up's requests
 
 
 # ------------------------------------------------------------------------------------------------ configuration
@@ -129,6 +137,7 @@ class BenchSpec:
     quick: bool = False
     hub_hz: float = 2.0
     timeout_s: float = 900.0          # one phase's limit
+    stall_min_s: float = STALL_MIN_S  # the shortest stall deadline (see BenchRun._deadlines)
 
     @classmethod
     def make(cls, engine: str = "sim", quick: bool = False, presets: list[str] | None = None, **kw) -> "BenchSpec":
@@ -337,6 +346,8 @@ class BenchRun:
         self.control = EngineControl(settings, hardware, supervisor_factory, on_engine_event)
         self.on_token = on_token
         self.ratio = P.TokenRatio()
+        self.pace_gap_s: float | None = None            # the warm-up's median time between tokens (one stream)
+        self.pace_prefill_tok_s: float | None = None    # the warm-up's prompt tokens / time to the first token
         self.results: list[dict[str, Any]] = []
         self.clock = _Clock(self._weights())
         self.phase_label = ""
@@ -367,6 +378,39 @@ class BenchRun:
     def _check(self) -> None:
         if self.stop.is_set():
             raise Cancelled()
+
+    def check(self) -> None:
+        """Every configuration's settings, checked before anything is stopped or started: a bad ``--config`` (an
+        unknown setting, a value the settings refuse, a hot-set size that is not a number) is refused in words
+        before the baseline runs, not after. Raises :class:`UserError`."""
+        s = self.spec
+        names: set[str] = set()
+        for cfg in [s.baseline] + s.configs:
+            if cfg.name in names:
+                raise UserError(f"Two configurations are named {cfg.name!r}; give each --config its own name.")
+            names.add(cfg.name)
+            self._settings_for(cfg)
+        if s.long_prompt_tokens:
+            self._settings_for(s.baseline, long=True)
+
+    def _deadlines(self, users: int, prompt_tokens: int) -> tuple[float, float]:
+        """(stall, first token): how long a phase of ``users`` streams, each with a prompt of ``prompt_tokens``,
+        may go without a token before the engine is taken as stalled — from the pace the warm-up measured
+        (module constants), never more than the phase's limit."""
+        s = self.spec
+        if self.pace_gap_s is None:
+            return min(s.timeout_s, max(s.stall_min_s, WARMUP_STALL_S)), s.timeout_s
+        stall = max(s.stall_min_s, STALL_GAPS * self.pace_gap_s * max(1, users))
+        first = stall
+        if self.pace_prefill_tok_s:
+            first = max(stall, PREFILL_FACTOR * prompt_tokens * max(1, users) / self.pace_prefill_tok_s)
+        return min(stall, s.timeout_s), min(first, s.timeout_s)
+
+    def _stalled(self, st: Streams, what: str) -> UserError:
+        gap = f" (it had sent one every {self.pace_gap_s * 1000:.0f} ms in the warm-up)" if self.pace_gap_s else ""
+        return UserError(f"The engine sent no token for {st.stalled_s or 0:.0f} s {what}{gap}: it looks stuck. The "
+                         "figures measured so far are kept; look at the engine's log (`dsv41 logs`), then run the "
+                         "benchmark again.")
 
     # -- settings per configuration -----------------------------------------------------------------------------
     def _settings_for(self, cfg: BenchConfig, long: bool = False) -> Any:
@@ -442,6 +486,7 @@ class BenchRun:
         error = None
         yield self._progress("", "prepare", "Checking what runs now…")
         try:
+            self.check()                   # every configuration, before the engine that runs now is stopped
             yield from self.control.take_over()
             for ci, cfg in enumerate([s.baseline] + s.configs):
                 self._check()
@@ -463,8 +508,8 @@ class BenchRun:
         try:
             yield from self.control.restore()
         except Exception as exc:  # noqa: BLE001 - said, and the result is still saved
-            yield BenchNote(f"Could not start the previous engine again ({exc}); start it from the Engine tab "
-                            "or with `dsv41 start`.")
+            yield BenchNote(f"Could not start the previous engine again ({exc}); start it with the panel's Start "
+                            "button or with `dsv41 start`.")
         from .results import assemble
         doc.update(finished_at=time.time(), duration_s=time.time() - t_start, cancelled=cancelled, error=error,
                    token_ratio=self.ratio.to_dict())
@@ -577,8 +622,13 @@ class BenchRun:
     def _one(self, client: ChatClient, text: str, max_tokens: int, engine: str) -> StreamRecord:
         st = Streams(client, [P.messages(text)], [ChatOptions(max_tokens=max_tokens, temperature=0.0, seed=1,
                                                               extra=_engine_extra(engine))]).start()
-        if not st.wait(self.spec.timeout_s, self.stop):
+        stall, first = self._deadlines(1, self.ratio.expected(len(text.split())))
+        if not st.wait(self.spec.timeout_s, self.stop, stall_s=stall, first_token_s=first):
             self._check()
+            if st.stalled_s is not None:
+                raise self._stalled(st, "to a warm-up request")
+            raise UserError(f"A warm-up request did not finish within {self.spec.timeout_s:.0f} s; the engine may "
+                            "be stuck.")
         return st.records[0]
 
     def _warmup(self, client: ChatClient, engine: str) -> dict[str, Any]:
@@ -589,6 +639,10 @@ class BenchRun:
             if r.error:
                 raise UserError(f"The engine failed the warm-up request: {r.error}")
         self.ratio = P.calibrate(short.prompt_tokens, long.prompt_tokens, n_words)
+        gaps = sorted(b - a for a, b in zip(long.token_times, long.token_times[1:]))
+        self.pace_gap_s = gaps[len(gaps) // 2] if gaps else None
+        ttft = long.ttft_s
+        self.pace_prefill_tok_s = (long.prompt_tokens / ttft) if long.prompt_tokens and ttft and ttft > 0 else None
         return {"excluded": True, "prompt_tokens": [short.prompt_tokens, long.prompt_tokens],
                 "token_ratio": self.ratio.to_dict(), "ttft_s": long.ttft_s}
 
@@ -608,8 +662,11 @@ class BenchRun:
         st = Streams(client, [P.messages(t) for t in texts], opts, on_token=cb)
         t0 = time.perf_counter()
         st.start()
-        if not st.wait(s.timeout_s, self.stop):
+        stall, first = self._deadlines(users, s.prompt_tokens)
+        if not st.wait(s.timeout_s, self.stop, stall_s=stall, first_token_s=first):
             self._check()
+            if st.stalled_s is not None:
+                raise self._stalled(st, f"at {users} user{'s' if users > 1 else ''}")
             raise UserError(f"{users} streams did not finish within {s.timeout_s:.0f} s; the engine may be stuck.")
         figs = decode_figures(st.records)
         if figs["errors"]:
@@ -629,7 +686,7 @@ class BenchRun:
         t0 = time.perf_counter()
         dec.start()
         # every stream decoding for a few tokens first
-        end = time.monotonic() + s.timeout_s
+        end = time.monotonic() + self._deadlines(n, s.prompt_tokens)[1]
         while not all(len(r.token_times) >= 8 for r in dec.records):
             if self.stop.is_set() or time.monotonic() > end or dec.alive() < n:
                 dec.cancel()
@@ -644,8 +701,13 @@ class BenchRun:
         lp = Streams(client, [P.messages(long_text)], [ChatOptions(max_tokens=4, temperature=0.0, seed=99,
                                                                    extra=_engine_extra(engine))])
         lp.start()
-        ok = lp.wait(s.timeout_s, self.stop)
+        stall, first = self._deadlines(1, s.long_prompt_tokens)
+        ok = lp.wait(s.timeout_s, self.stop, stall_s=stall, first_token_s=first)
         long_rec = lp.records[0]
+        if not ok and lp.stalled_s is not None and not self.stop.is_set():
+            dec.cancel()
+            dec.wait(30)
+            raise self._stalled(lp, f"to the ~{s.long_prompt_tokens:,}-token prompt")
         # a little decoding after the prompt was read, then the decoders are cut
         if ok and long_rec.token_times:
             after = long_rec.token_times[0]
@@ -702,11 +764,20 @@ def _combine(reps: list[dict[str, Any]]) -> dict[str, Any]:
         "engine_total_tok_s": summary(r["engine_total_tok_s"] for r in reps),
         "client_cpu_share": summary(r["client_cpu_share"] for r in reps),
         "client_cpu_per_stream_s": summary(r["client_cpu_per_stream_s"] for r in reps),
-        "prompt_ok": all(c["ok"] is not False for c in checks),
+        # False: a prompt the engine counted more than 10% off its size; None: the engine did not say (unconfirmed)
+        "prompt_ok": _prompt_ok([c.get("ok") for c in checks]),
         "prompt_ratio": summary(c["ratio"] for c in checks),
         "repeats": [{k: v for k, v in r.items() if k != "timeline"} for r in reps],
         "timeline": reps[-1]["timeline"] if reps else [],
     }
+
+
+def _prompt_ok(oks: list[Any]) -> bool | None:
+    if any(ok is False for ok in oks):
+        return False
+    if not oks or any(ok is None for ok in oks):
+        return None
+    return True
 
 
 def _monitor_summary(ticks: list[tuple[str, dict[str, float | None]]]) -> dict[str, Any]:
@@ -716,11 +787,14 @@ def _monitor_summary(ticks: list[tuple[str, dict[str, float | None]]]) -> dict[s
         rows = [v for p, v in ticks if p == phase]
         d: dict[str, Any] = {}
         # the live hit rate where the engine gives one, else its newest finished request's (Strata, the sim)
-        picked = [next((r.get(c) for c in ("hit_rate", "hit_rate_last") if r.get(c) is not None), None) for r in rows]
-        hits = [float(h) for h in picked if h is not None]
+        # a reading that is not a figure (inf, NaN, a negative rate, a hit rate above 1) is missing, never averaged
+        picked = [next((h for h in (measured(r.get(c), hi=1.0) for c in ("hit_rate", "hit_rate_last"))
+                        if h is not None), None) for r in rows]
+        hits = [h for h in picked if h is not None]
         d["hit_rate"] = sum(hits) / len(hits) if hits else None
-        for col in ("pcie_rx_mb_s", "swaps_per_s", "decode_tok_s", "gpu_util_pct", "cpu_bound_pct"):
-            xs = [float(x) for x in (r.get(col) for r in rows) if x is not None]
+        for col, hi in (("pcie_rx_mb_s", None), ("swaps_per_s", None), ("decode_tok_s", None),
+                        ("gpu_util_pct", 100.0), ("cpu_bound_pct", None)):
+            xs = [x for x in (measured(r.get(col), hi=hi) for r in rows) if x is not None]
             d[col] = sum(xs) / len(xs) if xs else None
         d["ticks"] = len(rows)
         out[phase] = d

@@ -28,6 +28,7 @@ from ..chat import (
     TimingsInfo,
     UsageInfo,
 )
+from .stats import measured, measured_int
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Streams:
         self.records = [StreamRecord(i) for i in range(len(self.prompts))]
         self.tokens = [CancelToken() for _ in self.prompts]
         self.on_token = on_token
+        self.stalled_s: float | None = None       # set by wait() when the engine sent nothing for too long
         self._barrier = threading.Barrier(len(self.prompts) + 1)
         self._threads = [threading.Thread(target=self._one, args=(i,), name=f"bench-stream-{i}", daemon=True)
                          for i in range(len(self.prompts))]
@@ -101,11 +103,13 @@ class Streams:
                     rec.token_times.append(ev.t)
                     if self.on_token is not None:
                         self.on_token(i, ev.t)
-                elif isinstance(ev, UsageInfo):
-                    rec.prompt_tokens, rec.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+                elif isinstance(ev, UsageInfo):      # an impossible count (negative, 1e999, NaN) is missing
+                    rec.prompt_tokens = measured_int(ev.prompt_tokens)
+                    rec.completion_tokens = measured_int(ev.completion_tokens)
                 elif isinstance(ev, TimingsInfo):
-                    rec.engine_tok_s, rec.engine_prompt_tok_s = ev.predicted_per_second, ev.prompt_per_second
-                    rec.engine_prompt_ms = ev.prompt_ms
+                    rec.engine_tok_s = measured(ev.predicted_per_second)
+                    rec.engine_prompt_tok_s = measured(ev.prompt_per_second)
+                    rec.engine_prompt_ms = measured(ev.prompt_ms)
                 elif isinstance(ev, StreamDone):
                     rec.cancelled = ev.stats.cancelled
         except ChatError as exc:
@@ -124,19 +128,35 @@ class Streams:
     def alive(self) -> int:
         return sum(t.is_alive() for t in self._threads)
 
-    def wait(self, timeout: float | None = None, stop: threading.Event | None = None) -> bool:
-        """Join every stream (True), or give up at ``timeout`` / when ``stop`` is set (False: cancelled)."""
-        end = None if timeout is None else time.monotonic() + timeout
+    def wait(self, timeout: float | None = None, stop: threading.Event | None = None, *,
+             stall_s: float | None = None, first_token_s: float | None = None) -> bool:
+        """Join every stream (True), or give up (False: cancelled) at ``timeout``, when ``stop`` is set, or when the
+        engine stalls: no token on any stream for ``stall_s`` seconds (``first_token_s`` before the first token,
+        while the prompts are read). After a stall ``stalled_s`` says how long nothing came."""
+        start = time.monotonic()
+        end = None if timeout is None else start + timeout
+        seen, last = 0, start
         for t in self._threads:
             while t.is_alive():
+                now = time.monotonic()
                 if stop is not None and stop.is_set():
                     self.cancel()
                     self._join_all(5.0)
                     return False
-                if end is not None and time.monotonic() > end:
+                if end is not None and now > end:
                     self.cancel()
                     self._join_all(5.0)
                     return False
+                if stall_s is not None:
+                    n = sum(len(r.token_times) for r in self.records)
+                    if n != seen:
+                        seen, last = n, now
+                    limit = stall_s if n else (first_token_s if first_token_s is not None else stall_s)
+                    if now - last > limit:
+                        self.stalled_s = now - last
+                        self.cancel()
+                        self._join_all(5.0)
+                        return False
                 t.join(0.05)
         return True
 

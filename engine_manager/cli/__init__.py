@@ -7,16 +7,55 @@ Each sub-command lives in its own module of this package with ``register(subpars
 
 from __future__ import annotations
 
-import argparse
-import importlib
+import signal
 import sys
-from functools import cached_property
+import threading
 
-from .. import __version__
-from ..errors import PlacementRefused, UserError
-from ..exitcodes import ExitCode
-from ..paths import PathVariableError
-from ..settings import LoadedSettings, SettingsError, load_settings
+
+def _exit_quietly(_signum, _frame) -> None:
+    """Ctrl+C while the CLI is still loading (its imports take seconds under load): leave with exit code 130 and
+    one word, never a Python traceback."""
+    try:
+        sys.stderr.write("\ninterrupted\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    raise SystemExit(130)                 # ExitCode.INTERRUPTED (not imported yet)
+
+
+def quiet_interrupts() -> bool:
+    """Make Ctrl+C end the process quietly (:func:`_exit_quietly`) until :func:`loud_interrupts`; True when it did.
+    A SIGINT the process inherited as ignored (``dsv41 start --foreground &`` in a script) stays ignored, and a
+    handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return False
+    signal.signal(signal.SIGINT, _exit_quietly)
+    return True
+
+
+def loud_interrupts(installed: bool) -> None:
+    """Back to Python's KeyboardInterrupt, which the commands handle (stop an answer, stop a start …)."""
+    if installed and signal.getsignal(signal.SIGINT) is _exit_quietly:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# first, before the heavy imports below (pydantic …): the console script `dsv41` (engine_manager.cli:main) and
+# `python -m engine_manager` import this module before main() runs
+_QUIET = quiet_interrupts()
+
+import argparse  # noqa: E402
+import importlib  # noqa: E402
+from functools import cached_property  # noqa: E402
+
+from .. import __version__  # noqa: E402
+from ..errors import PlacementRefused, UserError  # noqa: E402
+from ..exitcodes import ExitCode  # noqa: E402
+from ..paths import PathVariableError  # noqa: E402
+from ..settings import LoadedSettings, SettingsError, load_settings  # noqa: E402
+
+loud_interrupts(_QUIET)    # importing this module (a test, the GUI) leaves Ctrl+C as it was
 
 # Order is the order of `dsv41 --help`.
 COMMAND_MODULES = (
@@ -72,8 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    quiet = quiet_interrupts()          # the sub-commands' imports (httpx, numpy …) come next
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    finally:
+        loud_interrupts(quiet)
     if not getattr(args, "func", None):
         parser.print_help()
         return ExitCode.USAGE

@@ -3,17 +3,24 @@
 ``dsv41 bench [--engine sim|llamacpp|strata] [--quick] [--json]`` measures decode at 1/4/8 concurrent users, the
 long-prompt pause and the A/B presets, restarting the engine per configuration and putting it back as it was;
 the result is saved under the data dir (JSON + CSV). ``--history`` lists saved runs, ``--compare A B`` puts two
-side by side, ``--show ID`` prints one. Exit codes: 0 ok, 1 failed, 2 bad usage, 130 interrupted (the engine is
-put back first).
+side by side, ``--show ID`` prints one. Exit codes: 0 ok, 1 failed (also: no figure measured, or the result could
+not be saved where ``--out`` said — it is then saved in the bench folder), 2 bad usage (``--out``, ``--users``, every
+``--config`` and ``--plan`` are checked before the engine that runs now is touched), 130 interrupted: Ctrl-C,
+SIGTERM or SIGHUP (the engine is put back first and what was measured is saved).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
 import threading
+from pathlib import Path
 
 from ..errors import UserError
+from ..exitcodes import ExitCode
 
 
 def register(sub) -> None:
@@ -42,7 +49,9 @@ def register(sub) -> None:
                    help="another configuration, e.g. slots4:slots=4 or gpu:cpu_numerics=gpu")
     p.add_argument("--ab-users", default="1", help="user counts the other configurations measure (default 1)")
     p.add_argument("--plan", default=None, help="a saved plan to start the engine with")
-    p.add_argument("--out", default=None, help="save the result here instead of the data dir's bench folder")
+    p.add_argument("--out", default=None, metavar="FOLDER",
+                   help="save the result (JSON + CSV) in this folder instead of the data dir's bench folder "
+                        "(checked before the run starts)")
     p.add_argument("--history", action="store_true", help="list saved runs")
     p.add_argument("--show", default=None, metavar="ID", help="print a saved run")
     p.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"), help="two saved runs side by side")
@@ -76,21 +85,92 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     return out
 
 
+def _check_out(text: str) -> Path:
+    """``--out``, checked before anything starts: a folder that exists or can be made, and can be written. Raises
+    :class:`UserError` in words (exit 2)."""
+    folder = Path(text).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--out {folder} is a file, not a folder: give the folder the result files (JSON + CSV) go "
+                        "into, or leave --out out to save them in the bench folder.")
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise UserError(f"--out {folder} cannot be made ({exc.strerror or exc}): give a folder you can write, or "
+                        "leave --out out.") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"--out {folder} cannot be written (no permission): give a folder you can write, or leave "
+                        "--out out.")
+    return folder
+
+
+class _Signalled(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during a run: taken as Ctrl-C is (the engine put back, the partial result saved)."""
+
+
+@contextlib.contextmanager
+def _signals_as_ctrl_c():
+    """While the bench runs, SIGTERM (``kill``, a service manager) and SIGHUP (the terminal closed) raise
+    KeyboardInterrupt as Ctrl-C does, so they take the same path: the streams are cut, the bench's engine is
+    stopped and the user's is started again, and what was measured is saved. Outside the main thread (where
+    Python cannot set handlers) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):  # noqa: ARG001
+        raise _Signalled(signal.Signals(signum).name)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        old[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _history(args, results) -> int:
+    skipped: list[str] = []
+    rows = results.history(skipped=skipped)
+    for line in skipped:                 # a bad file in the folder is named, never the end of the listing
+        print(line, file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=1, default=str))
+    elif not rows:
+        print(f"No saved benchmarks yet in {results.bench_dir()}. Run `dsv41 bench --quick`.")
+    for r in rows if not args.json else []:
+        tot = " ".join(f"{u}u {v:.1f}" for u, v in (r.get("totals") or {}).items() if v is not None)
+        print(f"{r['id']}  {r.get('engine') or '?':8} {'SIMULATED ' if r.get('simulated') else ''}"
+              f"{'quick ' if r.get('quick') else ''}{tot} tok/s")
+    return 0
+
+
+def _save(result, folder, results) -> tuple[str, int]:
+    """Save the result; on failure say where it could not be written and save it in the bench folder instead.
+    Returns (the line to print, exit code: 0 saved where asked, 1 not)."""
+    try:
+        jp, cp = results.save(result, folder)
+        return f"saved: {jp} and {cp}", 0
+    except OSError as exc:
+        failed = (f"The result could not be written to {folder or results.bench_dir()} "
+                  f"({exc.strerror or exc}).")
+    if folder is None:
+        return failed + " The table above is all there is of it.", 1
+    try:
+        jp, cp = results.save(result)
+        return failed + f" Saved in the bench folder instead: {jp} and {cp}", 1
+    except OSError as exc:
+        return (failed + f" Nor in the bench folder {results.bench_dir()} ({exc.strerror or exc}); the table "
+                "above is all there is of it."), 1
+
+
 def run(args, ctx) -> int:
     from .. import bench
     from ..bench import results
 
     if args.history:
-        rows = results.history()
-        if args.json:
-            print(json.dumps(rows, indent=1, default=str))
-        elif not rows:
-            print(f"No saved benchmarks yet in {results.bench_dir()}. Run `dsv41 bench --quick`.")
-        for r in rows if not args.json else []:
-            tot = " ".join(f"{u}u {v:.1f}" for u, v in (r.get("totals") or {}).items() if v is not None)
-            print(f"{r['id']}  {r.get('engine') or '?':8} {'SIMULATED ' if r.get('simulated') else ''}"
-                  f"{'quick ' if r.get('quick') else ''}{tot} tok/s")
-        return 0
+        return _history(args, results)
     if args.show:
         r = results.load(args.show)
         print(json.dumps(r, indent=1, default=str) if args.json else render(r))
@@ -109,17 +189,25 @@ def run(args, ctx) -> int:
             plan = load_plan_file(args.plan)
         except PlanFileError as exc:
             print(f"dsv41 bench: {exc}", file=sys.stderr)
-            return 2
+            return ExitCode.USAGE
     presets = [] if args.no_ab else args.preset
-    kw = {"users": _ints(args.users, "--users"), "ab_users": _ints(args.ab_users, "--ab-users"),
-          "prompt_tokens": max(8, args.prompt_tokens), "long_prompt_tokens": max(0, args.long_prompt),
-          "long_users": max(1, min(7, args.long_users))}
-    if args.tokens:
-        kw["tokens"] = max(8, args.tokens)
-    if args.repeats:
-        kw["repeats"] = max(1, args.repeats)
-    spec = bench.BenchSpec.make(engine, quick=args.quick, presets=presets, **kw)
-    spec.configs += [bench.parse_config(c) for c in args.config]
+    # everything the user gave is checked before the engine that runs now is touched: --out, --users, every
+    # --config (an unknown setting, a value the settings refuse), so a bad one never costs a measured baseline
+    try:
+        folder = _check_out(args.out) if args.out else None
+        kw = {"users": _ints(args.users, "--users"), "ab_users": _ints(args.ab_users, "--ab-users"),
+              "prompt_tokens": max(8, args.prompt_tokens), "long_prompt_tokens": max(0, args.long_prompt),
+              "long_users": max(1, min(7, args.long_users))}
+        if args.tokens:
+            kw["tokens"] = max(8, args.tokens)
+        if args.repeats:
+            kw["repeats"] = max(1, args.repeats)
+        spec = bench.BenchSpec.make(engine, quick=args.quick, presets=presets, **kw)
+        spec.configs += [bench.parse_config(c) for c in args.config]
+        bench.runner.BenchRun(settings, spec, plan=plan).check()
+    except UserError as exc:
+        print(f"dsv41 bench: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
     from .. import hardware
     try:
         hw = hardware.probe(None)
@@ -130,35 +218,45 @@ def run(args, ctx) -> int:
     gen = bench.run_bench(settings, spec, plan=plan, hardware=hw, stop=stop)
     result = None
     interrupted = False
-    while True:
-        try:                  # Ctrl-C anywhere in here: cut the streams, let the bench put the engine back
-            try:
-                ev = next(gen)
-            except StopIteration as st:
-                result = st.value
-                break
-            _print_event(ev, out)
-        except KeyboardInterrupt:
-            if interrupted:   # a second Ctrl-C: leave now (the engine may be left running; `dsv41 stop` stops it)
-                raise
-            interrupted = True
-            stop.set()
-            print("\ninterrupted: cutting the streams and putting the engine back…", file=sys.stderr, flush=True)
+    with _signals_as_ctrl_c():
+        while True:
+            try:              # Ctrl-C (or SIGTERM / SIGHUP) anywhere in here: cut the streams, put the engine back
+                try:
+                    ev = next(gen)
+                except StopIteration as st:
+                    result = st.value
+                    break
+                _print_event(ev, out)
+            except KeyboardInterrupt as exc:
+                if interrupted:   # a second one: leave now (the engine may be left running; `dsv41 stop` stops it)
+                    raise
+                interrupted = True
+                stop.set()
+                why = f"{exc.args[0]} received" if isinstance(exc, _Signalled) and exc.args else "interrupted"
+                print(f"\n{why}: cutting the streams and putting the engine back…", file=sys.stderr, flush=True)
     if result is None:
-        return 1
-    if args.out:
-        from pathlib import Path
-        jp, cp = results.save(result, Path(args.out))
-    else:
-        jp, cp = results.save(result)
+        return ExitCode.FAIL
     if args.json:
-        print(json.dumps(result, indent=1, default=str))
+        from ..bench.stats import finite_json
+        print(json.dumps(finite_json(result), indent=1, default=str, allow_nan=False))
     else:
         print(render(result))
-    print(f"saved: {jp} and {cp}", file=out)
+    line, save_rc = _save(result, folder, results)
+    print(line, file=out if save_rc == 0 else sys.stderr)
+    return exit_code(result, interrupted, save_rc)
+
+
+def exit_code(result: dict, interrupted: bool = False, save_rc: int = 0) -> ExitCode:
+    """130 interrupted (Ctrl-C, SIGTERM, SIGHUP) or cancelled; 1 when the run stopped on an error, the result could
+    not be saved where asked, or no figure was measured ("No figures were measured." is a failure, not a result);
+    else 0."""
     if interrupted or result.get("cancelled"):
-        return 130
-    return 1 if result.get("error") else 0
+        return ExitCode.INTERRUPTED
+    if result.get("error") or save_rc:
+        return ExitCode.FAIL
+    if not any(x.get("total_tok_s") is not None for x in result.get("table") or []):
+        return ExitCode.FAIL
+    return ExitCode.OK
 
 
 from ..bench.results import render, render_compare  # noqa: E402,F401 - the text the CLI prints

@@ -1,5 +1,7 @@
-"""``dsv41 chat`` (one turn with the running engine, streamed to the terminal) and ``dsv41 history`` (the saved
-conversations: list, show, export, search, rename, delete).
+"""``dsv41 chat`` (one turn with the running engine, streamed to the terminal; or, with no message at a terminal, a
+conversation with /commands) and ``dsv41 history`` (the saved conversations: list, show, export, search, rename,
+delete). What an engine sent is printed with its control characters escaped (``fmt.terminal_safe``): a server's words
+never set a terminal's title or clear its screen.
 
 The engine's address: the engine the panel started (from the supervisor's state, when it is ready), else the
 settings' host, port and api_key; ``--url`` names another one. Before anything is sent, the supervisor's status must
@@ -11,11 +13,13 @@ engine refuses before answering (nothing listens, 401, 409 …) saves nothing.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .. import history as hist
@@ -30,17 +34,22 @@ from ..chat import (
     engine_target,
 )
 from ..chat_turn import TurnEnded, run_turn
+from ..fmt import terminal_safe
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "chat", help="ask the running engine one question; the answer streams here and is saved in the history",
+        "chat", help="ask the running engine a question (or, alone at a terminal, hold a conversation); the answer "
+                     "streams here and is saved in the history",
         description="Send one message to the running engine and stream the answer (the model's reasoning dimmed, "
                     "then the answer), then print tokens and tok/s. The turn is saved in the chat history; "
-                    "--conversation continues a saved conversation. Exit 0 ok, 1 failed, 130 stopped with Ctrl+C.")
-    p.add_argument("text", nargs="?", help="the message ('-' or nothing: read it from standard input)")
+                    "--conversation continues a saved conversation. With no message at a terminal: a conversation "
+                    "(/help lists its commands; Ctrl+C stops an answer, Ctrl+D leaves). Exit 0 ok, 1 failed, 130 "
+                    "stopped with Ctrl+C.")
+    p.add_argument("text", nargs="?", help="the message ('-': read it from standard input; nothing: standard input, "
+                                           "or a conversation when that is a terminal)")
     p.add_argument("--max-tokens", type=int, metavar="N",
                    help="most tokens to generate (default: the default_max_tokens setting, DSV41_DEFAULT_MAX_TOKENS)")
     p.add_argument("--reasoning-effort", metavar="E",
@@ -49,7 +58,9 @@ def register(sub) -> None:
                    help="ask for a bit-identical answer in a batch (Strata's strata_reproducible; slower)")
     p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default: the engine's)")
     p.add_argument("--conversation", type=int, metavar="ID", help="continue this saved conversation")
-    p.add_argument("--system", metavar="TEXT", help="a system prompt for this turn (not saved)")
+    p.add_argument("--system", metavar="TEXT",
+                   help="the conversation's system prompt, kept with it (with --conversation: replaces the one it "
+                        "had; \"\" removes it)")
     p.add_argument("--url", metavar="URL",
                    help="talk to the engine at this address (e.g. http://127.0.0.1:8080: one you started by hand) "
                         "instead of the one the panel started; the settings' api_key is sent to it")
@@ -57,7 +68,10 @@ def register(sub) -> None:
                    help="chat with a saved connection (`dsv41 connections list`) instead of the panel's engine")
     p.add_argument("--no-reasoning", action="store_true", help="do not print the model's reasoning")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
-                   help="give up when the engine sends nothing for this many seconds (default 120)")
+                   help="give up when the engine sends no token for this many seconds once it answers - its "
+                        "keep-alives and empty frames do not count (default 120); before the first token its "
+                        "keep-alives count (it is queued or reading the prompt), for at most 10 minutes (or S when "
+                        "longer)")
     p.add_argument("--json", action="store_true",
                    help="print only the saved answer, with its stats, as JSON when it is complete")
     p.set_defaults(func=run)
@@ -118,10 +132,144 @@ def _read_text(args) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ dsv41 chat
+REPL_HELP = """Commands:
+  /new           start a new conversation
+  /system TEXT   the system prompt from the next question on (/system alone shows it, /system - removes it)
+  /save [FILE]   say where this conversation is saved; with FILE, also write it there as Markdown
+  /help          this list
+  /quit          leave (Ctrl+D too)
+Ctrl+C stops an answer (what arrived is kept). A message that starts with / is sent as //text."""
+
+
+def _interactive(args) -> bool:
+    """No message on the command line and a person at a terminal: a conversation (see :func:`_repl`)."""
+    return (args.text is None and sys.stdin is not None and sys.stdin.isatty()
+            and sys.stdout is not None and sys.stdout.isatty())
+
+
+def _length_words(stats, max_tokens: int) -> str:
+    """Why an answer that ended with finish_reason "length" ended. The count decides: an engine also says "length"
+    when the context is full (Strata's fit_max_tokens shortens max_tokens to the room left), and Strata when a reply
+    repeats one token 256 times in a row (repeat_stop_tokens) or its thinking repeats whole passages
+    (reasoning_loop_recovery "stop"): serve/server.py@2291cb3 Service.run."""
+    n = stats.tokens
+    if n >= max_tokens:
+        return f"stopped at --max-tokens {max_tokens}: raise it for a longer answer"
+    return (f"the engine ended the answer at {n} tokens, before --max-tokens {max_tokens}, saying \"length\": its "
+            f"context was full, or (Strata) the reply repeated one token 256 times in a row or its thinking looped; "
+            f"the engine's log says which")
+
+
+class _Session:
+    """What ``dsv41 chat`` talks to and how it prints: one or more turns (one, or a conversation at a terminal)."""
+
+    def __init__(self, args, store: hist.HistoryStore, running, where: str, options: ChatOptions):
+        self.args, self.store, self.running, self.where, self.options = args, store, running, where, options
+        self.base_url = running.base_url
+
+    def turn(self, conversation_id: int | None, text: str, out) -> TurnEnded | None:
+        """Stream one turn to ``out``; Ctrl+C stops the answer (a second one raises KeyboardInterrupt)."""
+        tty = out.isatty()
+        cancel = CancelToken()
+        state: dict[str, str | None] = {"in": None}     # which part is being printed: None, "reasoning", "content"
+        ended: TurnEnded | None = None
+
+        def switch(to: str) -> None:
+            if state["in"] == to:
+                return
+            if state["in"] == "reasoning":
+                out.write(RESET + "\n\n" if tty else "\n[answer]\n")
+            elif to == "reasoning":
+                out.write(DIM if tty else "[reasoning]\n")
+            state["in"] = to
+
+        gen = run_turn(self.store, conversation_id, engine=self.running, options=self.options, user_text=text,
+                       cancel=cancel, read_timeout_s=self.args.timeout)
+
+        def on_sigint(_signum, _frame):
+            # The first Ctrl+C stops the answer cleanly (it is saved, marked stopped); a second one aborts.
+            if cancel.cancelled:
+                raise KeyboardInterrupt
+            cancel.cancel("stopped")
+
+        old_handler = None
+        if threading.current_thread() is threading.main_thread():
+            old_handler = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            for ev in gen:
+                if isinstance(ev, ReasoningDelta):
+                    if not self.args.no_reasoning:
+                        switch("reasoning")
+                        out.write(terminal_safe(ev.text))
+                        out.flush()
+                elif isinstance(ev, ContentDelta):
+                    switch("content")
+                    out.write(terminal_safe(ev.text))
+                    out.flush()
+                elif isinstance(ev, TurnEnded):
+                    ended = ev
+        finally:
+            gen.close()
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+            if tty and state["in"] == "reasoning":
+                out.write(RESET)
+            if state["in"] is not None:
+                out.write("\n")
+            out.flush()
+        return ended
+
+    def report(self, ended: TurnEnded, interactive: bool = False) -> int:
+        """Say how the turn ended (on stderr) and return the exit code: 0 complete, 130 stopped, 1 failed."""
+        args, err = self.args, sys.stderr
+        stats = ended.stats
+        conv = ended.conversation_id
+        if interactive:
+            again = "ask again"
+        else:
+            again = ("run the same command again" if conv is None or args.conversation == conv else
+                     f"run the same command again, or `dsv41 chat --conversation {conv} \"…\"` to continue")
+        error = terminal_safe(ended.error or "", keep_newlines=False)
+        if not ended.saved:
+            if ended.status == hist.STATUS_STOPPED:
+                print("[stopped before the engine answered; nothing was saved]", file=err)
+            else:
+                print(f"dsv41 chat: {error}", file=err)
+                if ended.error_kind in ("unreachable", "auth"):
+                    print(f"  (engine address from {self.where}: {terminal_safe(self.base_url)})", file=err)
+                print(f"  Nothing was saved in the history; {again} once that is fixed.", file=err)
+        elif ended.status == hist.STATUS_COMPLETE:
+            line = stats.summary()
+            if stats.finish_reason == "length" and self.options.max_tokens:
+                line += " · " + _length_words(stats, self.options.max_tokens)
+            where = (f"conversation {conv}" if interactive else
+                     f"saved as conversation {conv}; continue with --conversation {conv}")
+            print(f"[{line} · {where}]", file=err)
+        elif ended.status == hist.STATUS_STOPPED:
+            tail = "" if interactive else f"; continue with --conversation {conv}"
+            print(f"[stopped: {_arrived(stats)} · the partial answer is saved in conversation {conv}{tail}]", file=err)
+        else:
+            print(f"dsv41 chat: {error}", file=err)
+            if ended.error_kind in ("unreachable", "auth"):
+                print(f"  (engine address from {self.where}: {terminal_safe(self.base_url)})", file=err)
+            if ended.content or ended.reasoning:
+                print(f"  [{_arrived(stats)} · the partial answer is saved in conversation {conv}; "
+                      f"{again}]", file=err)
+            else:
+                print(f"  [the question is saved in conversation {conv}; {again}]", file=err)
+        if ended.status == hist.STATUS_COMPLETE:
+            return 0
+        if ended.status == hist.STATUS_STOPPED:
+            return 130
+        return 1
+
+
 def run(args, ctx) -> int:
-    text = _read_text(args)
-    if not text or not text.strip():
-        print("dsv41 chat: nothing to send: give the message as an argument or on standard input.", file=sys.stderr)
+    interactive = _interactive(args)
+    text = None if interactive else _read_text(args)
+    if not interactive and (not text or not text.strip()):
+        print("dsv41 chat: nothing to send: give the message as an argument or on standard input (or run "
+              "`dsv41 chat` alone at a terminal for a conversation).", file=sys.stderr)
         return 2
     settings = ctx.settings
     max_tokens = args.max_tokens if args.max_tokens is not None else settings.default_max_tokens
@@ -135,17 +283,28 @@ def run(args, ctx) -> int:
         print(f"dsv41 chat: --url must be an http:// address such as http://127.0.0.1:8080 (got {args.url!r}).",
               file=sys.stderr)
         return 2
-    options = ChatOptions(max_tokens=max_tokens, temperature=args.temperature,
-                          reasoning_effort=args.reasoning_effort, reproducible=args.reproducible)
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        print("dsv41 chat: --timeout must be a number of seconds, more than 0.", file=sys.stderr)
+        return 2
+    if interactive and args.json:
+        print("dsv41 chat: --json prints one answer: give the message as an argument or on standard input.",
+              file=sys.stderr)
+        return 2
     store = hist.HistoryStore()
     for n in store.notices:
-        print(f"note: {n}", file=sys.stderr)
+        print(f"note: {terminal_safe(n, keep_newlines=False)}", file=sys.stderr)
+    system = args.system
     if args.conversation is not None:
         try:
-            store.get_conversation(args.conversation)
+            conv = store.get_conversation(args.conversation)
         except hist.HistoryError as exc:
             print(f"dsv41 chat: {exc}", file=sys.stderr)
             return 1
+        if system is None:                      # the conversation keeps the system prompt it was given
+            system = ChatOptions.from_dict(conv.options).system
+    options = ChatOptions(max_tokens=max_tokens, temperature=args.temperature,
+                          reasoning_effort=args.reasoning_effort, reproducible=args.reproducible,
+                          system=system if system and system.strip() else None)
     if args.connection:
         from .connections import attached_engine
         attached, rc = attached_engine("dsv41 chat", args.connection, args.url)
@@ -162,101 +321,113 @@ def run(args, ctx) -> int:
                       f"dsv41 chat --url {settings.base_url} \"…\"", file=sys.stderr)
             return 1
         running, where = target.running(), target.where
-    base_url = running.base_url
+    session = _Session(args, store, running, where, options)
+    if interactive:
+        return _repl(session, args.conversation)
+
     out = open(os.devnull, "w") if args.json else sys.stdout     # --json: only the JSON on stdout
-    tty = out.isatty()
-    cancel = CancelToken()
-    state: dict[str, str | None] = {"in": None}         # which part is being printed: None, "reasoning", "content"
-    ended: TurnEnded | None = None
-
-    def switch(to: str) -> None:
-        if state["in"] == to:
-            return
-        if state["in"] == "reasoning":
-            out.write(RESET + "\n\n" if tty else "\n[answer]\n")
-        elif to == "reasoning":
-            out.write(DIM if tty else "[reasoning]\n")
-        state["in"] = to
-
-    gen = run_turn(store, args.conversation, engine=running, options=options, user_text=text,
-                   cancel=cancel, read_timeout_s=args.timeout, system_prompt=args.system)
-
-    def on_sigint(_signum, _frame):
-        # The first Ctrl+C stops the answer cleanly (it is saved, marked stopped); a second one aborts.
-        if cancel.cancelled:
-            raise KeyboardInterrupt
-        cancel.cancel("stopped")
-
-    old_handler = None
-    if threading.current_thread() is threading.main_thread():
-        old_handler = signal.signal(signal.SIGINT, on_sigint)
     try:
-        for ev in gen:
-            if isinstance(ev, ReasoningDelta):
-                if not args.no_reasoning:
-                    switch("reasoning")
-                    out.write(ev.text)
-                    out.flush()
-            elif isinstance(ev, ContentDelta):
-                switch("content")
-                out.write(ev.text)
-                out.flush()
-            elif isinstance(ev, TurnEnded):
-                ended = ev
+        ended = session.turn(args.conversation, text or "", out)
     finally:
-        if old_handler is not None:
-            signal.signal(signal.SIGINT, old_handler)
-        if tty and state["in"] == "reasoning":
-            out.write(RESET)
-        if state["in"] is not None:
-            out.write("\n")
-        out.flush()
         if out is not sys.stdout:
             out.close()
-
     if ended is None:   # pragma: no cover - run_turn always ends with TurnEnded
         return 1
-    stats = ended.stats
-    err = sys.stderr
-    conv = ended.conversation_id
-    again = ("run the same command again" if conv is None or args.conversation == conv else
-             f"run the same command again, or `dsv41 chat --conversation {conv} \"…\"` to continue")
-    if not ended.saved:
-        if ended.status == hist.STATUS_STOPPED:
-            print("[stopped before the engine answered; nothing was saved]", file=err)
-        else:
-            print(f"dsv41 chat: {ended.error}", file=err)
-            if ended.error_kind in ("unreachable", "auth"):
-                print(f"  (engine address from {where}: {base_url})", file=err)
-            print(f"  Nothing was saved in the history; {again} once that is fixed.", file=err)
-    elif ended.status == hist.STATUS_COMPLETE:
-        line = stats.summary()
-        if stats.finish_reason == "length":
-            line += f" · stopped at --max-tokens {max_tokens}: raise it for a longer answer"
-        print(f"[{line} · saved as conversation {conv}; continue with --conversation {conv}]", file=err)
-    elif ended.status == hist.STATUS_STOPPED:
-        print(f"[stopped: {_arrived(stats)} · the partial answer is saved in conversation {conv}; "
-              f"continue with --conversation {conv}]", file=err)
-    else:
-        print(f"dsv41 chat: {ended.error}", file=err)
-        if ended.error_kind in ("unreachable", "auth"):
-            print(f"  (engine address from {where}: {base_url})", file=err)
-        if ended.content or ended.reasoning:
-            print(f"  [{_arrived(stats)} · the partial answer is saved in conversation {conv}; "
-                  f"{again}]", file=err)
-        else:
-            print(f"  [the question is saved in conversation {conv}; {again}]", file=err)
+    rc = session.report(ended)
     if args.json:
         msg = store.message(ended.assistant_message_id) if ended.assistant_message_id is not None else None
-        json.dump({"conversation_id": conv, "message": msg.to_dict() if msg else None,
+        json.dump({"conversation_id": ended.conversation_id, "message": msg.to_dict() if msg else None,
                    "status": ended.status, "error": ended.error, "saved": ended.saved},
                   sys.stdout, indent=2, default=str)
         print()
-    if ended.status == hist.STATUS_COMPLETE:
-        return 0
-    if ended.status == hist.STATUS_STOPPED:
-        return 130
-    return 1
+    return rc
+
+
+def _repl(session: _Session, conversation_id: int | None) -> int:
+    """``dsv41 chat`` at a terminal with no message: a conversation. Each question is one turn, saved in the history
+    as it streams (the same turn as a one-shot ``dsv41 chat``); /commands as in :data:`REPL_HELP`. Ctrl+C stops an
+    answer (a second one during the same answer leaves), Ctrl+C at the prompt clears the line, Ctrl+D leaves.
+    Returns 0 (or 130 when left with Ctrl+C during an answer)."""
+    try:
+        import readline  # noqa: F401 - line editing and recall for input()
+    except ImportError:                 # pragma: no cover - every Linux Python has it
+        pass
+    err = sys.stderr
+    first_system = session.options.system
+    conv = conversation_id
+    print(f"dsv41 chat: talking to {session.where} ({terminal_safe(session.base_url)}). Type a question; /help "
+          f"lists the commands. Ctrl+C stops an answer, Ctrl+D leaves.", file=err)
+    if conv is not None:
+        print(f"(continuing conversation {conv})", file=err)
+    if session.options.system:
+        print(f"(system prompt: {terminal_safe(session.options.system, keep_newlines=False)})", file=err)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print(file=err)
+            return 0
+        except KeyboardInterrupt:
+            print("\n(Ctrl+D or /quit leaves)", file=err)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/") and not text.startswith("//"):
+            cmd, _, rest = text.partition(" ")
+            rest = rest.strip()
+            if cmd in ("/quit", "/exit", "/q"):
+                return 0
+            if cmd in ("/help", "/?"):
+                print(REPL_HELP, file=err)
+            elif cmd == "/new":
+                conv = None
+                session.options = replace(session.options, system=first_system)
+                print("(a new conversation: it is saved once the engine answers)", file=err)
+            elif cmd == "/system":
+                if not rest:
+                    now = session.options.system
+                    print(f"(system prompt: {terminal_safe(now, keep_newlines=False)})" if now else
+                          "(no system prompt; /system TEXT sets one)", file=err)
+                elif rest == "-":
+                    session.options = replace(session.options, system=None)
+                    print("(system prompt removed from the next question on)", file=err)
+                else:
+                    session.options = replace(session.options, system=rest)
+                    print("(system prompt set: it goes with every question from the next one on, and is kept "
+                          "with the conversation)", file=err)
+            elif cmd == "/save":
+                if conv is None:
+                    print("(nothing to save yet: ask something first)", file=err)
+                    continue
+                print(f"(conversation {conv} is saved in the history as it streams: `dsv41 history show {conv}`; "
+                      f"continue it later with `dsv41 chat --conversation {conv}`)", file=err)
+                if rest:
+                    from ..atomic import atomic_write_text
+                    target = Path(rest).expanduser()
+                    try:
+                        atomic_write_text(target, session.store.export_markdown(conv))
+                    except (OSError, hist.HistoryError) as exc:
+                        print(f"(could not write {terminal_safe(str(target))}: {exc}; the conversation is still "
+                              f"in the history)", file=err)
+                    else:
+                        print(f"(wrote {terminal_safe(str(target))})", file=err)
+            else:
+                print(f"(no command {terminal_safe(cmd)}: /help lists them; //text sends a message that starts "
+                      f"with /)", file=err)
+            continue
+        if text.startswith("//"):
+            text = text[1:]
+        try:
+            ended = session.turn(conv, text, sys.stdout)
+        except KeyboardInterrupt:
+            print("\n[left with Ctrl+C; what arrived is saved]", file=err)
+            return 130
+        if ended is None:   # pragma: no cover - run_turn always ends with TurnEnded
+            return 1
+        if ended.conversation_id is not None:
+            conv = ended.conversation_id
+        session.report(ended, interactive=True)
 
 
 # ------------------------------------------------------------------------------------------------ dsv41 history
@@ -281,10 +452,11 @@ def run_history(args, ctx) -> int:
                 return 0
             for c in convs:
                 status = "" if c.last_status in (None, hist.STATUS_COMPLETE) else f"  [{c.last_status}]"
-                print(f"{c.id:>5}  {_when(c.updated_at)}  {c.message_count:>3} msgs  {c.title}{status}")
+                print(f"{c.id:>5}  {_when(c.updated_at)}  {c.message_count:>3} msgs  "
+                      f"{terminal_safe(c.title, keep_newlines=False)}{status}")
             return 0
         if cmd == "show":
-            sys.stdout.write(store.export_markdown(args.id))
+            sys.stdout.write(terminal_safe(store.export_markdown(args.id)))   # an engine's words: no escapes
             return 0
         if cmd == "export":
             if args.format == "json":
@@ -296,7 +468,8 @@ def run_history(args, ctx) -> int:
                 atomic_write_text(Path(args.output), text)
                 print(f"wrote {args.output}", file=sys.stderr)
             else:
-                sys.stdout.write(text)
+                # to a terminal, an engine's control characters are shown escaped; redirected, the text is as saved
+                sys.stdout.write(terminal_safe(text) if sys.stdout.isatty() else text)
             return 0
         if cmd == "search":
             hits = store.search(args.text)
@@ -305,11 +478,12 @@ def run_history(args, ctx) -> int:
                 print()
                 return 0
             if not hits:
-                print(f"Nothing in the history contains {args.text!r}.")
+                print(f"Nothing in the history contains {terminal_safe(repr(args.text))}.")
                 return 1
             for h in hits:
                 who = f" {h.role}:" if h.role else " title:"
-                print(f"{h.conversation_id:>5}  {h.title}\n       {who} {h.snippet}")
+                print(f"{h.conversation_id:>5}  {terminal_safe(h.title, keep_newlines=False)}\n       {who} "
+                      f"{terminal_safe(h.snippet, keep_newlines=False)}")
             return 0
         if cmd == "rename":
             if not args.title.strip():

@@ -52,6 +52,8 @@ def run(args, ctx) -> int:
     else:
         report = hardware.probe(settings.cache_path)
     vs = doctor.verdicts(report, settings)
+    if not args.from_json:              # the release is this machine's files, not part of a saved probe
+        vs += doctor.release_verdicts(report, settings)
     if args.json:
         json.dump(doctor.report_dict(report, settings, vs), sys.stdout, indent=2, default=str)
         print()

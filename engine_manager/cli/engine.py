@@ -175,7 +175,9 @@ class Printer:
                 if time.monotonic() - self._last_progress >= 1.0:
                     self._last_progress = time.monotonic()
                     self._line(f"stopping: {ev.signal_name} sent {_fmt_s(ev.elapsed_s)} ago, {ev.remaining} "
-                               f"process(es) left (SIGKILL after {_fmt_s(ev.grace_s)})")
+                               f"process(es) left ("
+                               + ("the whole process group" if "server" in ev.signal_name else "SIGKILL")
+                               + f" after {_fmt_s(ev.grace_s)})")
             case sv.Stopped(message=message) | sv.Attached(message=message):
                 self._line(message)
 
@@ -262,24 +264,15 @@ def run_start(args, ctx) -> int:
 
 
 def load_plan_file(path: str) -> dict:
-    """A saved plan (``dsv41 plan --out FILE``, the Placement tab's save) as a dict; ``UsageError`` in plain
-    words when the file is missing or is not a plan."""
-    from pathlib import Path
+    """A saved plan (``dsv41 plan --out FILE``, the Placement tab's save) as a dict, checked field by field
+    (:func:`engine_manager.plans.read_plan_file`); ``PlanFileError`` in plain words when the file is missing, is
+    not a plan, or holds what the planner never writes."""
+    from ..plans import PlanError, read_plan_file
 
-    from .. import placement
-
-    p = Path(path).expanduser()
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PlanFileError(f"The plan file {p} does not exist. Make one with `dsv41 plan --out {p}`.") from None
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise PlanFileError(f"The plan file {p} cannot be read as JSON ({exc}). Make it again with "
-                            f"`dsv41 plan --out {p}`.") from None
-    if not isinstance(doc, dict) or doc.get("schema") != placement.SCHEMA or not isinstance(doc.get("model"), dict):
-        raise PlanFileError(f"{p} is not a plan saved by this panel (no schema {placement.SCHEMA} / model). Make "
-                            f"one with `dsv41 plan --out {p}`.")
-    return doc
+        return read_plan_file(path)
+    except PlanError as exc:
+        raise PlanFileError(str(exc)) from None
 
 
 def run_prepare(args, ctx) -> int:
@@ -330,12 +323,21 @@ def run_stop(args, ctx) -> int:
     return ExitCode.FAIL if external else ExitCode.OK
 
 
+def engine_build(name: str | None, settings) -> str | None:
+    """The engine release's own facts (Strata: engine/BUILD.json), when the engine's adapter reports them."""
+    from ..release_check import engine_release_facts
+
+    return engine_release_facts(name or resolve_engine(settings, True), settings)
+
+
 def run_status(args, ctx) -> int:
     sup = sv.Supervisor(ctx.settings)
     st = sup.status()
     placed = _llamacpp_placement(st, sup)
+    build = engine_build(st.engine, ctx.settings)
     if args.json:
         d = st.to_dict()
+        d["engine_build"] = build
         if placed is not None:
             d["llamacpp_placement"] = {**placed.to_dict(), "text": placed.text(),
                                        "has_placement": placed.has_placement}
@@ -344,7 +346,7 @@ def run_status(args, ctx) -> int:
     name = st.label or st.engine or "—"
     if st.simulated and "simulated" not in name.lower():
         name += " (simulated)"
-    rows = [("state", st.state), ("engine", name),
+    rows = [("state", st.state), ("engine", name)] + ([("engine build", build)] if build else []) + [
             ("pid", st.pid), ("process group", st.pgid), ("port", st.port), ("base_url", st.base_url),
             ("binding", st.binding)]
     if st.started_at and st.running:
@@ -397,6 +399,12 @@ def run_logs(args, ctx) -> int:
         lines = lines[-args.lines:]
     for ln in lines:
         print(ln)
+    if tail is None:
+        # why the last run ended, classified from its own lines (cause and fix, the engine's words quoted)
+        lf = sup.status(check_health=False).last_failure
+        if lf:
+            print(f"\nlast failure:  {lf.get('title')}")
+            print(f"what to do:    {lf.get('fix')}")
     sys.stdout.flush()
     if tail is None:
         return ExitCode.OK

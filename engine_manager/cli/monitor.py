@@ -69,6 +69,7 @@ def tick_json(tick: M.Tick) -> dict[str, Any]:
             "prefill_live": tick.notes.get("prefill_live"), "steady_decode": steady,
             "last_reply_tok_s": getattr(snap, "last_reply_tok_s", None),
             "predicted_hit_rate": tick.predicted_hit_rate, "missing": tick.missing,
+            "engine_notes": presenter.engine_notes(tick),
             "values": {k: (None if x is None or not math.isfinite(x) else x) for k, x in tick.values.items()}}
 
 
@@ -129,11 +130,19 @@ def run(args, ctx) -> int:
     csv_out = _CsvOut(Path(args.csv)) if args.csv else None
     deadline = time.monotonic() + args.seconds if args.seconds else None
     printed = 0
+    said: set[str] = set()
     try:
         for tick in hub.iter_ticks():
+            for note in presenter.engine_notes(tick):
+                if note not in said and not args.json:    # the engine's own notes, once each
+                    said.add(note)
+                    print(f"engine: {note}", flush=True)
             if "engine" in tick.missing and printed == 0 and tick.seq >= 2:
                 why = tick.missing["engine"]
-                if why.startswith("nothing answers"):
+                if attached is not None:            # a saved connection (maybe through an SSH forward's socket)
+                    print(f"dsv41 monitor: the connection {args.connection!r} stopped answering: {why}. "
+                          f"`dsv41 connections test {args.connection}` says more.", file=sys.stderr)
+                elif why.startswith("nothing answers"):
                     print(f"dsv41 monitor: no engine answers at {base_url} (connection refused). Start one with "
                           "`dsv41 start`, or pass --url.", file=sys.stderr)
                 else:

@@ -32,6 +32,18 @@ def _field_name(name: str) -> str:
     return name
 
 
+def shown_value(value) -> str:
+    """A setting's value for people: "(not set)" for an unset folder or file (never Python's ``None``), "(empty)"
+    for empty text, booleans as the settings file writes them (true, false)."""
+    if value is None:
+        return "(not set)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == "":
+        return "(empty)"
+    return str(value)
+
+
 def run(args, ctx) -> int:
     action = args.action or "show"
     # `path` and `list` work without loading the settings, so they help even when a bad value is refused
@@ -57,7 +69,7 @@ def run(args, ctx) -> int:
         new = save_settings(loaded, {name: args.value})
         if new.env_locked(name):
             print(f"saved, but {field_env(name)} in the environment overrides it")
-        print(f"{name} = {new.settings.masked()[name]}  (saved to {new.path})")
+        print(f"{name} = {shown_value(new.settings.masked()[name])}  (saved to {new.path})")
         return 0
     loaded = ctx.loaded
     masked = loaded.settings.masked()
@@ -67,6 +79,6 @@ def run(args, ctx) -> int:
     w = max(len(n) for n in masked)
     for n, v in masked.items():
         src = loaded.sources[n]
-        print(f"{n:<{w}}  {str(v):<40} [{src}{': ' + field_env(n) if src == 'env' else ''}]")
+        print(f"{n:<{w}}  {shown_value(v):<40} [{src}{': ' + field_env(n) if src == 'env' else ''}]")
     print(f"\nfile: {loaded.path}")
     return 0

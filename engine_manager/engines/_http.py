@@ -19,13 +19,150 @@ through the adapters or directly with :func:`probe_health`.
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from typing import Any
 
+from ..fmt import MB
 from .base import Readiness
 
 HEALTH_PATH = "/health"
 PROBE_TIMEOUT_S = 5.0
 NOT_STRATA = "not a Strata server"
+
+# Caps on what a server may send (an endless body once grew the panel past 1 GB in seconds). Real answers are far
+# smaller: Strata's /metrics with ?requests=all keeps 500 requests (serve/server.py@2291cb3 Service.metrics), well
+# under 1 MB; vLLM's Prometheus page with per-GPU histograms is a few hundred kB.
+SMALL_BODY_CAP = 1 * MB        # /health, /v1/models, /props, /slots, error bodies
+METRICS_BODY_CAP = 16 * MB     # /metrics (JSON or Prometheus text)
+SSE_LINE_CAP = 1 * MB          # one line of a server-sent event stream
+REQUEST_DEADLINE_S = 10.0      # one whole request, headers and body (httpx's timeout is per read, not overall)
+
+
+class AnswerTooLarge(Exception):
+    """The server sent more than the cap allows; the message names the URL and the cap."""
+
+
+class AnswerTooSlow(Exception):
+    """The whole answer did not arrive within the deadline (a server dripping bytes keeps each read alive)."""
+
+
+def _too_slow(url: str, deadline_s: float) -> AnswerTooSlow:
+    return AnswerTooSlow(f"the answer at {url} did not arrive within {deadline_s:g} s; the server is too slow or "
+                         "stalled")
+
+
+def _socket_of(r: Any) -> Any:
+    """The socket under a streamed response (httpcore's ``network_stream`` extension), or None."""
+    try:
+        return r.extensions["network_stream"].get_extra_info("socket")
+    except Exception:  # noqa: BLE001 - a transport without one (a test double): the per-read timeout still holds
+        return None
+
+
+def _cut(sock: Any, fired: threading.Event) -> None:
+    """The deadline passed: shut the socket down, which wakes a read blocked in it (closing would not)."""
+    fired.set()
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def get_capped(client: Any, url: str, *, headers: dict[str, str] | None = None, cap: int = SMALL_BODY_CAP,
+               deadline_s: float = REQUEST_DEADLINE_S, params: Any = None) -> Any:
+    """``GET url`` with ``client`` (an ``httpx.Client``), reading at most ``cap`` bytes of body within ``deadline_s``
+    for the whole exchange. Returns an ``httpx.Response`` whose body is read (``.json()``/``.text`` work).
+    Raises :class:`AnswerTooLarge` or :class:`AnswerTooSlow` (plain words, the URL named), or httpx's own errors
+    for no connection. Redirects are never followed (the client's setting is kept).
+
+    The deadline is for the whole answer: httpx's timeout bounds each read, so a server dripping a byte a second
+    would keep it alive for ever; here a timer shuts the connection's socket down when the deadline passes."""
+    import httpx
+
+    end = time.monotonic() + deadline_s
+
+    def left() -> float:
+        rest = end - time.monotonic()
+        if rest <= 0:
+            raise _too_slow(url, deadline_s)
+        return rest
+
+    fired = threading.Event()
+    try:
+        with client.stream("GET", url, headers=headers, params=params, timeout=httpx.Timeout(left())) as r:
+            sock = _socket_of(r)
+            timer = threading.Timer(left(), _cut, (sock, fired)) if sock is not None else None
+            if timer is not None:
+                timer.daemon = True
+                timer.start()
+            try:
+                declared = r.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > cap:
+                    raise AnswerTooLarge(f"the answer at {url} is larger than {cap / MB:g} MB ({int(declared):,} "
+                                         "bytes declared); refusing to read it")
+                chunks: list[bytes] = []
+                got = 0
+                for chunk in r.iter_raw():
+                    got += len(chunk)
+                    if got > cap:
+                        raise AnswerTooLarge(f"the answer at {url} is larger than {cap / MB:g} MB; stopped reading "
+                                             "it")
+                    chunks.append(chunk)
+                    left()
+                if fired.is_set():          # the socket was cut: what arrived is not the whole answer
+                    raise _too_slow(url, deadline_s)
+            except (httpx.HTTPError, OSError, ValueError, AttributeError) as exc:
+                if fired.is_set():
+                    raise _too_slow(url, deadline_s) from exc
+                raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            body = b"".join(chunks)
+            # iter_raw gives the bytes as sent: decode any content-encoding ourselves by re-wrapping
+            out = httpx.Response(r.status_code, headers=r.headers, content=body, request=r.request)
+            if r.headers.get("content-encoding"):
+                out = httpx.Response(r.status_code, headers={k: v for k, v in r.headers.items()
+                                                             if k.lower() != "content-encoding"},
+                                     content=_decoded(body, r.headers["content-encoding"], cap, url),
+                                     request=r.request)
+            return out
+    except httpx.TimeoutException as exc:
+        if time.monotonic() >= end or fired.is_set():
+            raise _too_slow(url, deadline_s) from exc
+        raise
+
+
+def deadline_of(client: Any, default: float = REQUEST_DEADLINE_S) -> float:
+    """The overall deadline of one request made with ``client``: its read timeout (the caller's own pace: the
+    monitor's 2 s, the overview's 3 s), at most ``default``."""
+    read = getattr(getattr(client, "timeout", None), "read", None)
+    return min(float(read), default) if isinstance(read, (int, float)) and read > 0 else default
+
+
+def json_body(r: Any) -> Any:
+    """The JSON of an answer; ``ValueError`` in plain words for what is not JSON — also for a document nested so
+    deeply that Python's parser gives up (``RecursionError``, which is not a ``ValueError``)."""
+    try:
+        return r.json()
+    except RecursionError:
+        raise ValueError("the answer nests too deeply to be read as JSON") from None
+
+
+def _decoded(body: bytes, encoding: str, cap: int, url: str) -> bytes:
+    """A gzip/deflate body decompressed with the same cap (a small bomb must not expand past it)."""
+    import zlib
+
+    enc = encoding.strip().lower()
+    if enc not in ("gzip", "deflate", "x-gzip"):
+        return body
+    d = zlib.decompressobj(zlib.MAX_WBITS | 32)   # gzip or zlib header, detected
+    out = d.decompress(body, cap + 1)
+    if len(out) > cap or d.unconsumed_tail:
+        raise AnswerTooLarge(f"the answer at {url} expands past {cap / MB:g} MB; refusing to read it")
+    return out
 
 
 def bearer_headers(api_key: str | None) -> dict[str, str]:
@@ -36,7 +173,7 @@ def bearer_headers(api_key: str | None) -> dict[str, str]:
 def error_message(r: Any) -> str:
     """The ``error`` (or ``error.message``) of a JSON error answer, or ``""``."""
     try:
-        e = r.json().get("error")
+        e = json_body(r).get("error")
         return str(e.get("message")) if isinstance(e, dict) else str(e or "")
     except (ValueError, AttributeError):
         return ""
@@ -73,7 +210,7 @@ def probe_health(client: Any, base_url: str, *, path: str = HEALTH_PATH, port: i
     if not needs_loaded and not expect_service:
         return Readiness("ready", "ok")
     try:
-        body = r.json()
+        body = json_body(r)
     except ValueError:
         return Readiness("failed", f"{path} did not answer JSON: is another server on port {where}?")
     if not isinstance(body, dict):
@@ -94,4 +231,6 @@ def probe_health(client: Any, base_url: str, *, path: str = HEALTH_PATH, port: i
     return Readiness("ready", detail)
 
 
-__all__ = ["HEALTH_PATH", "NOT_STRATA", "PROBE_TIMEOUT_S", "bearer_headers", "error_message", "probe_health"]
+__all__ = ["HEALTH_PATH", "METRICS_BODY_CAP", "NOT_STRATA", "PROBE_TIMEOUT_S", "REQUEST_DEADLINE_S", "SMALL_BODY_CAP",
+           "SSE_LINE_CAP", "AnswerTooLarge", "AnswerTooSlow", "bearer_headers", "deadline_of", "error_message",
+           "get_capped", "json_body", "probe_health"]

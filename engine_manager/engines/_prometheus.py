@@ -3,8 +3,8 @@ prometheus_client's own parser (``prometheus_client.parser.text_string_to_metric
 
 :func:`read_samples` gives every sample as ``(name, labels, value)``, under the name the page wrote
 (``vllm:request_success_total``, and llama-server's ``llamacpp:n_tokens_max`` counter without ``_total``); NaN (an
-exporter without a value) is dropped. A page the parser refuses is read line by line, so one bad line costs that
-line, not the page.
+exporter without a value) and ±Inf are dropped (a figure that is not a number is missing, never a value). A page
+the parser refuses is read line by line, so one bad line costs that line, not the page.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _parse(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
 
 
 def read_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Every sample of the page as ``(name, labels, value)``, NaN dropped."""
+    """Every sample of the page as ``(name, labels, value)``, NaN and ±Inf dropped."""
     try:
         rows = list(_parse(text))
     except ValueError:                # a malformed line: read the page line by line, keep what parses
@@ -44,15 +44,16 @@ def read_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
                 rows += list(_parse(line + "\n"))
             except ValueError:
                 continue
-    return [(n, lab, v) for n, lab, v in rows if not math.isnan(v)]
+    return [(n, lab, v) for n, lab, v in rows if math.isfinite(v)]
 
 
 def summed(text: str) -> dict[str, float]:
-    """``{name: value}``, labels dropped and values summed over label sets."""
+    """``{name: value}``, labels dropped and values summed over label sets; a name whose sum is past what a float
+    holds (1e308 + 1e308) is left out (missing), so one absurd series costs that figure, not the page."""
     out: dict[str, float] = {}
     for name, _labels, v in read_samples(text):
         out[name] = out.get(name, 0.0) + v
-    return out
+    return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
 def labelled(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -75,7 +75,10 @@ class Sample:
     decode_tok_s: float | None = None          # live decode rate, all slots together
     prefill_tok_s: float | None = None         # live (or last request's) prompt processing rate
     decode_tok_s_per_slot: dict[int, float] | None = None
-    hit_rate: float | None = None              # observed GPU hits / expert lookups (0..1)
+    hit_rate: float | None = None              # the engine's own hit rate: GPU hits / expert lookups (0..1)
+    # share of the routed expert picks the GPU read over PCIe (Strata's --pcie-frac: not in ``lookups``), so the
+    # share of routed picks served from VRAM is hit_rate × (1 − pcie_share) (:func:`vram_share`)
+    pcie_share: float | None = None
     swaps_per_s: float | None = None           # expert swaps host→VRAM per second
     swaps_total: int | None = None             # cumulative since the engine started
     swap_mb_s: float | None = None             # MB/s moved by swaps (when the engine says)
@@ -94,6 +97,16 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def vram_share(hit_rate: float | None, pcie_share: float | None) -> float | None:
+    """The share of all routed expert picks served from VRAM. Strata's ``hit_rate`` is hits / lookups and its
+    lookups leave out the experts read over PCIe (generate.cpp @2291cb3, the serve loop's DONE: ``[offloaded]``
+    "not in [lookups]"), so the VRAM share is ``hit_rate × (1 − pcie_share)``; without a PCIe share it is the hit
+    rate itself (an engine that reads no expert over PCIe, or does not say)."""
+    if hit_rate is None:
+        return None
+    return hit_rate * (1.0 - pcie_share) if pcie_share is not None else hit_rate
 
 
 @dataclass
@@ -130,6 +143,10 @@ class Engine(ABC):
     simulated: bool = False
     #: log-line signatures of known failures, checked newest line first
     failure_patterns: list[LogPattern] = []
+    #: > 0: the engine's top process stops its own children in its own order when it alone gets one SIGTERM (a
+    #: server that sends its native engine a QUIT first); the supervisor then signals only that process and waits up
+    #: to this many seconds before it signals the whole process group
+    stop_leader_grace_s: float = 0.0
 
     @abstractmethod
     def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:

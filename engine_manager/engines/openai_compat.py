@@ -12,6 +12,7 @@ labels them.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 from ..errors import EngineSetupError
 from . import prom
-from ._http import bearer_headers
+from ._http import METRICS_BODY_CAP, SMALL_BODY_CAP, bearer_headers, deadline_of, get_capped
 from .base import Engine, LaunchSpec, Readiness, Sample
 
 #: latency percentiles are taken over the requests that finished since a baseline scrape at most this old
@@ -82,7 +83,8 @@ class OpenAICompatEngine(Engine):
 
         for path in self.health_paths:
             try:
-                r = client.get(spec.base_url + path, headers=self._headers(spec), timeout=5.0)
+                r = get_capped(client, spec.base_url + path, headers=self._headers(spec), cap=SMALL_BODY_CAP,
+                               deadline_s=5.0)
             except httpx.ConnectError:
                 return Readiness("loading", f"connection refused at {spec.base_url}")
             if r.status_code == 200:
@@ -92,12 +94,17 @@ class OpenAICompatEngine(Engine):
         return Readiness("loading", f"HTTP {r.status_code} from {self.health_paths[-1]}")
 
     def poll(self, client: Any, spec: LaunchSpec, previous: Sample | None) -> Sample:
+        """One reading: ``/metrics`` (``/v1/models`` for a plain OpenAI server, which has no figures), read with
+        a size cap and an overall deadline (the client's timeout; :func:`._http.get_capped`)."""
+        deadline = deadline_of(client)
         if self.METRICS is None:
-            r = client.get(spec.base_url + "/v1/models", headers=self._headers(spec), timeout=5.0)
+            r = get_capped(client, spec.base_url + "/v1/models", headers=self._headers(spec), cap=SMALL_BODY_CAP,
+                           deadline_s=deadline)
             r.raise_for_status()
             return Sample(t=time.time(), engine=self.name,
                           extra={"attach_only": True, "note": "a plain OpenAI server reports no load figures"})
-        r = client.get(spec.base_url + "/metrics", headers=self._headers(spec), timeout=5.0)
+        r = get_capped(client, spec.base_url + "/metrics", headers=self._headers(spec), cap=METRICS_BODY_CAP,
+                       deadline_s=deadline)
         r.raise_for_status()
         t = time.time()
         return self.sample_from_text(r.text, t, previous)
@@ -116,13 +123,14 @@ class OpenAICompatEngine(Engine):
             base = last                   # the window moves on: percentiles over the requests since the last scrape
 
         def total(name: str | None) -> float | None:
-            return cur.total(name) if name else None
+            # requests, tokens and rates cannot be negative: a server that says so says nothing (missing)
+            return _not_negative(cur.total(name)) if name else None
 
         running, waiting = total(m.running), total(m.waiting)
         # a 0..1 gauge exported once per rank: the mean over ranks is the figure (a sum of fractions is not one)
-        kv = _mean_gauge(cur, m.kv_usage)
+        kv = _fraction(_mean_gauge(cur, m.kv_usage))
         if kv is None:
-            kv = _mean_gauge(cur, m.kv_usage_old)
+            kv = _fraction(_mean_gauge(cur, m.kv_usage_old))
         gen_total = total(m.generation_tokens)
         req_total = total(m.requests)
         extra: dict[str, Any] = {"attach_only": True, "kv_cache_usage": kv}
@@ -159,7 +167,8 @@ class OpenAICompatEngine(Engine):
                 if not name:
                     continue
                 for rank, v in cur.by_label(name, label).items():
-                    out.setdefault(f"{label}={rank}", {})[key] = v
+                    out.setdefault(f"{label}={rank}", {})[key] = (_fraction(v) if key == "kv_cache_usage"
+                                                                  else _not_negative(v))
         return out
 
 
@@ -167,8 +176,21 @@ def _mean_gauge(cur: prom.Scrape, name: str | None) -> float | None:
     """The mean of a gauge over its label sets (one label set: its value); None when it is not exported."""
     if not name:
         return None
-    rows = [v for _, v in cur.samples.get(name, ())]
-    return sum(rows) / len(rows) if rows else None
+    rows = [v for _, v in cur.samples.get(name, ()) if math.isfinite(v)]
+    mean = sum(rows) / len(rows) if rows else None
+    return mean if mean is not None and math.isfinite(mean) else None
+
+
+def _not_negative(v: float | None) -> float | None:
+    """A count, a total or a rate as measured: None (missing) when it is not a finite number ≥ 0."""
+    return v if v is not None and math.isfinite(v) and v >= 0 else None
+
+
+def _fraction(v: float | None) -> float | None:
+    """A 0..1 usage as measured: None (missing) outside it (a rounding hair above 1 is 1)."""
+    if v is None or not math.isfinite(v) or v < 0 or v > 1.0 + 1e-6:
+        return None
+    return min(v, 1.0)
 
 
 ENGINE = OpenAICompatEngine()

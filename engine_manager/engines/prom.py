@@ -38,7 +38,8 @@ class Scrape:
         if not rows:
             return None
         vals = [v for _, v in rows if math.isfinite(v)]
-        return float(sum(vals)) if vals else None
+        total = float(sum(vals)) if vals else None
+        return total if total is not None and math.isfinite(total) else None     # a sum past 1.8e308: missing
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         """``name`` summed per value of ``label`` (e.g. per engine / data-parallel rank / tensor-parallel rank);
@@ -48,7 +49,7 @@ class Scrape:
             d = dict(labels)
             if label in d and math.isfinite(v):
                 out[d[label]] = out.get(d[label], 0.0) + v
-        return out
+        return {k: v for k, v in out.items() if math.isfinite(v)}
 
     def buckets(self, base: str) -> list[tuple[float, float]] | None:
         """The cumulative buckets ``(le, count)`` of histogram ``base`` summed over every other label, in ``le``
@@ -65,8 +66,10 @@ class Scrape:
                 bound = float(le)
             except ValueError:
                 continue
+            if math.isnan(bound) or not math.isfinite(v) or v < 0:
+                continue
             acc[bound] = acc.get(bound, 0.0) + v
-        return sorted(acc.items()) or None
+        return sorted((b, c) for b, c in acc.items() if math.isfinite(c)) or None
 
 
 def parse(text: str, t: float) -> Scrape:
@@ -87,9 +90,10 @@ def rate(cur: Scrape, prev: Scrape | None, name: str) -> float | None:
         return None
     a, b = prev.total(name), cur.total(name)
     dt = cur.t - prev.t
-    if a is None or b is None or dt <= 0 or b < a:
+    if a is None or b is None or dt <= 0 or a < 0 or b < a:      # a counter is never negative
         return None
-    return (b - a) / dt
+    r = (b - a) / dt
+    return r if math.isfinite(r) else None
 
 
 def delta_buckets(cur: list[tuple[float, float]] | None,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_bytes, atomic_write_json
-from ..errors import PlacementRefused
+from ..errors import EngineSetupError, PlacementRefused
 from .base import Engine, FailureHint, LaunchSpec, LogEvent, Readiness, Sample
 from .strata import (
     FAILURE_PATTERNS,
@@ -134,6 +134,12 @@ class SimEngine(Engine):
                  "--vram-reserve-mib", str(int(settings.vram_reserve_mib)),
                  "--default-max-tokens", str(int(settings.default_max_tokens))]
         sim_args = getattr(settings, "sim_args", "") or ""
+        if sim_args:
+            from ..sim.__main__ import env_args_problem   # the sim's own parser: abbreviations count too
+
+            problem = env_args_problem(sim_args)
+            if problem:
+                raise EngineSetupError(problem)
         try:
             own_trace = _flag_value(shlex.split(sim_args), "--dump-routing")
         except ValueError:

@@ -37,11 +37,11 @@ from __future__ import annotations
 import json
 import re
 import struct
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator, Literal
 
+from .. import release_check as _release
 from ..atomic import atomic_write_bytes, atomic_write_json
 from ..errors import PlacementRefused
 from . import _prometheus as _prom
@@ -54,6 +54,7 @@ from .base import (
     LogPattern,
     Readiness,
     Sample,
+    vram_share,
 )
 
 if TYPE_CHECKING:
@@ -63,7 +64,9 @@ DEFAULT_RELEASE = "v0.1.0"                 # the guides' engine release (prebuil
 CONFIG_NAME = "strata-config.json"
 KEY_ENV = "STRATA_API_KEY"        # what serve/server.py reads when --api-key is not given
 PROFILE_NAME = "expert-profile.strp"
-ENGINE_BINARIES = ("bin/strata", "build/bin/strata", "build/strata", "strata", "bin/strata-engine")
+# engine/strata first (Strata's setup layout): engine_manager.release_check owns the list
+ENGINE_BINARIES = _release.ENGINE_BINARIES
+READY_ENV = "STRATA_ENGINE_READY_S"   # serve/server.py @2291cb3: the server's READY deadline (default 900 s)
 # the engine's own stderr: Strata's server sends the native engine's stderr to the config's "log" file (serve/server.py
 # StrataEngine.__init__: stderr=open(log, "a"), else DEVNULL); the keeper follows it into the panel's engine log
 ENGINE_LOG_NAME = "strata-engine.log"
@@ -83,7 +86,37 @@ def _p(regex: str, cause: str, title: str, fix: str) -> LogPattern:
     return LogPattern(re.compile(regex, re.I), FailureHint(cause, title, fix))
 
 
+UPGRADE_RELEASE = _release.UPGRADE_RELEASE
+
 FAILURE_PATTERNS: list[LogPattern] = [
+    # src/core/expert_cache.cpp @2249c24 ExpertCache::open, printed by generate.cpp as "strata generate: %s", exit 1
+    _p(r"ExpertCache: \d+ slots x \d+ B = [\d.]+ GiB, but only [\d.]+ GiB of VRAM is free",
+       "expert_cache_oom", "The planned hot set does not fit the VRAM that was free when the engine filled it",
+       "Re-plan with the VRAM the engine found free (Placement tab or `dsv41 plan`), then start again."),
+    # the dynamic loader's own words (ld.so), before main(): the prebuilt engine loads CUDA 13 from the release's
+    # .venv (setup.py CUDA_WHEELS), which reaches it only through the config's lib_dirs (server.py child_env)
+    _p(r"error while loading shared libraries: (libcublas|libcublasLt|libcudart)\S*",
+       "cuda_libs_missing", "The engine could not load NVIDIA's CUDA libraries",
+       "The prebuilt engine loads libcublas.so.13 from NVIDIA's CUDA 13 wheels in the release's .venv: install "
+       "them there (`<release>/.venv/bin/python -m pip install nvidia-cublas==13.0.2.14 "
+       "nvidia-cuda-runtime==13.0.96`, or run Strata's setup again), check with `dsv41 doctor`, then start again."),
+    # serve/server.py @2291cb3 StrataEngine.__init__: EngineDied("the engine did not report READY within N s ...")
+    _p(r"did not report READY within [\d.]+ s",
+       "engine_ready_timeout", "Strata's server stopped the engine: it did not finish loading in the time allowed",
+       "The panel gives Strata's server its own readiness timeout (STRATA_ENGINE_READY_S). A first load of the "
+       "264 GB model from a slow disk can take longer: raise it (`dsv41 settings set ready_timeout_s 14400`, or "
+       "DSV41_READY_TIMEOUT) and start again; if the load never moves, read the engine log (`dsv41 logs`)."),
+    # src/program/generate.cpp @2291cb3: --native without a shard holding per_layer_token_embd.weight
+    _p(r"--native requires --ple-gguf",
+       "ple_gguf_missing", "This engine build cannot run this model (it needs a per-layer embedding table the "
+       "model does not have)", UPGRADE_RELEASE),
+    # tools/iq_pack.py @d4e6823 main(): print(f"unsupported architecture {arch!r}"), exit 1
+    _p(r"unsupported architecture '[^']*'",
+       "pack_arch_unsupported", "This release's iq_pack cannot prepare this model", UPGRADE_RELEASE),
+    # the server run without its .venv (serve/frontend.py imports jinja2; tools/strata_tokenizer.py regex)
+    _p(r"No module named '(jinja2|regex|numpy)'",
+       "release_python_missing", "Strata's server ran without the Python packages of its release",
+       "The server runs with the release's own .venv Python: " + _release.SETUP_HINT + "."),
     # generate.cpp main(): `unknown argument: <arg>` (then usage, exit 2); `<flag> needs a value` (exit 2)
     _p(r"^\s*unknown argument: \S+|^\s*--[\w-]+ needs a value\b|unrecognized arguments|error: argument --",
        "bad_engine_flag", "The engine refused a command-line argument",
@@ -150,11 +183,39 @@ def classify(patterns: list[LogPattern], returncode: int | None, log_tail: list[
         for pat in patterns:
             if pat.regex.search(line):
                 said = line.strip()
-                said = said if len(said) <= 160 else said[:157] + "..."
-                return FailureHint(pat.hint.cause, f"{pat.hint.title} — the engine said: {said}", pat.hint.fix)
+                said = said if len(said) <= 200 else said[:197] + "..."
+                fix = expert_cache_fix(line) or pat.hint.fix if pat.hint.cause == "expert_cache_oom" else pat.hint.fix
+                return FailureHint(pat.hint.cause, f"{pat.hint.title} — the engine said: {said}", fix)
     if returncode in (-9, 137):
         return OOM_KILLED
     return None
+
+
+_EXPERT_CACHE_OOM = re.compile(r"ExpertCache: (?P<n>\d{1,9}) slots x (?P<b>\d{1,12}) B = (?P<want>[\d.]{1,12}) GiB, "
+                               r"but only (?P<free>[\d.]{1,12}) GiB of VRAM is free \((?P<used>[\d.]{1,12}) GiB of "
+                               r"(?P<total>[\d.]{1,12}) GiB total\)")
+
+
+def expert_cache_fix(line: str) -> str | None:
+    """The re-plan that fits, from the engine's own ExpertCache line (expert_cache.cpp @2249c24 ``ExpertCache::open``:
+    N slots x B bytes = G GiB wanted, F GiB free, (U GiB used of T GiB total)): the slots that fit the free VRAM, and
+    a VRAM budget for the planner lowered by what was missing (G - F) and half a GiB of margin."""
+    m = _EXPERT_CACHE_OOM.search(line)
+    if not m:
+        return None
+    try:
+        n, blob = int(m["n"]), int(m["b"])
+        want, free, total = float(m["want"]), float(m["free"]), float(m["total"])
+    except ValueError:
+        return None
+    if blob <= 0 or n <= 0 or not 0 <= free < want or total <= 0:
+        return None
+    fits = int(free * 2**30 // blob)
+    budget = max(0.0, total - (want - free) - 0.5)
+    return (f"The engine asked for {n:,} expert slots ({want:.2f} GiB) but found only {free:.2f} GiB of VRAM free "
+            f"after loading the rest: about {fits:,} slots fit. Re-plan with the VRAM the engine found: "
+            f"`dsv41 plan --vram-gib {budget:.1f}` (or that VRAM budget on the Placement tab), then start again; "
+            "close other programs using the GPU (nvidia-smi lists them) if the card should have had more free.")
 
 
 # ------------------------------------------------------------------------------------------------ log lines
@@ -176,8 +237,18 @@ _KV = re.compile(r"(\w+)=(\S+)")
 # server.py Service.run's stdout: "[strata] done: N tokens ... expert cache X% hit (+Y% of the routed experts over
 # PCIe)" — one finished request
 _HIT = re.compile(r"expert cache ([\d.]+)% hit(?: \(\+([\d.]+)% of the routed experts over PCIe\))?", re.I)
-# generate.cpp serve loop, after DONE: "strata serve: decode expert cache hit rate: 90.0% (H hits / L lookups)"
-_DECODE_HIT = re.compile(r"decode expert cache hit rate: ([\d.]+)% \((\d+) hits / (\d+) lookups\)")
+# generate.cpp @2291cb3 serve loop, after DONE (a solo request, or a batch admission: prompt + first token):
+# "strata serve: decode expert cache hit rate: 90.0% (H hits / L lookups)[; O more read by the GPU over PCIe or from
+# another GPU (P% of all R routed)]" — the experts read over PCIe are not in the lookups (#588)
+_DECODE_HIT = re.compile(r"decode expert cache hit rate: ([\d.]+)% \((\d+) hits / (\d+) lookups\)"
+                         r"(?:; (\d+) more read by the GPU over PCIe or from another GPU \(([\d.]+)% of all (\d+) "
+                         r"routed\))?")
+# generate.cpp @2291cb3, the batch windows' report when the last slot is done (all slots' decode together):
+# "strata batch: N windows, ...; routed entries per window: VRAM a (p%), PCIe b (q%), CPU c (r%)..."
+_BATCH_HIT = re.compile(r"strata batch: (\d+) windows,.*routed entries per window: VRAM [\d.]+ \(([\d.]+)%\), "
+                        r"PCIe [\d.]+ \(([\d.]+)%\), CPU [\d.]+ \(([\d.]+)%\)")
+# serve/server.py @2291cb3 StrataEngine.__init__: fewer batch slots than the config's "parallel" asked for
+_PARALLEL = re.compile(r"\[strata\] parallel requests: (\d+) asked, the engine runs (\d+|one at a time)")
 # generate.cpp: "strata serve: prompt N tokens = R reused + F read in MS ms (X tok/s), G generated in MS ms (Y tok/s)"
 _REQUEST = re.compile(r"prompt (?P<prompt>\d+) tokens = (?P<reused>\d+) reused \+ \d+(?: of \d+)? read in "
                       r"(?P<pms>[\d.]+) ms \((?P<pp>[\d.]+) tok/s\), (?P<gen>\d+) generated in (?P<gms>[\d.]+) ms "
@@ -220,8 +291,25 @@ def parse_strata_log_line(line: str, patterns: list[LogPattern] | None = None) -
         return LogEvent("error", text.strip(), data={"cause": "bad_engine_flag", "argument": m.group("arg")})
     m = _DECODE_HIT.search(text)
     if m:
-        return LogEvent("info", text.strip(), data={"hit_rate": float(m.group(1)) / 100, "hits": int(m.group(2)),
-                                                     "lookups": int(m.group(3)), "finished_request": True})
+        hits, look = int(m.group(2)), int(m.group(3))
+        off = int(m.group(4)) if m.group(4) is not None else 0
+        return LogEvent("info", text.strip(), data={
+            "hit_rate": float(m.group(1)) / 100, "hits": hits, "lookups": look, "offloaded": off,
+            "pcie_share": off / (look + off) if look + off else None,
+            "vram_share": hits / (look + off) if look + off else None, "decode_scope": "request",
+            "finished_request": True})
+    m = _BATCH_HIT.search(text)
+    if m:
+        vram, pcie, cpu = (float(m.group(i)) / 100 for i in (2, 3, 4))
+        return LogEvent("info", text.strip(), data={
+            "hit_rate": vram / (vram + cpu) if vram + cpu > 0 else None, "pcie_share": pcie, "vram_share": vram,
+            "cpu_share": cpu, "batch_windows": int(m.group(1)), "decode_scope": "batch"})
+    m = _PARALLEL.search(text)
+    if m:
+        runs = 1 if m.group(2) == "one at a time" else int(m.group(2))
+        return LogEvent("info", text.strip(), data={
+            "parallel_asked": int(m.group(1)), "parallel_runs": runs,
+            "note": f"parallel requests: {m.group(1)} asked, the engine runs {m.group(2)} (its log says why)"})
     m = _REQUEST.search(text)
     if m:
         return LogEvent("info", text.strip(), data={
@@ -242,6 +330,7 @@ def parse_strata_log_line(line: str, patterns: list[LogPattern] | None = None) -
         data = {"hit_rate": float(m.group(1)) / 100, "finished_request": True}
         if m.group(2) is not None:
             data["pcie_share"] = float(m.group(2)) / 100
+            data["vram_share"] = vram_share(data["hit_rate"], data["pcie_share"])
         return LogEvent("info", text.strip(), data=data)
     for pat in patterns if patterns is not None else FAILURE_PATTERNS:
         if pat.regex.search(text):
@@ -290,16 +379,27 @@ def newest_request(requests: Any) -> dict[str, Any] | None:
     return max(timed, key=lambda r: float(r["time"])) if timed else rows[0]
 
 
-def recent_hit_rate(requests: Any) -> tuple[float | None, int]:
+def recent_hit_rate(requests: Any, *, admission_only: bool = False, vram: bool = False
+                    ) -> tuple[float | None, int]:
     """The hit rate over the finished requests listed (Strata keeps the newest 12 in ``requests[]``), weighted by
-    the tokens each decoded (hits and lookups are counted per decoded token). → (rate, requests used)."""
+    the tokens each decoded (hits and lookups are counted per decoded token). → (rate, requests used).
+
+    ``admission_only``: with 2+ batch slots a request's ``hit_rate`` covers only its admission's DONE (prompt +
+    first token): ``BDONE`` updates ``finish``, ``decode_ms`` and ``generated``, not ``hits``/``lookups``/
+    ``offloaded`` (serve/server.py @2291cb3 ``StrataEngine.generate_batched``), so weighting it by the whole
+    request's tokens would be wrong: each request counts once. ``vram``: the VRAM share of routed picks,
+    ``hit_rate × (1 − pcie_share)``, instead of the engine's hit rate."""
     rows = [r for r in (requests or []) if isinstance(r, dict)] if isinstance(requests, list) else []
     num = den = 0.0
     used = 0
     for r in rows:
         h = _rate01(r.get("hit_rate"))
+        if vram:
+            h = vram_share(h, _rate01(r.get("pcie_share")))
         w = _f(r.get("engine_generated"))
         w = w if w is not None else _f(r.get("output_tokens"))
+        if admission_only and w is not None:
+            w = 1.0
         if h is None or not w or w <= 0:
             continue
         num, den, used = num + h * w, den + w, used + 1
@@ -328,12 +428,19 @@ def sample_from_metrics(doc: dict[str, Any], engine: str, previous: Sample | Non
     - busy slots: the slots Strata marks busy (``state != "idle"``; idle slots are listed too). A lone request on
       the solo path sits in no slot (every slot idle, ``live.running`` 1): one busy. Without ``--batch`` (no
       ``slots``): one busy while ``live.state`` is reading/generating.
-    - per-slot rates: each decoding slot's ``tok_s``; missing on the solo path (no slot holds the request).
+    - per-slot rates: each decoding slot's ``tok_s``; the lone request on the solo path (no slot holds it) and the
+      one request of an engine without ``--batch`` are slot 0 (one busy slot is a slot).
+    - prefill: while a prompt is read, that prompt's rate (``prompt_read`` growth, else the engine's PP mean) or
+      missing — never the previous request's; ``extra`` keeps ``prompt_read`` of ``prompt_total``.
     - hit rate: Strata reports one only when a request finishes (``requests[].hit_rate`` from the engine's DONE line;
       no live source). ``hit_rate`` is therefore missing while a request runs and is the newest finished request's
       while idle (the Monitor labels it "last"); ``extra`` carries ``hit_rate_last`` (+ ``hit_rate_last_at``) and
       ``hit_rate_recent`` over the listed finished requests, token-weighted (+ ``hit_rate_recent_requests``), and
-      ``hit_rate_live`` None with ``hit_rate_live_missing`` saying why.
+      ``hit_rate_live`` None with ``hit_rate_live_missing`` saying why. ``pcie_share`` (the newest finished
+      request's share of routed picks read over PCIe, not in its lookups) and ``extra["vram_share_last"]`` /
+      ``["vram_share_recent"]`` (``hit_rate × (1 − pcie_share)``: the share served from VRAM). With 2+ slots a
+      request's figures cover its admission only (``extra["hit_rate_scope"]`` "admission"; the recent figure then
+      counts each request once).
     - PCIe: ``hardware.gpu_pcie_rx_mb``/``tx_mb`` (NVML KB/s ÷ 1024).
     ``status`` (``/v1/status``) fills the VRAM figures when ``hardware`` has none."""
     t = time.time() if t is None else t
@@ -360,9 +467,12 @@ def sample_from_metrics(doc: dict[str, Any], engine: str, previous: Sample | Non
         in_slots = sum(1 for x in slot_rows if slot_is_busy(x))
         solo = in_slots == 0 and busy_state and (running is None or running > 0)
         s.slots_busy = 1 if solo else in_slots
-        s.decode_tok_s_per_slot = None if solo else decoding
+        # the lone request on the solo path sits in no slot: one busy slot is still a slot, drawn as slot 0
+        s.decode_tok_s_per_slot = ({0: s.decode_tok_s} if s.decode_tok_s is not None else {}) if solo else decoding
     elif s.state is not None:
         s.slots_busy = 1 if busy_state else 0
+        # no --batch: one request at a time, in the one slot there is
+        s.decode_tok_s_per_slot = {0: s.decode_tok_s} if s.decode_tok_s is not None else {}
     s.slots_total = _i(live.get("parallel")) or _i(eng.get("batch_slots")) or (len(slot_rows) or None)
     if s.slots_total is None and s.state is not None:
         s.slots_total = 1                     # no --batch: one request at a time (/v1/status concurrency.serving)
@@ -375,6 +485,8 @@ def sample_from_metrics(doc: dict[str, Any], engine: str, previous: Sample | Non
         s.prefill_tok_s = (pr - prev_pr) / (t - previous.t)
     elif s.state == "reading" and _f(live.get("prefill_tok_s_mean")) is not None:
         s.prefill_tok_s = _f(live.get("prefill_tok_s_mean"))
+    elif s.state == "reading":
+        s.prefill_tok_s = None          # this prompt's rate is not known yet: never the previous request's as live
     elif last and _f(last.get("prompt_ms")):
         read = _f(last.get("prompt_read"))
         if read is None and _f(last.get("prompt_tokens")) is not None:
@@ -383,8 +495,12 @@ def sample_from_metrics(doc: dict[str, Any], engine: str, previous: Sample | Non
         s.prefill_tok_s = read / (ms / 1000) if read is not None and ms > 0 else None
     # hit rate: no live source in Strata (SOURCES.md "Swaps / Live hit rate")
     hit_last = _rate01(last.get("hit_rate")) if last else None
-    hit_recent, recent_n = recent_hit_rate(doc.get("requests"))
+    pcie_last = _rate01(last.get("pcie_share")) if last and hit_last is not None else None
+    batch = (_i(live.get("parallel")) or _i(eng.get("batch_slots")) or 0) >= 2
+    hit_recent, recent_n = recent_hit_rate(doc.get("requests"), admission_only=batch)
+    vram_recent, _ = recent_hit_rate(doc.get("requests"), admission_only=batch, vram=True)
     s.hit_rate = None if busy_state else hit_last
+    s.pcie_share = pcie_last       # the newest finished request's, as extra["hit_rate_last"] (no live one either)
     rx, tx = _f(hw.get("gpu_pcie_rx_mb")), _f(hw.get("gpu_pcie_tx_mb"))
     s.pcie_rx_mb_s = rx * STRATA_MB_TO_MB if rx is not None else None
     s.pcie_tx_mb_s = tx * STRATA_MB_TO_MB if tx is not None else None
@@ -409,7 +525,10 @@ def sample_from_metrics(doc: dict[str, Any], engine: str, previous: Sample | Non
         "hit_rate_recent": hit_recent, "hit_rate_recent_requests": recent_n if hit_recent is not None else None,
         "hit_rate_live_missing": ("Strata reports the expert-cache hit rate when a request finishes, not while "
                                   "it runs") if busy_state else None,
-        "last_pcie_share": _rate01(last.get("pcie_share")) if last else None,
+        "last_pcie_share": pcie_last, "pcie_share_last": pcie_last,
+        "vram_share_last": vram_share(hit_last, pcie_last), "vram_share_recent": vram_recent,
+        # with 2+ slots a request's hit rate is its admission's (prompt + first token), not its decode's
+        "hit_rate_scope": ("admission" if batch else "request") if hit_last is not None else None,
         "last_finish": last.get("finish") if last else None,
         "gpu_util_pct": _f(hw.get("gpu_util")), "cpu_pct": _f(hw.get("cpu")),
         "gpu_pcie_gen": _i(hw.get("gpu_pcie_gen")), "gpu_pcie_width": _i(hw.get("gpu_pcie_width")),
@@ -528,6 +647,36 @@ def write_strp(path: Path, n_layers: int, n_experts: int, pairs: list[tuple[int,
 
 
 # ------------------------------------------------------------------------------------------------ the engine
+# how Strata finds a split model's shards: BY NAME beside shard 1 (tools/iq_pack.py @d4e6823 Model.__init__;
+# src/program/generate.cpp @2291cb3 gguf_split_paths): <name>-0000N-of-0000M.gguf
+STRATA_SHARD_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def shard_name_problem(native: str) -> str | None:
+    """Plain words when the model's shards are not named the way Strata finds them (the panel finds them by their
+    split metadata, Strata by name), with the names to give them; None when they are (or the model is one file)."""
+    from ..gguf_split import SplitError, find_split, shard_name
+
+    try:
+        split = find_split(native)
+    except SplitError:
+        return None                               # the pack check says what is wrong with the split
+    if split.count <= 1:
+        return None
+    first = split.first.name
+    m = STRATA_SHARD_RE.search(first)
+    stem = first[:m.start()] if m else (first[:-5] if first.endswith(".gguf") else first)
+    want = [shard_name(stem, i + 1, split.count) for i in range(split.count)]
+    wrong = [(p.name, w) for p, w in zip(split.shards, want) if p.name != w]
+    if not wrong:
+        return None
+    shown = "; ".join(f"{a} → {b}" for a, b in wrong[:3]) + (f"; … ({len(wrong)} in all)" if len(wrong) > 3 else "")
+    return (f"The model's {split.count} shards are not named the way the Strata engine finds them: it opens shard 1 "
+            "and looks for the others BY NAME beside it (<name>-00001-of-0000N.gguf, …), so it would refuse this "
+            f"model however the panel found shard 1. Rename them ({shown}) in {split.first.parent}, then start "
+            "again.")
+
+
 def _release_version() -> str:
     try:
         from .. import paths
@@ -559,6 +708,11 @@ class StrataEngine(Engine):
     label = "deepseek-one-gpu (Strata)"
     simulated = False
     failure_patterns = FAILURE_PATTERNS
+    # Stop goes through the server (serve/server.py @2291cb3 main(): SIGTERM → KeyboardInterrupt → engine.close():
+    # QUIT, then terminate, then kill — the engine's QUIT path saves its learned profile and unpins in order). The
+    # supervisor signals the server alone, once (a second SIGTERM there kills the engine at once), and the process
+    # group only after the server's own budget (3 × 20 s) and a margin have run out.
+    stop_leader_grace_s = 70.0
 
     # -- where things are --------------------------------------------------------------------------------------
     def engine_dir(self, settings: Any) -> Path:
@@ -568,18 +722,26 @@ class StrataEngine(Engine):
         return cache / "engine" / _release_version()
 
     def engine_binary(self, engine_dir: Path) -> Path:
-        for rel in ENGINE_BINARIES:
-            p = engine_dir / rel
-            if p.is_file():
-                return p
-        return engine_dir / ENGINE_BINARIES[0]
+        """``engine/strata`` first (Strata's setup), then older layouts (:func:`release_check.engine_binary`)."""
+        return _release.engine_binary(engine_dir)
 
     def python(self, engine_dir: Path) -> str:
-        for rel in (".venv/bin/python", "venv/bin/python", ".venv/bin/python3"):
-            p = engine_dir / rel
-            if p.exists():
-                return str(p)
-        return sys.executable
+        """The release's own ``.venv`` Python, which runs ``serve/server.py`` and ``tools/iq_pack.py`` — never the
+        panel's interpreter (inside the one-folder bundle ``sys.executable`` is the panel itself). Without a
+        ``.venv`` its would-be path (preflight then refuses the start and says what to run)."""
+        py = _release.release_python(engine_dir)
+        return str(py) if py is not None else str(Path(engine_dir) / _release.VENV_PYTHONS[0])
+
+    def release_summary(self, settings: Any) -> str | None:
+        """What the release this adapter starts says about its engine build (``engine/BUILD.json``: version, CUDA,
+        architectures; :mod:`engine_manager.release_check`), or why it is unknown; None without a release."""
+        edir = self.engine_dir(settings)
+        if not edir.is_dir():
+            return None
+        build, why = _release.build_info(edir)
+        if build is not None:
+            return build.summary()
+        return f"unknown ({why})" if why else f"unknown (no BUILD.json beside {self.engine_binary(edir)})"
 
     def model_file(self, settings: Any, plan: dict[str, Any] | None) -> str | None:
         """Shard 1 of the model's split (``--native SHARD1``), found from the split metadata
@@ -631,8 +793,11 @@ class StrataEngine(Engine):
         if not edir.is_dir():
             raise ProvisionError(f"The Strata engine release is not installed: {edir} does not exist. Download it "
                                  "(`dsv41 download --engine`) or set DSV41_ENGINE_DIR to the unpacked release.")
-        return (yield from provision(edir, model, python=self.python(edir), pack=self.pack_dir(model),
-                                     force=force))
+        py = _release.release_python(edir)
+        if py is None:
+            raise ProvisionError(f"The engine release in {edir} has no .venv: its tools/iq_pack.py runs with the "
+                                 f"release's own Python. To make it, {_release.SETUP_HINT}; then start again.")
+        return (yield from provision(edir, model, python=str(py), pack=self.pack_dir(model), force=force))
 
     def preflight(self, spec: LaunchSpec) -> list[str]:
         """Plain-words problems that would stop this launch: release, server, binary, model, pack."""
@@ -648,6 +813,10 @@ class StrataEngine(Engine):
             problems.append(f"The Strata engine is not installed: {server} does not exist. Download the engine "
                             "release (Downloads tab or `dsv41 download --engine`) or set DSV41_ENGINE_DIR to "
                             "the unpacked release.")
+        if edir is not None and _release.release_python(edir) is None:
+            problems.append(f"The engine release in {edir} has no .venv: Strata's server and tools run with the "
+                            f"release's own Python (never the panel's). To make it, {_release.SETUP_HINT}; then "
+                            "start again.")
         cfg = spec.files.get("config")
         if not cfg:
             return problems
@@ -666,6 +835,8 @@ class StrataEngine(Engine):
             problems.append("No model file: set DSV41_MODEL_DIR or download the model.")
         elif not Path(native).is_file():
             problems.append(f"The model file {native} does not exist: download the model or set DSV41_MODEL_DIR.")
+        elif (named := shard_name_problem(native)) is not None:
+            problems.append(named)
         elif pack:
             from ..gguf_split import SplitError, find_split
             from ..provision import TOOL, pack_state
@@ -715,6 +886,10 @@ class StrataEngine(Engine):
         args = _set_flag(args, "--kv", settings.kv_type)
         # the fork's default is "fork"; plain Strata refuses the flag: pass it only when it changes something
         args = _set_flag(args, "--cpu-numerics", "gpu" if settings.cpu_numerics == "gpu" else None)
+        # generate.cpp's default prefill_chunk = 0 reads a prompt token by token; Strata's setup writes
+        # "--prefill auto" (chunks up to 32768 tokens: serve/server.py @2291cb3 PP_CHUNK_MAX)
+        if getattr(settings, "strata_prefill_auto", True) and "--prefill" not in args:
+            args += ["--prefill", "auto"]
         return args, files
 
     def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
@@ -746,9 +921,12 @@ class StrataEngine(Engine):
             "log": str(engine_log),
             "parallel": int(settings.slots),
         }
-        libs = [str(edir / d) for d in LIB_DIRS if (edir / d).is_dir()]
+        # the release's CUDA libraries (setup.py: BUILD.json's cuda_dirs, else cuda_lib_dirs() in the .venv), which
+        # serve/server.py child_env puts first on LD_LIBRARY_PATH; then a release's own lib folders
+        build, _why = _release.build_info(edir)
+        libs = _release.cuda_lib_dirs(edir, build) + [str(edir / d) for d in LIB_DIRS if (edir / d).is_dir()]
         if libs:
-            config["lib_dirs"] = libs
+            config["lib_dirs"] = list(dict.fromkeys(libs))
         cfg_path = workdir / CONFIG_NAME
         atomic_write_json(cfg_path, config)
         files["config"] = str(cfg_path)
@@ -759,7 +937,9 @@ class StrataEngine(Engine):
             files["plan"] = str(plan_path)
         argv = [self.python(edir), str(edir / "serve" / "server.py"), "--engine", "strata", "--config", str(cfg_path),
                 "--host", settings.host, "--port", str(settings.port), "--gpu", str(settings.gpu_index)]
-        env = {"PYTHONUNBUFFERED": "1"}
+        # the server's own READY deadline (server.py @2291cb3 ENGINE_READY_S, 900 s by default) is the panel's: a
+        # first load of the whole model from a slow disk must not be cut at 15 minutes with "cause unknown"
+        env = {"PYTHONUNBUFFERED": "1", READY_ENV: str(int(settings.ready_timeout_s))}
         if settings.api_key:        # Strata's --api-key defaults to $STRATA_API_KEY: off the command line (ps)
             env[KEY_ENV] = settings.api_key
         return LaunchSpec(engine=self.name, argv=argv, host=settings.host, port=int(settings.port),

@@ -36,8 +36,10 @@ ENGINE_COLUMNS: tuple[Column, ...] = (
     _c("decode_tok_s", "tok/s", "decode, all slots", "engine"),
     _c("prefill_tok_s", "tok/s", "prefill (prompt reading)", "engine"),
     *(_c(f"slot{i}_tok_s", "tok/s", f"decode, slot {i}", "engine") for i in range(MAX_SLOTS)),
-    _c("hit_rate", "", "hot-set hit rate (observed)", "engine"),
-    _c("hit_rate_last", "", "hot-set hit rate of the newest finished request", "engine"),
+    _c("hit_rate", "", "the engine's hit rate: GPU hits / expert lookups (experts read over PCIe excluded)",
+       "engine"),
+    _c("hit_rate_last", "", "the engine's hit rate of the newest finished request", "engine"),
+    _c("engine_pcie_share", "", "share of routed expert picks read over PCIe (engine)", "engine"),
     _c("engine_swaps_per_s", "1/s", "expert swaps (engine)", "engine"),
     _c("swaps_total", "", "expert swaps since start", "engine"),
     _c("engine_swap_mb_s", "MB/s", "swap traffic (engine)", "engine"),
@@ -79,10 +81,15 @@ HOST_COLUMNS: tuple[Column, ...] = (
 LOG_COLUMNS: tuple[Column, ...] = (
     _c("log_swaps_per_s", "1/s", "expert swaps (log)", "log"),
     _c("log_swap_mb_s", "MB/s", "swap traffic (log)", "log"),
+    _c("log_hit_rate", "", "the engine's hit rate, newest decode line of its log", "log"),
+    _c("log_pcie_share", "", "share of routed picks read over PCIe, newest decode line of its log", "log"),
+    _c("log_vram_share", "", "share of routed picks served from VRAM, newest decode line of its log", "log"),
 )
 
 DERIVED_COLUMNS: tuple[Column, ...] = (
-    _c("hit_rate_rolling", "", "hot-set hit rate (rolling)", "derived"),
+    _c("vram_share", "", "observed share of routed expert picks served from VRAM", "derived"),
+    _c("pcie_share", "", "observed share of routed expert picks read over PCIe", "derived"),
+    _c("hit_rate_rolling", "", "observed VRAM share of routed picks over the last minute", "derived"),
     _c("prefill_live_tok_s", "tok/s", "prefill while a prompt is being read (empty otherwise)", "derived"),
     _c("swaps_per_s", "1/s", "expert swaps", "derived"),
     _c("swap_mb_s", "MB/s", "swap traffic over PCIe", "derived"),

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence, TypeGuard
 
-from ..engines.base import Sample
+from ..engines.base import Sample, vram_share
 from .columns import COLUMN_NAMES
 from .record import Recorder
 from .sources import LogSwapSource, Reading, Source, SourceMissing
@@ -101,6 +101,20 @@ def derive(values: dict[str, float | None], simulated: bool, expert_bytes: int |
     for c in ("decode_tok_s", "prefill_tok_s", "hit_rate", "slots_busy"):
         if _finite(values.get(c)):
             origin[c] = sim
+    # the share of routed expert picks served from VRAM — what a planner predicts. Strata's hit rate leaves the
+    # experts read over PCIe out of its lookups (engines.base.vram_share); the engine log's newest decode line
+    # (one request's, or the batch windows' of all slots) comes first: with 2+ slots a finished request's own
+    # figures cover only its admission
+    pick("pcie_share", ("log_pcie_share", "log"), ("engine_pcie_share", sim))
+    if _finite(values.get("log_vram_share")):
+        values["vram_share"], origin["vram_share"] = values["log_vram_share"], "log"
+    else:
+        hr, ps = values.get("hit_rate"), values.get("engine_pcie_share")
+        if not _finite(hr):
+            hr = values.get("hit_rate_last")      # Strata: no live figure, the newest finished request's
+        values["vram_share"] = vram_share(hr, ps if _finite(ps) else None) if _finite(hr) else None
+        if values["vram_share"] is not None:
+            origin["vram_share"] = sim if _finite(ps) else f"{sim}: hit rate (no PCIe share reported)"
     return origin
 
 
@@ -297,9 +311,10 @@ class MetricsHub:
         return tick
 
     def _rolling(self, t: float, values: dict[str, float | None]) -> float | None:
-        """Hit rate over the last ``rolling_s`` seconds, weighted by the decode rate (hits are per token, so
-        busy seconds count more); idle seconds (decode 0) do not move it."""
-        hr, dec = values.get("hit_rate"), values.get("decode_tok_s")
+        """The observed VRAM share of routed picks (``vram_share``) over the last ``rolling_s`` seconds, weighted
+        by the decode rate (picks are per token, so busy seconds count more); idle seconds (decode 0) do not move
+        it."""
+        hr, dec = values.get("vram_share"), values.get("decode_tok_s")
         if _finite(hr):
             w = dec if _finite(dec) else 1.0
             if w > 0:

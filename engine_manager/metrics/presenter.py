@@ -23,7 +23,7 @@ DASH = "—"
 
 # (key, title) of the cards, in the order the Monitor lays them out
 CARDS: tuple[tuple[str, str], ...] = (
-    ("decode", "Decode"), ("prefill", "Prefill"), ("hit", "GPU hit rate"), ("swaps", "Expert swaps"),
+    ("decode", "Decode"), ("prefill", "Prefill"), ("hit", "Expert picks in VRAM"), ("swaps", "Expert swaps"),
     ("pcie", "PCIe"), ("vram", "VRAM"), ("ram", "RAM"), ("cpu", "CPU"), ("gpu", "GPU"),
     ("engine", "Engine process"))
 
@@ -130,37 +130,19 @@ def cards(tick: Tick) -> dict[str, CardText]:
     # not live: the last request's rate, said in the value itself (the value changes every tick anyway;
     # a title that changed would relay the card out)
     pre_text = fmt_value(pre, "{:.0f}", "tok/s")
+    progress = prompt_progress(tick)
     out["prefill"] = CardText(
         pre_text if live is not False or pre is None else f"last {pre_text}",
-        state if live is not False else f"last request · {state.removeprefix('state: ')}".rstrip(" ·"),
+        progress or (state if live is not False else
+                     f"last request · {state.removeprefix('state: ')}".rstrip(" ·")),
         sim,
-        why("engine") or ("Prompt tokens read per second, live while a prompt is read. " + PREFILL_SLOTS_NOTE
+        why("engine") or ("Prompt tokens read per second, live while a prompt is read: this prompt's own rate "
+                          "(— until it is known), never the previous request's. " + PREFILL_SLOTS_NOTE
                           if live is not False else
                           "No prompt is being read now: this is the last request's prompt rate, not a live one; "
                           "the Throughput plot leaves a gap here. " + PREFILL_SLOTS_NOTE),
         stale=live is False)
-    hr, roll, pred = v.get("hit_rate"), v.get("hit_rate_rolling"), tick.predicted_hit_rate
-    pred_s = "planner: unknown" if pred is None else f"planner {pred * 100:.1f}%"
-    # Strata reports a hit rate only when a request finishes (no live figure): the adapter's extra says the
-    # newest finished request's (hit_rate_last) and a token-weighted one over the recent finished requests
-    hx = getattr(tick.sample, "extra", None) or {}
-    hr_last, hr_recent, hr_n = hx.get("hit_rate_last"), hx.get("hit_rate_recent"), hx.get("hit_rate_recent_requests")
-    no_live = hr is None and hr_last is not None
-    if no_live:
-        hr = hr_last
-    hr_text = fmt_value(None if hr is None else hr * 100, "{:.1f}", "%")
-    idle_hr = (busy == 0 and hr is not None and tick.engine != "llamacpp") or no_live  # llama.cpp's: placement's
-    rolling = (f"last {hr_n:.0f} requests {fmt_value(hr_recent * 100, '{:.1f}', '%')}"
-               if hr_recent is not None and hr_n else
-               f"rolling {fmt_value(None if roll is None else roll * 100, '{:.1f}', '%')}")
-    out["hit"] = CardText(
-        f"last request {hr_text}" if hr_last is not None and idle_hr else f"last {hr_text}" if idle_hr else hr_text,
-        f"{rolling} · {pred_s}", sim,
-        why("engine") or ("The newest finished request's share of expert picks that hit the GPU: the engine "
-                          "reports it when a request finishes, not while one runs." if no_live else
-                          "Idle: the last request's share of expert picks that hit the GPU."
-                          if idle_hr else "Expert picks that hit the GPU, while decoding."),
-        stale=idle_hr)
+    out["hit"] = hit_card(tick, why("engine") or why("log"))
     sw, swmb, swt = v.get("swaps_per_s"), v.get("swap_mb_s"), v.get("swaps_total")
     det = fmt_value(swmb, "{:.0f}", "MB/s")
     if swt is not None:
@@ -202,6 +184,97 @@ def cards(tick: Tick) -> dict[str, CardText]:
     return out
 
 
+def pct(x: float | None) -> str:
+    return fmt_value(None if x is None else x * 100, "{:.1f}", "%")
+
+
+# what each hit-rate figure measures, in the words every view uses (the Monitor, the Placement tab, the planner)
+PLANNER_MEANS = "predicted on the planning traffic"
+OBSERVED_MEANS = "observed VRAM share over the last minute"
+PLACEMENT_MEANS = "share of all observed picks that fall in the planned set"
+ENGINE_HIT_MEANS = ("the engine's own hit rate: GPU hits / expert lookups, which leave out the experts read over "
+                    "PCIe")
+SCOPE_WORDS = {"request": "last request", "admission": "last admission", "batch": "last batch, all slots"}
+
+
+def hit_scope(tick: Tick) -> str | None:
+    """What the newest observed figure covers: "request" (one finished request's decode), "batch" (the engine's
+    batch windows, all slots together), "admission" (a batched request's own figure: its prompt and first
+    token only, Strata's ``requests[].hit_rate`` with 2+ slots), or None (a live figure, or none)."""
+    log_hit = tick.notes.get("log_hit")
+    if tick.origin.get("vram_share") == "log" and isinstance(log_hit, dict):
+        return str(log_hit.get("scope") or "request")
+    hx = getattr(tick.sample, "extra", None) or {}
+    if tick.values.get("vram_share") is not None and hx.get("hit_rate_scope"):
+        return str(hx["hit_rate_scope"])
+    return None
+
+
+def hit_difference_line(tick: Tick) -> str:
+    """One line that says why the planner's prediction and the observed VRAM share differ, when they do
+    (more than 3 points); "" otherwise."""
+    pred = tick.predicted_hit_rate
+    obs = tick.values.get("hit_rate_rolling")
+    if obs is None:
+        obs = tick.values.get("vram_share")
+    if pred is None or obs is None or abs(pred - obs) <= 0.03:
+        return ""
+    return (f"Planner {pct(pred)} vs observed {pct(obs)}: the planner ranked its hot set on the planning traffic; "
+            "these prompts route differently (the adaptive tier moves experts toward them).")
+
+
+def hit_card(tick: Tick, missing_why: str = "") -> CardText:
+    """The observed share of routed expert picks served from VRAM — what the planner predicts — beside the
+    planner's prediction, the PCIe share and the engine's own hit rate, each said by name."""
+    v = tick.values
+    vs, roll, ps, pred = v.get("vram_share"), v.get("hit_rate_rolling"), v.get("pcie_share"), tick.predicted_hit_rate
+    hx = getattr(tick.sample, "extra", None) or {}
+    engine_hr = v.get("log_hit_rate") if tick.origin.get("vram_share") == "log" else None
+    if engine_hr is None:
+        engine_hr = v.get("hit_rate") if v.get("hit_rate") is not None else hx.get("hit_rate_last")
+    scope = hit_scope(tick)
+    admission = hx.get("hit_rate_scope") == "admission"
+    # llama.cpp's figure is its placement's (the share of MoE layers on the GPU): live, never "last"
+    stale = tick.engine != "llamacpp" and vs is not None and (scope is not None or v.get("slots_busy") == 0)
+    value = pct(vs)
+    if stale and vs is not None:
+        value = f"{SCOPE_WORDS.get(scope or 'request', 'last')} {value}"
+    line1 = f"planner {pct(pred) if pred is not None else 'unknown'} · 1 min {pct(roll)}"
+    if ps is not None:
+        line1 += f" · PCIe {pct(ps)}"
+    line2 = f"engine's hit rate {pct(engine_hr)}" + (" (admission only)" if admission else "")
+    tip = (f"Value: the share of all routed expert picks served from VRAM, observed ({SCOPE_WORDS.get(scope or '', 'now')}"
+           f"; {tick.origin.get('vram_share', 'no figure yet')}). Strata's hit rate leaves the experts read over PCIe "
+           "out of its lookups, so this is hit rate × (1 − PCIe share).\n"
+           f"planner: {PLANNER_MEANS}. 1 min: {OBSERVED_MEANS}. PCIe: the share of routed picks the GPU read over "
+           f"PCIe. engine's hit rate: {ENGINE_HIT_MEANS}."
+           + ("\nWith 2+ slots a finished request's own figures cover only its admission (its prompt and first "
+              "token); the engine log's batch line covers the decode of all slots." if admission else ""))
+    diff = hit_difference_line(tick)
+    if diff:
+        tip += "\n" + diff
+    return CardText(value, f"{line1}\n{line2}", tick.simulated, missing_why or tip, stale=stale)
+
+
+def prompt_progress(tick: Tick) -> str:
+    """While a prompt is read: "read 12,288 of 98,179 tokens" (that prompt's, never the previous request's);
+    "" otherwise."""
+    s = tick.sample
+    if s is None or s.state != "reading":
+        return ""
+    read, total = s.extra.get("prompt_read"), s.extra.get("prompt_total")
+    if isinstance(read, int) and isinstance(total, int) and total > 0:
+        return f"reading: {read:,} of {total:,} tokens ({100 * read / total:.0f}%)"
+    return "reading the prompt"
+
+
+def engine_notes(tick: Tick | None) -> list[str]:
+    """What the engine said the user should know (its log: e.g. "parallel requests: 4 asked, the engine runs
+    2")."""
+    notes = tick.notes.get("engine_notes") if tick is not None else None
+    return [str(n) for n in notes] if isinstance(notes, list) else []
+
+
 def stopped_cards() -> dict[str, CardText]:
     """Nothing is live any more: every card shows "—" and says so."""
     return {key: CardText(DASH, "engine stopped", False, STOPPED_TIP, stale=True) for key, _ in CARDS}
@@ -221,6 +294,7 @@ def status_text(hub: Any, tick: Tick | None) -> tuple[str, str | None]:
     # a source that cannot work on this machine (no NVIDIA GPU) is said on its card, not here every tick
     never = {s.name for s in hub.sources if s.unavailable}
     missing = {k: v for k, v in (tick.missing.items() if tick is not None else ()) if k not in never}
+    parts.extend(f"engine: {n}" for n in engine_notes(tick))
     if missing:
         parts.append("missing: " + "; ".join(f"{k} ({v})" for k, v in sorted(missing.items())))
     text = " · ".join(parts)
@@ -253,9 +327,12 @@ def text_line(tick: Tick) -> str:
     parts = [
         time.strftime("%H:%M:%S", time.localtime(tick.t)),
         f"decode {decode}",
-        f"{prefill} {f('prefill_tok_s', '{:.0f}', unit=' tok/s')}",
+        f"{prefill} {f('prefill_tok_s', '{:.0f}', unit=' tok/s')}" + (f" ({prompt_progress(tick)})"
+                                                                        if prompt_progress(tick) else ""),
         users,
-        f"hit {f('hit_rate', '{:.1f}', 100, '%')} (rolling {f('hit_rate_rolling', '{:.1f}', 100, '%')})",
+        f"in VRAM {f('vram_share', '{:.1f}', 100, '%')} (1 min {f('hit_rate_rolling', '{:.1f}', 100, '%')}, "
+        f"planner {'—' if tick.predicted_hit_rate is None else f'{tick.predicted_hit_rate * 100:.1f}%'}, "
+        f"PCIe {f('pcie_share', '{:.1f}', 100, '%')}, engine hit {f('hit_rate', '{:.1f}', 100, '%')})",
         f"swaps {f('swaps_per_s', '{:.2f}', unit='/s')} {f('swap_mb_s', '{:.0f}', unit=' MB/s')}",
         f"PCIe rx {f('pcie_rx_mb_s', '{:.0f}', unit=' MB/s')}",
         f"VRAM {gib_pair(v.get('vram_used_bytes'), v.get('vram_total_bytes'))}",

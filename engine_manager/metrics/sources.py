@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import psutil
 
 from .. import nvml
-from ..engines._http import bearer_headers
+from ..engines._http import SMALL_BODY_CAP, bearer_headers, get_capped, json_body
 from ..engines.base import Engine, LaunchSpec, LogEvent, Sample
 from .columns import ENGINE_COLUMNS, HOST_COLUMNS, LOG_COLUMNS, MAX_SLOTS, NVML_COLUMNS
 
@@ -65,6 +65,7 @@ def sample_values(s: Sample) -> dict[str, float | None]:
         # Strata reports a hit rate only when a request finishes (requests[].hit_rate): while requests run back to
         # back, hit_rate is missing and this is the figure there is
         "hit_rate_last": _rate(s.extra.get("hit_rate_last")) if isinstance(s.extra, dict) else None,
+        "engine_pcie_share": _rate(s.pcie_share),
         "engine_swaps_per_s": s.swaps_per_s,
         "swaps_total": s.swaps_total,
         "engine_swap_mb_s": s.swap_mb_s,
@@ -114,7 +115,10 @@ class EngineSource(Source):
         self.spec = spec
         self.timeout_s = timeout_s
         headers = bearer_headers(spec.api_key)
-        self.client = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers, trust_env=False)
+        from ..tunnel import transport_for      # an SSH forward's URL: reached only through its Unix socket
+
+        self.client = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers, trust_env=False,
+                                   transport=transport_for(spec.base_url))
         self.previous: Sample | None = None
         self.model: str | None = None
         self._model_tries = 0
@@ -141,10 +145,10 @@ def served_model(client: Any, spec: LaunchSpec) -> str | None:
     """The model the engine serves, from its OpenAI ``/v1/models`` (a path is reduced to its file name); None
     when it does not say."""
     try:
-        r = client.get(spec.base_url + "/v1/models", timeout=2.0)
+        r = get_capped(client, spec.base_url + "/v1/models", cap=SMALL_BODY_CAP, deadline_s=2.0)
         if r.status_code != 200:
             return None
-        data = r.json().get("data") or []
+        data = json_body(r).get("data") or []
         mid = data[0].get("id") if data and isinstance(data[0], dict) else None
     except Exception:  # optional: an engine without the endpoint simply does not say
         return None
@@ -373,9 +377,13 @@ class HostSource(Source):
         return Reading(v, notes=notes)
 
 
-# -- the engine's log: expert swaps ---------------------------------------------------------------------------
+# -- the engine's log: expert swaps, decode hit lines, notes ---------------------------------------------------
 class LogSwapSource(Source):
-    """Expert swaps from the engine's log (Strata reports its adaptive tier's swaps only there).
+    """Expert swaps from the engine's log (Strata reports its adaptive tier's swaps only there), the newest decode
+    hit line (``log_hit_rate``/``log_pcie_share``/``log_vram_share``; ``notes["log_hit"]`` says whether it was one
+    request's or the batch windows' of all slots) and the engine's notes (``notes["engine_notes"]``: e.g. the
+    server's "parallel requests: N asked, the engine runs …"). Attached to a log that already has lines, the
+    current run's newest decode line and notes are read from its tail (they are printed before the Monitor starts).
 
     Two ways in: tail ``log_path`` itself (follows size rotation), or take lines/events pushed by whoever tails
     the log already (``push_line`` / ``push_event``) — one or the other, never both, so nothing is counted
@@ -405,8 +413,11 @@ class LogSwapSource(Source):
         self._f: BinaryIO | None = None
         self._ino: int | None = None
         self._partial = b""
+        self.last_hit: dict[str, Any] | None = None     # the newest decode hit line's figures (+ "t", "scope")
+        self.engine_notes: list[str] = []
         if self.log_path is not None:
             self._open(self.log_path, at_end=True)
+            self._read_run_tail(self.log_path)
 
     # -- push API -------------------------------------------------------------------------------------------
     def push_line(self, line: str) -> LogEvent | None:
@@ -420,9 +431,48 @@ class LogSwapSource(Source):
                 self._attached = True
         return ev
 
+    TAIL_BYTES = 1 << 20
+
+    def _read_run_tail(self, path: Path) -> None:
+        """The current run's lines already in the log (its last MiB, from the run's start line on): its newest
+        decode hit line and its notes — never swaps, which count only from now on."""
+        from ..logtail import read_log_tail, run_lines
+
+        try:
+            lines = run_lines(read_log_tail(path, self.TAIL_BYTES), None)
+        except (OSError, ValueError):
+            return
+        for ln in lines:
+            ev = self.engine.parse_log_line(ln)
+            if ev is not None and ev.kind == "info":
+                self._note_info(ev, t=None)
+
+    def _note_info(self, ev: LogEvent, t: float | None) -> None:
+        d = ev.data if isinstance(ev.data, dict) else {}
+        note = d.get("note")
+        if isinstance(note, str) and note not in self.engine_notes:
+            self.engine_notes = [*self.engine_notes[-4:], note]
+        if isinstance(d.get("generated"), int):            # the request summary printed right before its hit line
+            self._generated = d["generated"]
+        vs = _rate(d.get("vram_share"))
+        hr = _rate(d.get("hit_rate"))
+        scope = d.get("decode_scope")
+        if scope not in ("request", "batch") or (vs is None and hr is None):
+            return
+        if scope == "request" and getattr(self, "_generated", None) == 1:
+            # a batch admission's DONE (prompt + first token): the batch windows' line says the decode; a lone
+            # one-token reply is the same line and is said as an admission too
+            scope = "admission"
+            if self.last_hit is not None and self.last_hit.get("scope") == "batch":
+                return
+        self.last_hit = {"hit_rate": hr, "pcie_share": _rate(d.get("pcie_share")),
+                         "vram_share": vs if vs is not None else hr, "scope": scope, "t": t}
+
     def push_event(self, ev: LogEvent) -> None:
         with self._lock:
             self._attached = True
+            if ev.kind == "info":
+                self._note_info(ev, t=time.time())
             if ev.kind == "swap":
                 self._swap_lines = True
                 self._add_swaps(int(ev.swaps), int(ev.swap_bytes or 0))
@@ -502,13 +552,19 @@ class LogSwapSource(Source):
             swaps, nbytes, known, attached = self._swaps, self._bytes, self._bytes_known, self._attached
             self._swaps = self._bytes = 0
             self._last = now
+            hit, notes = (dict(self.last_hit) if self.last_hit else None), list(self.engine_notes)
+        hv = {"log_hit_rate": hit["hit_rate"] if hit else None, "log_pcie_share": hit["pcie_share"] if hit else None,
+              "log_vram_share": hit["vram_share"] if hit else None}
+        extra: dict[str, Any] = {"log_hit": hit} if hit else {}
+        if notes:
+            extra["engine_notes"] = notes
         if not attached:
             if not self.expected:
-                return Reading({"log_swaps_per_s": None, "log_swap_mb_s": None})
+                return Reading({"log_swaps_per_s": None, "log_swap_mb_s": None, **hv}, notes=extra)
             raise SourceMissing("no engine log attached yet")
         return Reading({"log_swaps_per_s": swaps / dt,
-                        "log_swap_mb_s": (nbytes / dt / 1e6) if known else None},
-                       notes={"log_swaps_total": self.swaps_total})
+                        "log_swap_mb_s": (nbytes / dt / 1e6) if known else None, **hv},
+                       notes={"log_swaps_total": self.swaps_total, **extra})
 
     def close(self) -> None:
         if self._f is not None:

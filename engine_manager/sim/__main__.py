@@ -44,7 +44,8 @@ Fault switches (the supervisor's and chat client's test doubles):
   --error-after-tokens N    every reply ends after N tokens with a `data: {"error": {"type": "server_error",
                             ...}}` frame, then [DONE] (not streamed: 503 server_error)
 Extra arguments may also come from the environment variable DSV41_SIM_ARGS (split like a shell would),
-appended after the command line's, e.g. DSV41_SIM_ARGS="--die-after-tokens 20".
+appended after the command line's, e.g. DSV41_SIM_ARGS="--die-after-tokens 20". Where the sim listens and with which
+key are the panel's to say: --host, --port, --api-key, --api-key-file and --plan there are refused (exit 2).
 
 Log lines (stdout): ``phase: ...`` while loading, ``INFO key=value ...``, ``READY http://host:port ...``,
 ``adapt: round(s) ...: swapped N experts into VRAM (X MiB over PCIe, T ms); ...`` (the adaptive tier's swaps: as in
@@ -60,7 +61,6 @@ Exit codes: 0 after SIGTERM/SIGINT, 2 bad usage / port in use / refused plan, 1 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -84,8 +84,16 @@ LOAD_FAILURES = {
 }
 
 
-def build_parser(add_help: bool = True, prog: str = "python -m engine_manager.sim") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, add_help=add_help,
+class _RaisingParser(argparse.ArgumentParser):
+    """A parser that raises instead of printing and exiting: for checking flags inside another program."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ValueError(message)
+
+
+def build_parser(add_help: bool = True, prog: str = "python -m engine_manager.sim",
+                 parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser_class(prog=prog, add_help=add_help,
                                 description="The scripted engine (simulated): Strata's endpoints, a modelled "
                                             "expert offload, fault switches for tests.")
     a = p.add_argument_group("serving").add_argument
@@ -126,6 +134,9 @@ def build_parser(add_help: bool = True, prog: str = "python -m engine_manager.si
     a("--kv", choices=("int8", "q4_0", "k8v4", "fp16"), default=None, help="KV cache type (default: the plan's)")
     a("--cpu-numerics", choices=("fork", "gpu"), default="fork",
       help="gpu = bit-identical batched answers, 25.7%% slower for 1 user (default fork)")
+    a("--pcie-frac", type=float, default=0.1, metavar="F",
+      help="share of the missed experts the GPU reads over PCIe instead of the CPU computing them; they are not "
+           "in the hit rate's lookups, as in Strata (default 0.1)")
     a("--adapt-every", type=int, default=4, metavar="N", help="adaptive tier: a swap round every N steps (default 4)")
     a("--adapt-swaps", type=int, default=96, metavar="N", help="adaptive tier: at most N swaps a round (default 96)")
     a("--adapt-decay", type=float, default=0.7, metavar="F", help="adaptive tier: usage decay per round (default 0.7)")
@@ -188,12 +199,44 @@ def default_max_tokens(parser: argparse.ArgumentParser) -> int:
     return value
 
 
+# Flags DSV41_SIM_ARGS may not give: where the sim listens and with which key are the panel's to say (every engine
+# it starts listens on 127.0.0.1 with a generated key); the extra flags come last, so one of these would win.
+PANEL_ONLY_FLAGS = ("host", "port", "api_key", "api_key_file", "plan")
+
+
+def env_args_problem(text: str) -> str | None:
+    """Why the extra flags ``text`` (``DSV41_SIM_ARGS``) cannot be used, in words, or None. Parsed with the sim's own
+    parser, so an abbreviation (``--ho 0.0.0.0``) or ``--host=…`` is caught as ``--host`` is."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        return f"DSV41_SIM_ARGS cannot be split into flags ({exc})"
+    if not words:
+        return None
+    parser = build_parser(add_help=False, parser_class=_RaisingParser)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    try:
+        given, _rest = parser.parse_known_args(words)
+    except ValueError as exc:               # a bad value: the sim's own parsing says it, naming the flag
+        return f"DSV41_SIM_ARGS: {exc}"
+    taken = [f"--{d.replace('_', '-')}" for d in PANEL_ONLY_FLAGS if d in vars(given)]
+    if taken:
+        return (f"DSV41_SIM_ARGS gives {', '.join(taken)}, which only the panel sets (the engine listens on "
+                "127.0.0.1 with a generated key). Remove it from DSV41_SIM_ARGS (`dsv41 settings set sim_args "
+                "...`); change the port with `dsv41 settings set port N`")
+    return None
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     extra = os.environ.get("DSV41_SIM_ARGS", "").strip()
     if extra:
+        problem = env_args_problem(extra)
+        if problem:
+            parser.error(problem)
         argv += shlex.split(extra)
-    parser = build_parser()
     args = parser.parse_args(argv)
     if args.slots is not None and not 1 <= args.slots <= 8:
         parser.error(f"argument --slots: {args.slots} is not in 1..8")
@@ -217,12 +260,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def load_layout(args: argparse.Namespace) -> Layout:
     if not args.plan:
         return Layout.reference()
+    from ..plans import PlanError, read_plan_file
     try:
-        plan = json.loads(Path(args.plan).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        args._parser.error(f"argument --plan: cannot read {args.plan}: {exc}")
-    if not isinstance(plan, dict):
-        args._parser.error(f"argument --plan: {args.plan} is not a plan (a JSON object)")
+        # checked field by field as every plan is (engine_manager/plans.py): a hostile plan is refused in words
+        # here, never a traceback, a crash loop or an allocation by the size it claims
+        plan = read_plan_file(args.plan, check_paths=False, require_model=False)
+    except PlanError as exc:
+        args._parser.error(f"argument --plan: {exc}")
     return Layout.from_plan(plan)
 
 
@@ -271,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                    vram_reserve_mib=args.vram_reserve_mib, kv=args.kv or layout.kv_type,
                    cpu_numerics=args.cpu_numerics, adapt_every=args.adapt_every, adapt_swaps=args.adapt_swaps,
                    adapt_decay=args.adapt_decay, skew=args.skew, seed=args.seed, verbose=args.verbose,
+                   pcie_frac=min(1.0, max(0.0, args.pcie_frac)),
                    faults=faults)
 
     log(f"strata-sim {opts.host}:{opts.port}: SIMULATED engine - no GPU is used; every speed, hit rate and "

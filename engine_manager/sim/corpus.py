@@ -104,7 +104,7 @@ TOPICS: tuple[Topic, ...] = (
         ("A real model would answer this question here; the scripted engine only shows how a reply streams.",
          "The reply arrives token by token, at the speed the offload model predicts.",
          "Every figure shown while it streams is modelled, not measured.",
-         "You can start the real engine from the Engine tab when the model has been downloaded.",
+         "You can start the real engine with the Start button on the left once the model has been downloaded.",
          "The chat history keeps this conversation, so you can search it and export it later."),
     ),
 )

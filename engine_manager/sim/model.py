@@ -85,6 +85,10 @@ class Options:
     adapt_every: int = 4
     adapt_swaps: int = 96
     adapt_decay: float = 0.7
+    # Strata's --pcie-frac: the share of missed experts the GPU reads over PCIe (generate.cpp: "offloaded", not in
+    # the lookups). The step's cost stands for the CPU and PCIe paths together (Strata's probe balances them):
+    # only the accounting is split, as the engine reports it
+    pcie_frac: float = 0.1
     skew: str = "reference"
     seed: int = 41
     verbose: bool = False
@@ -118,8 +122,9 @@ class Request:
     slot: int | None = None
     generated: int = 0
     hits: int = 0
-    lookups: int = 0
+    lookups: int = 0                      # hits + the misses the CPU computed (the PCIe reads are not in them)
     misses: int = 0
+    offloaded: int = 0                    # missed experts the GPU read over PCIe
     prompt_s: float = 0.0                 # modelled
     decode_start_m: float | None = None
     decode_end_m: float | None = None
@@ -392,9 +397,12 @@ class Engine:
             kind, text = req.piece(req.generated)
             req.phase = "thinking" if kind == "reasoning_content" else "answering"
             req.generated += 1
+            missed = res.lookups - int(res.hits[i])
+            off = int(round(self.opts.pcie_frac * missed))
             req.hits += int(res.hits[i])
-            req.lookups += res.lookups
-            req.misses += res.lookups - int(res.hits[i])
+            req.offloaded += off
+            req.lookups += res.lookups - off
+            req.misses += missed - off
             req.decode_end_m = self._m_base
             self.tokens_total += 1
             req.events.put(("token", kind, text))
@@ -444,6 +452,8 @@ class Engine:
         end_m = req.decode_end_m if req.decode_end_m is not None else self._m_base
         duration = max(0.0, end_m - (req.admitted_m if req.admitted_m is not None else req.submitted_m))
         hit_rate = round(req.hits / req.lookups, 3) if req.lookups else None
+        routed = req.lookups + req.offloaded
+        pcie_share = round(req.offloaded / routed, 3) if routed else None
         rec: dict[str, Any] = {
             "projection": None, "time": req.started_wall, "duration_s": round(duration, 1), "finish": finish,
             "prompt_tokens": req.prompt_tokens if req.prompt_s > 0 or finish != "cancel" else req.prompt_read,
@@ -452,7 +462,7 @@ class Engine:
             "engine_generated": req.generated,
             "prompt_ms": round(req.prompt_s * 1000, 1), "decode_ms": round(dec * 1000, 1),
             "decode_tok_s": round(req.generated / dec, 1) if req.generated and dec > 0 else None,
-            "hit_rate": hit_rate, "pcie_share": 0.0 if req.lookups else None,
+            "hit_rate": hit_rate, "pcie_share": pcie_share,
             "ram_blobs": req.misses, "file_blobs": 0, "file_mb": 0.0,
             "drafts_offered": 0, "drafts_accepted": 0,
         }
@@ -488,12 +498,17 @@ class Engine:
             f"in {gms:.0f} ms ({rate:.1f} tok/s), drafts accepted 0 of 0, 0 checkpoints"
             f"{' (cancelled)' if req.cancelled else ''} [simulated]")
         if req.lookups:
+            # generate.cpp @2291cb3's words, the PCIe reads said beside the hit rate (#588)
+            off = (f"; {req.offloaded} more read by the GPU over PCIe or from another GPU "
+                   f"({100 * req.offloaded / routed:.1f}% of all {routed} routed)" if req.offloaded else "")
             log(f"strata serve: decode expert cache hit rate: {100 * req.hits / req.lookups:.1f}% ({req.hits} hits "
-                f"/ {req.lookups} lookups) [simulated]")
+                f"/ {req.lookups} lookups){off} [simulated]")
         cold_gib = int((~self.model.hot).sum()) * self.layout.expert_bytes / 2**30
         log(f"strata serve: resident RAM: {cold_gib:.2f} GiB of experts in RAM, {self.model.swaps_total} exchanged "
             f"with the VRAM tier, 0 blob reads from the file [simulated]")
         hit = f", expert cache {100 * hit_rate:.1f}% hit" if hit_rate is not None else ""
+        if hit and pcie_share:
+            hit += f" (+{100 * pcie_share:.1f}% of the routed experts over PCIe)"
         # serve/server.py Service.run's line ("[strata] done: ..."), tagged as simulated
         log(f"[strata] done: {req.generated} tokens in {duration:.0f} s ({rate:.1f} tok/s) "
             f"({finish}, cancel={req.cancelled}){hit} [simulated]")

@@ -45,6 +45,7 @@ import hmac
 import json
 import os
 import queue
+import re
 import socket
 import threading
 import time
@@ -74,6 +75,22 @@ TELEMETRY_KEEP = 60          # samples of hardware history (serve/telemetry.py H
 HISTORY_KEYS = ("gpu_util", "gpu_mem_used", "gpu_temp", "gpu_power", "gpu_pcie_rx_mb", "cpu", "ram_used",
                 "disk_read_mb", "tok_s", "prefill_tok_s_mean")    # serve/telemetry.py Telemetry._loop
 GPU_NAME = "simulated GPU (no device)"
+
+
+# A length asked for in words: "3000 words", "a 2,000-word essay", "about 1.5k tokens", "500 word summary".
+_ASKED = re.compile(r"(\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)\s*(k)?\s*-?\s*(words?|tokens?)\b", re.I)
+MAX_ASKED = 1_000_000        # (the context, and max_tokens, cap it further)
+
+
+def asked_length(text: str) -> int | None:
+    """The reply length a question asks for, in tokens (a token of the scripted engine is a word), or None. The
+    largest figure wins ("between 300 and 3000 words": 3000)."""
+    best = None
+    for m in _ASKED.finditer(text or ""):
+        n = float(m.group(1).replace(",", "")) * (1000 if m.group(2) else 1)
+        if n >= 1:
+            best = max(best or 0, min(int(n), MAX_ASKED))
+    return best
 
 
 # ------------------------------------------------------------------------------------------------ telemetry
@@ -412,7 +429,7 @@ class Handler(BaseHTTPRequestHandler):
                   "spec": 0, "mtp_max": 0, "lookup": 0,
                   "vram_free_mib": max(0, (hw["gpu_mem_total"] - hw["gpu_mem_used"]) >> 20), "cvec": "",
                   "arena_mib": int((~model.hot).sum() * lay.expert_bytes) >> 20, "pool_workers": os.cpu_count() or 1,
-                  "pcie_frac": "0.00", "spec_min_p": "0.50", "conversation_cache_mib": 0,
+                  "pcie_frac": f"{o.pcie_frac:.2f}", "spec_min_p": "0.50", "conversation_cache_mib": 0,
                   "conversation_cache_slots": 0, "conversation_cache_min_free_mib": 0, "engine": VERSION}
         if o.batch:
             engine["batch_slots"] = o.batch
@@ -526,8 +543,12 @@ class Handler(BaseHTTPRequestHandler):
             think = isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
         else:
             think = str(body.get("reasoning_effort") or "medium").lower() not in ("none", "off")
-        reasoning, answer = corpus.script(question, reasoning=think,
-                                          reply_tokens=o.reply_tokens if o.reply_tokens else None)
+        # --reply-tokens (benchmarks) wins; else a length the question asks for ("a 3000-word essay"), cut by
+        # max_tokens as a model's reply is (finish "length"; the script need not run further than that); else the
+        # topic's own few sentences
+        asked = asked_length(question)
+        reply = o.reply_tokens or (min(asked, mt + 1) if asked else None)
+        reasoning, answer = corpus.script(question, reasoning=think, reply_tokens=reply)
         req = Request(rid=("msg_" if anthropic else "chatcmpl-") + uuid.uuid4().hex[:24], number=0,
                       prompt_tokens=prompt, max_tokens=mt, reasoning=reasoning, answer=answer,
                       stream=bool(body.get("stream")), topic=corpus.topic_of(question))

@@ -18,7 +18,10 @@ main():
   `--engine strata` without --config: `ap.error("--engine strata needs --config")`; `exe` relative to `cwd`;
   `model_name` is what /v1/models says (default "qwen3.8-flash-next"); `--gpu` overrides the config's `gpu`; `host`
   from --host, else the config, else 127.0.0.1; the port is checked free BEFORE the engine starts, and opened after;
-- SIGTERM takes the Ctrl+C path: the engine gets QUIT, the server ends with "[strata] stopped", exit 0.
+- SIGTERM takes the Ctrl+C path: the engine gets QUIT (then terminate, then kill, 20 s each: StrataEngine.close, and
+  EngineStuck's "did not end after QUIT, terminate and kill"), the server ends with "[strata] stopped", exit 0; a
+  SECOND SIGTERM (or Ctrl+C) while it closes is another KeyboardInterrupt, and the engine is killed at once;
+- the server needs its release's .venv (serve/frontend.py imports jinja2 at module level): see the import below.
 StrataEngine: `[exe, "--serve", *engine_args(cfg)]`, cwd=cfg["cwd"], stdin/stdout pipes, stderr appended to the
   config's `log` (DEVNULL without one), after a "[strata] <time> engine started: <exe> --serve <args>" line; waits for
   READY (STRATA_ENGINE_READY_S, 900 s), keeps `INFO k=v` (numbers as int); an engine that ends first raises
@@ -66,6 +69,12 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
+
+# serve/frontend.py (imported first by Strata's server.py @2291cb3) imports jinja2 at module level: Strata's server
+# runs only under the release's .venv, where setup.py @28c47b1 pip_install put it. The stand-in imports a module of
+# that NAME the same way (a stub that exists only in the stand-in release's .venv: tests/strata_release/
+# venv-site-packages/jinja2), so under the panel's own interpreter it fails as Strata's does: No module named 'jinja2'.
+import jinja2  # noqa: F401,E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -369,15 +378,15 @@ class StrataEngine:
                 proc.stdin.flush()
         except (OSError, ValueError):
             pass
-        try:
-            proc.wait(timeout=10)
+        try:                                            # QUIT, then terminate, then kill: 20 s each
+            proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.terminate()
             try:
-                proc.wait(timeout=5)
+                proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
+                proc.wait(timeout=20)
         for pipe in (proc.stdin, proc.stdout):
             try:
                 pipe.close()
@@ -1202,9 +1211,12 @@ def main() -> int:
             time.sleep(1)
     except KeyboardInterrupt:
         print("\n[strata] stopping (Ctrl+C again to end the engine at once) ...", flush=True)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        httpd.shutdown()
-        engine.close()
+        for close in (httpd.shutdown, engine.close):
+            try:
+                close()
+            except KeyboardInterrupt:                   # a second Ctrl+C / SIGTERM: the engine is killed at once
+                if getattr(engine, "proc", None):
+                    engine.proc.kill()
         print("[strata] stopped", flush=True)
     return 0
 

@@ -33,6 +33,10 @@ Stand-in liberties (said, not hidden):
   files, so the fork must take them: by default the stand-in does, naming the three shards ("gate,up,down") at the end
   of that layer's line - a format of its own. STRATA_STANDIN_STRICT_SHARDS=1 gives Strata's refusal.
 
+Architecture: upstream @d4e6823 refuses any model that is not qwen4exp or glm5-next with "unsupported architecture
+'X'" (stdout), exit 1. The stand-in also takes deepseek2 (the fork's, which this project's replica is), unless
+STRATA_STANDIN_UPSTREAM_ARCHES=1 gives upstream's refusal (the tiny test model's qwen3moe is taken too).
+
 Fault switch (for "a killed step leaves a file that merely exists" tests):
   STRATA_STANDIN_PACK_FAIL=after-dense   die (exit 1) after writing half of dense.bin: no index.txt, tokenizer/ or
                                          native_experts.txt
@@ -52,6 +56,11 @@ sys.path.insert(0, str(HERE))
 import gguf_reader as G  # noqa: E402
 
 FLOAT = {"BF16", "F32", "F16"}
+# the architectures upstream packs (tools/iq_pack.py @d4e6823: qwen4exp and GLM_ARCHES); the deepseek-one-gpu fork must
+# add DeepSeek's (its code is not readable here). The stand-in also takes the replica's deepseek2 and the tiny test
+# model's qwen3moe (engine_manager.testing.tinymoe) - a liberty - unless STRATA_STANDIN_UPSTREAM_ARCHES=1
+UPSTREAM_ARCHES = ("qwen4exp", "glm5-next", "glm5next")
+FORK_ARCHES = ("deepseek2", "qwen3moe")
 ALIGN = 64
 ROLES = ("gate", "up", "down")
 
@@ -105,6 +114,13 @@ def main() -> int:
     src = pathlib.Path(a.gguf).absolute()
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    # tools/iq_pack.py @d4e6823 main(): `if arch not in ("qwen4exp", *GLM_ARCHES): print(f"unsupported architecture
+    # {arch!r}"); return 1` - before any file of the pack is written
+    arch = str(G.GGUFFile(src, tensors=False).get("general.architecture", "") or "")
+    allowed = UPSTREAM_ARCHES + (() if os.environ.get("STRATA_STANDIN_UPSTREAM_ARCHES") == "1" else FORK_ARCHES)
+    if arch not in allowed:
+        print(f"unsupported architecture {arch!r}", flush=True)
+        return 1
     model = Model(src)
     if len(model.paths) > 1:
         print("model shards: " + ", ".join(p.name for p in model.paths), flush=True)

@@ -8,6 +8,11 @@ What Strata does (facts, no code taken):
   (split on "\\n") and token_type.json into `strata_tokenizer.Tokenizer(tokens, merges, types)`; the template is
   optional (`tpath / "chat_template.jinja"`).
 
+- It needs the third-party package `regex`, which Strata's setup installs into the release's own .venv (setup.py
+  @28c47b1 PY_PACKAGES, pip_install): the stand-in imports a module of that NAME at module level (a stub that exists
+  only in the stand-in release's .venv, tests/strata_release/venv-site-packages/regex), so this script, the server and
+  iq_pack that load it run only under the release's .venv Python, as Strata's do.
+
 This stand-in's Tokenizer is this project's own: the GPT-2 byte-to-unicode mapping, the special tokens (token type 3
 "control" and 4 "user defined") matched literally, and a greedy longest match over the vocabulary for the rest.
 It really reads the exported files; it is not Strata's BPE (the merges only have to be well-formed).
@@ -19,6 +24,8 @@ import codecs
 import json
 import pathlib
 import sys
+
+import regex  # noqa: F401,E402 - the release's .venv package (see the docstring); nothing is used from it
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

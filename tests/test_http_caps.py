@@ -1,0 +1,92 @@
+"""The shared caps on what a server may send (engine_manager.engines._http.get_capped) and the terminal escape
+(engine_manager.fmt.terminal_safe), against real loopback servers that misbehave on purpose."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine_manager.engines._http import AnswerTooLarge, AnswerTooSlow, get_capped
+from engine_manager.fmt import terminal_safe
+from loopback_http import LoopbackServer, QuietHandler
+
+STOP = threading.Event()
+
+
+class Hostile(QuietHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/ok":
+            self._send(200, "application/json", b'{"status": "ok"}')
+        elif self.path == "/endless":            # no length, bytes for ever (until the client hangs up)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                while not STOP.is_set():
+                    self.wfile.write(b"x" * 65536)
+            except OSError:
+                return
+        elif self.path == "/declared":           # a huge declared length, nothing sent
+            self.send_response(200)
+            self.send_header("Content-Length", str(10**12))
+            self.end_headers()
+        elif self.path == "/drip":               # headers at once, then a byte a second
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                for _ in range(120):
+                    if STOP.is_set():
+                        return
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.5)
+            except OSError:
+                return
+        elif self.path == "/bomb":               # 50 MB of zeros, gzipped to ~50 kB
+            body = gzip.compress(b"\0" * 50_000_000)
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    srv = LoopbackServer(Hostile)
+    yield srv.base_url
+    STOP.set()
+    srv.stop()
+
+
+def test_a_normal_answer_reads_whole(hostile):
+    with httpx.Client() as c:
+        r = get_capped(c, hostile + "/ok")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("path", ["/endless", "/declared", "/bomb"])
+def test_a_body_past_the_cap_is_refused_in_words(hostile, path):
+    with httpx.Client() as c, pytest.raises(AnswerTooLarge, match=r"larger than 1 MB|expands past 1 MB"):
+        get_capped(c, hostile + path, cap=1_000_000, deadline_s=60)
+
+
+def test_a_dripping_server_is_cut_at_the_overall_deadline(hostile):
+    # each byte arrives well within httpx's per-read timeout; only an overall deadline ends it
+    with httpx.Client() as c, pytest.raises(AnswerTooSlow, match="did not arrive within 2 s"):
+        get_capped(c, hostile + "/drip", deadline_s=2)
+
+
+def test_terminal_safe_escapes_control_characters():
+    hostile_id = "model\x1b]0;pwned\x07\x1b[2J\rfake: pack is ready\u2028"
+    out = terminal_safe(hostile_id)
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out and "\u2028" not in out
+    assert out == "model\\x1b]0;pwned\\x07\\x1b[2J\\x0dfake: pack is ready\\u2028"
+    assert terminal_safe("two\nlines") == "two\nlines"
+    assert terminal_safe("two\nlines", keep_newlines=False) == "two\\x0alines"
