@@ -231,7 +231,7 @@ class CompareCard(QFrame):
                 grid.addWidget(cell, r, col, Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
                 self.cells[(r, col)] = cell
         for col, text in enumerate(("Compared with the guides", "users", "decode, total", "per user",
-                                    "GPU hit rate")):
+                                    "picks in VRAM, 1 min")):
             self.cells[(0, col)].setText(text)
         self.cells[(2, 4)].setText("~90%")
         grid.setRowStretch(3, 1)

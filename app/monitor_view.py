@@ -399,8 +399,7 @@ class MonitorView(QWidget):
                    f"{plan.get('predicted_hit_rate_note') or 'unknown until the engine has seen traffic'}")
             self.plots["hit"].set_reference(None, "", f"planner's prediction: {why}")
         else:
-            self.plots["hit"].set_reference(pred * 100.0, f"planner predicted {pred * 100:.1f}% "
-                                                         f"({presenter.PLANNER_MEANS})")
+            self.plots["hit"].set_reference(pred * 100.0, f"planner {pred * 100:.1f}%, {presenter.PLANNER_MEANS}")
 
     # -- ticks ------------------------------------------------------------------------------------------------
     def _on_tick(self, tick: M.Tick) -> None:

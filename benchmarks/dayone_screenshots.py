@@ -1,15 +1,16 @@
-"""Pictures of what a new user sees on a 1280×800 screen (issue 27 items 2 and 10), taken the way a user's desktop
-shows them: a 1280×800 X server with a window manager (Xvfb + openbox), the screen grabbed with ImageMagick's
+"""Pictures of what a new user sees on a 1280×800 screen, taken the way a user's desktop shows them: a 1280×800
+X server with a window manager (Xvfb + openbox), the screen grabbed with ImageMagick's
 ``import -window root`` (window frame and all).
 
 In temporary config/data folders: two quick benchmark runs of the scripted engine (for the Compare table), then
 the scripted engine started (``dsv41 start``) and the panel opened on it (it re-attaches), a long chat streaming
 ("600 words"), and pictures of the Monitor, the Benchmark tab's Compare table, the Getting-started wizard's model
 step, the dark theme, the crash banner (the engine restarted with a simulated CUDA out-of-memory at load), and the
-Log tab (the times of the lines that arrived meanwhile). ``dsv41 settings show`` is saved beside them as text. The engine is stopped at the end.
+Log tab (the times of the lines that arrived meanwhile). ``dsv41 settings show`` is saved beside them as text.
+The engine is stopped at the end.
 
 Run: ``.venv/bin/python benchmarks/dayone_screenshots.py [--out benchmarks/results/gui]``
-(needs Xvfb, openbox and ImageMagick's ``import``; xdotool, when present, is used to find the window).
+(needs Xvfb and ImageMagick's ``import``; openbox, when present, frames the window as a desktop would).
 """
 
 from __future__ import annotations

@@ -509,7 +509,8 @@ def check_plan(doc: Any, *, where: str = "the plan", check_paths: bool = True,
     used = model.n_experts_used if model is not None else None
     if used is not None and n_experts is not None and used > n_experts:
         problems.append(f"model.n_experts_used ({used}) is more than model.n_experts ({n_experts})")
-    for name, layers in (("model.moe_layers", model.moe_layers if model is not None else None), ("llamacpp_cpu_layers", m.llamacpp_cpu_layers),
+    moe_layers = model.moe_layers if model is not None else None
+    for name, layers in (("model.moe_layers", moe_layers), ("llamacpp_cpu_layers", m.llamacpp_cpu_layers),
                          ("llamacpp_gpu_layers", m.llamacpp_gpu_layers)):
         bad = next((x for x in layers or () if x >= layer_cap), None)
         if bad is not None:

@@ -68,6 +68,11 @@ TOOL_REFUSALS = [
     # tools/iq_pack.py @d4e6823 main(): print(f"unsupported architecture {arch!r}"), exit 1 (qwen4exp, glm5-next)
     (re.compile(r"unsupported architecture '[^']{0,64}'"), "pack_arch_unsupported",
      "This release's iq_pack cannot prepare this model: " + UPGRADE_RELEASE),
+    # iq_pack.py @d4e6823 imports numpy at its top (strata_tokenizer.py: regex): run without the release's own
+    # .venv packages it stops with Python's "No module named 'X'"
+    (re.compile(r"No module named '[\w.]{1,64}'"), "release_python_missing",
+     "The release's Python lacks a package its tools import: run Strata's setup in the release folder again "
+     "(it makes the .venv with every package), or install the named package into the release's .venv."),
 ]
 
 

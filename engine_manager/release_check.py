@@ -40,9 +40,9 @@ BUILD_JSON = "BUILD.json"
 BUILD_JSON_MAX_BYTES = 64 * 1024
 CUBLAS_GLOB = "libcublas.so.13*"      # setup.py cuda_lib_dirs() on Linux
 MAX_LIB_DIRS = 16
-#: what the server and its tokenizer import from the release's .venv (serve/frontend.py: jinja2; tools/
-#: strata_tokenizer.py: regex)
-SERVER_NEEDS = ("jinja2", "regex")
+#: what the server, its tokenizer and iq_pack import from the release's .venv (serve/frontend.py: jinja2;
+#: tools/strata_tokenizer.py: regex; tools/iq_pack.py @d4e6823: numpy at the top)
+SERVER_NEEDS = ("jinja2", "regex", "numpy")
 SETUP_HINT = ("run Strata's setup in the release folder (`./setup.sh`, which creates .venv with the server's "
               "packages and NVIDIA's CUDA libraries), or `python3 -m venv .venv && .venv/bin/pip install jinja2 "
               "regex numpy nvidia-cublas==13.0.2.14 nvidia-cuda-runtime==13.0.96` there")

@@ -540,7 +540,8 @@ class Supervisor:
             st.state, st.message = state, message
         if self.last_failure is not None and st.state in (CRASHED, RESTARTING):
             st.last_failure = self.last_failure.to_dict()
-        if st.state == STOPPED:
+        if st.state == STOPPED and not (isinstance(st.last_failure, dict)
+                                        and st.last_failure.get("kind") == "start_failed"):
             st.last_failure = None
         if not port_free(self.settings.host, self.settings.port):
             owner = port_owner(self.settings.host, self.settings.port)
@@ -931,8 +932,31 @@ class Supervisor:
 
     def _fail(self, cause: str, message: str, fix: str, tail: list[str] | None = None,
               suggested_port: int | None = None) -> Events:
+        self._record_start_failure(cause, message, fix, tail or [])
         yield from _emit(self._set_state(STOPPED, message))
         yield StartFailed(cause, message, fix, tail or [], suggested_port=suggested_port)
+
+    def _record_start_failure(self, cause: str, message: str, fix: str, tail: list[str]) -> None:
+        """A start that failed before an engine ran (a refused pack, a missing release, a taken port) is what
+        ``dsv41 status`` and ``dsv41 logs`` show next — never an earlier run's failure. Written only when no engine
+        of this panel runs (its record must stay), as a stopped record carrying ``last_failure`` of kind
+        ``start_failed``, and as two lines at the end of the engine log."""
+        rec = self._read_state_file()
+        if rec is not None and rec.keeper_pid and rec.alive():
+            return
+        failure = {"kind": "start_failed", "cause": cause, "title": message, "fix": fix, "returncode": None,
+                   "signal": None, "log_tail": list(tail[-20:])}
+        try:
+            self._write_state_file(None, STOPPED, message=f"The last start failed: "
+                                   f"{message}", last_failure=failure)
+        except OSError:
+            pass
+        try:
+            with os.fdopen(open_append_nofollow(self.log_path), "ab") as f:
+                f.write((f"[dsv41 {time.strftime('%Y-%m-%d %H:%M:%S')}] start failed ({cause}): {message}\n"
+                         f"[dsv41] what to do: {fix}\n").encode("utf-8", "replace"))
+        except OSError:
+            pass
 
     def _spawn(self, eng: Engine, spec: LaunchSpec, binding: Binding | None) -> Events:
         req = self._stop_requested_elsewhere()
@@ -1042,7 +1066,9 @@ class Supervisor:
             yield batch
 
     def _wait_ready(self, h: _Handle) -> Events:
-        timeout = self.ready_timeout_s
+        # an engine with a READY deadline of its own (Strata's server) is given the panel's timeout and waited for a
+        # margin longer, so that its own words ("did not report READY within N s") arrive before the panel gives up
+        timeout = self.ready_timeout_s + (h.engine.ready_margin_s if h.engine is not None else 0.0)
         self._phase, self._fraction = "starting", None
         last_out = time.time()
         next_check = next_progress = 0.0
@@ -1435,6 +1461,12 @@ class Supervisor:
         while time.monotonic() - t0 < budget_s and not self._force_req.is_set():
             if h.popen is not None:
                 h.popen.poll()
+            if not _alive(h.engine_pid, h.engine_ctime):
+                # the top process is gone but children remain: it died of the SIGTERM instead of stopping them
+                # (Strata's server installs its SIGTERM handler only once the engine said READY: server.py
+                # @2291cb3 main()), so nothing else will stop them — the group is signalled now, not after the budget
+                refresh()
+                return not _live(list(tracked.values()))
             if time.monotonic() >= next_scan:
                 next_scan = time.monotonic() + 0.2
                 refresh()

@@ -107,6 +107,7 @@ def drip(h: QuietHandler, srv: "HostileServer") -> None:
 def stall(h: QuietHandler, srv: "HostileServer") -> None:
     _headers(h, 200, "application/json", 1000)
     srv.stopping.wait()
+    h.close_connection = True          # the connection closes when the server stops: the client's read ends
 
 
 def garbage_json(h: QuietHandler, srv: "HostileServer") -> None:

@@ -254,6 +254,7 @@ def test_one_slow_connection_holds_up_no_other_line(qtbot, free_port, monkeypatc
         slow.stop()                 # the stalled answer ends: its worker finishes
         fast.stop()
         if view is not None:
+            qtbot.waitUntil(lambda: not view.overview.tasks.running("poll:slow"), timeout=30_000)
             view.shutdown()
 
 

@@ -118,8 +118,8 @@ def test_the_hit_card_names_each_figure_and_labels_batched_requests():
     card = P.cards(t)["hit"]
     assert card.value == "last admission 82.8 %" and card.stale
     line1, line2 = card.detail.split("\n")
-    assert line1 == "planner 90.0 % · 1 min 81.0 % · PCIe 10.0 %"
-    assert line2 == "engine's hit rate 92.0 % (admission only)"
+    assert line1 == "plan 90.0% · 1 min 81.0%"
+    assert line2 == "hit rate 92.0% (admission)"                      # the engine's own figure, its admission's
     assert P.PLANNER_MEANS in card.tip and P.OBSERVED_MEANS in card.tip and "PCIe" in card.tip
     # where the planner and the observed figure differ, one line says why
     assert P.hit_difference_line(t).startswith("Planner 90.0 % vs observed 81.0 %: ")
@@ -180,6 +180,15 @@ def test_the_log_source_reads_the_runs_notes_and_decode_lines(tmp_path):
         assert r2.values["log_swaps_per_s"] == 0.0
     finally:
         src.close()
+    # the Monitor's status line and `dsv41 monitor` say the engine's note
+    hub = M.MetricsHub([LogSwapSource(get_engine("strata"), log)], hz=1.0, engine="strata")
+    try:
+        tick = hub.tick_once()
+        text, _tip = P.status_text(hub, tick)
+        assert "engine: parallel requests: 4 asked, the engine runs 2 (its log says why)" in text
+        assert tick.values["vram_share"] == pytest.approx(0.8) and tick.origin["vram_share"] == "log"
+    finally:
+        hub.stop()
 
 
 def test_the_scripted_engine_reports_pcie_share_through_strata_fields(sim_process, tmp_path):

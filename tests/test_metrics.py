@@ -25,6 +25,7 @@ import pytest
 from engine_manager import metrics as M
 from engine_manager.engines import get_engine
 from engine_manager.engines.base import LogEvent, Sample
+from engine_manager.plans import PlanError
 from engine_manager.engines.sim import sim_env, write_key_file
 from engine_manager.metrics.sources import Reading, Source, SourceMissing, sample_values
 from engine_manager.sim.launch import free_port as pick_port
@@ -716,7 +717,8 @@ def test_steady_decode_of_short_chats_on_a_real_scripted_engine(sim_proc):
     assert M.judge(snap, 0.9).ratio >= 0.9
     assert ticks[-1].notes["model"] == "deepseek-v4.1-flash-simulated"
     # what the old card averaged: the window rate over the ticks with one user decoding
-    window = [t.values["decode_tok_s"] for t in ticks[-16:] if t.values["slots_busy"] == 1]
+    window = [t.values["decode_tok_s"] for t in ticks[-16:]          # (a tick while the prompt is read has none)
+              if t.values["slots_busy"] == 1 and t.values["decode_tok_s"] is not None]
     assert window and np.mean(window) < 0.9 * 63.11
     assert all(t.notes["prefill_live"] in (False, None) or t.notes.get("state") == "reading" for t in ticks)
 
@@ -885,13 +887,13 @@ def test_sim_launch_asks_for_a_bounded_routing_trace(tmp_path):
     assert float(spec.argv[i + 1]) > 0
     own = sim.build_launch(Settings(sim_args="--dump-routing mine.bin"), None, tmp_path / "run2")
     assert "--dump-routing" not in own.argv and own.files["routing_trace"] == str(tmp_path / "run2" / "mine.bin")
-    # Strata writes a trace only when the plan's engine arguments ask for one (it costs disk); then the monitor
-    # is told where, though the flag sits in the generated config rather than on the command line
+    # Strata writes no trace unless asked; a plan may not ask for one: --dump-routing FILE makes the engine
+    # overwrite FILE, so a plan carrying it is refused in words before anything starts
     strata = get_engine("strata")
     assert "routing_trace" not in strata.build_launch(Settings(), None, tmp_path / "s1").files
-    spec = strata.build_launch(Settings(), {"strata_args": ["--dump-routing", str(tmp_path / "t.bin")]},
-                               tmp_path / "s2")
-    assert spec.files["routing_trace"] == str(tmp_path / "t.bin") and M.trace_path_from_argv(spec.argv) is None
+    with pytest.raises(PlanError, match="--dump-routing"):
+        strata.build_launch(Settings(), {"strata_args": ["--dump-routing", str(tmp_path / "t.bin")]}, tmp_path / "s2")
+    assert not (tmp_path / "t.bin").exists()
 
 
 def test_a_capped_trace_moves_aside_and_the_source_counts_every_token(sim_proc, tmp_path):

@@ -240,8 +240,9 @@ def test_observed_picks_never_sit_under_no_routing_data_and_each_figure_says_wha
     lo, hi = view.colorbar.levels()
     assert lo == 0 and hi > 0
     view.mode.setCurrentIndex(view.mode.findData("placement"))
-    assert view.colorbar.axis.labelText.startswith("RAM (cold)")
+    assert view.colorbar.axis.labelText == "hot set unknown"          # planned without routing data
     d = P.plan(lay, P.reference_hardware(), FrequencyTable(counts[3:], ["observed"]), None).to_dict()
     view.show_plan(d)
+    assert view.colorbar.axis.labelText.startswith("RAM (cold)")
     assert "Predicted share of expert picks in VRAM" in view.summary.text()
     assert "predicted on the planning traffic" in view.summary.text()

@@ -101,7 +101,7 @@ def test_strata_hit_rate_is_the_last_requests_and_prefill_between_prompts_is_the
     # the observed share of routed picks served from VRAM (no PCIe share reported: the hit rate), the newest
     # finished request's, beside the planner's prediction and the engine's own hit rate under its name
     assert cards["hit"].value == "last request 90.0 %" and cards["hit"].stale
-    assert cards["hit"].detail == "planner 87.4 % · 1 min 80.0 %\nengine's hit rate 90.0 %"
+    assert cards["hit"].detail == "plan 87.4% · 1 min 80.0%\nhit rate 90.0%"
     assert cards["prefill"].value == "last 1234 tok/s" and cards["prefill"].stale
     assert cards["prefill"].detail == "last request · generating"
     assert cards["decode"].value == "61.0 tok/s" and cards["decode"].detail == "1/1 slots busy"

@@ -327,8 +327,8 @@ def test_the_hit_rate_card_says_last_request_and_recent(app_ctx, shown, name, bu
                   M.RingStore(M.COLUMN_NAMES, hz=1.0))
         card = view.cards["hit"]
         assert card.value.text() == f"last admission {90 * (1 - 0.035):.1f} %" and card.is_stale()
-        assert card.detail.text().endswith("\nengine's hit rate 90.0 % (admission only)")
-        assert "· PCIe 3.5 %" in card.detail.text()
+        assert card.detail.text().endswith("\nhit rate 90.0% (admission)")
+        assert "PCIe 3.5 %: " in card.toolTip() and "its prompt and first token" in card.toolTip()
     finally:
         view.shutdown()
 

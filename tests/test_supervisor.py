@@ -763,6 +763,9 @@ def test_a_symlinked_log_or_state_file_is_refused_not_followed(port, tmp_path):
     assert st.state == "stopped" and not listening(port)
     assert victim.read_text() == "precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
     sup.log_path.unlink()
+    # the refused start is what status tells next (the log could not take it; the state file did)
+    assert make().status(check_health=False).last_failure["cause"] == "log_refused"
+    sup.state_path.unlink()
     # the state file: a link to a record of a live process is not believed, and the target is left alone
     fake = tmp_path / "fake-state.json"
     me = psutil.Process()

@@ -701,8 +701,8 @@ class BenchRun:
         lp = Streams(client, [P.messages(long_text)], [ChatOptions(max_tokens=4, temperature=0.0, seed=99,
                                                                    extra=_engine_extra(engine))])
         lp.start()
-        stall, first = self._deadlines(1, s.long_prompt_tokens)
-        ok = lp.wait(s.timeout_s, self.stop, stall_s=stall, first_token_s=first)
+        stall_s, first_s = self._deadlines(1, s.long_prompt_tokens)
+        ok = lp.wait(s.timeout_s, self.stop, stall_s=stall_s, first_token_s=first_s)
         long_rec = lp.records[0]
         if not ok and lp.stalled_s is not None and not self.stop.is_set():
             dec.cancel()

@@ -147,6 +147,9 @@ class Engine(ABC):
     #: server that sends its native engine a QUIT first); the supervisor then signals only that process and waits up
     #: to this many seconds before it signals the whole process group
     stop_leader_grace_s: float = 0.0
+    #: seconds the supervisor waits past its ready timeout: an engine given that timeout as a deadline of its own
+    #: (Strata's STRATA_ENGINE_READY_S) then reports its own words before the panel gives up
+    ready_margin_s: float = 0.0
 
     @abstractmethod
     def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:

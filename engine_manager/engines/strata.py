@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Generator, Literal
 from .. import release_check as _release
 from ..atomic import atomic_write_bytes, atomic_write_json
 from ..errors import PlacementRefused
+from ..plans import check_strata_args
 from . import _prometheus as _prom
 from ._http import NOT_STRATA, bearer_headers, probe_health  # noqa: F401 - NOT_STRATA: re-exported
 from .base import (
@@ -713,6 +714,9 @@ class StrataEngine(Engine):
     # supervisor signals the server alone, once (a second SIGTERM there kills the engine at once), and the process
     # group only after the server's own budget (3 × 20 s) and a margin have run out.
     stop_leader_grace_s = 70.0
+    # the server gets the panel's ready timeout as STRATA_ENGINE_READY_S; the panel waits this much longer, so that
+    # the server's "did not report READY within N s" (server.py @2291cb3 StrataEngine.__init__) is what the user reads
+    ready_margin_s = 60.0
 
     # -- where things are --------------------------------------------------------------------------------------
     def engine_dir(self, settings: Any) -> Path:
@@ -861,7 +865,9 @@ class StrataEngine(Engine):
         ``parallel`` (ENGINE_CONTRACT.md §2)."""
         files: dict[str, str] = {}
         plan = plan or {}
-        args: list[str] = [str(a) for a in plan.get("strata_args") or []]
+        # only the planner's own flags reach the engine: a hand-made plan's --dump-routing / --expert-profile-save
+        # would make the engine overwrite the file it names (plans.check_strata_args says which, in words)
+        args: list[str] = check_strata_args(plan.get("strata_args"))
         profile = plan.get("strp_path")
         if profile and Path(profile).exists():
             files["profile"] = str(profile)

@@ -188,6 +188,10 @@ def pct(x: float | None) -> str:
     return fmt_value(None if x is None else x * 100, "{:.1f}", "%")
 
 
+def short_pct(x: float | None) -> str:
+    return DASH if x is None or not math.isfinite(x) else f"{x * 100:.1f}%"
+
+
 # what each hit-rate figure measures, in the words every view uses (the Monitor, the Placement tab, the planner)
 PLANNER_MEANS = "predicted on the planning traffic"
 OBSERVED_MEANS = "observed VRAM share over the last minute"
@@ -233,23 +237,26 @@ def hit_card(tick: Tick, missing_why: str = "") -> CardText:
     if engine_hr is None:
         engine_hr = v.get("hit_rate") if v.get("hit_rate") is not None else hx.get("hit_rate_last")
     scope = hit_scope(tick)
-    admission = hx.get("hit_rate_scope") == "admission"
+    admission = scope == "admission"
     # llama.cpp's figure is its placement's (the share of MoE layers on the GPU): live, never "last"
     stale = tick.engine != "llamacpp" and vs is not None and (scope is not None or v.get("slots_busy") == 0)
     value = pct(vs)
     if stale and vs is not None:
         value = f"{SCOPE_WORDS.get(scope or 'request', 'last')} {value}"
-    line1 = f"planner {pct(pred) if pred is not None else 'unknown'} · 1 min {pct(roll)}"
-    if ps is not None:
-        line1 += f" · PCIe {pct(ps)}"
-    line2 = f"engine's hit rate {pct(engine_hr)}" + (" (admission only)" if admission else "")
-    tip = (f"Value: the share of all routed expert picks served from VRAM, observed ({SCOPE_WORDS.get(scope or '', 'now')}"
+    # compact: two lines of a card ~140 px wide at the smallest window; each figure is named in full in the tip
+    line1 = f"plan {short_pct(pred)} · 1 min {short_pct(roll)}"
+    line2 = f"hit rate {short_pct(engine_hr)}" + (" (admission)" if admission else
+                                                   f" · PCIe {short_pct(ps)}" if ps is not None else "")
+    whose = SCOPE_WORDS.get(scope or "", "now")
+    tip = (f"Value: the share of all routed expert picks served from VRAM, observed ({whose}"
            f"; {tick.origin.get('vram_share', 'no figure yet')}). Strata's hit rate leaves the experts read over PCIe "
            "out of its lookups, so this is hit rate × (1 − PCIe share).\n"
-           f"planner: {PLANNER_MEANS}. 1 min: {OBSERVED_MEANS}. PCIe: the share of routed picks the GPU read over "
-           f"PCIe. engine's hit rate: {ENGINE_HIT_MEANS}."
-           + ("\nWith 2+ slots a finished request's own figures cover only its admission (its prompt and first "
-              "token); the engine log's batch line covers the decode of all slots." if admission else ""))
+           f"planner {pct(pred) if pred is not None else 'unknown'}: {PLANNER_MEANS}. 1 min {pct(roll)}: "
+           f"{OBSERVED_MEANS}. hit rate {pct(engine_hr)}: {ENGINE_HIT_MEANS}. PCIe {pct(ps)}: the share of routed "
+           "picks the GPU read over PCIe."
+           + ("\nWith 2+ slots a finished request's own figures (its hit rate, its PCIe share) cover only its "
+              "admission: its prompt and first token; the engine log's batch line covers the decode of all slots."
+              if admission else ""))
     diff = hit_difference_line(tick)
     if diff:
         tip += "\n" + diff

@@ -68,6 +68,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from .model import Engine, Faults, Options, log
 from .offload import N_TOPICS, Layout, OffloadModel, read_strp
@@ -87,7 +88,7 @@ LOAD_FAILURES = {
 class _RaisingParser(argparse.ArgumentParser):
     """A parser that raises instead of printing and exiting: for checking flags inside another program."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise ValueError(message)
 
 

@@ -51,6 +51,8 @@ import pathlib
 import subprocess
 import sys
 
+import numpy  # noqa: F401,E402 - iq_pack.py @d4e6823 imports numpy at its top: only the release's .venv has it
+
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import gguf_reader as G  # noqa: E402
