@@ -35,6 +35,7 @@ from engine_manager import history as hist
 from engine_manager import uistate
 from engine_manager.chat import CancelToken, ChatClient, ChatOptions, ContentDelta, ReasoningDelta, check_target
 from engine_manager.chat_turn import TurnEnded, TurnStarted, run_turn
+from engine_manager.inferencekey.endpoint import NO_STREAMING
 from engine_manager.session import RunningEngine
 
 from .chat_conversations import EMPTY_LIST_HINT, ConversationList, ConvState, Stream
@@ -354,7 +355,7 @@ class ChatPane(ConversationList, QWidget):
         self.engine_state_text = None
         if not same:                     # another engine (both signals announce the same one: probe it once)
             self.engine_model = None
-
+        if not same and running.engine != "inferencekey":     # an endpoint has no /health (its model: the workload)
             def probe():
                 with ChatClient.for_engine(running) as c:
                     return c.health(timeout_s=3.0)
@@ -408,7 +409,8 @@ class ChatPane(ConversationList, QWidget):
             if not getattr(self.ctx, "watching", None):
                 self.engine_label.setText(f"Engine ready at {where}{model}{sim}")
             else:                       # an attached connection: its name and kind (label) say which one
-                self.engine_label.setText(f"Attached to {self.running.label or where}{model}{sim}")
+                self.engine_label.setText(f"Attached to {self.running.label or where}{model}{sim}"
+                                          + (f"\n{NO_STREAMING}" if self.running.engine == "inferencekey" else ""))
             self.engine_label.setStyleSheet(f"color: {self._theme['dim']}")
             self.start_button.setVisible(False)
         elif getattr(self.ctx, "watching", None):

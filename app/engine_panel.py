@@ -727,7 +727,8 @@ class EnginePanel(QWidget):
                 self.details.setText("")
                 self.details.hide()
             return
-        parts = [f"<b>{html.escape(st.label or st.engine or '')}</b>"]
+        parts = [f"<b>{html.escape(st.label or st.engine or '')}</b>"
+                 + (f" · {html.escape(st.started_by_words)}" if st.started_by_words else "")]
         up = f" · up {fmt_s(time.time() - st.started_at)}" if st.started_at and self._state == sv.READY else ""
         parts.append(f"pid {st.pid or '?'} · port {st.port}{up}")
         if st.ready_at:

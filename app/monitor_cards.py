@@ -23,12 +23,13 @@ from engine_manager.metrics.presenter import CardText, fmt_value
 
 
 class ElidedLabel(QLabel):
-    """One line that never runs off its box: too long, it is shortened in the middle ("…"), the whole text in
-    the tooltip; ``text()`` gives the whole text."""
+    """One line that never runs off its box: too long, it is shortened ("…", in the middle unless ``mode`` says
+    otherwise), the whole text in the tooltip; ``text()`` gives the whole text."""
 
-    def __init__(self, text: str = "", parent=None):
+    def __init__(self, text: str = "", parent=None, mode: Qt.TextElideMode = Qt.TextElideMode.ElideMiddle):
         super().__init__(parent)
         self._full = ""
+        self._mode = mode
         self.setText(text)
 
     def setText(self, text: str) -> None:  # noqa: N802 - Qt naming
@@ -46,7 +47,7 @@ class ElidedLabel(QLabel):
 
     def _elide(self) -> None:
         width = max(20, self.contentsRect().width())
-        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideMiddle, width)
+        shown = self.fontMetrics().elidedText(self._full, self._mode, width)
         if super().text() != shown:
             super().setText(shown)
 
@@ -116,7 +117,7 @@ class FitLabel(QLabel):
 class NowCard(QFrame):
     """One metric's current value: a title, a big value, a line of detail, an optional "simulated" tag."""
 
-    def __init__(self, key: str, title: str, parent=None):
+    def __init__(self, key: str, title: str, parent=None, full_title: str = ""):
         super().__init__(parent)
         self.key = key
         self.setObjectName(f"nowCard_{key}")
@@ -126,7 +127,9 @@ class NowCard(QFrame):
         lay.setContentsMargins(6, 3, 6, 3)
         lay.setSpacing(0)
         top = QHBoxLayout()
-        self.title = QLabel(title)
+        # never cut silently: a title too long for the card is shortened with "…", the whole one in its tooltip
+        self.title = ElidedLabel(title, mode=Qt.TextElideMode.ElideRight)
+        self.title.setToolTip(full_title or title)
         f = self.title.font()
         f.setPointSizeF(max(7.0, f.pointSizeF() * 0.85))
         self.title.setFont(f)

@@ -166,7 +166,8 @@ class MonitorView(QWidget):
         self.rate_box.activated.connect(self._rate_chosen)
         bar.addWidget(self.rate_box)
         bar.addSpacing(8)
-        self.status = ElidedLabel("Not collecting: no engine is running.")
+        # the start of the line (which engine, recording or not) matters most: cut at the end, whole in the tip
+        self.status = ElidedLabel("Not collecting: no engine is running.", mode=Qt.TextElideMode.ElideRight)
         self.status.setObjectName("monitorStatus")
         self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -181,7 +182,7 @@ class MonitorView(QWidget):
         cards.setAlignment(Qt.AlignmentFlag.AlignTop)
         self.cards: dict[str, NowCard] = {}
         for i, (key, title) in enumerate(presenter.CARDS):
-            card = NowCard(key, title)
+            card = NowCard(key, title, full_title=presenter.CARD_TITLES_IN_FULL.get(key, ""))
             self.cards[key] = card
             cards.addWidget(card, i // 5, i % 5)
         top.addLayout(cards)
@@ -636,7 +637,7 @@ class MonitorView(QWidget):
     def _update_status(self) -> None:
         if self.hub is None:
             return
-        text, tip = presenter.status_text(self.hub, self.last_tick)
+        text, tip = presenter.status_text(self.hub, self.last_tick, compact=True)
         self.status.setText(text)
         if tip is not None:
             self.status.setToolTip(tip)

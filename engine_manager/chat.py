@@ -76,6 +76,8 @@ from .engines._http import (
 )
 from .engines.base import mask_in
 from .errors import UserError
+from .inferencekey import endpoint as ik_endpoint
+from .inferencekey.endpoint import endpoint_ref
 from .tunnel import transport_for
 from .fmt import MB
 
@@ -412,7 +414,9 @@ class ChatClient:
                  engine_alive: Callable[[], bool] | None = None,
                  first_token_deadline_s: float = FIRST_TOKEN_DEADLINE_S):
         self.base_url = base_url.rstrip("/")
-        self.model = model
+        # an InferenceKey endpoint (its URL's shape): asked without streaming, its backend's JSON answer unwrapped
+        self.endpoint = endpoint_ref(self.base_url)
+        self.model = model or (self.endpoint.workload if self.endpoint is not None else None)
         self.engine_alive = engine_alive
         self._secrets = [api_key] if api_key else []
         self.first_token_s = max(read_timeout_s, first_token_deadline_s)
@@ -485,6 +489,9 @@ class ChatClient:
         if self.model:
             body["model"] = self.model
         body.update((options or ChatOptions()).body_fields())
+        if self.endpoint is not None:            # its custom backend answers whole (engine_manager.inferencekey)
+            body["stream"] = False
+            body.pop("stream_options", None)
         return body
 
     # -- the stream -------------------------------------------------------------------------------------
@@ -619,7 +626,14 @@ class ChatClient:
                                             f"(no choices), not with an event stream. Is {self.base_url} really the "
                                             "engine's address?")
                         yield StreamOpened(response.status_code, time.perf_counter())
+                        inner = None
+                        if self.endpoint is not None:
+                            whole_answer, inner = ik_endpoint.rewrap(whole_answer)
                         yield from events_of(parse_chunk(whole_answer, message_key="message"))
+                        if inner is not None:
+                            ik_endpoint.apply_figures(stats, inner)
+                            if inner.problem:
+                                raise ChatError("protocol", self._mask(inner.problem))
                         saw_end = True
                     else:
                         yield StreamOpened(response.status_code, time.perf_counter())

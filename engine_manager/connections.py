@@ -67,6 +67,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 KIND_LABELS = {
     "strata": "Strata", "sim": "scripted engine (simulated)", "llamacpp": "llama.cpp (llama-server)",
     "vllm": "vLLM", "sglang": "SGLang", "openai_compat": "OpenAI-compatible server",
+    "inferencekey": "InferenceKey endpoint",
 }
 
 #: a detection's ``problem`` that means the engine could not be reached at all (it may be down, or the network);
@@ -77,7 +78,24 @@ UNREACHABLE_PROBLEMS = frozenset({"refused", "timeout", "dns", "slow", "http", "
 
 
 class ConnectionSetupError(UserError):
-    """A connection cannot be saved, found or reached; the message says what to do."""
+    """A connection cannot be saved, found or reached; the message says what to do. ``str(exc)`` names the
+    ``dsv41`` commands that fix it; ``gui`` says the same in the window's words (the buttons and fields there)."""
+
+    def __init__(self, message: str, *, gui: str | None = None):
+        super().__init__(message)
+        self.gui = gui or message
+
+
+def gui_words(exc: BaseException) -> str:
+    """What to show a user of the window for ``exc``: its ``gui`` words when it has them, else its message."""
+    gui = getattr(exc, "gui", None)
+    return gui if isinstance(gui, str) and gui else str(exc)
+
+
+#: what to do about a connection's key, in the window's words (the CLI says `dsv41 connections add … --replace`)
+GUI_KEY_FIX = ("type the engine's key in the API key field of Attach to… (a saved connection: Remove it, then "
+               "attach to it again with the key). The key of this panel's own engine: Copy API key, beside "
+               "its address.")
 
 
 # -- the saved list -----------------------------------------------------------------------------------------------
@@ -91,6 +109,10 @@ class LastTest:
     kind: str | None = None             # what answered (when it did)
     message: str = ""                   # in plain words (the key masked)
     last_ok: float | None = None        # when it last answered (None: never, as far as this machine knows)
+    gui_message: str = ""               # ``message`` in the window's words, where they differ
+
+    def words(self, gui: bool = False) -> str:
+        return (self.gui_message or self.message) if gui else self.message
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,6 +160,7 @@ class _LastTestRecord(BaseModel):
     kind: str | None = Field(None, max_length=40)
     message: str = Field("", max_length=4 * MESSAGE_CHARS)
     last_ok: float | None = Field(None, ge=0)
+    gui_message: str = Field("", max_length=4 * MESSAGE_CHARS)
 
     _check_t = field_validator("t", "last_ok")(_finite)
 
@@ -202,7 +225,8 @@ class _ConnectionsFile(BaseModel):
             lt = r.last_test
             out.append(Connection(name=r.name, base_url=r.base_url, ssh_host=r.ssh_host, kind=r.kind,
                                   key_store=r.key_store, added_at=r.added_at,
-                                  last_test=LastTest(lt.t, lt.state, lt.kind, lt.message, lt.last_ok)
+                                  last_test=LastTest(lt.t, lt.state, lt.kind, lt.message, lt.last_ok,
+                                                     lt.gui_message)
                                   if lt is not None else None))
         return out
 
@@ -368,6 +392,10 @@ def check_new(name: str, base_url: str, api_key: str | None, ssh_host: str | Non
         api_key = api_key.strip() or None
     if api_key is not None and (any(c in api_key for c in "\r\n\0") or not api_key.isprintable()):
         raise ConnectionSetupError("The API key holds a line break or a control character: paste just the key.")
+    from .inferencekey.endpoint import endpoint_ref, key_problem
+
+    if endpoint_ref(url) is not None and key_problem(api_key) is not None:     # an InferenceKey endpoint's key
+        raise ConnectionSetupError(str(key_problem(api_key)))
     return url, ssh_host, api_key
 
 
@@ -421,7 +449,9 @@ def _last_test_of(det: "Detection", previous: LastTest | None, api_key: str | No
     state = state_of(det)
     last_ok = now if state == "ok" else (previous.last_ok if previous is not None else None)
     message = mask_in(det.message, [api_key] if api_key else [])[:MESSAGE_CHARS]
-    return LastTest(t=now, state=state, kind=det.kind if det.ok else None, message=message, last_ok=last_ok)
+    gui = mask_in(det.gui_message, [api_key] if api_key else [])[:MESSAGE_CHARS]
+    return LastTest(t=now, state=state, kind=det.kind if det.ok else None, message=message, last_ok=last_ok,
+                    gui_message=gui)
 
 
 def record_test(name: str, det: "Detection", api_key: str | None = None, *, t: float | None = None
@@ -527,13 +557,16 @@ def connection_key(conn: Connection | str) -> str | None:
                                    "unlock your keyring (log in to the desktop session) and try again.") from None
         if key is None:
             raise ConnectionSetupError(f"The key of {c.name!r} is no longer in the OS keyring: add the connection "
-                                       f"again (`dsv41 connections add {c.name} {c.base_url} --replace`).")
+                                       f"again (`dsv41 connections add {c.name} {c.base_url} --replace`).",
+                                       gui=f"The key of {c.name!r} is no longer in the OS keyring: "
+                                       + GUI_KEY_FIX)
         return key
     if c.key_store == "file":
         key = _file_keys().get(c.name)
         if key is None:
             raise ConnectionSetupError(f"The key of {c.name!r} is no longer in {keys_file()}: add the connection "
-                                       f"again (`dsv41 connections add {c.name} {c.base_url} --replace`).")
+                                       f"again (`dsv41 connections add {c.name} {c.base_url} --replace`).",
+                                       gui=f"The key of {c.name!r} is no longer in {keys_file()}: " + GUI_KEY_FIX)
         return key
     return None
 
@@ -547,7 +580,8 @@ class Detection:
     ok: bool = False
     kind: str | None = None            # engine adapter name (engine_manager.engines), when recognised
     problem: str | None = None         # refused | tls | timeout | slow | dns | auth | not_llm | http | a tunnel cause
-    message: str = ""
+    message: str = ""                  # in plain words; what to do names the `dsv41` commands
+    gui_message: str = ""              # the same in the window's words, where they differ (empty: ``message``)
     found: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     models: list[str] = field(default_factory=list)      # the first MODELS_KEPT ids of the server's list
@@ -563,8 +597,12 @@ class Detection:
         d["label"] = self.label
         return d
 
-    def summary(self) -> str:
-        lines = [self.message]
+    def words(self, gui: bool = False) -> str:
+        """The message for the CLI (``gui`` False) or the window."""
+        return (self.gui_message or self.message) if gui else self.message
+
+    def summary(self, gui: bool = False) -> str:
+        lines = [self.words(gui)]
         if self.found:
             lines.append("found: " + "; ".join(self.found))
         if self.missing:
@@ -577,6 +615,7 @@ class Detection:
         if not any(secrets):
             return self
         self.message = mask_in(self.message, secrets)
+        self.gui_message = mask_in(self.gui_message, secrets)
         self.found = [mask_in(x, secrets) for x in self.found]
         self.missing = [mask_in(x, secrets) for x in self.missing]
         self.models = [mask_in(x, secrets) for x in self.models]
@@ -647,6 +686,10 @@ def detect(base_url: str, api_key: str | None, *, timeout_s: float = DETECT_TIME
     )
     from .tunnel import transport_for
 
+    from .inferencekey.endpoint import detect_endpoint, endpoint_ref
+
+    if endpoint_ref(base_url) is not None:       # …/endpoint/<project>/<workload>/v1: its own routes and key
+        return detect_endpoint(base_url, api_key, timeout_s=timeout_s, deadline_s=deadline_s, verify=verify)
     det = Detection(base_url=base_url.rstrip("/"))
     url = det.base_url
     secrets = [api_key] if api_key else []
@@ -766,9 +809,15 @@ def detect(base_url: str, api_key: str | None, *, timeout_s: float = DETECT_TIME
             det.message = (f"{what} at {url} refused the API key ({', '.join(auth_refused)}). Check the key: "
                            "add the connection again with the right one (`dsv41 connections add NAME URL "
                            "--replace`).")
+            det.gui_message = (f"{what} at {url} refused the API key ({', '.join(auth_refused)}). Check the key: "
+                               "type the right one in the API key field of Attach to… (a saved connection: Remove "
+                               "it, then attach to it again with the right key). The key of this panel's own "
+                               "engine: Copy API key, beside its address.")
         else:
             det.message = (f"{what} at {url} asks for an API key ({', '.join(auth_refused)}) and none is saved: add "
                            "the connection again with --api-key-file or --api-key-stdin.")
+            det.gui_message = (f"{what} at {url} asks for an API key ({', '.join(auth_refused)}) and none was "
+                               "given: " + GUI_KEY_FIX)
         return det.masked(secrets)
     if det.kind is None:
         det.problem = "not_llm"
@@ -925,10 +974,15 @@ def resolve_connection(name: str, *, ssh_options: list[str] | None = None) -> Ru
     det = detect(url, key)
     record_test(name, det, key)
     if not det.ok:
-        raise ConnectionSetupError(f"Connection {name!r}: {det.message}")
+        raise ConnectionSetupError(f"Connection {name!r}: {det.message}",
+                                   gui=f"Connection {name!r}: {det.words(gui=True)}")
     where = f" via {conn.ssh_host}" if conn.remote else ""
     host = (urllib.parse.urlsplit(conn.base_url).hostname or "").lower()
     here = not conn.remote and (host in ("localhost", "::1") or host.startswith("127."))
+    if det.kind == "inferencekey":               # the chat appends /v1/chat/completions to …/<workload>
+        from .inferencekey.endpoint import endpoint_ref
+
+        url = getattr(endpoint_ref(url), "chat_base", url)
     return RunningEngine(base_url=url, api_key=key or "", engine=det.kind or "openai_compat",
                          label=f"{name}: {det.label}{where}", simulated=det.simulated, started_by_panel=False,
                          on_this_machine=here)
@@ -956,6 +1010,7 @@ class ConnectionStatus:
     simulated: bool = False
     message: str = ""                    # the reason in plain words, when state is not "ok"
     last_seen: float | None = None       # when it last answered (None: not since this machine knows it)
+    gui_message: str = ""                # ``message`` in the window's words, where they differ
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -1064,7 +1119,7 @@ class OverviewPoller:
             return
         det = Detection(base_url=conn.base_url, ok=st.state == "ok", kind=st.kind,
                         problem=None if st.state == "ok" else ("refused" if st.state == "unreachable" else "http"),
-                        message=st.message or f"{st.label} at {conn.base_url}")
+                        message=st.message or f"{st.label} at {conn.base_url}", gui_message=st.gui_message)
         try:
             record_test(conn.name, det, t=st.t)
         except (ConnectionSetupError, OSError):
@@ -1088,7 +1143,7 @@ class OverviewPoller:
                 det = detect(url, key, timeout_s=self.timeout_s, deadline_s=self.timeout_s)
                 if not det.ok:
                     return ConnectionStatus(conn.name, now, state_of(det), det.kind, det.label,
-                                            message=det.message)
+                                            message=det.message, gui_message=det.gui_message)
                 known = (det.kind or "openai_compat", url, det.simulated)
                 with self._lock:
                     self._kind[conn.name] = known
@@ -1101,7 +1156,7 @@ class OverviewPoller:
         except TunnelError as exc:
             return ConnectionStatus(conn.name, now, "unreachable", message=str(exc))
         except ConnectionSetupError as exc:
-            return ConnectionStatus(conn.name, now, "problem", message=str(exc))
+            return ConnectionStatus(conn.name, now, "problem", message=str(exc), gui_message=gui_words(exc))
         except Exception as exc:  # noqa: BLE001 - a failing engine is a line of the overview, never a crash
             why = plain_engine_error(exc, conn.base_url, self.timeout_s)
             return ConnectionStatus(conn.name, now, _poll_failure_state(exc), conn.kind,

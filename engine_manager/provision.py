@@ -57,17 +57,18 @@ class ProvisionError(UserError):
     """Provisioning failed; ``str()`` says what the tool said and what to do. ``cause`` (a short id) and ``fix``
     (what to do) when the failure is a known one (e.g. the tool refused the model's architecture)."""
 
-    def __init__(self, message: str, cause: str | None = None, fix: str | None = None):
+    def __init__(self, message: str, cause: str | None = None, fix: str | None = None, summary: str | None = None):
         super().__init__(message)
         self.cause = cause
         self.fix = fix
+        self.summary = summary or message       # what happened, without the fix (a caller that shows the fix apart)
 
 
 # the release's tool refusing the model itself: another try, more disk or a new download cannot help
 TOOL_REFUSALS = [
     # tools/iq_pack.py @d4e6823 main(): print(f"unsupported architecture {arch!r}"), exit 1 (qwen4exp, glm5-next)
     (re.compile(r"unsupported architecture '[^']{0,64}'"), "pack_arch_unsupported",
-     "This release's iq_pack cannot prepare this model: " + UPGRADE_RELEASE),
+     "This release's iq_pack cannot prepare this model: " + UPGRADE_RELEASE[0].lower() + UPGRADE_RELEASE[1:]),
     # iq_pack.py @d4e6823 imports numpy at its top (strata_tokenizer.py: regex): run without the release's own
     # .venv packages it stops with Python's "No module named 'X'"
     (re.compile(r"No module named '[\w.]{1,64}'"), "release_python_missing",
@@ -250,7 +251,7 @@ def _plain_failure(rc: int, lines: list[str], tool: Path) -> ProvisionError:
             + (f" and said: {said}" if said else " and printed nothing"))
     for rx, cause, fix in TOOL_REFUSALS:
         if rx.search(said):
-            return ProvisionError(f"{head}. {fix}", cause=cause, fix=fix)
+            return ProvisionError(f"{head}. {fix}", cause=cause, fix=fix, summary=f"{head}.")
     return ProvisionError(head + ". Check that every model shard is downloaded and verified (`dsv41 download` "
                           "resumes and verifies), that the disk has room for the pack, then run `dsv41 prepare` "
                           "again.")
@@ -305,6 +306,8 @@ def provision(release: os.PathLike | str, model_path: os.PathLike | str, *, pyth
     if ready and not force:
         yield ProvisionEvent("done", f"The model's Strata pack is ready ({pack}).", pack_dir=str(pack), skipped=True)
         return pack
+    if ready:                                   # forced: say so, not "the pack is ready" before packing again
+        why = "made again as asked (--force)"
     yield ProvisionEvent("check", f"Preparing the model for the Strata engine: {why}.", pack_dir=str(pack))
     tool = release / TOOL
     if not tool.is_file():

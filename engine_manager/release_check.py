@@ -327,12 +327,46 @@ def check_release(release: os.PathLike | str, *, compute_capability: str | None 
                                 "The prebuilt engine loads NVIDIA's CUDA 13 libraries from the release's .venv: "
                                 + (f"`{py} -m pip install nvidia-cublas==13.0.2.14 nvidia-cuda-runtime==13.0.96`"
                                    if py else SETUP_HINT) + "."))
+    elsewhere = nearby_release(release)
     for rel, what in ((SERVER, "Strata's server"), (TOOL, "The pack tool (iq_pack)")):
         p = release / rel
+        fix = (f"This looks like part of a release: choose {elsewhere} instead." if elsewhere is not None else
+               f"The release is incomplete. {get}.")
         out.append(ReleaseCheck(rel.stem, what, "pass" if p.is_file() else "fail",
                                 str(p) if p.is_file() else f"{p} is missing",
-                                "" if p.is_file() else f"The release is incomplete. {get}."))
+                                "" if p.is_file() else fix))
     return out
+
+
+def nearby_release(folder: os.PathLike | str) -> Path | None:
+    """When ``folder`` is not itself a release but the folder above it is (the user chose the release's
+    ``engine/``), or exactly one folder inside it is (an archive unpacked into a folder of its own): that folder.
+    None otherwise. Only looks one level up and down."""
+    folder = Path(folder)
+    if (folder / SERVER).is_file():
+        return None
+    if (folder.parent / SERVER).is_file() and folder.parent != folder:
+        return folder.parent
+    try:
+        inside = [d for d in folder.iterdir() if d.is_dir() and not d.is_symlink() and (d / SERVER).is_file()]
+    except OSError:
+        return None
+    return inside[0] if len(inside) == 1 else None
+
+
+def usable(checks: list[ReleaseCheck]) -> bool:
+    """A release the panel may use: no check failed (warnings are shown, not blocking)."""
+    return bool(checks) and not any(c.status == "fail" for c in checks)
+
+
+def gpu_facts(gpu_index: int = 0) -> tuple[str | None, str | None]:
+    """(compute capability, the driver's CUDA version) of GPU ``gpu_index`` as NVML reports them, for
+    :func:`check_release`; (None, None) on a machine without an NVIDIA GPU (those checks are then skipped)."""
+    from .hardware import probe_gpus
+
+    gpus, _, _ = probe_gpus()
+    gpu = next((g for g in gpus if g.index == gpu_index), gpus[0] if gpus else None)
+    return (gpu.compute_capability, gpu.cuda_driver_version) if gpu is not None else (None, None)
 
 
 def problems(checks: list[ReleaseCheck]) -> list[str]:

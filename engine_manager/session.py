@@ -129,6 +129,10 @@ class RunningEngine:
 
 # -- the state file, typed -------------------------------------------------------------------------------------
 
+#: who started an engine, in words, where it was not the panel itself (the state file's ``started_by``)
+STARTED_BY_WORDS = {"inferencekey": "started by the InferenceKey backend", "cli": "started with dsv41 start"}
+
+
 class EngineRecord(BaseModel):
     """The state file (``engine-state.json``) as the supervisor writes it: every field it reads, with its type.
     A file that does not fit (``{"keeper_pid": "1x"}``, a list, half a record) is moved aside, never half-used.
@@ -167,6 +171,7 @@ class EngineRecord(BaseModel):
     last_failure: dict[str, Any] | None = None
     stop_requested: dict[str, Any] | bool | None = None
     run_id: str | None = None
+    started_by: str | None = Field(None, max_length=40)    # who started it (STARTED_BY_WORDS); None: not recorded
 
     @model_validator(mode="after")
     def _keeper_needs_its_start_time(self) -> "EngineRecord":
@@ -252,6 +257,12 @@ class EngineStatus:
     binding_note: str | None = None      # e.g. one NUMA node: binding cannot change speed
     plan_path: str | None = None         # the plan the engine was started with (JSON), when it had one
     spec: Any = None                     # engine_manager.engines.base.LaunchSpec, when known
+    started_by: str | None = None        # "panel", "cli", "inferencekey" (STARTED_BY_WORDS); None: not recorded
+
+    @property
+    def started_by_words(self) -> str | None:
+        """``started by the InferenceKey backend`` and the like, for an engine another front end started."""
+        return STARTED_BY_WORDS.get(self.started_by or "")
 
     def plan(self) -> dict[str, Any] | None:
         """The plan the engine runs with, read from ``plan_path`` (None when there is none or it is unreadable)."""

@@ -185,6 +185,7 @@ class _Handle:
     argv_shown: list[str] | None = None      # masked, binding prefix included (from the state file when attached)
     env_shown: dict[str, str] | None = None
     run_id: str | None = None                # marks this run's first line in the log (see run_lines)
+    started_by: str | None = None            # who started it (session.STARTED_BY_WORDS), kept in the state file
 
     def shown_argv(self) -> list[str]:
         if self.argv_shown is not None:
@@ -225,8 +226,9 @@ class Supervisor:
                  health_every_s: float = 2.0, progress_every_s: float = 0.5, log_max_bytes: int = 10 * 2**20,
                  log_backups: int = 3, auto_restart: bool | None = None,
                  engine_resolver: Callable[[str], Engine] = get_engine,
-                 ready_timeout_s: float | None = None):
+                 ready_timeout_s: float | None = None, started_by: str = "panel"):
         self.settings = settings
+        self.started_by = started_by             # written into the state file with the engine it starts
         self.hardware = hardware
         self.grace_s = grace_s
         self.silent_after_s = silent_after_s
@@ -443,7 +445,7 @@ class Supervisor:
                 "log_path": str(self.log_path), "exit_file": str(self.exit_path),
                 "started_at": h.started_at, "ready_at": h.ready_at,
                 "supervisor_pid": os.getpid(), "key_fingerprint": key_fingerprint(h.spec.api_key),
-                "run_id": h.run_id,
+                "run_id": h.run_id, "started_by": h.started_by or self.started_by,
             }
         rec.update(extra)
         atomic_write_json(self.state_path, rec)
@@ -576,7 +578,7 @@ class Supervisor:
             plan_path=rec.plan_path,
             # the launch as recorded: its files (plan, routing trace) let a monitor started after a panel restart,
             # or `dsv41 monitor`, find what the command line does not show (Strata's trace flag sits in its config)
-            spec=self._spec_from_record(rec) if alive else None,
+            spec=self._spec_from_record(rec) if alive else None, started_by=rec.started_by,
         )
         if not alive and not stopping:
             ex, crash = self.explain_dead(rec)
@@ -594,7 +596,8 @@ class Supervisor:
             argv=h.shown_argv(), owner="panel", message=message,
             last_failure=self.last_failure.to_dict() if self.last_failure else None,
             key_matches=(h.spec.api_key == self.settings.api_key) if self.settings.api_key else None,
-            binding_note=h.binding.note if h.binding else None, plan_path=h.spec.files.get("plan"), spec=h.spec)
+            binding_note=h.binding.note if h.binding else None, plan_path=h.spec.files.get("plan"), spec=h.spec,
+            started_by=h.started_by or self.started_by)
 
     def _health_ok_record(self, rec: EngineRecord) -> bool:
         try:
@@ -729,7 +732,7 @@ class Supervisor:
                     rec.pgid or rec.keeper_pid, rec.pid, rec.pid_start_time,
                     rec.started_at or time.time(), attached=True,
                     argv_shown=list(rec.argv or []), env_shown=dict(rec.env or {}),
-                    run_id=rec.run_id)
+                    run_id=rec.run_id, started_by=rec.started_by)
         h.recent.extend(run_lines(read_log_tail(self.log_path, 64_000), h.run_id)[-200:])
         h.tail = LogTail(self.log_path, None)
         try:
@@ -922,9 +925,10 @@ class Supervisor:
                     yield Note(ev.text)
         except UserError as exc:
             # a known refusal (the release's tool cannot pack this model) carries its own cause and fix
-            yield from self._fail(getattr(exc, "cause", None) or "prepare_failed", str(exc),
-                                  getattr(exc, "fix", None) or
-                                  "Fix what the message names, then start again (or run `dsv41 prepare`).")
+            fix = getattr(exc, "fix", None)
+            yield from self._fail(getattr(exc, "cause", None) or "prepare_failed",
+                                  getattr(exc, "summary", str(exc)) if fix else str(exc),
+                                  fix or "Fix what the message names, then start again (or run `dsv41 prepare`).")
             return False
         finally:
             gen.close()
@@ -1022,7 +1026,8 @@ class Supervisor:
         started = time.time()
         kctime = _ctime(popen.pid) or started
         epid, ectime = _find_child(popen)
-        h = _Handle(eng, spec, binding, popen.pid, kctime, popen.pid, epid, ectime, started, popen, run_id=run_id)
+        h = _Handle(eng, spec, binding, popen.pid, kctime, popen.pid, epid, ectime, started, popen, run_id=run_id,
+                    started_by=self.started_by)
         h.tail = LogTail(self.log_path, offset)
         with self._lock:
             self._handle = h
@@ -1328,7 +1333,8 @@ class Supervisor:
                         eng = None
                     h = _Handle(eng, self._spec_from_record(rec), None, rec.keeper_pid,
                                 float(rec.keeper_start_time or 0.0), rec.pgid or rec.keeper_pid, rec.pid,
-                                rec.pid_start_time, rec.started_at or time.time(), attached=True)
+                                rec.pid_start_time, rec.started_at or time.time(), attached=True,
+                                started_by=rec.started_by)
                 else:
                     yield from self._cleanup_dead(rec, None)
         if h is None:

@@ -83,12 +83,18 @@ install_project() {
 }
 
 # pip -v's output, thinned to what a person waits for: the packages fetched, the C++ build's percentage (each
-# 5 %), and the end. Everything is in the log beside it.
+# 5 %, and at least every 30 s with the time spent: under load 5 % can take 6 minutes), and the end. Everything
+# is in the log beside it.
 show_progress() {
   awk '
+    BEGIN { t0 = systime(); last = t0 }
     /^ *\[ *[0-9]+%\]/ {
       match($0, /[0-9]+%/); p = substr($0, RSTART, RLENGTH - 1) + 0
-      if (p >= shown + 5 || (p == 100 && shown < 100)) { printf "   building llama-server: %3d%%\n", p; shown = p; fflush() }
+      now = systime()
+      if (p >= shown + 5 || (p == 100 && shown < 100) || now - last >= 30) {
+        printf "   building llama-server: %3d%% (%d min %02d s)\n", p, int((now - t0) / 60), (now - t0) % 60
+        shown = p; last = now; fflush()
+      }
       next
     }
     /^ *(Collecting|Building wheels? for|Created wheel for|Successfully installed)/ {

@@ -21,6 +21,12 @@ Behaviours (each a function ``(handler, server)``; add one to :data:`BEHAVIOURS`
   under 1 MB;
 - ``bad_metrics`` — vLLM's Prometheus names with a negative gauge, NaN, +Inf and two counters of 1e308 (their
   sum overflows);
+- the panel's own engines (the monitor's adapters): ``strata_health`` — Strata's ``/health`` (``service``
+  ``strata``, ``loaded``); ``strata_metrics`` — a sane Strata JSON ``/metrics`` without GPU figures (the adapter
+  then asks ``/v1/status`` too); ``strata_bad_json`` — Strata's JSON ``/metrics`` with impossible numbers (``-3``
+  queued, an integer past what a float holds, ``Infinity``); ``llamacpp_bad_slots`` — llama-server's ``/slots``
+  with ``n_decoded: Infinity``; ``llamacpp_bad_metrics`` — its ``/metrics`` with a negative queue;
+  ``bad_gzip`` — ``Content-Encoding: gzip`` on a body that is not;
 - SSE (chat): ``sse_endless_line`` — ``data: `` then bytes for ever without a newline; ``sse_ping_forever`` —
   ``: ping`` comments for ever; ``sse_empty_frames`` — empty ``data:`` frames for ever; ``sse_tokens_forever`` —
   one-word content deltas for ever, never ``[DONE]``; ``sse_echo_key`` — an error frame repeating the
@@ -168,6 +174,50 @@ def bad_metrics(h: QuietHandler, srv: "HostileServer") -> None:
     h._send(200, "text/plain; version=0.0.4", BAD_METRICS)
 
 
+def strata_health(h: QuietHandler, srv: "HostileServer") -> None:
+    _json(h, 200, {"status": "ok", "service": "strata", "loaded": True, "model": MODEL})
+
+
+def strata_metrics(h: QuietHandler, srv: "HostileServer") -> None:
+    _json(h, 200, {"live": {"state": "generating", "tok_s": 12.5, "queued": 1}, "totals": {"requests": 3}})
+
+
+def strata_bad_json(h: QuietHandler, srv: "HostileServer") -> None:
+    # json.dumps writes Infinity for inf, as Strata's Python server would; 10**400 is valid JSON, past any float
+    doc = {"live": {"state": "generating", "tok_s": 12.5, "queued": -3, "running": -7},
+           "totals": {"requests": 10**400, "output_tokens": -5},
+           "hardware": {"gpu_mem_used": -1, "gpu_mem_total": float("inf"), "ram_used": 2**30}}
+    _json(h, 200, doc)
+
+
+def llamacpp_bad_slots(h: QuietHandler, srv: "HostileServer") -> None:
+    h._send(200, "application/json", b'[{"id": 0, "id_task": 5, "is_processing": true, "n_ctx": 4096, '
+                                     b'"next_token": [{"n_decoded": Infinity}]}]')
+
+
+LLAMACPP_BAD_METRICS = b"""# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred -2
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 120
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 40
+"""
+
+
+def llamacpp_bad_metrics(h: QuietHandler, srv: "HostileServer") -> None:
+    h._send(200, "text/plain; version=0.0.4", LLAMACPP_BAD_METRICS)
+
+
+def bad_gzip(h: QuietHandler, srv: "HostileServer") -> None:
+    body = b"this is not gzip at all"
+    h.send_response(200)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Encoding", "gzip")
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    h.wfile.write(body)
+
+
 def _sse(data: object) -> bytes:
     return b"data: " + json.dumps(data).encode() + b"\n\n"
 
@@ -208,7 +258,8 @@ Behaviour = Callable[[QuietHandler, "HostileServer"], None]
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
     openai, not_found, endless, huge_length, drip, stall, garbage_json, deep_json, echo_key, echo_key_models,
     escape_models, huge_models, many_models, bad_metrics, sse_endless_line, sse_ping_forever, sse_empty_frames,
-    sse_tokens_forever, sse_echo_key, sse_content_object)}
+    sse_tokens_forever, sse_echo_key, sse_content_object, strata_health, strata_metrics, strata_bad_json,
+    llamacpp_bad_slots, llamacpp_bad_metrics, bad_gzip)}
 
 
 class HostileServer(LoopbackServer):

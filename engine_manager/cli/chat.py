@@ -242,6 +242,8 @@ class _Session:
             line = stats.summary()
             if stats.finish_reason == "length" and self.options.max_tokens:
                 line += " · " + _length_words(stats, self.options.max_tokens)
+            elif stats.finish_reason == "time_limit":       # engine_manager.inferencekey.backend REQUEST_LIMIT_S
+                line += " · answered before the InferenceKey worker's time limit per request: ask for fewer tokens"
             where = (f"conversation {conv}" if interactive else
                      f"saved as conversation {conv}; continue with --conversation {conv}")
             print(f"[{line} · {where}]", file=err)
@@ -311,6 +313,9 @@ def run(args, ctx) -> int:
         if attached is None:
             return rc
         running, where = attached, f"connection {args.connection}"
+        if running.engine == "inferencekey":
+            from ..inferencekey.endpoint import NO_STREAMING
+            print(f"note: {NO_STREAMING}", file=sys.stderr)
     else:
         try:
             target = engine_address(settings, args.url)

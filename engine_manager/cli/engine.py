@@ -218,7 +218,7 @@ def run_start(args, ctx) -> int:
         warning = sv.plan_host_warning(plan, hw)
         if warning:
             say(f"warning: {warning}")
-    sup = sv.Supervisor(settings, hardware=hw)
+    sup = sv.Supervisor(settings, hardware=hw, started_by="cli")
     if args.dry_run:
         dr = sup.dry_run(engine, plan)
         if args.json:
@@ -346,6 +346,8 @@ def run_status(args, ctx) -> int:
     name = st.label or st.engine or "—"
     if st.simulated and "simulated" not in name.lower():
         name += " (simulated)"
+    if st.started_by_words:
+        name += f", {st.started_by_words}"
     rows = [("state", st.state), ("engine", name)] + ([("engine build", build)] if build else []) + [
             ("pid", st.pid), ("process group", st.pgid), ("port", st.port), ("base_url", st.base_url),
             ("binding", st.binding)]

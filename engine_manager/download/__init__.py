@@ -54,8 +54,9 @@ every start; ``verify="full"`` re-hashes anyway.
 
 The package's seams: :mod:`.events` (constants, errors, events), :mod:`.http` (the ranged GET, the hub's endpoint,
 token and errors), :mod:`.store` (the folder lock, folders, manifests, verification records, checkpoint state),
-:mod:`.fetch` (resumable jobs on worker threads), :mod:`.model` (the model's shards) and :mod:`.release` (the
-engine archive). sha256 lives in :mod:`engine_manager.hashing`, split metadata in :mod:`engine_manager.gguf_split`.
+:mod:`.fetch` (resumable jobs on worker threads), :mod:`.model` (the model's shards), :mod:`.release` (the
+pinned engine archive, safe unpacking) and :mod:`.release_source` (a release the user names: a folder, or a URL
+whose sha256 is pinned or confirmed by the user). sha256 lives in :mod:`engine_manager.hashing`, split metadata in :mod:`engine_manager.gguf_split`.
 """
 
 from __future__ import annotations
@@ -107,7 +108,28 @@ from .model import (
     resolve_model,
     verify_model_dir,
 )
-from .release import RELEASE_MARKER, download_engine, installed_engine, read_engine_manifest, safe_extract
+from .release import (
+    RELEASE_MARKER,
+    download_engine,
+    installed_engine,
+    read_engine_manifest,
+    safe_extract,
+    safe_extract_zip,
+    safe_unpack,
+)
+from .release_source import (
+    VERIFIED_CONFIRMED,
+    VERIFIED_PINNED,
+    ArchiveFetched,
+    InstalledRelease,
+    PendingArchive,
+    discard_archive,
+    fetch_release,
+    install_release,
+    pending_archive,
+    release_record,
+    sha256_text,
+)
 from .store import (
     FolderLock,
     default_model_dir,
@@ -130,4 +152,7 @@ __all__ = [
     "local_status", "model_present", "resolve_model", "verify_model_dir", "download_engine", "installed_engine",
     "read_engine_manifest", "safe_extract", "default_model_dir", "engine_release_dir", "free_bytes",
     "known_verified", "load_manifest", "model_dir", "shard_names", "sha256_file", "split_problems",
+    "safe_extract_zip", "safe_unpack", "VERIFIED_CONFIRMED", "VERIFIED_PINNED", "ArchiveFetched",
+    "InstalledRelease", "PendingArchive", "discard_archive", "fetch_release", "install_release",
+    "pending_archive", "release_record", "sha256_text",
 ]

@@ -9,6 +9,8 @@ import shutil
 import stat
 import tarfile
 import time
+import zipfile
+import zlib
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -146,9 +148,44 @@ def _member_problem(m: tarfile.TarInfo, dest: Path) -> str | None:
     return None
 
 
-def safe_extract(archive: Path, dest: Path) -> list[str]:
-    """Unpack a tar archive into ``dest`` refusing absolute paths, ``..``, links leaving ``dest``, devices; then
-    extract with tarfile's ``data`` filter as a second guard. Returns the member names."""
+#: caps on what an archive may unpack to (a Strata release is ~100 MB without its .venv, a few GB with one)
+MAX_UNPACKED_BYTES = 64 * 1024**3
+MAX_MEMBERS = 200_000
+
+
+def _name_problem(name: str) -> str | None:
+    """Why an archive member's name may not be unpacked (absolute, a drive, ``..``), or None."""
+    pp = PurePosixPath(name.replace("\\", "/"))
+    if not name or "\0" in name:
+        return f"{name!r} has an empty or invalid name"
+    if name.startswith(("/", "\\")) or pp.is_absolute() or re.match(r"^[A-Za-z]:", name):
+        return f"{name!r} is an absolute path"
+    if ".." in pp.parts:
+        return f"{name!r} climbs out with '..'"
+    return None
+
+
+def _refuse(archive: Path, problems: list[str]) -> ArchiveError:
+    return ArchiveError(f"Refused to unpack {archive.name}: " + "; ".join(problems[:5]) +
+                        (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "") + ".",
+                        "The archive is unsafe; it was not unpacked. Use the official release.")
+
+
+def _size_problems(archive: Path, total: int, count: int, max_bytes: int, max_members: int) -> list[str]:
+    out = []
+    if count > max_members:
+        out.append(f"it holds {count:,} entries, more than the {max_members:,} a release may have")
+    if total > max_bytes:
+        out.append(f"it would unpack to {total / 1e9:.1f} GB, more than the {max_bytes / 1e9:.1f} GB a release may "
+                   "take")
+    return out
+
+
+def safe_extract(archive: Path, dest: Path, *, max_bytes: int = MAX_UNPACKED_BYTES,
+                 max_members: int = MAX_MEMBERS) -> list[str]:
+    """Unpack a tar archive into ``dest`` refusing absolute paths, ``..``, links leaving ``dest``, devices, and
+    more than ``max_members`` entries or ``max_bytes`` unpacked; then extract with tarfile's ``data`` filter as a
+    second guard. Returns the member names."""
     dest = Path(dest).absolute()
     try:
         tar = tarfile.open(archive)
@@ -156,12 +193,16 @@ def safe_extract(archive: Path, dest: Path) -> list[str]:
         raise ArchiveError(f"{archive.name} is not a readable tar archive ({exc}).",
                            "Download it again; if it keeps failing, the release is damaged.") from None
     with tar:
-        members = tar.getmembers()
-        problems = [p for p in (_member_problem(m, dest) for m in members) if p]
+        members = []
+        for m in tar:               # read lazily, so a huge member list is refused before it is all in memory
+            members.append(m)
+            if len(members) > max_members:
+                break
+        problems = _size_problems(archive, sum(m.size for m in members if m.isfile()), len(members), max_bytes,
+                                  max_members)
+        problems += [p for p in (_member_problem(m, dest) for m in members) if p]
         if problems:
-            raise ArchiveError(f"Refused to unpack {archive.name}: " + "; ".join(problems[:5]) +
-                               (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "") + ".",
-                               "The archive is unsafe; it was not unpacked. Use the official release.")
+            raise _refuse(archive, problems)
         dest.mkdir(parents=True, exist_ok=True)
         if hasattr(tarfile, "data_filter"):
             try:
@@ -172,6 +213,63 @@ def safe_extract(archive: Path, dest: Path) -> list[str]:
         else:  # pragma: no cover - Python without PEP 706 (our own checks above already ran)
             tar.extractall(dest, members=members)
     return [m.name for m in members]
+
+
+def safe_extract_zip(archive: Path, dest: Path, *, max_bytes: int = MAX_UNPACKED_BYTES,
+                     max_members: int = MAX_MEMBERS) -> list[str]:
+    """Unpack a zip archive into ``dest``: every name is checked first (absolute paths, ``..``), links and
+    anything but files and folders are refused (a release needs none; zipfile would write a link as a file
+    holding its target), the declared sizes are capped (zipfile stops each member at its declared size and checks
+    its CRC). The files' permission bits are kept (owner read/write, no setuid; Strata's prebuilt zip has its
+    ``strata`` executable). Returns the member names."""
+    dest = Path(dest).absolute()
+    try:
+        zf = zipfile.ZipFile(archive)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise ArchiveError(f"{archive.name} is not a readable zip archive ({exc}).",
+                           "Download it again; if it keeps failing, the release is damaged.") from None
+    with zf:
+        infos = zf.infolist()
+        problems = _size_problems(archive, sum(i.file_size for i in infos), len(infos), max_bytes, max_members)
+        for i in infos:
+            why = _name_problem(i.filename)
+            kind = stat.S_IFMT(i.external_attr >> 16)
+            if why is None and kind == stat.S_IFLNK:
+                why = f"{i.filename!r} is a symbolic link"
+            elif why is None and kind not in (0, stat.S_IFREG, stat.S_IFDIR):
+                why = f"{i.filename!r} is not a regular file or folder"
+            if why:
+                problems.append(why)
+        if problems:
+            raise _refuse(archive, problems)
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            for i in infos:
+                out = Path(zf.extract(i, dest))
+                if not out.resolve().is_relative_to(dest.resolve()):     # zipfile sanitises; checked again
+                    raise _refuse(archive, [f"{i.filename!r} landed outside the release folder"])
+                mode = (i.external_attr >> 16) & 0o755
+                if mode and not i.is_dir():
+                    out.chmod(mode | stat.S_IRUSR | stat.S_IWUSR)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+            raise ArchiveError(f"{archive.name} is damaged ({exc}); what it held was not used.",
+                               "Download it again; if it keeps failing, the release is damaged.") from None
+    return [i.filename for i in infos]
+
+
+def safe_unpack(archive: Path, dest: Path, **caps: int) -> list[str]:
+    """A zip or tar archive (by its content, not its name) unpacked safely into ``dest``."""
+    archive = Path(archive)
+    if zipfile.is_zipfile(archive):
+        return safe_extract_zip(archive, dest, **caps)
+    try:
+        is_tar = tarfile.is_tarfile(archive)
+    except OSError:
+        is_tar = False
+    if not is_tar:
+        raise ArchiveError(f"{archive.name} is neither a zip nor a tar archive (.tar.gz, .tar.xz, .tar.bz2).",
+                           "Check the URL: it should name the release's asset (the archive), not its web page.")
+    return safe_extract(archive, dest, **caps)
 
 
 def download_engine(settings: Settings, *, manifest: dict[str, Any] | os.PathLike | str | None = None,

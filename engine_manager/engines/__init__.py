@@ -12,7 +12,7 @@ import importlib
 from .base import Engine, FailureHint, LaunchSpec, LogEvent, Readiness, Sample
 
 ENGINE_NAMES = ("strata", "llamacpp", "sim")
-ATTACH_ONLY_NAMES = ("vllm", "sglang", "openai_compat")   # issue 19: attached to, never started by the panel
+ATTACH_ONLY_NAMES = ("vllm", "sglang", "openai_compat", "inferencekey")   # attached to, never started by the panel
 
 
 def get_engine(name: str) -> Engine:

@@ -284,7 +284,8 @@ class DeepSeekOneGpuBackend(CustomBackend):
         from ..cli.engine import Printer
         from ..session import EngineSession
 
-        self.session = EngineSession(settings, hardware=hw)
+        # the state file says who started it: the panel and `dsv41 status` on this machine label it so
+        self.session = EngineSession(settings, hardware=hw, started_by="inferencekey")
         self._slots = threading.BoundedSemaphore(settings.slots)
         printer = Printer(out=_LogWriter())
         sup = self.session.supervisor

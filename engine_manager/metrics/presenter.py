@@ -23,9 +23,12 @@ DASH = "—"
 
 # (key, title) of the cards, in the order the Monitor lays them out
 CARDS: tuple[tuple[str, str], ...] = (
-    ("decode", "Decode"), ("prefill", "Prefill"), ("hit", "Expert picks in VRAM"), ("swaps", "Expert swaps"),
+    ("decode", "Decode"), ("prefill", "Prefill"), ("hit", "Picks in VRAM"), ("swaps", "Expert swaps"),
     ("pcie", "PCIe"), ("vram", "VRAM"), ("ram", "RAM"), ("cpu", "CPU"), ("gpu", "GPU"),
     ("engine", "Engine process"))
+
+# a card's title in full, where the card says it short (its tooltip)
+CARD_TITLES_IN_FULL = {"hit": "Expert picks served from VRAM"}
 
 PREFILL_SLOTS_NOTE = ("All slots together: Strata and the scripted engine report no per-slot prefill, so none is "
                       "drawn.")
@@ -224,7 +227,7 @@ def hit_difference_line(tick: Tick) -> str:
     if pred is None or obs is None or abs(pred - obs) <= 0.03:
         return ""
     return (f"Planner {pct(pred)} vs observed {pct(obs)}: the planner ranked its hot set on the planning traffic; "
-            "these prompts route differently (the adaptive tier moves experts toward them).")
+            "these prompts route differently.")
 
 
 def hit_card(tick: Tick, missing_why: str = "") -> CardText:
@@ -287,15 +290,16 @@ def stopped_cards() -> dict[str, CardText]:
     return {key: CardText(DASH, "engine stopped", False, STOPPED_TIP, stale=True) for key, _ in CARDS}
 
 
-def status_text(hub: Any, tick: Tick | None) -> tuple[str, str | None]:
+def status_text(hub: Any, tick: Tick | None, *, compact: bool = False) -> tuple[str, str | None]:
     """The Monitor's status line for a running ``hub`` (engine, rate, recording, what is missing) and its tooltip
-    (the whole recording path; None when nothing is recorded)."""
-    parts = [f"{hub.engine}" + (" (simulated)" if hub.simulated else "") + f" · {hub.hz:g} Hz"]
+    (the whole line and the whole recording path; None when nothing is recorded). ``compact`` (the window, where
+    the rate is in its own box beside the line): no rate, and "recording" without the file (in the tooltip)."""
+    parts = [f"{hub.engine}" + (" (simulated)" if hub.simulated else "") + ("" if compact else f" · {hub.hz:g} Hz")]
     recording = hub.recorder is not None and not hub.record_error
     if recording:
         # the run's folder and file; the whole path is in the tooltip
         csv = hub.recorder.csv_path
-        parts.append(f"recording to {csv.parent.name}/{csv.name}")
+        parts.append("recording" if compact else f"recording to {csv.parent.name}/{csv.name}")
     if hub.record_error:
         parts.append(hub.record_error)
     # a source that cannot work on this machine (no NVIDIA GPU) is said on its card, not here every tick
@@ -306,6 +310,26 @@ def status_text(hub: Any, tick: Tick | None) -> tuple[str, str | None]:
         parts.append("missing: " + "; ".join(f"{k} ({v})" for k, v in sorted(missing.items())))
     text = " · ".join(parts)
     return text, (f"{text}\n\nRecording: {hub.recorder.csv_path}" if recording else None)
+
+
+def unreachable_words(name: str, state: str, reason: str, last_seen: float | None, *,
+                      now: float | None = None) -> tuple[str, str]:
+    """A watched saved connection that cannot be used now: (short, whole) — "unreachable, last seen 14:02:11"
+    and "gpu-box is unreachable: <reason>, last seen 14:02:11". ``state`` "unreachable" (nothing answered) or
+    "problem" (something answered and said no: "not usable")."""
+    when = "never since it was saved" if not last_seen else time.strftime(
+        "%H:%M:%S" if (time.time() if now is None else now) - last_seen < 20 * 3600 else "%Y-%m-%d %H:%M",
+        time.localtime(last_seen))
+    word = "unreachable" if state == "unreachable" else "not usable"
+    reason = reason.strip().rstrip(".") or "no reason was given"
+    return f"{word}, last seen {when}", f"{name} is {word}: {reason}, last seen {when}."
+
+
+def unreachable_cards(name: str, state: str, reason: str, last_seen: float | None) -> dict[str, CardText]:
+    """Every card while the watched connection ``name`` cannot be used: "—" (no figure of this engine, and never
+    one of another), "unreachable, last seen …" under it, the reason in the tooltip — not "engine stopped"."""
+    short, whole = unreachable_words(name, state, reason, last_seen)
+    return {key: CardText(DASH, short, False, whole, stale=True) for key, _ in CARDS}
 
 
 def stopped_status(had_ticks: bool) -> str:
