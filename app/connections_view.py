@@ -24,16 +24,19 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QBrush, QColor, QFont, QKeySequence
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QApplication,
     QComboBox,
     QDialog,
     QDialogButtonBox,
     QFormLayout,
+    QFrame,
     QHBoxLayout,
     QHeaderView,
     QLabel,
     QLineEdit,
     QMessageBox,
     QPushButton,
+    QScrollArea,
     QSizePolicy,
     QTreeWidget,
     QTreeWidgetItem,
@@ -78,6 +81,9 @@ class AddConnectionDialog(QDialog):
         intro.setWordWrap(True)
         lay.addWidget(intro)
         form = QFormLayout()
+        # the fields take the dialog's width (never squeezed to their minimum), one row each
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.DontWrapRows)
         self.name = QLineEdit()
         self.name.setObjectName("connName")
         self.name.setPlaceholderText("gpu-box")
@@ -98,6 +104,8 @@ class AddConnectionDialog(QDialog):
         form.addRow("URL", self.url)
         form.addRow("API key", self.key)
         form.addRow("SSH host", self.ssh)
+        for field in (self.name, self.url, self.key, self.ssh):
+            field.setMinimumWidth(self.FIELD_MIN_WIDTH)
         lay.addLayout(form)
         row = QHBoxLayout()
         self.test_button = QPushButton("Test connection")
@@ -106,9 +114,19 @@ class AddConnectionDialog(QDialog):
         row.addWidget(self.test_button)
         row.addStretch(1)
         lay.addLayout(row)
+        # what the test found: wrapped, in a scrolling box between the fields and the buttons, so a long message
+        # is read whole (scrolled) and never pushes the fields together or runs under the buttons
         self.result = _plain_label("connTestResult")
-        self.result.setMinimumWidth(420)
-        lay.addWidget(self.result)
+        self.result.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        self.result_area = QScrollArea()
+        self.result_area.setObjectName("connTestResultArea")
+        self.result_area.setWidgetResizable(True)
+        self.result_area.setFrameShape(QFrame.Shape.NoFrame)
+        self.result_area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.result_area.setWidget(self.result)
+        self.result_area.setMinimumHeight(self.fontMetrics().lineSpacing() * 4 + 8)
+        self.result_area.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
+        lay.addWidget(self.result_area, 1)
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save |
                                         QDialogButtonBox.StandardButton.Cancel)
         self.save_button = self.buttons.button(QDialogButtonBox.StandardButton.Save)
@@ -117,6 +135,20 @@ class AddConnectionDialog(QDialog):
         self.buttons.rejected.connect(self.reject)
         lay.addWidget(self.buttons)
         self.finished.connect(lambda _r: self.tasks.shutdown(0))
+        self._fit_screen()
+
+    FIELD_MIN_WIDTH = 280
+    SIZE = (640, 440)              # room for the fields and ~8 lines of a test's message
+
+    def _fit_screen(self) -> None:
+        """Open at SIZE, or smaller on a small screen (a 1280×800 one has room for it): never beyond the screen's
+        available area."""
+        screen = (self.parent().screen() if self.parent() is not None else None) or QApplication.primaryScreen()
+        w, h = self.SIZE
+        if screen is not None:
+            avail = screen.availableGeometry()
+            w, h = min(w, avail.width() - 40), min(h, avail.height() - 80)
+        self.resize(max(w, self.minimumSizeHint().width()), max(h, self.minimumSizeHint().height()))
 
     def values(self) -> tuple[str, str, str | None, str | None]:
         return (self.name.text().strip(), self.url.text().strip(), self.key.text().strip() or None,
@@ -136,13 +168,13 @@ class AddConnectionDialog(QDialog):
         self.detection = det
         self.test_button.setEnabled(True)      # with the result, not later: a click right after it must work
         self.result.setStyleSheet(f"color: {'#1b6b2b' if det.ok else '#a1131c'};")
-        self.result.setText(("✓ " if det.ok else "✗ ") + det.summary())
+        self.result.setText(("✓ " if det.ok else "✗ ") + det.summary(gui=True))     # the window's words
 
     def _refused(self, exc: BaseException) -> None:
         self.test_button.setEnabled(True)
         self.save_button.setEnabled(True)
         self.result.setStyleSheet("color: #a1131c;")
-        self.result.setText(f"✗ {exc}")
+        self.result.setText(f"✗ {C.gui_words(exc)}")
 
     def save(self) -> None:
         name, url, key, ssh = self.values()
@@ -173,9 +205,10 @@ def status_words(st: C.ConnectionStatus, shown_name: str) -> tuple[str, str, str
                 f"{shown_name}: {st.label}" + (" — its figures are simulated" if st.simulated else ""))
     seen = (f"Last seen answering at {_when(st.last_seen)}." if st.last_seen
             else "Not seen answering since it was saved.")
+    why = st.gui_message or st.message              # the window's words (the CLI's name `dsv41` commands)
     if st.state == "unreachable":
-        return "unreachable", "#9a5b00", f"{shown_name} cannot be reached: {st.message}\n{seen}"
-    return "problem", "#a1131c", f"{shown_name}: {st.message}\n{seen}"
+        return "unreachable", "#9a5b00", f"{shown_name} cannot be reached: {why}\n{seen}"
+    return "problem", "#a1131c", f"{shown_name}: {why}\n{seen}"
 
 
 class OverviewStrip(QTreeWidget):
@@ -472,7 +505,7 @@ class ConnectionsView(QWidget):
         seen = (f"Last seen answering at {_when(lt.last_ok)}." if lt is not None and lt.last_ok
                 else "Not seen answering since it was saved.")
         self.info.setStyleSheet("color: #a1131c;")
-        self.info.setText(f"{exc}\n{seen} Choose it again to retry.")
+        self.info.setText(f"{C.gui_words(exc)}\n{seen} Choose it again to retry.")
 
     def _watch_changed(self, name: str | None) -> None:
         self.overview.set_watched(name)

@@ -1,6 +1,13 @@
 """The Downloads tab: the seven model shards (a progress bar, speed, ETA and a verified tick each), the total,
 pause / resume / cancel, the engine release, and "use a folder that already has the shards".
 
+The engine release has three ways in: the manifest's pinned release ("Download engine", when the manifest pins
+one); "Use an engine release I already have…" (a folder, checked the way ``dsv41 doctor`` checks a release:
+``engine_manager.release_check.check_release``, each failure shown with its fix, and saved as the ``engine_dir``
+setting when none fails: :meth:`DownloadPanel.use_release_folder`); and "Download from URL" (an archive whose
+sha256 is given beforehand, or shown when it arrived and confirmed by the user against the release page before
+anything is unpacked: ``engine_manager.download.release_source``).
+
 All work runs in ``engine_manager.download`` generators on a worker (``app.workers.TaskOwner``); this widget
 only renders their events and forwards the user's intents (a ``CancelToken``).
 
@@ -18,14 +25,16 @@ from typing import Any, Callable, Iterator
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
-    QFileDialog, QFrame, QGridLayout, QGroupBox, QHBoxLayout, QHeaderView, QLabel, QProgressBar,
+    QFileDialog, QFrame, QGridLayout, QGroupBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar,
     QPushButton, QSizePolicy, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget,
 )
 
 from engine_manager import fmt
 from engine_manager import download as dl
 from engine_manager.cancel import CancelToken
+from engine_manager.download import release_source as rs
 from engine_manager.gguf_split import short_name
+from engine_manager.release_check import ReleaseCheck, build_info, check_release, usable
 
 from .workers import TaskOwner
 
@@ -93,6 +102,24 @@ def _esc(s: str) -> str:
     return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def checks_html(folder: Path, checks: list[ReleaseCheck]) -> str:
+    """A release's checks: the verdict, then each failure and warning with its fix, then what passed (one line)."""
+    fails = [c for c in checks if c.status == "fail"]
+    warns = [c for c in checks if c.status == "warn"]
+    passed = [c for c in checks if c.status == "pass"]
+    head = (f"✓ <b>{_esc(str(folder))}</b> passed the release checks and is now the engine folder."
+            if not fails else
+            f"✗ <b>{_esc(str(folder))}</b>: {len(fails)} of {len(checks)} checks failed.")
+    rows = [head]
+    for c in fails + warns:
+        mark, colour = ("✗", "#b71c1c") if c.status == "fail" else ("!", "#8a5a00")
+        rows.append(f"<span style='color:{colour}'>{mark} <b>{_esc(c.title)}</b>: {_esc(c.figure)}</span>"
+                    + (f"<br>&nbsp;&nbsp;&nbsp;What to do: {_esc(c.fix)}" if c.fix else ""))
+    if passed:
+        rows.append("<span style='color:#1b5e20'>✓ " + " · ".join(_esc(c.title) for c in passed) + "</span>")
+    return "<br>".join(rows)
+
+
 class DownloadPanel(QWidget):
     progressChanged = Signal(object)      # engine_manager.download.Progress
     modelFinished = Signal(object)        # Finished
@@ -103,6 +130,8 @@ class DownloadPanel(QWidget):
     prepareEvent = Signal(object)         # ProvisionEvent
     prepareFinished = Signal(str)         # the pack folder
     prepareFailed = Signal(str)           # plain words
+    # an engine release the user named (a folder, or an archive from a URL), checked: (folder, [ReleaseCheck])
+    releaseChecked = Signal(object, object)
 
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
@@ -114,6 +143,9 @@ class DownloadPanel(QWidget):
         self.bars: dict[str, QProgressBar] = {}
         self.last_progress: dl.Progress | None = None
         self._closing = False
+        self._release_folder: Path | None = None       # the release folder last checked
+        self._fetched: rs.ArchiveFetched | None = None  # a downloaded archive waiting for its sha256's confirmation
+        self._engine_note: str | None = None            # why the release last named is not used (until the next)
         self._build()
         ctx.settingsChanged.connect(lambda _l: self.refresh())
         self.refresh()
@@ -218,9 +250,79 @@ class DownloadPanel(QWidget):
         self.engine_bar.setObjectName("engineBar")
         self.engine_bar.setRange(0, 1000)
         self.engine_bar.hide()
-        el.addWidget(self.engine_label, 0, 0)
+        el.addWidget(self.engine_label, 0, 0, 2, 1)
         el.addWidget(self.engine_btn, 0, 1)
-        el.addWidget(self.engine_bar, 1, 0, 1, 2)
+        src = QHBoxLayout()
+        self.release_folder_btn = QPushButton("Use an engine release I already &have…")
+        self.release_folder_btn.setObjectName("useReleaseFolderButton")
+        self.release_folder_btn.setToolTip("Choose the folder of an unpacked Strata release (engine/strata, "
+                                           "BUILD.json, .venv, serve/, tools/); it is checked before it is used")
+        self.release_folder_btn.clicked.connect(self.choose_release_folder)
+        self.url_edit = QLineEdit()
+        self.url_edit.setObjectName("releaseUrl")
+        self.url_edit.setPlaceholderText("Release archive URL (.tar.gz / .zip)")
+        self.url_edit.setClearButtonEnabled(True)
+        self.sha_edit = QLineEdit()
+        self.sha_edit.setObjectName("releaseSha256")
+        self.sha_edit.setPlaceholderText("its sha256, if published")
+        self.sha_edit.setToolTip("The sha256 the release page publishes for the asset. Without it, the sha256 of "
+                                 "what arrived is shown for you to compare before anything is unpacked.")
+        self.url_btn = QPushButton("Download from &URL")
+        self.url_btn.setObjectName("releaseUrlButton")
+        self.url_btn.clicked.connect(lambda: self.start_release_url())
+        self.url_edit.returnPressed.connect(lambda: self.start_release_url())
+        src.addWidget(self.url_edit, 3)
+        src.addWidget(self.sha_edit, 2)
+        src.addWidget(self.url_btn)
+        el.addWidget(self.release_folder_btn, 1, 1)
+        el.addWidget(self.engine_bar, 2, 0, 1, 2)
+        el.addLayout(src, 3, 0, 1, 2)
+        # the sha256 of a download nobody pinned, for the user to compare with the release page
+        self.confirm_box = QFrame()
+        self.confirm_box.setObjectName("releaseConfirm")
+        self.confirm_box.setFrameShape(QFrame.Shape.StyledPanel)
+        cl = QGridLayout(self.confirm_box)
+        cl.setContentsMargins(8, 4, 8, 4)
+        self.digest_label = QLabel()
+        self.digest_label.setObjectName("releaseDigest")
+        self.digest_label.setWordWrap(True)
+        self.digest_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.confirm_edit = QLineEdit()
+        self.confirm_edit.setObjectName("releaseConfirmSha256")
+        self.confirm_edit.setPlaceholderText("paste the sha256 the release page shows")
+        self.confirm_edit.textChanged.connect(self._confirm_text_changed)
+        self.confirm_btn = QPushButton("Confirm and unpack")
+        self.confirm_btn.setObjectName("releaseConfirmButton")
+        self.confirm_btn.setEnabled(False)
+        self.confirm_btn.clicked.connect(lambda: self.confirm_release(self.confirm_edit.text()))
+        self.discard_btn = QPushButton("Delete the download")
+        self.discard_btn.setObjectName("releaseDiscardButton")
+        self.discard_btn.clicked.connect(self.discard_release)
+        self.match_label = QLabel()
+        self.match_label.setObjectName("releaseMatch")
+        cl.addWidget(self.digest_label, 0, 0, 1, 4)
+        cl.addWidget(self.confirm_edit, 1, 0)
+        cl.addWidget(self.match_label, 1, 1)
+        cl.addWidget(self.confirm_btn, 1, 2)
+        cl.addWidget(self.discard_btn, 1, 3)
+        cl.setColumnStretch(0, 1)
+        self.confirm_box.hide()
+        el.addWidget(self.confirm_box, 4, 0, 1, 2)
+        # the release checks of the folder last named, each failure with its fix
+        self.checks_label = QLabel()
+        self.checks_label.setObjectName("releaseChecks")
+        self.checks_label.setWordWrap(True)
+        self.checks_label.setTextFormat(Qt.TextFormat.RichText)
+        self.checks_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.checks_label.hide()
+        self.recheck_btn = QPushButton("Check a&gain")
+        self.recheck_btn.setObjectName("releaseRecheckButton")
+        self.recheck_btn.setToolTip("Check the same folder again (after fixing what the checks name)")
+        self.recheck_btn.clicked.connect(lambda: self.use_release_folder(self._release_folder)
+                                         if self._release_folder is not None else None)
+        self.recheck_btn.hide()
+        el.addWidget(self.checks_label, 5, 0, 1, 2)
+        el.addWidget(self.recheck_btn, 6, 1)
         el.setColumnStretch(0, 1)
         lay.addWidget(eng_box)
 
@@ -259,7 +361,13 @@ class DownloadPanel(QWidget):
 
     def _read_local(self) -> dict[str, Any]:
         s = self.ctx.settings
-        out: dict[str, Any] = {"status": dl.local_status(s), "engine": None, "engine_error": None}
+        out: dict[str, Any] = {"status": dl.local_status(s), "engine": None, "engine_error": None,
+                               "engine_dir": None}
+        if s.engine_dir:
+            folder = Path(s.engine_dir).expanduser()
+            build, _why = build_info(folder) if folder.is_dir() else (None, None)
+            out["engine_dir"] = (folder, folder.is_dir(), build.summary() if build else None,
+                                 dl.release_record(folder))
         try:
             m = dl.read_engine_manifest()
             out["engine"] = (m["version"], dl.installed_engine(s, m), m["size"])
@@ -302,15 +410,37 @@ class DownloadPanel(QWidget):
         else:
             self.status.setText("The model is not downloaded yet: 264.5 GB in seven files. Or use a folder that "
                                 "already has them.")
-        if info["engine"]:
+        self._show_engine(info)
+
+    def _show_engine(self, info: dict[str, Any]) -> None:
+        """The engine line: why the release last named is not used, else the release folder in use (engine_dir),
+        else the manifest's release."""
+        if self._engine_note:
+            self.engine_label.setText(self._engine_note)
+            self.engine_btn.setEnabled(bool(info["engine"]) and info["engine"][1] is None)
+        elif info.get("engine_dir"):
+            folder, exists, summary, record = info["engine_dir"]
+            how = ""
+            if record and record.get("verified") == rs.VERIFIED_CONFIRMED:
+                how = " · its archive's sha256 was confirmed by you against the release page"
+            elif record and record.get("verified") == rs.VERIFIED_PINNED:
+                how = " · its archive matched the published sha256"
+            self.engine_label.setText(
+                f"Engine release in use (engine_dir): <code>{_esc(str(folder))}</code>"
+                + (f" — {_esc(summary)}" if summary else "") + how if exists else
+                f"The engine folder <code>{_esc(str(folder))}</code> (engine_dir) does not exist: choose the "
+                "release's folder again, or download it.")
+            self.engine_label.setToolTip("")
+            self.engine_btn.setEnabled(bool(info["engine"]) and info["engine"][1] is None)
+        elif info["engine"]:
             version, where, size = info["engine"]
             self.engine_label.setText(f"Strata {version}: installed and verified in <code>{_esc(str(where))}</code>"
                                       if where else f"Strata {version} ({fmt.bytes_si(size)}): not installed.")
             self.engine_btn.setEnabled(where is None)
         else:
             self.engine_label.setText(f"Engine release: {_esc(info['engine_error'] or '')}")
-            self.engine_label.setToolTip("Edit resources/manifests/engine.json, or set DSV41_ENGINE_DIR to an "
-                                         "engine you unpacked yourself.")
+            self.engine_label.setToolTip("The manifest (resources/manifests/engine.json) pins no release yet: use a "
+                                         "release folder you have, or download the release by its URL, below.")
             self.engine_btn.setEnabled(False)
 
     # -- rows ------------------------------------------------------------------------------------------------------
@@ -372,6 +502,10 @@ class DownloadPanel(QWidget):
         self.kind = kind if busy else None
         self.download_btn.setEnabled(not busy)
         self.folder_btn.setEnabled(not busy)
+        for b in (self.release_folder_btn, self.url_btn, self.recheck_btn, self.confirm_btn, self.discard_btn):
+            b.setEnabled(not busy)
+        if not busy:
+            self._confirm_text_changed(self.confirm_edit.text())
         self.pause_btn.setEnabled(busy and kind in ("model", "engine"))
         self.resume_btn.setEnabled(False)
         self.cancel_btn.setEnabled(busy)
@@ -469,13 +603,157 @@ class DownloadPanel(QWidget):
         else:
             self.ctx.statusMessage.emit("The model folder does not exist yet.", 4000)
 
+    # -- an engine release the user names ---------------------------------------------------------------------------
+    def choose_release_folder(self) -> None:
+        start = str(self.ctx.settings.engine_dir or Path.home())
+        d = QFileDialog.getExistingDirectory(self, "The folder of a Strata engine release you already have", start)
+        if d:
+            self.use_release_folder(Path(d))
+
+    def _gpu_facts(self) -> tuple[str | None, str | None]:
+        report = getattr(self.ctx, "hardware", None)
+        gpu = report.gpu(self.ctx.settings.gpu_index) if report is not None else None
+        return (gpu.compute_capability, gpu.cuda_driver_version) if gpu is not None else (None, None)
+
+    def use_release_folder(self, folder: Path) -> None:
+        """Check ``folder`` the way ``dsv41 doctor`` checks a release (on a worker: it runs the release's Python);
+        when no check fails it becomes the engine folder (the ``engine_dir`` setting), otherwise each failure is
+        shown with its fix and nothing changes."""
+        if self.worker is not None or self._closing:
+            return
+        self.error.hide()
+        self._engine_note = None
+        self._release_folder = Path(folder)
+        cc, driver = self._gpu_facts()
+        self.engine_label.setText(f"Checking the release in <code>{_esc(str(folder))}</code>…")
+        self._set_busy(True, "release_check")
+        self.tasks.start("download", check_release, Path(folder), compute_capability=cc, driver_cuda=driver,
+                         on_done=lambda checks: self._release_checked(Path(folder), checks),
+                         on_error=self._on_error, on_finished=self._on_finished)
+
+    def _release_checked(self, folder: Path, checks: list[ReleaseCheck], unpacked: bool = False) -> None:
+        if self._closing:
+            return
+        self._release_folder = folder
+        self.checks_label.setText(checks_html(folder, checks))
+        self.checks_label.show()
+        self.recheck_btn.show()
+        if usable(checks):
+            try:
+                self.ctx.update_settings({"engine_dir": str(folder)})
+            except Exception as exc:  # noqa: BLE001 - a settings error is shown, not raised in a slot
+                self.error.show_error(f"Could not save engine_dir: {exc}", "Check the settings file's folder.")
+            else:
+                self.ctx.statusMessage.emit(f"Engine release set to {folder}", 6000)
+        else:
+            where = f"It was unpacked into <code>{_esc(str(folder))}</code>. " if unpacked else ""
+            self._engine_note = (f"✗ Not usable as the engine release yet. {where}Fix what is listed below, then "
+                                 "Check again. The engine folder setting was not changed.")
+            self.engine_label.setText(self._engine_note)
+        self.releaseChecked.emit(folder, checks)
+
+    def start_release_url(self, url: str | None = None, sha256: str | None = None) -> None:
+        """Download the release archive at ``url`` (the URL field when None). With a sha256 (the field, when None)
+        a mismatch refuses it; without one the sha256 of what arrived is shown for the user to confirm."""
+        if self.worker is not None or self._closing:
+            return
+        url = (url if url is not None else self.url_edit.text()).strip()
+        sha256 = (sha256 if sha256 is not None else self.sha_edit.text()).strip() or None
+        self.error.hide()
+        if not url:
+            self.error.show_error("No URL given.", "Paste the address of the release's archive (its asset on the "
+                                  "release page) into the URL field.")
+            return
+        if sha256 and rs.sha256_text(sha256) is None:
+            self.error.show_error(f"“{sha256}” is not a sha256 (64 hexadecimal digits).",
+                                  "Copy the sha256 the release page shows for the asset, or leave the field empty.")
+            return
+        self._forget_fetched()
+        self._engine_note = None
+        self.control = CancelToken()
+        self.engine_bar.show()
+        self.engine_bar.setValue(0)
+        self.engine_label.setText(f"Downloading {_esc(url)}…")
+        self._set_busy(True, "release")
+        self._run(rs.fetch_release, self.ctx.settings, url, sha256=sha256, on_done=self._release_fetched)
+
+    def _release_fetched(self, path: Any) -> None:
+        ev = self._fetched
+        if self._closing or path is None or ev is None:
+            return
+        if ev.pinned:
+            self.engine_label.setText(f"{_esc(ev.path.name)} arrived and matches the published sha256; unpacking…")
+            self._install(ev, ev.sha256, rs.VERIFIED_PINNED)
+            return
+        self.digest_label.setText(
+            f"<b>{_esc(ev.path.name)}</b> arrived ({fmt.bytes_si(ev.size)}). No published sha256 was given, so it is "
+            f"not unpacked until you compare its sha256 with the release page:<br><code>{ev.sha256}</code>")
+        self.confirm_edit.clear()
+        self.confirm_box.show()
+        self.engine_label.setText("Waiting for you to confirm the download's sha256 (below).")
+
+    def _confirm_text_changed(self, text: str) -> None:
+        ev = self._fetched
+        typed = rs.sha256_text(text)
+        if ev is None or not text.strip():
+            self.match_label.setText("")
+            self.confirm_btn.setEnabled(False)
+            return
+        ok = typed == ev.sha256
+        self.match_label.setText("✓ the same" if ok else "✗ not the same: do not use this file")
+        self.match_label.setStyleSheet("color: #1b5e20;" if ok else "color: #b71c1c;")
+        self.confirm_btn.setEnabled(ok and self.worker is None)
+
+    def confirm_release(self, text: str) -> bool:
+        """The user's confirmation: ``text`` is the sha256 they read on the release page. Unpacks the download
+        only when it is the sha256 of what arrived; returns whether it did."""
+        ev = self._fetched
+        if ev is None or self.worker is not None or self._closing:
+            return False
+        if rs.sha256_text(text) != ev.sha256:
+            self._confirm_text_changed(text)
+            return False
+        self.confirm_box.hide()
+        self._install(ev, ev.sha256, rs.VERIFIED_CONFIRMED)
+        return True
+
+    def discard_release(self) -> None:
+        ev = self._fetched
+        if ev is not None and self.worker is None:
+            rs.discard_archive(ev.path)
+            self.engine_label.setText(f"{_esc(ev.path.name)} was deleted; nothing was unpacked.")
+        self._forget_fetched()
+
+    def _forget_fetched(self) -> None:
+        self._fetched = None
+        self.confirm_box.hide()
+        self.confirm_edit.clear()
+
+    def _install(self, ev: rs.ArchiveFetched, sha256: str, how: str) -> None:
+        cc, driver = self._gpu_facts()
+        self._fetched = None
+        self.engine_bar.show()
+        self.engine_bar.setRange(0, 0)
+        self._set_busy(True, "install")
+        self.tasks.start("download", rs.install_release, self.ctx.settings, ev.path, sha256=sha256, how=how,
+                         url=ev.url, compute_capability=cc, driver_cuda=driver,
+                         on_done=self._installed, on_error=self._on_error, on_finished=self._install_finished)
+
+    def _install_finished(self) -> None:
+        self.engine_bar.setRange(0, 1000)
+        self._on_finished()
+
+    def _installed(self, inst: rs.InstalledRelease) -> None:
+        if not self._closing:
+            self._release_checked(inst.folder, inst.checks, unpacked=True)
+
     # -- events ----------------------------------------------------------------------------------------------------
     def _on_event(self, ev: Any) -> None:
         if self._closing:
             return
         if isinstance(ev, dl.Progress):
             self.last_progress = ev
-            if self.kind == "engine":
+            if self.kind in ("engine", "release"):
                 self.engine_bar.setValue(int(ev.fraction * 1000))
                 self.engine_label.setText(f"Downloading the engine release: {fmt.bytes_si(ev.done_bytes)} of "
                                           f"{fmt.bytes_si(ev.total_bytes)} · ETA {fmt.clock(ev.eta_s)}")
@@ -521,6 +799,10 @@ class DownloadPanel(QWidget):
             self.status.setText("Paused. Resume goes on where it stopped.")
         elif isinstance(ev, dl.Resumed):
             self.status.setText("Resumed.")
+        elif isinstance(ev, rs.ArchiveFetched):
+            self._fetched = ev
+        elif isinstance(ev, dl.Stopped) and self.kind == "release":
+            self.engine_label.setText("Download stopped; the partial file was deleted and nothing was unpacked.")
         elif isinstance(ev, dl.Stopped):
             self.status.setText(f"Stopped. {fmt.bytes_si(ev.kept_bytes)} of {fmt.bytes_si(ev.total_bytes)} kept; "
                                 "Download resumes from there (also after closing the panel).")
@@ -573,8 +855,11 @@ class DownloadPanel(QWidget):
         if isinstance(exc, dl.PinnedCommitGone):
             action = (f"Re-pin to “{exc.revision}” now", lambda: self.start_model(repin=True))
         self.error.show_error(msg, fix, action)
-        self.status.setText("Not started: another download is writing into this folder (named above)."
-                            if isinstance(exc, dl.FolderBusy) else "Stopped by an error; partial files are kept.")
+        if self.kind in ("release", "install", "release_check"):
+            self.engine_label.setText(f"✗ {_esc(msg)}")
+        else:
+            self.status.setText("Not started: another download is writing into this folder (named above)."
+                                if isinstance(exc, dl.FolderBusy) else "Stopped by an error; partial files are kept.")
         self.errorRaised.emit(msg, fix)
 
     def _on_finished(self) -> None:
@@ -583,20 +868,21 @@ class DownloadPanel(QWidget):
         self.control = None
         was = self.kind
         self._set_busy(False)
-        if was == "engine" and not self.error.isVisible():
+        if was in ("engine", "release", "install") and not self.error.isVisible():
             self.engine_bar.hide()
+        if was in ("release_check", "install"):       # the shard rows were not touched: read them all again
+            self.refresh()
+            return
         self.tasks.start("local", self._read_local, on_done=self._engine_only)
 
     def _engine_only(self, info: dict[str, Any]) -> None:
         """After a run: refresh the engine line (the shard rows keep the run's final states)."""
         if self.worker is not None or self._closing:
             return
-        if info["engine"]:
-            version, where, size = info["engine"]
-            if where:
-                self.engine_label.setText(f"Strata {version}: installed and verified in <code>{_esc(str(where))}"
-                                          "</code>")
-            self.engine_btn.setEnabled(where is None)
+        if info.get("engine_dir") or (info["engine"] and info["engine"][1]):
+            self._show_engine(info)
+        elif info["engine"]:
+            self.engine_btn.setEnabled(info["engine"][1] is None)
 
     # -- the provisioning step ---------------------------------------------------------------------------------------
     def start_prepare(self, force: bool = False) -> None:

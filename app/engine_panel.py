@@ -20,7 +20,7 @@ import html
 import time
 from typing import Any
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QByteArray, QMimeData, Qt, QTimer
 from PySide6.QtGui import QAction, QFontDatabase, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -79,6 +79,7 @@ BADGE = {  # state: (text, background, foreground)
     "reattaching": ("Re-attaching…", "#dbe8ff", "#1f4e99"),   # the panel's own: finding the engine left running
 }
 POLL_MS = 3000
+KEY_CLIPBOARD_S = 60          # a copied API key is taken off the clipboard after this, if it is still there
 
 
 fmt_s = fmt.duration
@@ -180,6 +181,7 @@ class EnginePanel(QWidget):
         ctx.hardwareChanged.connect(self._hardware_changed)
         ctx.watchChanged.connect(lambda _name: self._render_state(self._state, ""))
         ctx.engineLockChanged.connect(lambda _why: self._render_state(self._state, ""))
+        ctx.ownEngineChanged.connect(lambda _r: self._refresh_details())      # "Copy API key" follows it
         self.poll_timer = QTimer(self)
         self.poll_timer.setInterval(POLL_MS)
         self.poll_timer.timeout.connect(self._poll_status)
@@ -255,6 +257,19 @@ class EnginePanel(QWidget):
 
         self.details = _text_label("engineDetails", Qt.TextFormat.RichText)
         lay.addWidget(self.details)
+        # beside the engine's address: its key, for attaching to it from elsewhere (masked everywhere else)
+        self.copy_key_button = QPushButton("Copy API key…")
+        self.copy_key_button.setObjectName("copyApiKey")
+        self.copy_key_button.setToolTip(f"Copy this engine's API key to the clipboard, to attach to it from another "
+                                        f"program (asks first; taken off the clipboard after {KEY_CLIPBOARD_S} s)")
+        self.copy_key_button.clicked.connect(self.copy_api_key)
+        self.copy_key_button.hide()
+        lay.addWidget(self.copy_key_button)
+        self.key_clear_s = float(KEY_CLIPBOARD_S)
+        self._copied_key: str | None = None
+        self._key_timer = QTimer(self)
+        self._key_timer.setSingleShot(True)
+        self._key_timer.timeout.connect(self.clear_copied_key)
 
         self.placement_box = QFrame()
         self.placement_box.setObjectName("enginePlacementBox")
@@ -722,6 +737,9 @@ class EnginePanel(QWidget):
 
     def _refresh_details(self) -> None:
         st = self.sup.snapshot()
+        own = getattr(self.ctx, "own", None)
+        self.copy_key_button.setVisible(st is not None and bool(st.ready_at) and own is not None
+                                        and bool(own.api_key) and self._state == sv.READY)
         if st is None or self._state in (sv.STOPPED, sv.CRASHED):
             if not self.details.text().startswith("<b>Port"):
                 self.details.setText("")
@@ -740,6 +758,46 @@ class EnginePanel(QWidget):
         self.details.setToolTip(st.binding_note or "")
         self.details.setText("<br>".join(parts))
         self.details.show()
+
+    # -- the API key, on request ------------------------------------------------------------------------------------
+    def ask_copy_key(self, base_url: str) -> bool:
+        """Whether to put the key on the clipboard (a question that says what that means)."""
+        box = QMessageBox(QMessageBox.Icon.Question, "Copy the API key",
+                          f"Copy the API key of the engine at {base_url} to the clipboard?", parent=self.window())
+        box.setObjectName("copyKeyConfirm")
+        box.setInformativeText("Any program you run can read the clipboard, and a clipboard history may keep it. "
+                               "Paste it only where this engine should be reached from (Attach to… in another "
+                               "panel, a client's settings). The panel takes it off the clipboard after "
+                               f"{self.key_clear_s:g} s if it is still there.")
+        box.setStandardButtons(QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel)
+        box.button(QMessageBox.StandardButton.Yes).setText("Copy API key")
+        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+        return box.exec() == QMessageBox.StandardButton.Yes
+
+    def copy_api_key(self) -> bool:
+        """Copy the panel's own engine's API key to the clipboard, after a confirmation; it is taken off the
+        clipboard after ``key_clear_s`` (and when the panel closes) if it is still there. True when copied."""
+        own = getattr(self.ctx, "own", None)
+        if own is None or not own.api_key:
+            self.ctx.statusMessage.emit("No engine of this panel is running: there is no key to copy.", 6000)
+            return False
+        if not self.ask_copy_key(own.base_url):
+            return False
+        data = QMimeData()
+        data.setText(own.api_key)
+        data.setData("x-kde-passwordManagerHint", QByteArray(b"secret"))   # clipboard managers: keep no history
+        QGuiApplication.clipboard().setMimeData(data)
+        self._copied_key = own.api_key
+        self._key_timer.start(int(self.key_clear_s * 1000))
+        self.ctx.statusMessage.emit(f"The API key is on the clipboard for {self.key_clear_s:g} s.", 8000)
+        return True
+
+    def clear_copied_key(self) -> None:
+        """Take the copied key off the clipboard, unless something else was copied since."""
+        key, self._copied_key = self._copied_key, None
+        self._key_timer.stop()
+        if key and QGuiApplication.clipboard().text() == key:
+            QGuiApplication.clipboard().clear()
 
     # -- settings / hardware -----------------------------------------------------------------------------------------
     def _engine_chosen(self, _i: int) -> None:
@@ -841,6 +899,7 @@ class EnginePanel(QWidget):
     def shutdown(self) -> None:
         self.poll_timer.stop()
         self.clock.stop()
+        self.clear_copied_key()
         self.connections.shutdown()
         if self.tasks.running("run") and self._state not in (sv.STOPPING,):
             self.sup.detach()                         # stop watching; the engine keeps running

@@ -109,6 +109,23 @@ class ModelPage(QWizardPage):
                       "the panel is closed or the machine restarts.")
         note.setWordWrap(True)
         lay.addWidget(note)
+        # the Strata engine release: a folder the user has (checked, then saved as engine_dir), or a download by URL
+        self.release_state = QLabel("The Strata engine release: use one you already have (it is checked first), or "
+                                    "download it by its URL in the Downloads tab.")
+        self.release_state.setObjectName("firstRunReleaseState")
+        self.release_state.setWordWrap(True)
+        lay.addWidget(self.release_state)
+        rrow = QHBoxLayout()
+        self.release_btn = QPushButton("Use an engine release I already have…")
+        self.release_btn.setObjectName("firstRunReleaseFolder")
+        self.release_url_btn = QPushButton("Download it by URL (Downloads tab)")
+        self.release_url_btn.setObjectName("firstRunReleaseUrl")
+        rrow.addWidget(self.release_btn)
+        rrow.addWidget(self.release_url_btn)
+        rrow.addStretch(1)
+        lay.addLayout(rrow)
+        self.release_btn.clicked.connect(self.pick_release)
+        self.release_url_btn.clicked.connect(lambda: ctx.requestTab.emit("Downloads"))
         # the provisioning step: the Strata engine loads a pack made from the shards by the release's own tool
         self.prep_state = QLabel("Then, for the Strata engine: prepare the model (once; the engine release's own "
                                  "tool makes its pack from the verified shards).")
@@ -134,7 +151,20 @@ class ModelPage(QWizardPage):
             panel.prepareEvent.connect(self._prep_event)
             panel.prepareFinished.connect(self._prep_done)
             panel.prepareFailed.connect(self._prep_failed)
+            panel.releaseChecked.connect(self._release_checked)
         self.refresh()
+
+    def pick_release(self) -> None:
+        if self.panel is None:
+            self.ctx.requestTab.emit("Downloads")
+            return
+        self.panel.choose_release_folder()
+
+    def _release_checked(self, folder: Any, checks: Any) -> None:
+        fails = [c for c in checks if c.status == "fail"]
+        self.release_state.setText(f"✓ The engine release in {folder} passed its checks and is used." if not fails
+                                   else f"✗ {folder}: {len(fails)} check(s) failed — the Downloads tab lists each "
+                                   f"with what to do (first: {fails[0].title}: {fails[0].fix})")
 
     def refresh(self) -> None:
         run_function(dl.local_status, self.ctx.settings, on_done=self._show_status)

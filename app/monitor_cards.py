@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QFont, QFontMetrics, QFontMetricsF, QPalette
 from PySide6.QtWidgets import (
@@ -279,6 +281,8 @@ class CompareCard(QFrame):
                 "not_comparable": ("#eeeeee", "#555555", "n/a"),
                 "idle": ("#eeeeee", "#555555", "idle"),
                 "stopped": ("#eeeeee", "#555555", "stopped"),
+                "unreachable": ("#fff1cc", "#8a5a00", "unreachable"),
+                "problem": ("#fdecea", "#a02a1a", "not usable"),
                 "unknown": ("#eeeeee", "#555555", "—")}
 
     def _badge(self, verdict: str, simulated: bool = False) -> None:
@@ -362,6 +366,15 @@ class CompareCard(QFrame):
         basis = f"Judged on {c.basis}." if c.basis else ""
         self._hints(shown, "\n\n".join([*c.hints, basis]).strip())
         self.setToolTip("\n\n".join(x for x in [c.headline, basis, *c.hints, self.base_tip] if x))
+
+    def show_unreachable(self, state: str, text: str) -> None:
+        """The watched connection cannot be used (``state`` "unreachable" or "problem"): the reason and when it
+        was last seen, whole (it wraps; the tooltip has it too), and no figure — of it or of another engine."""
+        self.comparison = None
+        self._badge("unreachable" if state == "unreachable" else "problem")
+        self._set_table_visible(False)
+        self._hints(html.escape(text), text)
+        self.setToolTip(text)
 
     def show_stopped(self, last: guides.Comparison | None) -> None:
         """The engine stopped: nothing live; the last steady figure, if there was one, said as such."""

@@ -22,6 +22,7 @@ from engine_manager.metrics.presenter import fmt_value
 
 GiB = float(1024**3)
 DASH = Qt.PenStyle.DashLine
+REF_COLOR = "#e6550d"            # the planner's prediction: the line and its legend entry
 SLOT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 # -- what the plots show --------------------------------------------------------------------------------------
@@ -217,6 +218,8 @@ class MonitorPlot:
         # The legend sits in the title row, above the data, never over it (a legend inside the plot covered
         # the newest values); it is laid out again only when the plot's width or its set of curves changes.
         self.legend_cols: set[str] = set(self.curves)
+        self.ref_line: pg.InfiniteLine | None = None
+        self.ref_legend = ""               # what the reference line is, in the legend (its own label is short)
         self._title_width = 0.0
         self.relayout_title(300.0)
         self.empty: dict[str, bool] = {}
@@ -244,8 +247,10 @@ class MonitorPlot:
         f.setPointSizeF(8.0)
         self.readout.setFont(f)
         self.readout.hide()
-        self.ref_line: pg.InfiniteLine | None = None
         self.note = pg.TextItem("", anchor=(0, 1), color="#8a5a00")
+        note_font = QFont()
+        note_font.setPointSizeF(8.0)
+        self.note.setFont(note_font)
         self.note.setZValue(90)
         it.addItem(self.note, ignoreBounds=True)
         self.data_t: np.ndarray = np.empty(0)
@@ -262,15 +267,18 @@ class MonitorPlot:
             swatch = "╍╍" if s.style != Qt.PenStyle.SolidLine else "━━"
             name = f"{s.name} (right axis)" if s.right and self.right_vb is not None else s.name
             out.append((swatch, s.color, name))
+        if self.ref_legend and self.ref_line is not None and self.ref_line.isVisible():
+            out.append(("-·-", REF_COLOR, self.ref_legend))
         return out
 
     def relayout_title(self, width: float) -> None:
         """The title and the legend above the plot, wrapped into as many lines as ``width`` px needs."""
         width = max(160.0, float(width))
-        if abs(width - self._title_width) < 8 and getattr(self, "_title_cols", None) == self.legend_cols:
+        entries = self.legend_entries()
+        if abs(width - self._title_width) < 8 and getattr(self, "_title_entries", None) == entries:
             return
         self._title_width = width
-        self._title_cols = set(self.legend_cols)
+        self._title_entries = entries
         small = QFont()
         small.setPointSizeF(self.LEGEND_PT)
         big = QFont()
@@ -281,7 +289,7 @@ class MonitorPlot:
         width -= 50 + (50 if self.right_vb is not None else 0)     # the axes beside the title row
         lines: list[list[str]] = [[f"<span style='font-size:9pt; color:#222'><b>{esc(self.spec.title)}</b></span>"]]
         used = fm_b.horizontalAdvance(self.spec.title) + 14
-        for swatch, color, name in self.legend_entries():
+        for swatch, color, name in entries:
             w = fm_s.horizontalAdvance(f"{swatch} {name}") + 14
             if used + w > width - 10 and len(lines[-1]) > 0 and used > 0:
                 lines.append([])
@@ -369,17 +377,21 @@ class MonitorPlot:
                 self.y_ranges[side] = rng
                 vb.setYRange(*rng, padding=0)
 
-    def set_reference(self, value: float | None, label: str, unknown_note: str = "") -> None:
-        """A horizontal reference line (the planner's predicted hit rate)."""
+    def set_reference(self, value: float | None, label: str, unknown_note: str = "", legend: str = "") -> None:
+        """A horizontal reference line (the planner's predicted hit rate): ``label`` short, on the line (a long
+        one ran off both sides of a narrow plot); ``legend`` says what it is, in the legend above the plot,
+        which wraps."""
+        self.ref_legend = legend
         if value is None:
             if self.ref_line is not None:
                 self.ref_line.hide()
             self.note.setText(unknown_note)
+            self.relayout_title(self._title_width)
             return
         if self.ref_line is None:
             self.ref_line = pg.InfiniteLine(angle=0, movable=False,
-                                            pen=pg.mkPen("#e6550d", style=Qt.PenStyle.DashDotLine),
-                                            label=label, labelOpts={"position": 0.55, "color": "#e6550d",
+                                            pen=pg.mkPen(REF_COLOR, style=Qt.PenStyle.DashDotLine),
+                                            label=label, labelOpts={"position": 0.55, "color": REF_COLOR,
                                                                     "fill": (255, 255, 255, 200)})
             self.ref_line.setZValue(-5)       # under the curves: an observed rate on the prediction stays visible
             self.item.addItem(self.ref_line, ignoreBounds=False)
@@ -387,6 +399,7 @@ class MonitorPlot:
         self.ref_line.label.setFormat(label)
         self.ref_line.show()
         self.note.setText("")
+        self.relayout_title(self._title_width)
 
     def set_note(self, text: str) -> None:
         """A line of words at the bottom of the plot (e.g. why the planner and the observed figure differ)."""
@@ -394,8 +407,20 @@ class MonitorPlot:
             self.note.setText(text)
 
     def place_note(self) -> None:
+        """At the bottom left of the plot, wrapped to the plot's width (one long line ran off its right edge)."""
         (x0, x1), (y0, y1) = self.item.vb.viewRange()
+        width = max(60.0, self.item.vb.width() - 6)
+        if abs(self.note.textItem.textWidth() - width) > 1:
+            self.note.setTextWidth(width)
         self.note.setPos(x0, y0 + 0.02 * (y1 - y0))
+
+    def note_fits(self) -> bool:
+        """The note is no wider than the plot's view box and within it left to right, and no taller than it
+        (tests; :meth:`place_note` wraps it)."""
+        if not self.note.toPlainText():
+            return True
+        vb, note = self.item.vb.sceneBoundingRect(), self.note.sceneBoundingRect()
+        return vb.left() - 1 <= note.left() and note.right() <= vb.right() + 1 and note.height() <= vb.height()
 
     def hover(self, x: float | None) -> None:
         if x is None or self.data_t.size == 0:

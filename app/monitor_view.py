@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence, QShortcut
@@ -319,8 +320,48 @@ class MonitorView(QWidget):
         self._started_for = None
         self._cancel_order()
         self._stop_hub()
+        name = getattr(self.ctx, "watching", None)
+        if name is not None:                # a saved connection is watched, and cannot be used: not "stopped"
+            self.show_unreachable(name)
+            return
         self.show_stopped_cards()
         self.status.setText(presenter.stopped_status(self.last_tick is not None))
+
+    def show_unreachable(self, name: str) -> None:
+        """The watched saved connection ``name`` does not answer (or says no): every card, the guides card and the
+        status line say so, with the reason and when it was last seen (its last test, kept by
+        :mod:`engine_manager.connections`), in the window's words; the figures and plots of the engine watched
+        before are cleared, so none is shown as this one's."""
+        from engine_manager import connections as C
+
+        try:
+            lt = C.get_connection(name).last_test
+        except C.ConnectionSetupError:
+            lt = None
+        failed = lt is not None and lt.state != "ok"
+        state = lt.state if lt is not None and failed else "unreachable"
+        reason = lt.words(gui=True) if lt is not None and failed else ""
+        last_seen = lt.last_ok if lt is not None else None
+        self.forget_figures()
+        for key, text in presenter.unreachable_cards(name, state, reason, last_seen).items():
+            self.cards[key].show(text)
+        _short, whole = presenter.unreachable_words(name, state, reason, last_seen)
+        self.compare.show_unreachable(state, whole)
+        self.status.setText(whole)
+
+    def forget_figures(self) -> None:
+        """Drop every figure of the engine shown so far (the plots' history, the last tick and comparison): the
+        next one shown is of another engine."""
+        self.store = None
+        self.engine_info = None
+        self.last_tick = None
+        self.last_comparison = None
+        self._queue = []
+        self._slots_shown = None
+        for p in self.plots.values():
+            p.set_data(np.empty(0), {c: np.empty(0) for c in p.curves}, fit_y=False)
+            p.set_note("")
+        self._apply_plan(None)
 
     def show_stopped_cards(self) -> None:
         """Nothing is live any more: every card shows "—" and says so (the plots keep the history)."""
@@ -400,7 +441,8 @@ class MonitorView(QWidget):
                    f"{plan.get('predicted_hit_rate_note') or 'unknown until the engine has seen traffic'}")
             self.plots["hit"].set_reference(None, "", f"planner's prediction: {why}")
         else:
-            self.plots["hit"].set_reference(pred * 100.0, f"planner {pred * 100:.1f}%, {presenter.PLANNER_MEANS}")
+            self.plots["hit"].set_reference(pred * 100.0, f"planner {pred * 100:.1f}%",
+                                            legend=f"planner: {presenter.PLANNER_MEANS}")
 
     # -- ticks ------------------------------------------------------------------------------------------------
     def _on_tick(self, tick: M.Tick) -> None:

@@ -416,6 +416,8 @@ class ChatClient:
         self.base_url = base_url.rstrip("/")
         # an InferenceKey endpoint (its URL's shape): asked without streaming, its backend's JSON answer unwrapped
         self.endpoint = endpoint_ref(self.base_url)
+        if self.endpoint is not None:
+            self.base_url = self.endpoint.chat_base    # given as …/v1 too: /v1/chat/completions is appended below
         self.model = model or (self.endpoint.workload if self.endpoint is not None else None)
         self.engine_alive = engine_alive
         self._secrets = [api_key] if api_key else []

@@ -48,9 +48,9 @@ SETUP_HINT = ("run Strata's setup in the release folder (`./setup.sh`, which cre
               "regex numpy nvidia-cublas==13.0.2.14 nvidia-cuda-runtime==13.0.96` there")
 
 #: what to do when the release's own tools refuse the model (upstream Strata packs and runs Qwen/GLM models only)
-UPGRADE_RELEASE = ("Use the deepseek-one-gpu engine release, which runs DeepSeek-V4.1-Flash (`dsv41 download "
-                   "--engine`, or set DSV41_ENGINE_DIR to its unpacked folder); downloading this release again does "
-                   "not help.")
+UPGRADE_RELEASE = ("Use the deepseek-one-gpu engine release, which runs DeepSeek-V4.1-Flash (`dsv41 download engine "
+                   "--url URL` with its archive's address, or `dsv41 download engine --from DIR` with its unpacked "
+                   "folder); downloading this release again does not help.")
 
 Status = Literal["pass", "warn", "fail", "info"]
 
@@ -253,8 +253,8 @@ def check_release(release: os.PathLike | str, *, compute_capability: str | None 
     imports the server's needs), the CUDA wheels' library folder, ``serve/server.py`` and ``tools/iq_pack.py``."""
     release = Path(release).expanduser()
     out: list[ReleaseCheck] = []
-    get = ("Download the engine release (`dsv41 download --engine`) or set DSV41_ENGINE_DIR to an unpacked "
-           "Strata release")
+    get = ("Choose an unpacked Strata release (`dsv41 download engine --from DIR`, or the Downloads tab's \"Use an "
+           "engine release I already have…\") or download one by its URL (`dsv41 download engine --url URL`)")
     if not release.is_dir():
         return [ReleaseCheck("release", "Strata engine release", "fail", f"{release} does not exist", get + ".")]
     exe = engine_binary(release)

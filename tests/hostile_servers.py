@@ -26,7 +26,8 @@ Behaviours (each a function ``(handler, server)``; add one to :data:`BEHAVIOURS`
   then asks ``/v1/status`` too); ``strata_bad_json`` — Strata's JSON ``/metrics`` with impossible numbers (``-3``
   queued, an integer past what a float holds, ``Infinity``); ``llamacpp_bad_slots`` — llama-server's ``/slots``
   with ``n_decoded: Infinity``; ``llamacpp_bad_metrics`` — its ``/metrics`` with a negative queue;
-  ``bad_gzip`` — ``Content-Encoding: gzip`` on a body that is not;
+  ``bad_gzip`` — ``Content-Encoding: gzip`` on a body that is not; ``gzip_bomb`` — 256 MB of zeros gzipped to
+  ~250 kB (far under the 16 MB cap as sent);
 - SSE (chat): ``sse_endless_line`` — ``data: `` then bytes for ever without a newline; ``sse_ping_forever`` —
   ``: ping`` comments for ever; ``sse_empty_frames`` — empty ``data:`` frames for ever; ``sse_tokens_forever`` —
   one-word content deltas for ever, never ``[DONE]``; ``sse_echo_key`` — an error frame repeating the
@@ -218,6 +219,25 @@ def bad_gzip(h: QuietHandler, srv: "HostileServer") -> None:
     h.wfile.write(body)
 
 
+@functools.lru_cache(maxsize=1)
+def _gzip_bomb_body() -> bytes:
+    import zlib
+
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)          # gzip framing
+    zeros = b"\0" * (1 << 20)
+    return b"".join(c.compress(zeros) for _ in range(256)) + c.flush()     # 256 MB of zeros in ~250 kB
+
+
+def gzip_bomb(h: QuietHandler, srv: "HostileServer") -> None:
+    body = _gzip_bomb_body()
+    h.send_response(200)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Encoding", "gzip")
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    h.wfile.write(body)
+
+
 def _sse(data: object) -> bytes:
     return b"data: " + json.dumps(data).encode() + b"\n\n"
 
@@ -259,7 +279,7 @@ BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
     openai, not_found, endless, huge_length, drip, stall, garbage_json, deep_json, echo_key, echo_key_models,
     escape_models, huge_models, many_models, bad_metrics, sse_endless_line, sse_ping_forever, sse_empty_frames,
     sse_tokens_forever, sse_echo_key, sse_content_object, strata_health, strata_metrics, strata_bad_json,
-    llamacpp_bad_slots, llamacpp_bad_metrics, bad_gzip)}
+    llamacpp_bad_slots, llamacpp_bad_metrics, bad_gzip, gzip_bomb)}
 
 
 class HostileServer(LoopbackServer):

@@ -16,6 +16,7 @@ from hostile_servers import HostileServer
 
 from engine_manager.connections import OverviewPoller
 from engine_manager.engines import get_engine
+from engine_manager.engines._http import METRICS_BODY_CAP, AnswerTooLarge, get_capped
 from engine_manager.metrics.hub import MetricsHub
 from engine_manager.metrics.sources import EngineSource, Reading, Source, SourceMissing, spec_for
 from engine_manager.metrics.store import RingStore
@@ -97,14 +98,10 @@ def test_the_monitor_shows_why_a_late_engine_is_missing(hostile):
     srv = hostile({"/metrics": "stall"})
     hub = MetricsHub([source("strata", srv, timeout_s=1.5)], hz=1.0, engine="strata")
     said = []
-    try:
-        for _ in range(8):
-            tick = hub.tick_once()
-            said.append(tick.missing.get("engine", ""))
-            if "did not arrive within 1.5 s" in said[-1]:
-                break
-    finally:
-        hub.close()
+    for tick in hub.iter_ticks(max_ticks=8):            # paced at 1 Hz; closes the hub on its way out
+        said.append(tick.missing.get("engine", ""))
+        if "did not arrive within 1.5 s" in said[-1]:
+            break
     assert "did not arrive within 1.5 s" in said[-1], said
     assert tick.values["decode_tok_s"] is None
 
@@ -143,14 +140,24 @@ def test_a_sane_strata_health_is_still_ready(hostile):
     assert r.state == "ready", r
 
 
-def test_a_body_that_is_not_the_compression_it_claims_is_said_in_words(hostile):
+@pytest.mark.parametrize("engine", ("strata", "vllm"))
+def test_a_body_that_is_not_the_compression_it_claims_is_said_in_words(hostile, engine):
     srv = hostile({"/metrics": "bad_gzip"})
-    src = source("vllm", srv)
+    src = source(engine, srv)
     try:
         said = missing_words(src)
     finally:
         src.close()
     assert said.startswith("something else answers at"), said
+
+
+def test_a_compressed_answer_expands_only_up_to_the_cap(hostile):
+    """256 MB of zeros sent gzipped in 250 kB: the cap is on what the answer expands to, not what was sent."""
+    srv = hostile({"/metrics": "gzip_bomb"})
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        with pytest.raises(AnswerTooLarge) as ei:
+            get_capped(client, srv.base_url + "/metrics", cap=METRICS_BODY_CAP)
+    assert "expands past 16 MB" in str(ei.value)
 
 
 # -- impossible numbers ----------------------------------------------------------------------------------------------

@@ -160,7 +160,8 @@ def test_plots_and_cards_follow_a_running_scripted_engine(qtbot, ctx, view, sim,
         assert view.cards["gpu"].value.text() == "—"
         assert view.last_tick.values["gpu_util_pct"] is None
         assert not np.isfinite(curve_y(view, "util", "gpu_util_pct")).any()   # a gap, never a zero line
-    assert "simulated" in view.status.text() and "recording to" in view.status.text()
+    assert "simulated" in view.status.text() and "recording" in view.status.text()
+    assert f"Recording: {view.hub.recorder.csv_path}" in view.status.toolTip()      # where, in the tooltip
     assert view.compare.comparison is not None and view.compare.comparison.simulated
     assert "guides" in view.compare.table_text()
     assert samples and samples[-1].simulated and "panel" in samples[-1].extra
@@ -634,7 +635,9 @@ def test_hit_rates_are_labelled_pcie_share_plotted_and_differences_explained(qtb
     request's figure is labelled as its admission's; where planner and observed differ, one line says why."""
     store, now = synthetic_history(0.05)
     ctx.set_plan({"predicted_hit_rate": 0.90, "model": {"expert_bytes": 12_792_627}})
-    assert "predicted on the planning traffic" in view.plots["hit"].ref_line.label.format
+    # the line's own label is short (a long one ran off both sides of a narrow plot); the legend says what it is
+    assert view.plots["hit"].ref_line.label.format == "planner 90.0%"
+    assert ("-·-", "#e6550d", "planner: predicted on the planning traffic") in view.plots["hit"].legend_entries()
     legend = {s.column: s.name for s in view.plots["hit"].series.values()}
     assert legend["vram_share"] == "in VRAM (observed)" and legend["pcie_share"] == "read over PCIe"
     assert legend["hit_rate"] == "engine's hit rate (PCIe excluded)" and legend["hit_rate_rolling"] == \
@@ -651,11 +654,11 @@ def test_hit_rates_are_labelled_pcie_share_plotted_and_differences_explained(qtb
     tick.predicted_hit_rate = 0.90
     view.feed(tick, store)
     card = view.cards["hit"]
-    assert card.title.text() == "Expert picks in VRAM"
+    assert card.title.text() == "Picks in VRAM" and card.title.toolTip() == "Expert picks served from VRAM"
     assert card.value.text() == "last admission 82.8 %" and card.is_stale()
     assert card.detail.text() == "plan 90.0% · 1 min 81.0%\nhit rate 92.0% (admission)"
     assert "hit rate 92.0 %: the engine's own hit rate" in card.toolTip() and "PCIe 10.0 %: " in card.toolTip()
-    assert view.plots["hit"].note.toPlainText().startswith("Planner 90.0 % vs observed 81.0 %: the planner ranked")
+    assert view.plots["hit"].note.toPlainText().startswith("Planner 90.0 % vs observed 81.0 %: these prompts route")
     qtbot.waitUntil(lambda: np.nanmax(curve_y(view, "hit", "pcie_share"), initial=0) == pytest.approx(10.0),
                     timeout=5000)
     assert np.nanmax(curve_y(view, "hit", "vram_share")) == pytest.approx(82.8, abs=0.01)
@@ -676,3 +679,46 @@ def test_one_request_on_one_slot_draws_decode_per_slot(qtbot, ctx, view, sim1):
             th.join(10)
     assert view.plots["slots"].curves["slot0_tok_s"].isVisible()
     assert not view.plots["slots"].curves["slot1_tok_s"].isVisible()     # the engine has one slot
+
+
+def test_the_monitor_fits_the_width_it_has_on_a_1280x800_screen(qtbot, view, sim):
+    """At 1280×800 the Monitor is ~612 px wide: its header ("sim (simulated…im/metrics.csv"), the hit card's title
+    ("Expert picks in…") and the notes over the hit-rate plot ("…predicted 90.0% (predicted on the plann…") were
+    cut. The header says the engine and that it records (the rate is in its box beside it; the file in the
+    tooltip), titles and values fit, the planner's line has a short label (its meaning in the legend) and the note
+    wraps inside the plot."""
+    view.resize(612, 700)
+    qtbot.waitUntil(lambda: view.width() == 612, timeout=3000)
+    ctx = view.ctx
+    ctx.set_plan({"predicted_hit_rate": 0.90, "model": {"expert_bytes": 12_792_627}})
+    with qtbot.waitSignal(view.hubStarted, timeout=15000):
+        ctx.set_running(RunningEngine.from_status(None, sim.base_url, sim.api_key, engine="sim"))
+    qtbot.waitUntil(lambda: view.last_tick is not None and "recording" in view.status.text(), timeout=15000)
+    status = view.status
+    assert status.text().startswith("sim (simulated) · recording") and "Hz" not in status.text()
+    assert status.shown_text() == status.text(), status.shown_text()              # whole, not "…"
+    assert str(view.hub.recorder.csv_path) in status.toolTip()
+    now = time.time()
+    tick = tick_at(now, decode_tok_s=127.6, slots_busy=3.0, slots_total=4.0, hit_rate=0.8843,
+                   hit_rate_rolling=0.784, vram_share=0.784, ram_used_bytes=257.5 * 2**30,
+                   ram_total_bytes=280 * 2**30, cpu_total_pct=99.0)
+    tick.simulated, tick.engine, tick.predicted_hit_rate = True, "sim", 0.90
+    tick.origin = {"vram_share": "simulated", "swaps_per_s": "simulated"}
+    view._stop_hub()                    # the engine's own ticks stop: the one below stays on show
+    view.feed(tick)
+    view.update_cards(tick)
+    view.redraw()
+    qtbot.waitUntil(lambda: not view.redraw_pending(), timeout=5000)
+    qtbot.wait(200)                     # painted: the plot items are where they are drawn
+    for key, card in view.cards.items():
+        title = card.title
+        assert title.shown_text() == title.text(), (key, title.shown_text())
+        assert title.fontMetrics().horizontalAdvance(title.text()) <= title.contentsRect().width(), key
+        assert card.value.shown_text() == card.value.text(), (key, card.value.shown_text())
+    hit = view.plots["hit"]
+    label = hit.ref_line.label
+    assert label.format == "planner 90.0%"
+    vb, lab = hit.item.vb.sceneBoundingRect(), label.sceneBoundingRect()
+    assert vb.left() - 1 <= lab.left() and lab.right() <= vb.right() + 1, (lab, vb)
+    assert hit.note.toPlainText().startswith("Planner 90.0 % vs observed 78.4 %")
+    assert hit.note_fits(), (hit.note.sceneBoundingRect(), hit.item.vb.sceneBoundingRect())

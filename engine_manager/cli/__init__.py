@@ -60,7 +60,7 @@ loud_interrupts(_QUIET)    # importing this module (a test, the GUI) leaves Ctrl
 # Order is the order of `dsv41 --help`.
 COMMAND_MODULES = (
     "doctor", "settings_cmd", "download", "plan", "engine", "chat", "monitor", "sim", "connections", "bench",
-    "inferencekey",
+    "inferencekey", "diagnose",
 )
 
 

@@ -41,9 +41,19 @@ def register(sub) -> None:
     p.add_argument("--long-prompt", type=int, default=65536, metavar="TOKENS",
                    help="length of the long prompt (default 65536; 0 skips the experiment)")
     p.add_argument("--long-users", type=int, default=4, help="users decoding while the long prompt arrives")
-    p.add_argument("--preset", action="append", choices=sorted(PRESETS), default=None,
+    p.add_argument("--preset", action="append", choices=sorted(PRESETS) + ["quality"], default=None,
                    help="A/B preset (repeatable): numerics, numa, hotset, placement (default: numerics on sim "
-                        "and strata)")
+                        "and strata); quality: the accuracy and determinism check instead of the speed table "
+                        "(HumanEval in a sandbox, GSM8K from --gsm8k, alone vs batched answers)")
+    q = p.add_argument_group("quality check (--preset quality)")
+    q.add_argument("--seed", type=int, default=None, help="the subsets' seed (default 20261201)")
+    q.add_argument("--subset", type=int, default=None, metavar="N",
+                   help="items per benchmark (default 40 HumanEval tasks and 50 GSM8K items; --quick: 3)")
+    q.add_argument("--gsm8k", default=None, metavar="FILE",
+                   help="GSM8K test items as JSONL ({\"question\", \"answer\": \"... #### 42\"}, the public "
+                        "test split's format)")
+    q.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="the determinism check's batch of concurrent requests (default 4)")
     p.add_argument("--no-ab", action="store_true", help="measure the baseline only")
     p.add_argument("--config", action="append", default=[], metavar="NAME:key=value,...",
                    help="another configuration, e.g. slots4:slots=4 or gpu:cpu_numerics=gpu")
@@ -182,6 +192,8 @@ def run(args, ctx) -> int:
 
     settings = ctx.settings
     engine = args.engine or settings.server_engine
+    if args.preset and "quality" in args.preset:
+        return _quality(args, settings, engine)
     plan = None
     if args.plan:
         from .engine import PlanFileError, load_plan_file
@@ -244,6 +256,69 @@ def run(args, ctx) -> int:
     line, save_rc = _save(result, folder, results)
     print(line, file=out if save_rc == 0 else sys.stderr)
     return exit_code(result, interrupted, save_rc)
+
+
+def _quality(args, settings, engine: str) -> int:
+    """``--preset quality``: the accuracy and determinism check (engine_manager/bench/quality.py), run, printed and
+    saved as the speed benchmark is (the same signals, the engine put back, --out checked first)."""
+    from ..bench import quality, results
+    plan = None
+    try:
+        if len(args.preset) > 1:
+            raise UserError("--preset quality runs on its own: leave the other presets out (run them separately).")
+        if args.plan:
+            from .engine import PlanFileError, load_plan_file
+            try:
+                plan = load_plan_file(args.plan)
+            except PlanFileError as exc:
+                raise UserError(str(exc)) from None
+        folder = _check_out(args.out) if args.out else None
+        spec = quality.QualitySpec.make(engine, quick=args.quick, seed=args.seed, humaneval_n=args.subset,
+                                        gsm8k_n=args.subset, gsm8k_file=args.gsm8k, determinism_users=args.batch)
+        if spec.gsm8k_file:
+            quality.load_gsm8k(spec.gsm8k_file)       # its format, before the engine that runs now is touched
+    except UserError as exc:
+        print(f"dsv41 bench: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    stop = threading.Event()
+    out = sys.stderr if args.json else sys.stdout
+    gen = quality.run_quality(settings, spec, plan=plan, stop=stop)
+    result = None
+    interrupted = False
+    with _signals_as_ctrl_c():
+        while True:
+            try:
+                try:
+                    ev = next(gen)
+                except StopIteration as st:
+                    result = st.value
+                    break
+                _print_event(ev, out)
+            except KeyboardInterrupt as exc:
+                if interrupted:
+                    raise
+                interrupted = True
+                stop.set()
+                why = f"{exc.args[0]} received" if isinstance(exc, _Signalled) and exc.args else "interrupted"
+                print(f"\n{why}: stopping and putting the engine back…", file=sys.stderr, flush=True)
+    if result is None:
+        return ExitCode.FAIL
+    if args.json:
+        from ..bench.stats import finite_json
+        print(json.dumps(finite_json(result), indent=1, default=str, allow_nan=False))
+    else:
+        print(quality.render(result))
+
+    class _Saver:                 # _save's fallback (the bench folder) with the quality files' own writer
+        bench_dir = staticmethod(results.bench_dir)
+        save = staticmethod(quality.save)
+    line, save_rc = _save(result, folder, _Saver)
+    print(line, file=out if save_rc == 0 else sys.stderr)
+    if interrupted or result.get("cancelled"):
+        return ExitCode.INTERRUPTED
+    if result.get("error") or save_rc:
+        return ExitCode.FAIL
+    return ExitCode.OK
 
 
 def exit_code(result: dict, interrupted: bool = False, save_rc: int = 0) -> ExitCode:

@@ -5,7 +5,14 @@ Ctrl+C stops cleanly: every partial file keeps its checkpoint, and running the c
 
 A complete, verified model needs no network: the command says the seven shards are present and verified and exits
 0 without asking the hub. ``--repin`` resolves the revision again when the commit the folder was pinned to is gone
-from the hub (the error says so)."""
+from the hub (the error says so).
+
+``dsv41 download engine --from DIR`` checks a release folder the user already has (the checks of ``dsv41
+doctor``) and, when none fails, makes it the ``engine_dir`` setting. ``dsv41 download engine --url URL
+[--sha256 HEX]`` downloads a release archive: with ``--sha256`` a mismatch refuses and deletes it; without, the
+sha256 of what arrived is printed and must be confirmed against the release page (pasted at a terminal, or
+``--yes-i-checked-the-sha256 HEX``) before anything is unpacked; the unpacked release is then checked the same
+way."""
 
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ def register(sub) -> None:
                     "release, verifying every byte (sha256) before use. Interrupted downloads resume. With neither "
                     "--model nor --engine: the model, then the engine if its manifest pins a release. The token is "
                     "read from HF_TOKEN or the hf_token setting and never printed.")
+    p.add_argument("what", nargs="?", choices=("model", "engine"),
+                   help="what to download: `model` (the same as --model) or `engine` (--engine)")
     p.add_argument("--model", action="store_true", help="download (or verify) the model shards")
     p.add_argument("--engine", action="store_true", help="download and unpack the engine release")
     p.add_argument("--dir", type=Path, metavar="DIR",
@@ -47,6 +56,20 @@ def register(sub) -> None:
     p.add_argument("--engine-manifest", type=Path, metavar="FILE",
                    help="engine release manifest (JSON: version, url, size, sha256, executables) instead of "
                         "resources/manifests/engine.json")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
+                     help="engine: use a Strata release folder you already have; it is checked the way `dsv41 "
+                          "doctor` checks one, and becomes the engine_dir setting when no check fails")
+    src.add_argument("--url", metavar="URL",
+                     help="engine: download the release archive at URL (a .tar.gz/.tar.xz/.zip asset of the release "
+                          "page), unpack it safely and check it")
+    p.add_argument("--sha256", metavar="HEX",
+                   help="with --url: the sha256 the release page publishes; a download that differs is refused and "
+                        "deleted")
+    p.add_argument("--yes-i-checked-the-sha256", dest="confirm_sha256", metavar="HEX",
+                   help="with --url and no --sha256: the sha256 printed for the download, which you compared with "
+                        "the release page (the non-interactive confirmation; a download kept from an earlier run "
+                        "is used without fetching it again)")
     p.add_argument("--json", action="store_true", help="print one JSON object per event instead of a progress bar")
     p.add_argument("--checkpoint-mib", type=float, default=dl.CHECKPOINT_BYTES / MIB, metavar="MIB",
                    help="save resumable state every MIB mebibytes: at most this much is fetched again after a "
@@ -200,6 +223,19 @@ def _drive(gen, r: Renderer):
 
 
 def run(args, ctx) -> int:
+    if args.what == "model":
+        args.model = True
+    elif args.what == "engine":
+        args.engine = True
+    if args.from_dir is not None or args.url:
+        if args.model:
+            print("dsv41 download: --from and --url are for the engine release (`dsv41 download engine --from DIR`"
+                  " or `--url URL`)", file=sys.stderr)
+            return ExitCode.USAGE
+        return release_source(args, ctx)
+    if args.sha256 or args.confirm_sha256:
+        print("dsv41 download: --sha256 and --yes-i-checked-the-sha256 go with --url URL", file=sys.stderr)
+        return ExitCode.USAGE
     settings = ctx.settings
     want_model = args.model or not args.engine
     want_engine = args.engine
@@ -254,3 +290,138 @@ def run(args, ctx) -> int:
             print(f"  what to do: {exc.fix}", file=err)
         return ExitCode.FAIL
     return ExitCode.OK
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# an engine release the user names: --from DIR, --url URL
+# ---------------------------------------------------------------------------------------------------------------
+
+def _say(args, text: str, **obj: Any) -> None:
+    """A line for the user (stdout), or with --json one JSON object."""
+    if args.json:
+        print(json.dumps({"event": "message", "text": text, **obj}, default=str), flush=True)
+    else:
+        print(text, flush=True)
+
+
+def _show_checks(args, folder: Path, checks: list) -> None:
+    from ..download.release_source import describe_checks
+    if args.json:
+        print(json.dumps({"event": "release_checks", "folder": str(folder),
+                          "checks": [c.to_dict() for c in checks]}), flush=True)
+    else:
+        print(f"release checks for {folder}:", flush=True)
+        print(describe_checks(checks), flush=True)
+
+
+def _adopt(args, ctx, folder: Path, checks: list) -> int:
+    """Make ``folder`` the engine_dir setting when no check failed; otherwise say what to do and change nothing."""
+    from ..release_check import usable
+    from ..settings import save_settings
+
+    _show_checks(args, folder, checks)
+    if not usable(checks):
+        print(f"dsv41 download: {folder} cannot be used as the engine release yet: "
+              f"{sum(c.status == 'fail' for c in checks)} check(s) failed (each with what to do above). The "
+              "engine_dir setting was not changed.", file=sys.stderr)
+        print(f"  what to do: fix those, then run `dsv41 download engine --from {folder}` again.", file=sys.stderr)
+        return ExitCode.FAIL
+    save_settings(ctx.loaded, {"engine_dir": str(folder)})
+    _say(args, f"engine: {folder} passed the release checks and is now the engine folder (engine_dir).",
+         engine_dir=str(folder))
+    env_dir = os.environ.get("DSV41_ENGINE_DIR")
+    if env_dir and Path(env_dir).expanduser() != folder:
+        print(f"note: DSV41_ENGINE_DIR={env_dir} is set in the environment and wins over the setting; unset it to "
+              "use this release.", file=sys.stderr)
+    return ExitCode.OK
+
+
+def _confirm_at_terminal(digest: str, asset: str) -> str | None:
+    """Ask the user to paste the release page's sha256 (at a terminal only); what they pasted, or None."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return None
+    print(f"Open the release page and find the sha256 of {asset}. Paste it here to confirm (Enter alone stops; the "
+          "download is kept):", flush=True)
+    try:
+        return input("sha256 from the release page: ").strip() or None
+    except EOFError:
+        return None
+
+
+def release_source(args, ctx) -> int:
+    """``dsv41 download engine --from DIR | --url URL [--sha256 HEX | --yes-i-checked-the-sha256 HEX]``."""
+    from ..download import release_source as rs
+    from ..release_check import check_release, gpu_facts
+
+    settings = ctx.settings
+    if args.sha256 and args.confirm_sha256:
+        print("dsv41 download: give --sha256 (known before the download) or --yes-i-checked-the-sha256 (confirmed "
+              "after it), not both", file=sys.stderr)
+        return ExitCode.USAGE
+    for flag, value in (("--sha256", args.sha256), ("--yes-i-checked-the-sha256", args.confirm_sha256)):
+        if value and rs.sha256_text(value) is None:
+            print(f"dsv41 download: {flag} {value!r} is not a sha256 (64 hexadecimal digits)", file=sys.stderr)
+            return ExitCode.USAGE
+    cc, driver = gpu_facts(settings.gpu_index)
+    if args.from_dir is not None:
+        if args.sha256 or args.confirm_sha256:
+            print("dsv41 download: --sha256 goes with --url, not --from", file=sys.stderr)
+            return ExitCode.USAGE
+        folder = args.from_dir.expanduser().absolute()
+        return _adopt(args, ctx, folder, check_release(folder, compute_capability=cc, driver_cuda=driver))
+    r = Renderer(json_mode=args.json)
+    control = CancelToken()
+    try:
+        url = rs.check_url(args.url)
+        pending = rs.pending_archive(settings, url)
+        confirm = rs.sha256_text(args.confirm_sha256)
+        if pending is not None and (args.sha256 or (confirm and confirm != pending.sha256)):
+            pending = None                  # fetch again: the kept file is not the one being confirmed
+        if pending is not None:
+            archive, digest, pinned = pending.path, pending.sha256, False
+            _say(args, f"engine: using {archive.name} downloaded earlier ({fmt.bytes_si(pending.size)}, "
+                       f"sha256 {digest}).", sha256=digest)
+        else:
+            last = _drive(rs.fetch_release(settings, url, sha256=args.sha256, control=control,
+                                           stall_timeout_s=max(0.5, args.stall_timeout)), r)
+            if not isinstance(last, rs.ArchiveFetched):
+                print("dsv41 download: the download stopped; nothing was unpacked.", file=sys.stderr)
+                return ExitCode.FAIL
+            archive, digest, pinned = last.path, last.sha256, last.pinned
+            _say(args, f"engine: downloaded {archive.name} ({fmt.bytes_si(last.size)}), sha256 {digest}"
+                       + (" — the same as --sha256." if pinned else "."), sha256=digest, pinned=pinned)
+        if pinned:
+            how = rs.VERIFIED_PINNED
+        else:
+            answer = confirm or rs.sha256_text(_confirm_at_terminal(digest, archive.name) or "")
+            if answer is None:
+                print(f"dsv41 download: not unpacked: no published sha256 was given, so the download must be "
+                      f"confirmed before it is used. It is kept in {archive.parent}.", file=sys.stderr)
+                print(f"  what to do: compare {digest} with the sha256 the release page shows for {archive.name}; "
+                      f"if they are the same, run `dsv41 download engine --url {url} --yes-i-checked-the-sha256 "
+                      f"{digest}` (it is not downloaded again).", file=sys.stderr)
+                return ExitCode.FAIL
+            if answer != digest:
+                rs.discard_archive(archive)
+                print(f"dsv41 download: refused: the download's sha256 is {digest}, the one you confirmed is "
+                      f"{answer}. The download was deleted and nothing was unpacked.", file=sys.stderr)
+                print("  what to do: check the URL and the release page; if the page's sha256 really differs, do not "
+                      "use this file.", file=sys.stderr)
+                return ExitCode.FAIL
+            how = rs.VERIFIED_CONFIRMED
+        _say(args, f"engine: unpacking {archive.name} (sha256 {'pinned' if pinned else 'confirmed by you'})…")
+        installed = rs.install_release(settings, archive, sha256=digest, how=how, url=url, compute_capability=cc,
+                                       driver_cuda=driver, control=control)
+        _say(args, f"engine: unpacked into {installed.folder}.", folder=str(installed.folder))
+        return _adopt(args, ctx, installed.folder, installed.checks)
+    except KeyboardInterrupt:
+        control.cancel()
+        print("dsv41 download: interrupted; nothing was unpacked (a partial download is deleted).", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    except dl.DownloadError as exc:
+        if r.tty and r.lines_drawn:
+            sys.stdout.write("\n")
+        print(f"dsv41 download: {exc.message}", file=sys.stderr)
+        if exc.fix:
+            print(f"  what to do: {exc.fix}", file=sys.stderr)
+        return ExitCode.FAIL

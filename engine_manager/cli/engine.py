@@ -335,9 +335,12 @@ def run_status(args, ctx) -> int:
     st = sup.status()
     placed = _llamacpp_placement(st, sup)
     build = engine_build(st.engine, ctx.settings)
+    from ..checks import checks_for_status
+    report = checks_for_status(st, ctx.settings, placed)      # planned vs measured, while the engine is ready
     if args.json:
         d = st.to_dict()
         d["engine_build"] = build
+        d["checks"] = [c.to_dict() for c in report.checks] if report else []
         if placed is not None:
             d["llamacpp_placement"] = {**placed.to_dict(), "text": placed.text(),
                                        "has_placement": placed.has_placement}
@@ -371,6 +374,11 @@ def run_status(args, ctx) -> int:
                 print(f"  {ln}")
         else:
             print("Placement (from llama-server's log): none yet (llama-server prints it while it loads the model)")
+    if report is not None:
+        from ..checks import summary
+        print(f"Planned vs measured: {summary(report.checks)}")
+        for c in report.checks:
+            print(f"  {c.line()}")
     return ExitCode.OK
 
 

@@ -131,8 +131,15 @@ def run(args, ctx) -> int:
     deadline = time.monotonic() + args.seconds if args.seconds else None
     printed = 0
     said: set[str] = set()
+    from ..checks import pid_alive
+    from ..watchdog import Watchdog
+    watchdog, was = Watchdog(), None          # stalled / unavailable while the process lives (engine_manager.watchdog)
     try:
         for tick in hub.iter_ticks():
+            live = watchdog.feed_tick(tick, alive=pid_alive(running.pid) if running.on_this_machine else None)
+            if live.state != was and live.alarming and not args.json:
+                print(f"engine {live.line()}", flush=True)
+            was = live.state
             for note in presenter.engine_notes(tick):
                 if note not in said and not args.json:    # the engine's own notes, once each
                     said.add(note)
@@ -151,7 +158,7 @@ def run(args, ctx) -> int:
             if args.once and tick.seq == 1:
                 continue            # rates need two readings: the first one only primes them
             if args.json:
-                print(json.dumps(tick_json(tick)), flush=True)
+                print(json.dumps({**tick_json(tick), "liveness": live.to_dict()}), flush=True)
             else:
                 print(fmt_line(tick), flush=True)
             if csv_out is not None:

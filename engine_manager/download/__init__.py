@@ -56,7 +56,8 @@ The package's seams: :mod:`.events` (constants, errors, events), :mod:`.http` (t
 token and errors), :mod:`.store` (the folder lock, folders, manifests, verification records, checkpoint state),
 :mod:`.fetch` (resumable jobs on worker threads), :mod:`.model` (the model's shards), :mod:`.release` (the
 pinned engine archive, safe unpacking) and :mod:`.release_source` (a release the user names: a folder, or a URL
-whose sha256 is pinned or confirmed by the user). sha256 lives in :mod:`engine_manager.hashing`, split metadata in :mod:`engine_manager.gguf_split`.
+whose sha256 is pinned or confirmed by the user). sha256 lives in :mod:`engine_manager.hashing`, split metadata
+in :mod:`engine_manager.gguf_split`.
 """
 
 from __future__ import annotations

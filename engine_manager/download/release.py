@@ -71,9 +71,11 @@ def read_engine_manifest(manifest: dict[str, Any] | os.PathLike | str | None = N
             "The engine manifest pins no usable release (URL, size and sha256 are needed; this build's manifest is "
             "a placeholder because the release could not be reached when it was made). The panel never runs a "
             "binary it has not verified.",
-            "Put the release's URL, size and sha256 into resources/manifests/engine.json (or point "
-            "DSV41_ENGINE_MANIFEST / --engine-manifest at such a file), or unpack the engine yourself and set "
-            "DSV41_ENGINE_DIR.")
+            "Use a release folder you already have (`dsv41 download engine --from DIR`, or the Downloads tab's "
+            "\"Use an engine release I already have…\"), or download the release by its URL (`dsv41 download "
+            "engine --url URL [--sha256 HEX]`, or \"Download from a URL\" there): without a published sha256 you "
+            "compare the one shown with the release page before it is unpacked. (A release whose URL, size and "
+            "sha256 are known can be pinned in resources/manifests/engine.json.)")
     m["sha256"] = sha
     m["executables"] = _manifest_paths(m.get("executables", []), "executables")
     return m

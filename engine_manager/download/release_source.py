@@ -184,7 +184,12 @@ def _fetch_locked(url: str, want: str | None, downloads: Path, control: CancelTo
     host = urlsplit(url).hostname
     t0 = time.monotonic()
     conns: list[Any] = []
-    remove_hook = control.on_cancel(lambda: [_abort_connection(c) for c in conns])
+
+    def abort() -> None:
+        for c in conns:
+            _abort_connection(c)
+
+    remove_hook = control.on_cancel(abort)
     done = 0
     resp = None
     try:

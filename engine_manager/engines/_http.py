@@ -159,10 +159,7 @@ def _decoded(body: bytes, encoding: str, cap: int, url: str) -> bytes:
     if enc not in ("gzip", "deflate", "x-gzip"):
         return body
     d = zlib.decompressobj(zlib.MAX_WBITS | 32)   # gzip or zlib header, detected
-    try:
-        out = d.decompress(body, cap + 1)
-    except zlib.error:
-        raise ValueError(f"the answer at {url} says it is {enc}-compressed but is not; it cannot be read") from None
+    out = d.decompress(body, cap + 1)
     if len(out) > cap or d.unconsumed_tail:
         raise AnswerTooLarge(f"the answer at {url} expands past {cap / MB:g} MB; refusing to read it")
     return out
@@ -196,14 +193,12 @@ def probe_health(client: Any, base_url: str, *, path: str = HEALTH_PATH, port: i
     import httpx
 
     where = port if port is not None else base_url
-    try:     # a size cap and an overall deadline: a server dripping bytes or sending for ever holds no one up
-        r = get_capped(client, base_url.rstrip("/") + path, cap=SMALL_BODY_CAP, deadline_s=timeout_s)
+    try:
+        r = client.get(base_url.rstrip("/") + path, timeout=timeout_s)
     except httpx.ConnectError:
         return Readiness("loading", "connection refused: still loading")
-    except (httpx.TimeoutException, AnswerTooSlow):
+    except httpx.TimeoutException:
         return Readiness("loading", f"{path} did not answer within {timeout_s:g} s (busy loading?)")
-    except (AnswerTooLarge, ValueError) as exc:
-        return Readiness("failed", f"{exc}: is another server on port {where}?")
     except httpx.HTTPError as exc:
         return Readiness("loading", f"{path}: {exc.__class__.__name__}: {exc}")
     if r.status_code == 503:

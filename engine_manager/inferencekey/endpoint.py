@@ -217,7 +217,8 @@ def unwrap(content: str) -> Unwrapped:
     reasoning = data.get("reasoning")
     fr = data.get("finish_reason")
     note = data.get("note")
-    timings = data.get("timings") if isinstance(data.get("timings"), Mapping) else {}
+    raw_timings = data.get("timings")
+    timings: Mapping[str, Any] = raw_timings if isinstance(raw_timings, Mapping) else {}
     usage = {k: int(v) for k, v in _figures(data.get("usage")).items()
              if k in ("prompt_tokens", "completion_tokens", "total_tokens")}
     return Unwrapped(

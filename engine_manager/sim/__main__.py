@@ -43,6 +43,10 @@ Fault switches (the supervisor's and chat client's test doubles):
   --stall-after-tokens N --stall-s S   the engine stops for S wall seconds once, mid-stream
   --error-after-tokens N    every reply ends after N tokens with a `data: {"error": {"type": "server_error",
                             ...}}` frame, then [DONE] (not streamed: 503 server_error)
+  --admit-experts N         the expert cache admits only N experts whatever --expert-cache / the plan ask for
+                            (reported as Strata does: INFO/`engine.expert_slots`, `expert_cache_mib`)
+  --file-reads              no pinned RAM arena (`engine.arena_mib` 0): every expert the CPU computes is a blob
+                            read from the file (`requests[].file_blobs`, the log's "blob reads from the file")
 Extra arguments may also come from the environment variable DSV41_SIM_ARGS (split like a shell would),
 appended after the command line's, e.g. DSV41_SIM_ARGS="--die-after-tokens 20". Where the sim listens and with which
 key are the panel's to say: --host, --port, --api-key, --api-key-file and --plan there are refused (exit 2).
@@ -163,6 +167,10 @@ def build_parser(add_help: bool = True, prog: str = "python -m engine_manager.si
     a("--stall-s", type=float, default=0.0, metavar="S", help="length of the --stall-after-tokens stall")
     a("--error-after-tokens", type=int, default=None, metavar="N",
       help="fault: every reply ends after N tokens with an error frame, then [DONE]")
+    a("--admit-experts", type=int, default=None, metavar="N",
+      help="fault: the expert cache admits only N experts, fewer than planned")
+    a("--file-reads", action="store_true",
+      help="fault: no pinned arena; every expert the CPU computes is read from the file")
     return p
 
 
@@ -302,12 +310,21 @@ def main(argv: list[str] | None = None) -> int:
             layout.n_hot = int(args.expert_cache)
         except ValueError:
             parser.error(f"argument --expert-cache: {args.expert_cache!r} is not auto or a number")
+    if args.admit_experts is not None and 0 <= args.admit_experts < layout.n_hot:
+        # as an engine whose cache allocation came up short: it runs on with fewer experts in VRAM than asked for
+        log(f"expert cache: only {args.admit_experts} of the {layout.n_hot} expert slots asked for could be "
+            "allocated (fault switch --admit-experts) [simulated]")
+        layout.n_hot = args.admit_experts
+    if args.file_reads:
+        log("expert arena: the pinned host arena could not be allocated; cold experts are read from the model "
+            "file (fault switch --file-reads) [simulated]")
     slots = args.slots or max(1, min(8, layout.slots))
     max_context = args.max_context or layout.max_context
     faults = Faults(never_ready=args.never_ready, die_after_tokens=args.die_after_tokens, die_code=args.die_code,
                     sigkill_after_tokens=args.sigkill_after_tokens, sigkill_at_load=args.sigkill_at_load,
                     stall_after_tokens=args.stall_after_tokens, stall_s=args.stall_s,
-                    error_after_tokens=args.error_after_tokens, fail_at_load=args.fail_at_load)
+                    error_after_tokens=args.error_after_tokens, fail_at_load=args.fail_at_load,
+                    admit_experts=args.admit_experts, file_reads=args.file_reads)
     opts = Options(host=args.host, port=srv.server_address[1], api_key=args.api_key, slots=slots,
                    queue_limit=max(0, args.queue), max_context=max_context,
                    default_max_tokens=args.default_max_tokens, load_time_s=max(0.0, args.load_time),

@@ -38,6 +38,7 @@ MIN_SPAN_S = 0.25            # Strata's RATE_MIN_SPAN_S: a younger window gives 
 KEEPALIVE_EVERY_S = 1.0      # a `: keep-alive` comment per modelled second of prompt reading
 HISTORY = 500                # finished requests kept (Strata's Service.history)
 SHOWN = 12                   # ... of which /metrics shows the newest (Service.metrics)
+DIVERGE_AT = 0.75           # where a batched --cpu-numerics fork answer turns (a share of its length; simulated)
 CTX_SLACK = 8                # Strata's CTX_SLACK: prompt + max tokens + 8 must fit the context
 
 
@@ -63,6 +64,8 @@ class Faults:
     stall_s: float = 0.0
     error_after_tokens: int | None = None     # per request: a mid-stream server_error frame after N tokens
     fail_at_load: str | None = None           # cuda-oom | driver | profile | crash
+    admit_experts: int | None = None          # the expert cache admits at most N experts (fewer than asked for)
+    file_reads: bool = False                  # no pinned arena: every cold expert is a blob read from the file
 
 
 @dataclass
@@ -116,6 +119,12 @@ class Request:
     answer: list[str]
     stream: bool
     topic: corpus.Topic = corpus.GENERAL
+    # the numerics promise, modelled (simulated): with --cpu-numerics fork a request that shared a decode step with
+    # another one ("batched") is not bit-identical to itself served alone: its text turns at DIVERGE_AT of its
+    # length (one token more there, the rest shifted); --cpu-numerics gpu, or strata_reproducible, never turns
+    reproducible: bool = False
+    batched: bool = False
+    turned: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     events: "queue.SimpleQueue[tuple]" = field(default_factory=queue.SimpleQueue)
     state: str = "queued"                 # queued, reading, generating, done
@@ -205,6 +214,7 @@ class Engine:
                        "output_tokens": 0, "prompt_ms": 0.0, "decode_ms": 0.0, "drafts_offered": 0,
                        "drafts_accepted": 0}
         self.tokens_total = 0
+        self.file_blobs_total = 0                     # the resident tier's cumulative "blob reads from the file"
         # (ttft_s, decode_s, e2e_s, tokens), modelled; ttft_s None: the request produced no token
         self.latency: list[tuple[float | None, float, float, int]] = []
         self.last_timings: dict[str, Any] | None = None
@@ -379,6 +389,9 @@ class Engine:
         b = len(reqs)
         res = self.model.decode_step(b, want_experts=self.trace is not None,
                                      topics=[r.topic.routing for r in reqs])
+        if b > 1 and self.opts.cpu_numerics == "fork":
+            for r in reqs:
+                r.batched = r.batched or not r.reproducible
         m_start = self._m_base
         self._advance(res.duration_s)
         if res.experts is not None:
@@ -394,6 +407,8 @@ class Engine:
                 continue                         # _admit records it
             if req.decode_start_m is None:
                 req.decode_start_m = m_start
+            if req.batched and not req.turned and req.generated >= max(1, int(DIVERGE_AT * req.budget)):
+                self._diverge(req)
             kind, text = req.piece(req.generated)
             req.phase = "thinking" if kind == "reasoning_content" else "answering"
             req.generated += 1
@@ -413,6 +428,16 @@ class Engine:
                 self._finish(req, "length" if req.generated >= req.max_tokens and
                              req.budget < len(req.reasoning) + len(req.answer) else "stop")
             self._faults_after_token()
+
+    @staticmethod
+    def _diverge(req: Request) -> None:
+        """A batched answer's late turn (simulated): one token more at this position, the rest shifted."""
+        i = req.generated
+        req.turned = True
+        if i < len(req.reasoning):
+            req.reasoning.insert(i, "also ")
+        else:
+            req.answer.insert(i - len(req.reasoning), "also ")
 
     def _drain(self, timeout: float = 1.0) -> None:
         """Let the HTTP threads write the tokens already produced (so "die after N tokens" means the clients
@@ -452,6 +477,7 @@ class Engine:
         end_m = req.decode_end_m if req.decode_end_m is not None else self._m_base
         duration = max(0.0, end_m - (req.admitted_m if req.admitted_m is not None else req.submitted_m))
         hit_rate = round(req.hits / req.lookups, 3) if req.lookups else None
+        file_reads = self.opts.faults.file_reads
         routed = req.lookups + req.offloaded
         pcie_share = round(req.offloaded / routed, 3) if routed else None
         rec: dict[str, Any] = {
@@ -463,11 +489,15 @@ class Engine:
             "prompt_ms": round(req.prompt_s * 1000, 1), "decode_ms": round(dec * 1000, 1),
             "decode_tok_s": round(req.generated / dec, 1) if req.generated and dec > 0 else None,
             "hit_rate": hit_rate, "pcie_share": pcie_share,
-            "ram_blobs": req.misses, "file_blobs": 0, "file_mb": 0.0,
+            # Strata's tiers (DONE's ram_blobs/file_blobs/file_mb): without the pinned arena (fault --file-reads)
+            # every expert the CPU computes is read from the file instead of RAM
+            "ram_blobs": 0 if file_reads else req.misses, "file_blobs": req.misses if file_reads else 0,
+            "file_mb": round(req.misses * self.layout.expert_bytes / 1e6, 1) if file_reads else 0.0,
             "drafts_offered": 0, "drafts_accepted": 0,
         }
         with self.cond:
             self.history.append(rec)
+            self.file_blobs_total += rec["file_blobs"]
             t = self.totals
             t["requests"] += 1
             t["prompt_tokens"] += rec["prompt_tokens"]
@@ -505,7 +535,7 @@ class Engine:
                 f"/ {req.lookups} lookups){off} [simulated]")
         cold_gib = int((~self.model.hot).sum()) * self.layout.expert_bytes / 2**30
         log(f"strata serve: resident RAM: {cold_gib:.2f} GiB of experts in RAM, {self.model.swaps_total} exchanged "
-            f"with the VRAM tier, 0 blob reads from the file [simulated]")
+            f"with the VRAM tier, {self.file_blobs_total} blob reads from the file [simulated]")
         hit = f", expert cache {100 * hit_rate:.1f}% hit" if hit_rate is not None else ""
         if hit and pcie_share:
             hit += f" (+{100 * pcie_share:.1f}% of the routed experts over PCIe)"

@@ -428,7 +428,7 @@ class Handler(BaseHTTPRequestHandler):
                   "expert_cache_mib": cache_mib, "expert_slots_primary": hot, "expert_cache_primary_mib": cache_mib,
                   "spec": 0, "mtp_max": 0, "lookup": 0,
                   "vram_free_mib": max(0, (hw["gpu_mem_total"] - hw["gpu_mem_used"]) >> 20), "cvec": "",
-                  "arena_mib": int((~model.hot).sum() * lay.expert_bytes) >> 20, "pool_workers": os.cpu_count() or 1,
+                  "arena_mib": 0 if o.faults.file_reads else int((~model.hot).sum() * lay.expert_bytes) >> 20, "pool_workers": os.cpu_count() or 1,
                   "pcie_frac": f"{o.pcie_frac:.2f}", "spec_min_p": "0.50", "conversation_cache_mib": 0,
                   "conversation_cache_slots": 0, "conversation_cache_min_free_mib": 0, "engine": VERSION}
         if o.batch:
@@ -551,7 +551,8 @@ class Handler(BaseHTTPRequestHandler):
         reasoning, answer = corpus.script(question, reasoning=think, reply_tokens=reply)
         req = Request(rid=("msg_" if anthropic else "chatcmpl-") + uuid.uuid4().hex[:24], number=0,
                       prompt_tokens=prompt, max_tokens=mt, reasoning=reasoning, answer=answer,
-                      stream=bool(body.get("stream")), topic=corpus.topic_of(question))
+                      stream=bool(body.get("stream")), topic=corpus.topic_of(question),
+                      reproducible=body.get("strata_reproducible") not in (None, False, "", "off", "no", "false"))
         if eng.submit(req):
             return self._error(503, "server_error", "the engine is starting or stopping; try again shortly")
         try:

@@ -1,0 +1,122 @@
+"""The liveness watchdog (engine_manager/watchdog.py) through `dsv41 monitor --json` against the scripted engine:
+an engine that stops emitting tokens while alive is "stalled"; one that answers but fails every request is
+"unavailable"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from engine_manager import supervisor as sv
+from engine_manager.settings import load_settings
+
+from engine_manager.engines.base import Sample
+from engine_manager.watchdog import STALLED, Watchdog
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ask(sp, max_tokens: int) -> None:
+    try:
+        httpx.post(sp.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {sp.api_key}"},
+                   json={"messages": [{"role": "user", "content": "How does expert offload work?"}],
+                         "max_tokens": max_tokens, "stream": False}, timeout=180)
+    except httpx.HTTPError:
+        pass                     # the engine is stopped at the end of the test, mid-answer
+
+
+def monitor_until(base_url: str, api_key: str, want: str, limit_s: float = 120,
+                  url: bool = True) -> tuple[dict | None, list[dict]]:
+    """Run `dsv41 monitor --json` on the engine until a line's liveness is ``want`` (or the limit passes)."""
+    env = {**os.environ, "DSV41_API_KEY": api_key}
+    where = ["--url", base_url, "--engine", "sim"] if url else []
+    proc = subprocess.Popen([sys.executable, "-m", "engine_manager", "monitor", *where, "--json", "--hz", "2",
+                             "--seconds", str(limit_s)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=env, cwd=str(ROOT))
+    seen: list[dict] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            d = json.loads(line)
+            seen.append(d["liveness"])
+            if d["liveness"]["state"] == want:
+                return d["liveness"], seen
+    finally:
+        proc.kill()
+        proc.wait()
+    return None, seen
+
+
+@pytest.fixture
+def started(monkeypatch, free_port):
+    """The scripted engine started with `dsv41 start` (so the monitor knows its process) with ``flags``."""
+    monkeypatch.setenv("DSV41_PORT", str(free_port))
+
+    def go(*flags: str):
+        monkeypatch.setenv("DSV41_SIM_ARGS", " ".join(("--load-time 0.2", *flags)))
+        cp = subprocess.run([sys.executable, "-m", "engine_manager", "start"], capture_output=True, text=True,
+                            timeout=120, cwd=str(ROOT))
+        assert cp.returncode == 0, cp.stdout + cp.stderr
+        return sv.Supervisor(load_settings().settings).status()
+
+    yield go
+    for _ in sv.Supervisor(load_settings().settings).stop(force=True):
+        pass
+
+
+class _Engine:
+    def __init__(self, base_url: str, api_key: str):
+        self.base_url, self.api_key = base_url, api_key
+
+
+def test_an_engine_that_stops_emitting_tokens_while_alive_is_stalled(started):
+    st = started("--stall-after-tokens 40 --stall-s 300")
+    key = load_settings().settings.api_key
+    threading.Thread(target=ask, args=(_Engine(st.base_url, key), 400), daemon=True).start()
+    live, seen = monitor_until(st.base_url, key, STALLED, url=False)
+    assert live is not None, seen[-5:]
+    assert any(x["state"] == "ok" for x in seen)                  # it was serving before it stalled
+    assert live["since_progress_s"] > live["stall_after_s"] >= 10
+    # the engine's CPU time over the stall beside it (its process is known: the panel started it)
+    assert live["cpu_time_delta_s"] is not None and "engine CPU time +" in live["detail"]
+    assert psutil.pid_exists(st.pid)                              # alive all along: not a crash
+
+
+def test_an_engine_that_fails_every_request_is_unavailable(sim_process):
+    sp = sim_process("--error-after-tokens", "3", "--speed", "5").wait_ready()
+
+    def three() -> None:
+        time.sleep(1.5)           # the monitor has its first readings before the requests finish
+        for _ in range(3):
+            ask(sp, 50)
+
+    threading.Thread(target=three, daemon=True).start()
+    live, seen = monitor_until(sp.base_url, sp.api_key, "unavailable", limit_s=60)
+    assert live is not None, seen[-5:]
+    assert live["failed_streak"] >= 3 and "ended in an error" in live["detail"]
+
+
+def _sample(t: float, state: str, generated: int, tok_s: float | None = None) -> Sample:
+    s = Sample(t=t, engine="sim", state=state, decode_tok_s=tok_s, tokens_generated_total=0, requests_total=0)
+    s.extra = {"generated": generated}
+    return s
+
+
+def test_the_limit_follows_the_measured_pace_and_progress_resets_it():
+    wd = Watchdog()
+    assert wd.feed_sample(_sample(0, "generating", 1, 0.5)).state == "ok"      # 2 s a token: 40 s allowed
+    assert wd.stall_after_s == 40
+    assert wd.feed_sample(_sample(30, "generating", 1)).state == "ok"
+    assert wd.feed_sample(_sample(41, "generating", 1)).state == STALLED
+    assert wd.feed_sample(_sample(42, "generating", 2)).state == "ok"           # a token: progress again
+    assert wd.feed_sample(_sample(100, "idle", 2)).state == "idle"              # nothing in flight: never stalled
+    assert Watchdog(stall_after_s=5).feed_sample(_sample(0, "generating", 1, 100.0)).stall_after_s == 5
