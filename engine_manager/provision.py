@@ -312,7 +312,7 @@ def provision(release: os.PathLike | str, model_path: os.PathLike | str, *, pyth
     tool = release / TOOL
     if not tool.is_file():
         raise ProvisionError(f"The engine release in {release} has no {TOOL} (the tool that prepares the model's "
-                             "pack). Download the engine release again (`dsv41 download --engine`) or set "
+                             "pack). Download the engine release again (`dsv41 download engine --from DIR` or `--url URL`) or set "
                              "DSV41_ENGINE_DIR to an unpacked Strata release.")
     if python is None:                  # the release's own .venv, never the panel's interpreter (the bundle's panel)
         from .release_check import SETUP_HINT, release_python
@@ -404,7 +404,7 @@ def _run_tool(release: Path, split: Split, pack: Path, python: str, tool: Path
     if missing:
         raise ProvisionError(f"The release's {TOOL.name} exited without error but did not write "
                              f"{', '.join(missing)} in the pack. The release may be incomplete: download it again "
-                             "(`dsv41 download --engine`).")
+                             "(`dsv41 download engine --from DIR` or `--url URL`).")
     files = _pack_files(staging)
     if pack.is_symlink():
         pack.unlink()

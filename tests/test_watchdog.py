@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -17,9 +16,8 @@ import psutil
 import pytest
 
 from engine_manager import supervisor as sv
-from engine_manager.settings import load_settings
-
 from engine_manager.engines.base import Sample
+from engine_manager.settings import load_settings
 from engine_manager.watchdog import STALLED, Watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +32,10 @@ def ask(sp, max_tokens: int) -> None:
         pass                     # the engine is stopped at the end of the test, mid-answer
 
 
-def monitor_until(base_url: str, api_key: str, want: str, limit_s: float = 120,
-                  url: bool = True) -> tuple[dict | None, list[dict]]:
-    """Run `dsv41 monitor --json` on the engine until a line's liveness is ``want`` (or the limit passes)."""
+def monitor_until(base_url: str, api_key: str, want: str, limit_s: float = 120, url: bool = True,
+                  then=None) -> tuple[dict | None, list[dict]]:
+    """Run `dsv41 monitor --json` on the engine until a line's liveness is ``want`` (or the limit passes);
+    ``then()`` runs (on a thread) once the monitor printed its first line."""
     env = {**os.environ, "DSV41_API_KEY": api_key}
     where = ["--url", base_url, "--engine", "sim"] if url else []
     proc = subprocess.Popen([sys.executable, "-m", "engine_manager", "monitor", *where, "--json", "--hz", "2",
@@ -48,6 +47,8 @@ def monitor_until(base_url: str, api_key: str, want: str, limit_s: float = 120,
         for line in proc.stdout:
             d = json.loads(line)
             seen.append(d["liveness"])
+            if then is not None and len(seen) == 1:
+                threading.Thread(target=then, daemon=True).start()
             if d["liveness"]["state"] == want:
                 return d["liveness"], seen
     finally:
@@ -95,12 +96,10 @@ def test_an_engine_that_fails_every_request_is_unavailable(sim_process):
     sp = sim_process("--error-after-tokens", "3", "--speed", "5").wait_ready()
 
     def three() -> None:
-        time.sleep(1.5)           # the monitor has its first readings before the requests finish
         for _ in range(3):
             ask(sp, 50)
 
-    threading.Thread(target=three, daemon=True).start()
-    live, seen = monitor_until(sp.base_url, sp.api_key, "unavailable", limit_s=60)
+    live, seen = monitor_until(sp.base_url, sp.api_key, "unavailable", limit_s=60, then=three)
     assert live is not None, seen[-5:]
     assert live["failed_streak"] >= 3 and "ended in an error" in live["detail"]
 
