@@ -47,6 +47,7 @@ from engine_manager.release_check import engine_release_facts
 from engine_manager.settings import resolve_engine
 
 from .connections_view import ConnectionsView
+from .checks_view import ChecksView
 from .workers import TaskOwner
 
 
@@ -254,6 +255,7 @@ class EnginePanel(QWidget):
         self.banner = CrashBanner()
         self.banner.log_button.clicked.connect(lambda: self.ctx.requestTab.emit("Log"))
         lay.addWidget(self.banner)
+        lay.addWidget(ChecksView(self.ctx))      # planned vs measured: amber when not as planned
 
         self.details = _text_label("engineDetails", Qt.TextFormat.RichText)
         lay.addWidget(self.details)

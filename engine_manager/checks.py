@@ -21,7 +21,8 @@ the machine does not say (no NVML, no finished request yet, an engine on another
 as ok nor as failed.
 
 :func:`run_checks` is pure (readings in, checks out); :func:`collect_checks` takes the readings for a
-:class:`~engine_manager.session.RunningEngine` (one ``/metrics`` read, /proc, psutil, NVML) — blocking, so off a GUI thread.
+:class:`~engine_manager.session.RunningEngine` (one ``/metrics`` read, /proc, psutil, NVML) — blocking, so off a
+GUI thread.
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ def check_experts(plan: Mapping[str, Any] | None, extra: Mapping[str, Any] | Non
             return Check("experts_in_vram", title, planned, None, None,
                          why_unknown or "llama-server's log does not show its buffers yet")
         missing = [x for x in want if x not in set(on_gpu)]
-        measured = f"{len(on_gpu)} of {len(moe)} MoE layers' experts on the GPU"
+        measured: str | None = f"{len(on_gpu)} of {len(moe)} MoE layers' experts on the GPU"
         if not missing:
             return Check("experts_in_vram", title, planned, measured, True)
         return Check("experts_in_vram", title, planned, measured, False,
@@ -466,8 +467,9 @@ def run_checks(*, plan: Mapping[str, Any] | None, extra: Mapping[str, Any] | Non
                proc: ProcReading | None = None, gpu: GpuReading | None = None, placement: Any = None,
                engine_missing: str = "", local: bool = True) -> list[Check]:
     """The checks from the readings: ``extra`` is :func:`facts_from_metrics` of the engine's ``/metrics``
-    (``expert_slots``, ``arena_mib``, ``file_blobs_recent`` …; None when the engine did not answer: ``engine_missing`` says why),
-    ``placement`` llama.cpp's placement from its log (else None), ``proc``/``gpu`` the readings of this machine
+    (``expert_slots``, ``arena_mib``, ``file_blobs_recent`` …; None when the engine did not answer:
+    ``engine_missing`` says why), ``placement`` llama.cpp's placement from its log (else None), ``proc``/``gpu``
+    the readings of this machine
     (``local`` False: the engine runs elsewhere and this machine's figures are not its)."""
     why = engine_missing if extra is None else ""
     pids = proc.pids if proc is not None else ()
@@ -588,5 +590,6 @@ def pid_alive(pid: int | None) -> bool | None:
 
 
 __all__ = ["Check", "CheckReport", "GpuProcess", "GpuReading", "ProcReading", "binding_node",
-           "binding_steers_memory", "checks_for_status", "collect_checks", "facts_from_metrics", "engine_pids", "failed", "parse_numa_maps", "pid_alive",
-           "read_gpu", "read_numa_maps", "read_process", "run_checks", "summary"]
+           "binding_steers_memory", "checks_for_status", "collect_checks", "engine_pids", "facts_from_metrics",
+           "failed", "parse_numa_maps", "pid_alive", "read_gpu", "read_metrics_facts", "read_numa_maps",
+           "read_process", "run_checks", "summary"]

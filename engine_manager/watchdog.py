@@ -110,8 +110,8 @@ class Watchdog:
         extra = getattr(sample, "extra", None) or {} if sample is not None else {}
         if gpu_util_pct is None:
             gpu_util_pct = _f(extra.get("gpu_util_pct"))
-        base = dict(stall_after_s=self.stall_after_s, token_gap_s=self.token_gap_s, gpu_util_pct=gpu_util_pct,
-                    gpu_power_w=gpu_power_w)
+        base: dict[str, Any] = dict(stall_after_s=self.stall_after_s, token_gap_s=self.token_gap_s,
+                                    gpu_util_pct=gpu_util_pct, gpu_power_w=gpu_power_w)
         if alive is False:
             self._reset_progress()
             return self._out(Liveness(DOWN, detail="the engine's process is not running", **base))

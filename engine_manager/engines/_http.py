@@ -121,14 +121,14 @@ def get_capped(client: Any, url: str, *, headers: dict[str, str] | None = None, 
                 if timer is not None:
                     timer.cancel()
             body = b"".join(chunks)
-            # iter_raw gives the bytes as sent: decode any content-encoding ourselves by re-wrapping
-            out = httpx.Response(r.status_code, headers=r.headers, content=body, request=r.request)
+            # iter_raw gives the bytes as sent: decode any content-encoding ourselves, with the cap, and re-wrap
+            # without the header (httpx.Response decodes a body it is given with one, without any cap: a gzip
+            # bomb of 16 MB would expand to gigabytes there)
+            headers: Any = r.headers
             if r.headers.get("content-encoding"):
-                out = httpx.Response(r.status_code, headers={k: v for k, v in r.headers.items()
-                                                             if k.lower() != "content-encoding"},
-                                     content=_decoded(body, r.headers["content-encoding"], cap, url),
-                                     request=r.request)
-            return out
+                body = _decoded(body, r.headers["content-encoding"], cap, url)
+                headers = {k: v for k, v in r.headers.items() if k.lower() != "content-encoding"}
+            return httpx.Response(r.status_code, headers=headers, content=body, request=r.request)
     except httpx.TimeoutException as exc:
         if time.monotonic() >= end or fired.is_set():
             raise _too_slow(url, deadline_s) from exc
@@ -159,7 +159,10 @@ def _decoded(body: bytes, encoding: str, cap: int, url: str) -> bytes:
     if enc not in ("gzip", "deflate", "x-gzip"):
         return body
     d = zlib.decompressobj(zlib.MAX_WBITS | 32)   # gzip or zlib header, detected
-    out = d.decompress(body, cap + 1)
+    try:
+        out = d.decompress(body, cap + 1)
+    except zlib.error:
+        raise ValueError(f"the answer at {url} says it is {enc}-compressed but is not; it cannot be read") from None
     if len(out) > cap or d.unconsumed_tail:
         raise AnswerTooLarge(f"the answer at {url} expands past {cap / MB:g} MB; refusing to read it")
     return out
@@ -193,12 +196,14 @@ def probe_health(client: Any, base_url: str, *, path: str = HEALTH_PATH, port: i
     import httpx
 
     where = port if port is not None else base_url
-    try:
-        r = client.get(base_url.rstrip("/") + path, timeout=timeout_s)
+    try:     # a size cap and an overall deadline: a server dripping bytes or sending for ever holds no one up
+        r = get_capped(client, base_url.rstrip("/") + path, cap=SMALL_BODY_CAP, deadline_s=timeout_s)
     except httpx.ConnectError:
         return Readiness("loading", "connection refused: still loading")
-    except httpx.TimeoutException:
+    except (httpx.TimeoutException, AnswerTooSlow):
         return Readiness("loading", f"{path} did not answer within {timeout_s:g} s (busy loading?)")
+    except (AnswerTooLarge, ValueError) as exc:
+        return Readiness("failed", f"{exc}: is another server on port {where}?")
     except httpx.HTTPError as exc:
         return Readiness("loading", f"{path}: {exc.__class__.__name__}: {exc}")
     if r.status_code == 503:

@@ -67,9 +67,11 @@ from typing import Any, Iterable
 from .. import fmt
 from ..atomic import atomic_write_bytes
 from ..errors import EngineSetupError
+from ..figures import measured_int
 from ..gguf_split import FIRST_SHARD_GLOB, first_shard_name
 from . import _prometheus as _prom
-from ._http import bearer_headers, probe_health
+from ._http import (
+    METRICS_BODY_CAP, SMALL_BODY_CAP, bearer_headers, deadline_of, get_capped, json_body, probe_health)
 from .base import (
     Engine,
     FailureHint,
@@ -611,13 +613,17 @@ class LlamaCppEngine(Engine):
         # /metrics before /slots: a request that ends between the two reads is then in neither (sample_from
         # carries the previous total over that reading), never in both — read the other way round its tokens
         # were counted twice, a spike of tens of thousands of tok/s in the decode plot at a request's end
-        metrics_r = client.get(spec.base_url + "/metrics", headers=hdr, timeout=5.0)
+        # both reads within one overall deadline (the client's timeout), each with a size cap (:func:`get_capped`)
+        end = time.monotonic() + deadline_of(client)
+        metrics_r = get_capped(client, spec.base_url + "/metrics", headers=hdr, cap=METRICS_BODY_CAP,
+                               deadline_s=deadline_of(client))
         t_slots = time.time()
-        slots_r = client.get(spec.base_url + "/slots", headers=hdr, timeout=5.0)
+        slots_r = get_capped(client, spec.base_url + "/slots", headers=hdr, cap=SMALL_BODY_CAP,
+                             deadline_s=max(0.05, end - time.monotonic()))
         # the slots' token counts are of the moment llama-server answered: the middle of that request, not the
         # start of the poll (a starved poller can spend tens of ms on /metrics first)
         t = (t_slots + time.time()) / 2
-        slots = slots_r.json() if slots_r.status_code == 200 else None
+        slots = clean_slots(json_body(slots_r)) if slots_r.status_code == 200 else None
         prom = parse_prometheus(metrics_r.text) if metrics_r.status_code == 200 else None
         return sample_from(t, slots, prom, previous, load_placement(spec))
 
@@ -666,6 +672,27 @@ def _load_placement(path: str) -> LlamaPlacement | None:
         return _load_placement_cached(path, Path(path).stat().st_mtime)
     except OSError:
         return None
+
+
+def clean_slots(doc: Any) -> list[dict] | None:
+    """llama-server's ``/slots`` answer reduced to what :func:`sample_from` reads, each count a whole number ≥ 0
+    (:func:`engine_manager.figures.measured_int`); None when it is not a list of slot objects with ids (another
+    server, a broken answer): the ``/metrics`` figures are still read. A count that is not one reads 0."""
+    if not isinstance(doc, list) or len(doc) > 4096:
+        return None
+    rows: list[dict] = []
+    for x in doc:
+        sid = measured_int(x.get("id"), hi=1 << 20) if isinstance(x, dict) else None
+        if sid is None:
+            return None
+        nt = x.get("next_token")
+        first = nt[0] if isinstance(nt, list) and nt and isinstance(nt[0], dict) else {}
+        task = measured_int(x.get("id_task"), lo=-1, hi=1 << 62)
+        rows.append({"id": sid, "id_task": -1 if task is None else task, "is_processing": bool(x.get("is_processing")),
+                     "next_token": [{"n_decoded": measured_int(first.get("n_decoded")) or 0}],
+                     "n_prompt_tokens_processed": measured_int(x.get("n_prompt_tokens_processed")) or 0,
+                     "n_ctx": measured_int(x.get("n_ctx")) or 0})
+    return rows
 
 
 def sample_from(t: float, slots: list[dict] | None, prom: dict[str, float] | None, previous: Sample | None,

@@ -44,9 +44,11 @@ from typing import TYPE_CHECKING, Any, Generator, Literal
 from .. import release_check as _release
 from ..atomic import atomic_write_bytes, atomic_write_json
 from ..errors import PlacementRefused
+from ..figures import measured
 from ..plans import check_strata_args
 from . import _prometheus as _prom
-from ._http import NOT_STRATA, bearer_headers, probe_health  # noqa: F401 - NOT_STRATA: re-exported
+from ._http import (  # noqa: F401 - NOT_STRATA: re-exported
+    METRICS_BODY_CAP, NOT_STRATA, SMALL_BODY_CAP, bearer_headers, deadline_of, get_capped, json_body, probe_health)
 from .base import (
     Engine,
     FailureHint,
@@ -353,11 +355,8 @@ def _obj(v: Any) -> dict[str, Any]:
 
 
 def _f(v: Any) -> float | None:
-    if isinstance(v, bool) or v is None:
-        return None
-    if isinstance(v, (int, float)):
-        return float(v) if v == v and abs(v) != float("inf") else None
-    return None
+    """A JSON number as a float; None when it is none or not finite (an integer past what a float holds too)."""
+    return measured(v, lo=None)
 
 
 def _i(v: Any) -> int | None:
@@ -544,21 +543,25 @@ def poll_metrics(client: Any, spec: LaunchSpec, previous: Sample | None, *, engi
 
     GET /metrics (JSON; key needed); GET /v1/status too only when ``hardware`` has no GPU memory figures (no NVML
     on the server: ``/v1/status`` has ``machine.gpu`` null then too, but a server with its own telemetry off may
-    still say). Raises ``httpx.HTTPError`` when the engine does not answer or answers an error."""
+    still say). Raises ``httpx.HTTPError`` when the engine does not answer or answers an error,
+    :class:`._http.AnswerTooLarge`/:class:`._http.AnswerTooSlow` (plain words) past the size cap or the overall
+    deadline (the client's timeout, for both requests together), ``ValueError`` for what is not its JSON."""
     t = time.time()
-    r = client.get(spec.base_url + "/metrics", headers={**auth_headers(spec), "Accept": "application/json"},
-                   timeout=5.0)
+    end = time.monotonic() + deadline_of(client)
+    r = get_capped(client, spec.base_url + "/metrics", headers={**auth_headers(spec), "Accept": "application/json"},
+                   cap=METRICS_BODY_CAP, deadline_s=deadline_of(client))
     r.raise_for_status()
     if "json" not in r.headers.get("content-type", "json"):
         return sample_from_prometheus(r.text, engine, t, simulated=simulated)
-    doc = r.json()
+    doc = json_body(r)
     doc = doc if isinstance(doc, dict) else {}
     status = None
     hw = _obj(doc.get("hardware"))
-    if hw.get("gpu_mem_used") is None:
+    if hw.get("gpu_mem_used") is None and end - time.monotonic() > 0.05:
         try:
-            rs = client.get(spec.base_url + "/v1/status", headers=auth_headers(spec), timeout=5.0)
-            status = rs.json() if rs.status_code == 200 else None
+            rs = get_capped(client, spec.base_url + "/v1/status", headers=auth_headers(spec), cap=SMALL_BODY_CAP,
+                            deadline_s=end - time.monotonic())
+            status = json_body(rs) if rs.status_code == 200 else None
         except Exception:  # noqa: BLE001 - /v1/status is optional
             status = None
     return sample_from_metrics(doc, engine, previous, t, simulated=simulated,

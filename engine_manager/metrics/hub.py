@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence, TypeGuard
 
 from ..engines.base import Sample, vram_share
+from ..figures import measured
 from .columns import COLUMN_NAMES
 from .record import Recorder
 from .sources import LogSwapSource, Reading, Source, SourceMissing
@@ -123,6 +124,12 @@ def prefill_is_live(engine: str, state: str | None) -> bool:
     (live, 0 when idle); Strata and the scripted engine report a live rate only while a prompt is being read,
     else the last request's."""
     return engine == "llamacpp" or state == "reading"
+
+
+def _last_error(r: "_Runner") -> str:
+    """The words of a late source's last finished reading when it failed (a server past its size cap or its
+    deadline ends after the tick is composed: without this, the tick would only ever say "no answer")."""
+    return f"; the last reading: {r.error}" if r.error and r.answered > 0 else ""
 
 
 class _Runner(threading.Thread):
@@ -257,7 +264,8 @@ class MetricsHub:
             for r in runners:
                 if r.busy:
                     missing[r.source.name] = (f"still busy with an earlier reading "
-                                              f"(> {min(r.source.timeout_s, 0.9 * self.period_s):.2g} s)")
+                                              f"(> {min(r.source.timeout_s, 0.9 * self.period_s):.2g} s)"
+                                              + _last_error(r))
                 else:
                     r.requested = k
                     asked.append(r)
@@ -279,12 +287,13 @@ class MetricsHub:
             res, err = results[r.source.name]
             if res is None:
                 missing[r.source.name] = err or (f"no answer within "
-                                                 f"{min(r.source.timeout_s, 0.9 * self.period_s):.2g} s")
+                                                 f"{min(r.source.timeout_s, 0.9 * self.period_s):.2g} s"
+                                                 + _last_error(r))
                 continue
             for c in r.source.columns:
                 if c in values:
                     x = res.values.get(c)
-                    values[c] = float(x) if x is not None and math.isfinite(float(x)) else None
+                    values[c] = measured(x, lo=None)     # not finite, or past what a float holds: missing
             notes.update(res.notes)
             if isinstance(res.payload, Sample):
                 sample = res.payload

@@ -314,14 +314,16 @@ def status_text(hub: Any, tick: Tick | None, *, compact: bool = False) -> tuple[
 def unreachable_words(name: str, state: str, reason: str, last_seen: float | None, *,
                       now: float | None = None) -> tuple[str, str]:
     """A watched saved connection that cannot be used now: (short, whole) — "unreachable, last seen 14:02:11"
-    and "gpu-box is unreachable: <reason>, last seen 14:02:11". ``state`` "unreachable" (nothing answered) or
-    "problem" (something answered and said no: "not usable")."""
-    when = "never since it was saved" if not last_seen else time.strftime(
-        "%H:%M:%S" if (time.time() if now is None else now) - last_seen < 20 * 3600 else "%Y-%m-%d %H:%M",
-        time.localtime(last_seen))
+    and "gpu-box is unreachable: <reason>. Last seen answering at 14:02:11." ``state`` "unreachable" (nothing
+    answered) or "problem" (something answered and said no: "not usable")."""
     word = "unreachable" if state == "unreachable" else "not usable"
     reason = reason.strip().rstrip(".") or "no reason was given"
-    return f"{word}, last seen {when}", f"{name} is {word}: {reason}, last seen {when}."
+    if not last_seen:
+        return f"{word}, not seen yet", f"{name} is {word}: {reason}. Not seen answering since it was saved."
+    when = time.strftime(
+        "%H:%M:%S" if (time.time() if now is None else now) - last_seen < 20 * 3600 else "%Y-%m-%d %H:%M",
+        time.localtime(last_seen))
+    return f"{word}, last seen {when}", f"{name} is {word}: {reason}. Last seen answering at {when}."
 
 
 def unreachable_cards(name: str, state: str, reason: str, last_seen: float | None) -> dict[str, CardText]:

@@ -19,7 +19,8 @@ from typing import Any, BinaryIO
 import psutil
 
 from .. import nvml
-from ..engines._http import SMALL_BODY_CAP, bearer_headers, get_capped, json_body
+from ..engines._http import AnswerTooLarge, AnswerTooSlow, SMALL_BODY_CAP, bearer_headers, get_capped, json_body
+from ..figures import measured
 from ..engines.base import Engine, LaunchSpec, LogEvent, Sample
 from .columns import ENGINE_COLUMNS, HOST_COLUMNS, LOG_COLUMNS, MAX_SLOTS, NVML_COLUMNS
 
@@ -95,8 +96,10 @@ def sample_values(s: Sample) -> dict[str, float | None]:
             except (TypeError, ValueError):
                 continue
             if 0 <= i < MAX_SLOTS and rate is not None:
-                v[f"slot{i}_tok_s"] = float(rate)
-    return {k: (None if x is None else float(x)) for k, x in v.items()}
+                v[f"slot{i}_tok_s"] = rate
+    # every engine column is a rate, a count, a size or a share: one that is not finite (NaN, 1e999, an integer past
+    # what a float holds) or negative ("-7 users") is impossible, so missing — never shown as measured
+    return {k: measured(x) for k, x in v.items()}
 
 
 class EngineSource(Source):
@@ -161,6 +164,8 @@ def plain_engine_error(exc: BaseException, base_url: str, timeout_s: float | Non
     """An engine poll's failure in plain words: what answered (or did not) at ``base_url`` and what to do."""
     import httpx
 
+    if isinstance(exc, (AnswerTooLarge, AnswerTooSlow)):
+        return str(exc)                     # already plain words, the URL and the cap or deadline named
     if isinstance(exc, httpx.ConnectError):
         return f"nothing answers at {base_url} (connection refused): the engine is not running, or still loading"
     if isinstance(exc, httpx.TimeoutException):

@@ -24,6 +24,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 DAY_S = 86_400.0
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class _Ring:
@@ -183,7 +184,8 @@ class RingStore:
         row = np.full(len(self.columns), np.nan, dtype=np.float32)
         for k, v in values.items():
             i = self.index.get(k)
-            if i is not None and v is not None:
+            # the rows are float32: a figure past what one holds (a server's 1e300) would be stored as inf — missing
+            if i is not None and v is not None and abs(v) <= _F32_MAX:
                 row[i] = v
         return row
 

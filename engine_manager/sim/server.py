@@ -428,7 +428,9 @@ class Handler(BaseHTTPRequestHandler):
                   "expert_cache_mib": cache_mib, "expert_slots_primary": hot, "expert_cache_primary_mib": cache_mib,
                   "spec": 0, "mtp_max": 0, "lookup": 0,
                   "vram_free_mib": max(0, (hw["gpu_mem_total"] - hw["gpu_mem_used"]) >> 20), "cvec": "",
-                  "arena_mib": 0 if o.faults.file_reads else int((~model.hot).sum() * lay.expert_bytes) >> 20, "pool_workers": os.cpu_count() or 1,
+                  # fault --file-reads: no pinned arena was allocated
+                  "arena_mib": 0 if o.faults.file_reads else int((~model.hot).sum() * lay.expert_bytes) >> 20,
+                  "pool_workers": os.cpu_count() or 1,
                   "pcie_frac": f"{o.pcie_frac:.2f}", "spec_min_p": "0.50", "conversation_cache_mib": 0,
                   "conversation_cache_slots": 0, "conversation_cache_min_free_mib": 0, "engine": VERSION}
         if o.batch:
