@@ -1,6 +1,6 @@
 """``dsv41 doctor``: the hardware probe judged against what the target model needs.
 
-Requirements come from the deepseek-one-gpu guides (ENGINE_CONTRACT.md §1): driver ≥ 580.65 (CUDA 13), a GPU
+Requirements come from the deepseek-one-gpu guides (docs/ENGINE_CONTRACT.md §1): driver ≥ 580.65 (CUDA 13), a GPU
 with its VRAM (the reference card is a 96 GB RTX PRO 6000, 97,887 MiB), ~280 GB RAM, ~300 GB free disk,
 numactl, and a known NUMA node for the GPU. Each verdict is pass / warn / fail with the figure and what to do.
 """

@@ -1,7 +1,7 @@
 """Routing data: Strata expert profiles (STRP), ``--dump-routing`` traces, per-(layer, expert) frequency tables with
 merge and decay, and the coverage curve (expected hit rate against hot-set size).
 
-Formats (ENGINE_CONTRACT.md §2, little-endian):
+Formats (docs/ENGINE_CONTRACT.md §2, little-endian):
 
 - **STRP profile**: ``b"STRP"``, five uint32 (version = 1, n_layers, n_experts, slots, n_ranked), n_ranked pairs of
   uint16 (layer, expert) in rank order (most useful first), then n_layers × n_experts int32 ranks (−1 = unranked).

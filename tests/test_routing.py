@@ -1,4 +1,4 @@
-"""engine_manager.routing: STRP profiles and --dump-routing traces byte for byte (ENGINE_CONTRACT §2), frequency
+"""engine_manager.routing: STRP profiles and --dump-routing traces byte for byte (docs/ENGINE_CONTRACT.md §2), frequency
 tables (merge, decay, files), the coverage curve, and clear errors for malformed files."""
 
 from __future__ import annotations

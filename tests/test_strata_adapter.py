@@ -233,7 +233,7 @@ def test_readiness_needs_loaded_and_a_strata_service(free_port, health, state, w
 
 def test_readiness_connection_refused_is_loading(free_port):
     """Eager mode: serve/server.py opens its port only after the engine's READY, so a refused connection is a
-    server still loading (ENGINE_CONTRACT.md §2)."""
+    server still loading (docs/ENGINE_CONTRACT.md §2)."""
     with httpx.Client() as c:
         r = STRATA.readiness(c, _spec(free_port))
     assert r.state == "loading" and "refused" in r.detail

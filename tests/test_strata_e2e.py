@@ -155,7 +155,7 @@ def test_start_with_a_saved_plan_provisions_once_runs_strata_and_stops_clean(env
 @pytest.mark.parametrize("how", ["cpu-numerics"])
 def test_an_engine_that_refuses_an_argument_fails_the_start_with_its_own_words(env, replica, tmp_path, how):
     """generate.cpp's option loop: "unknown argument: X", exit 2, before READY; Strata's server then exits too.
-    ``--cpu-numerics`` is the fork's flag, which plain Strata refuses (ENGINE_CONTRACT.md §2): the panel passes it
+    ``--cpu-numerics`` is the fork's flag, which plain Strata refuses (docs/ENGINE_CONTRACT.md §2): the panel passes it
     only for cpu_numerics=gpu, and the refusal must say so."""
     plan_file = tmp_path / "plan.json"
     plan = make_plan(env, replica, plan_file)

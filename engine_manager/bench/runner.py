@@ -37,7 +37,7 @@ from . import prompts as P
 from .stats import measured, summary
 from .streams import StreamRecord, Streams, decode_figures
 
-# The guides' figure for each preset's effect on one user (ENGINE_CONTRACT.md §1): --cpu-numerics gpu costs 25.7%,
+# The guides' figure for each preset's effect on one user (docs/ENGINE_CONTRACT.md §1): --cpu-numerics gpu costs 25.7%,
 # no NUMA binding ~53 instead of 63.11 tok/s.
 GUIDE_EFFECT = {"cpu_numerics=gpu": 1 - 0.257, "numa_binding=off": GUIDE_UNBOUND_1_USER / GUIDE_TABLE[1][0]}
 SIM_REPLY_TOKENS = 8192

@@ -1,6 +1,6 @@
 """The engines the panel drives, behind one interface (:mod:`.base`).
 
-- ``strata``: the deepseek-one-gpu / Strata server (ENGINE_CONTRACT.md §2)
+- ``strata``: the deepseek-one-gpu / Strata server (docs/ENGINE_CONTRACT.md §2)
 - ``llamacpp``: stock llama.cpp ``llama-server`` (§3)
 - ``sim``: the scripted engine, a real separate process that models the offload (§4), labelled simulated
 """

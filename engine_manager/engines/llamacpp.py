@@ -1,4 +1,4 @@
-"""Stock llama.cpp's ``llama-server`` behind the panel's engine interface (ENGINE_CONTRACT.md §3).
+"""Stock llama.cpp's ``llama-server`` behind the panel's engine interface (docs/ENGINE_CONTRACT.md §3).
 
 Placement under llama.cpp is per layer: a layer's experts live in three tensors (``blk.N.ffn_{gate,up,down}_exps``),
 so the plan names the MoE layers whose experts stay in RAM (``llamacpp_cpu_layers``) and the command line keeps

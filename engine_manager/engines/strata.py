@@ -1,4 +1,4 @@
-"""The deepseek-one-gpu / Strata engine behind the panel's interface (ENGINE_CONTRACT.md §2).
+"""The deepseek-one-gpu / Strata engine behind the panel's interface (docs/ENGINE_CONTRACT.md §2).
 
 Launch (as Strata's setup/launcher start it; Niko1221/Strata ``serve/server.py`` ``main()``, ``StrataEngine``,
 ``engine_args``, ``child_env``): ``<python> <release>/serve/server.py --engine strata --config <run
@@ -637,7 +637,7 @@ def check_readiness(client: Any, spec: LaunchSpec, service_hint: str | None = No
 
 # ------------------------------------------------------------------------------------------------ profile
 def write_strp(path: Path, n_layers: int, n_experts: int, pairs: list[tuple[int, int]], slots: int) -> None:
-    """A Strata expert profile (ENGINE_CONTRACT.md §2), written atomically."""
+    """A Strata expert profile (docs/ENGINE_CONTRACT.md §2), written atomically."""
     ranks = [-1] * (n_layers * n_experts)
     ranked: list[tuple[int, int]] = []
     for layer, expert in pairs:
@@ -865,7 +865,7 @@ class StrataEngine(Engine):
         """The engine's own arguments after ``--pack``/``--native`` (the rest of the config's ``args``) and the
         generated files. Flags as Strata's ``src/program/generate.cpp`` option loop knows them (every unknown
         argument is fatal there). ``--batch`` is never put here: the server appends it from the config's
-        ``parallel`` (ENGINE_CONTRACT.md §2)."""
+        ``parallel`` (docs/ENGINE_CONTRACT.md §2)."""
         files: dict[str, str] = {}
         plan = plan or {}
         # only the planner's own flags reach the engine: a hand-made plan's --dump-routing / --expert-profile-save

@@ -1,6 +1,6 @@
 """The deepseek-one-gpu guides' published figures, and a comparison of the live numbers against them.
 
-Figures (ENGINE_CONTRACT.md §1; one 96 GB RTX PRO 6000, DeepSeek-V4.1-Flash Q2_K, NUMA-bound):
+Figures (docs/ENGINE_CONTRACT.md §1; one 96 GB RTX PRO 6000, DeepSeek-V4.1-Flash Q2_K, NUMA-bound):
 
 - 1 user: 63.11 tok/s; 4 users: 127.58 tok/s total, 31.87 tok/s the slowest; 8 users: 152.53 tok/s total,
   about 19 tok/s each;

@@ -5,7 +5,7 @@ reference layout (40 MoE layers × 384 experts, 6 used per token, the 5,825 most
 12.2 MiB per expert), it reproduces the guides' published figures:
 
 * about 9 in 10 expert picks hit the GPU;
-* 63.11 tok/s for 1 user, 127.58 total for 4, 152.53 total (~19 each) for 8 (ENGINE_CONTRACT.md §1);
+* 63.11 tok/s for 1 user, 127.58 total for 4, 152.53 total (~19 each) for 8 (docs/ENGINE_CONTRACT.md §1);
 * ~53 tok/s for 1 user without NUMA binding; ``--cpu-numerics gpu`` costing ~25.7% of single-user speed.
 
 Routing distribution
@@ -80,7 +80,7 @@ import numpy as np
 
 MIB = 1 << 20
 
-# -- the guides' reference layout (ENGINE_CONTRACT.md §1) --------------------------------------------------------
+# -- the guides' reference layout (docs/ENGINE_CONTRACT.md §1) --------------------------------------------------------
 REF_MOE_LAYERS = 40
 REF_N_EXPERTS = 384
 REF_EXPERTS_USED = 6
@@ -355,7 +355,7 @@ def expected_distinct(pi_flat: np.ndarray, b: float) -> float:
 
 # ------------------------------------------------------------------------------------------------ STRP
 def read_strp(path: str | Path) -> tuple[int, int, int, list[tuple[int, int]]]:
-    """(n_layers, n_experts, slots, ranked pairs) from a Strata expert profile (ENGINE_CONTRACT.md §2)."""
+    """(n_layers, n_experts, slots, ranked pairs) from a Strata expert profile (docs/ENGINE_CONTRACT.md §2)."""
     data = Path(path).read_bytes()
     if len(data) < 24 or data[:4] != b"STRP":
         raise ValueError(f"{path}: not a Strata expert profile (no STRP magic)")
@@ -620,7 +620,7 @@ def modelled_throughput(users: Iterable[int] = (1, 4, 8), layout: Layout | None 
     return out
 
 
-# The guides' measured figures, for comparison (ENGINE_CONTRACT.md §1)
+# The guides' measured figures, for comparison (docs/ENGINE_CONTRACT.md §1)
 GUIDE_TABLE = {1: {"total_tok_s": 63.11, "slowest_tok_s": 63.11},
                4: {"total_tok_s": 127.58, "slowest_tok_s": 31.87},
                8: {"total_tok_s": 152.53, "slowest_tok_s": 19.0}}

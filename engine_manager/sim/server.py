@@ -1,5 +1,5 @@
 """The scripted engine's HTTP layer: a stdlib ``ThreadingHTTPServer`` on 127.0.0.1 that answers exactly as Strata's
-``serve/server.py`` does (ENGINE_CONTRACT.md §2; the fixtures in ``tests/data/strata`` with their sources;
+``serve/server.py`` does (docs/ENGINE_CONTRACT.md §2; the fixtures in ``tests/data/strata`` with their sources;
 ``tests/test_sim_conformance.py`` diffs the two), for the model in :mod:`.model` (one engine thread stepping up to 8
 slots together); the Prometheus pages are written by :mod:`.exposition`.
 

@@ -1,6 +1,6 @@
 """A deterministic mixture-of-experts GGUF that stock llama.cpp really loads and runs.
 
-``write_tinymoe(dir)`` writes a ``qwen3moe`` model (ENGINE_CONTRACT.md §3 records what llama-server accepted)
+``write_tinymoe(dir)`` writes a ``qwen3moe`` model (docs/ENGINE_CONTRACT.md §3 records what llama-server accepted)
 with seeded random weights and a GPT-2 byte-level BPE tokenizer, split into 2+ shards with the split naming
 (``tinymoe-00001-of-0000N.gguf``), so the multi-shard load path is exercised. The default preset is ~1.7 MiB and
 serves thousands of tokens per second on a laptop CPU; the ``gpu`` preset (or any size via the keyword

@@ -21,7 +21,7 @@ What it copies from Strata (facts, each from Niko1221/Strata tools/iq_pack.py @0
 Stand-in liberties (said, not hidden):
 - dense.bin gets the size Strata's would have (the float tensors, 64-byte aligned) but zero bytes (a sparse file):
   the replica's shards hold no weights, and copying tens of GB of zeros helps no test;
-- conversions.json is written (ENGINE_CONTRACT.md §2 lists it; the iq_pack.py read at @0902837 writes
+- conversions.json is written (docs/ENGINE_CONTRACT.md §2 lists it; the iq_pack.py read at @0902837 writes
   compat-bf16.json only with --compat-bf16 and no conversions.json - that version difference is not settled);
 - the expert count comes from the first router tensor found (Strata reads blk.0.ffn_gate_inp, which a DeepSeek model
   with leading dense layers does not have);
