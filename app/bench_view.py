@@ -1,4 +1,4 @@
-"""The Benchmark tab (issue 18): run ``engine_manager.bench`` on a worker and show its progress, the table beside
+"""The Benchmark tab: run ``engine_manager.bench`` on a worker and show its progress, the table beside
 the guides' figures, per-user bars and per-stream token timelines (the long-prompt pause), history and compare.
 
 Everything measured or decided lives in :mod:`engine_manager.bench`; this module renders its events and result.

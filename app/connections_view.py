@@ -1,4 +1,4 @@
-"""Attach (issue 19): watch engines the panel did not start, from the engine column.
+"""Attach: watch engines the panel did not start, from the engine column.
 
 - :class:`ConnectionsView` — "Watching": a picker with "This panel's engine" and every saved connection
   (:mod:`engine_manager.connections`), "Attach to…" (the :class:`AddConnectionDialog`) and Remove. Choosing a

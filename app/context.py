@@ -5,7 +5,7 @@ Panels never reach into each other; they talk through one ``AppContext``. The en
 given): the context only re-emits its events — ``engineLog`` for its log lines, ``engineRunning`` when the watched
 engine changes — and keeps ``running``, the one handle.
 
-Two engines may be known at once (issue 19): the panel's **own** engine (``own``: the session's, started or
+Two engines may be known at once: the panel's **own** engine (``own``: the session's, started or
 re-attached by the engine panel) and the **watched** one (``running``): what the Monitor and the chat pane work on.
 They are the same until :meth:`AppContext.watch` points the window at a saved connection (an engine the panel did
 not start, ``started_by_panel=False``); the own engine keeps running meanwhile, and ``watch(None)`` shows it again.

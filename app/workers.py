@@ -95,7 +95,7 @@ def _connect(worker, on_event, on_done, on_error, on_finished) -> None:
 
 
 class TaskOwner:
-    """The one way a panel owns its background tasks (issue 17, step 3).
+    """The one way a panel owns its background tasks.
 
     ``start(key, fn, *args, on_event=…, on_done=…, on_error=…, on_finished=…)`` runs ``fn`` (a generator function
     through :func:`run_generator`, anything else through :func:`run_function`) as the task named ``key``; a task

@@ -1,4 +1,4 @@
-"""The Benchmark tab's screenshot (issue 18): a quick run on the scripted engine in the tab, then the screen.
+"""The Benchmark tab's screenshot: a quick run on the scripted engine in the tab, then the screen.
 
 Run under a virtual X server: ``xvfb-run -s "-screen 0 1600x1000x24" .venv/bin/python
 benchmarks/bench_screenshot.py OUT.png``. Uses throw-away config/data dirs and a free port."""

@@ -1,7 +1,7 @@
 """Chat pane rendering with 8 conversations streaming at once from the scripted engine (a real process).
 
 Measures the time from a chunk's arrival (parsed off the socket on the stream's worker thread) to its text being in
-its conversation's QTextDocument (GUI thread), for all 8 conversations: median, p99 and max. Goal (issue 7):
+its conversation's QTextDocument (GUI thread), for all 8 conversations: median, p99 and max. Goal:
 median ≤ 10 ms. The pane shows one conversation at a time and draws a hidden one when it is shown (a document that
 is not shown still lays out every insert), so the shown conversation changes every ``--switch-s`` seconds, round
 the 8, as a user clicking through them would: every conversation is on screen for part of its answer, and its

@@ -1,4 +1,4 @@
-"""What the Monitor tab costs, measured side by side in one run (issue 6).
+"""What the Monitor tab costs, measured side by side in one run.
 
 1. **Event-loop stall**: the Monitor view with 24 h of history at 10 Hz already loaded (864,000 rows × every column;
    labelled synthetic rows — this measures drawing, not an engine) while all six plots update at 10 Hz for
@@ -7,7 +7,7 @@
    the same store; only its source is synthetic (a labelled stand-in for the engine, no HTTP). A 1 ms probe timer
    records every gap in the event loop; the longest gap beyond its interval is the longest stall. Goal: ≤ 16 ms.
    The time spent in one redraw is printed beside it (the part the view itself owns; a stall may also come from
-   the OS on a shared machine). Meanwhile the engine column's overview strip (issue 19) polls ``--overview``
+   the OS on a shared machine). Meanwhile the engine column's overview strip polls ``--overview``
    saved connections to a scripted engine every second on a worker (``--overview 0``: without it, as before).
 2. **The panel's own CPU** at the default rate (1 Hz): the Monitor view collecting from a real scripted engine
    under 4 streaming chats (the chats run in another process), against the same view not collecting, in this
@@ -52,7 +52,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--part", choices=("all", "stall", "engine"), default="all",
                    help="run one part in this process (all: each part in a fresh process, one after the other)")
     p.add_argument("--overview", type=int, default=3, metavar="N",
-                   help="during the stall run, the engine column's overview strip (issue 19) polls N saved "
+                   help="during the stall run, the engine column's overview strip polls N saved "
                         "connections to a scripted engine every second (5× the panel's rate) beside the view; 0: "
                         "no overview (the figures before issue 19)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",

@@ -12,7 +12,7 @@ download or a reboot; *warm*, from the page cache, repeated in this process, whe
 into memory the allocator hands back unchanged each round (~0.7 ms, no page faults) — within 2× of that is 1.4 ms,
 less than building the 757 tensor records alone (1.45 ms), so no Python parser of this header gets there; and
 *fresh* — each arm alone in a new Python process (imports done before the clock starts), warm page cache, as
-``dsv41 plan`` runs. Goals (issue 3): plan ≤ 0.5 s, and ≤ 2× raw, judged on the cold figures; the warm and fresh
+``dsv41 plan`` runs. Goals: plan ≤ 0.5 s, and ≤ 2× raw, judged on the cold figures; the warm and fresh
 ratios are printed beside them. Exits 1 when a goal is missed (medians are compared), 0 when both are met.
 
     .venv/bin/python benchmarks/plan_speed.py [--repeat 30] [--dir DIR]
@@ -36,7 +36,7 @@ from engine_manager.placement import plan, reference_hardware  # noqa: E402
 from engine_manager.replica import ReplicaSpec, write_replica  # noqa: E402
 
 
-GOAL_TOTAL_S = 0.5          # issue 3: read the headers and plan in at most half a second...
+GOAL_TOTAL_S = 0.5          # read the headers and plan in at most half a second...
 GOAL_RATIO = 2.0            # ...and in at most twice the time of merely reading the header bytes
 
 

@@ -1,4 +1,4 @@
-"""How long the panel's window takes to appear, against a bare PySide6 window, in one run (issue 16, item 5).
+"""How long the panel's window takes to appear, against a bare PySide6 window, in one run.
 
 Each trial starts a fresh Python process and measures, on the same wall clock, from just before the process is
 started to the first paint of its window:

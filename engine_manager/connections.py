@@ -1,4 +1,4 @@
-"""Saved connections to engines the panel did not start — on this machine or another one (issue 19).
+"""Saved connections to engines the panel did not start — on this machine or another one.
 
 A connection is a name, a base URL (http or https, as the engine answers it on *its* machine) and, for an engine
 on another machine, an SSH host: then the panel reaches it through an ``ssh -L`` forward (:mod:`.tunnel`) and the

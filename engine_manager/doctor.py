@@ -168,8 +168,8 @@ def release_verdicts(report: HardwareReport, settings: Settings) -> list[Verdict
     if not release.is_dir():
         return [Verdict("release", "Strata engine release", "warn" if gpu is not None else "info",
                         f"not installed ({release} does not exist)",
-                        "Download it (`dsv41 download engine --from DIR` or `--url URL`) or set DSV41_ENGINE_DIR to an unpacked Strata "
-                        "release (only the strata engine needs it).")]
+                        "Get it (`dsv41 download engine --from DIR` or `--url URL`) or set DSV41_ENGINE_DIR to an "
+                        "unpacked Strata release (only the strata engine needs it).")]
     checks = check_release(release, compute_capability=gpu.compute_capability if gpu else None,
                            driver_cuda=gpu.cuda_driver_version if gpu else None)
     return [Verdict(f"release_{c.id}", c.title, c.status, c.figure, c.fix) for c in checks]

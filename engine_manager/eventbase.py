@@ -1,4 +1,4 @@
-"""The one event base of the core (issue 17, step 3).
+"""The one event base of the core.
 
 Every long operation in ``engine_manager`` (the supervisor, downloads, provisioning, the benchmark) is a generator
 yielding events derived from :class:`Event`: frozen dataclasses with a ``kind`` (their tag for JSON and the GUI),

@@ -1,4 +1,4 @@
-"""The exit codes of ``dsv41`` (issue 17 step 2): one enum instead of a tuple of constants in every command.
+"""The exit codes of ``dsv41``: one enum instead of a tuple of constants in every command.
 
 ``ExitCode`` is an ``IntEnum``, so ``sys.exit(ExitCode.REFUSED)`` exits 3 and a test may compare with ``3``.
 """

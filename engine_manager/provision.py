@@ -312,8 +312,8 @@ def provision(release: os.PathLike | str, model_path: os.PathLike | str, *, pyth
     tool = release / TOOL
     if not tool.is_file():
         raise ProvisionError(f"The engine release in {release} has no {TOOL} (the tool that prepares the model's "
-                             "pack). Download the engine release again (`dsv41 download engine --from DIR` or `--url URL`) or set "
-                             "DSV41_ENGINE_DIR to an unpacked Strata release.")
+                             "pack). Get the engine release again (`dsv41 download engine --from DIR` or `--url URL`) "
+                             "or set DSV41_ENGINE_DIR to an unpacked Strata release.")
     if python is None:                  # the release's own .venv, never the panel's interpreter (the bundle's panel)
         from .release_check import SETUP_HINT, release_python
 

@@ -1,4 +1,4 @@
-"""The engine as one typed session (issue 17, step 1): the state file, the status, the handle, the session.
+"""The engine as one typed session: the state file, the status, the handle, the session.
 
 - :class:`EngineRecord` — the state file (``engine-state.json``) typed: the supervisor reads it only through this.
 - :class:`EngineStatus` — what :meth:`Supervisor.status` says runs now.

@@ -493,7 +493,7 @@ def load_settings(env: Mapping[str, str] | None = None, path: Path | None = None
     :class:`engine_manager.paths.PathVariableError` for a folder variable that cannot be used.
 
     ``lenient``: a bad value is skipped (its default is used) with a notice instead of refused — for what must
-    always work whatever else is set, such as ``dsv41 stop`` (issue 15, item 14)."""
+    always work whatever else is set, such as ``dsv41 stop``."""
     env = os.environ if env is None else env
     if path:
         path = Path(path)

@@ -48,7 +48,7 @@ turns them into signals through ``app.workers``, tests assert on them. Thread mo
 (``run``/``watch``) owns the engine; ``stop()`` may run from another thread and the owning generator then returns
 quietly.
 
-This module holds the lifecycle class and its process handle; what it uses lives beside it (issue 17, step 4):
+This module holds the lifecycle class and its process handle; what it uses lives beside it:
 :mod:`.events` (states, events), :mod:`.crash` (exit info, classification), :mod:`.procs` (pids, groups, ports),
 :mod:`.logtail` (the log), :mod:`.start_plan` (which plan), :mod:`.dryrun` (``--dry-run``), :mod:`.session` (the typed
 state file, the status). Their names stay importable from here (``from engine_manager.supervisor import X``):
@@ -994,7 +994,7 @@ class Supervisor:
         env.pop("DSV41_KEEPER_MASK", None)
         env["DSV41_NUMA_BINDING"] = binding.strategy if binding else "none"   # an engine may report it
         # the secrets to mask reach the keeper through a pipe on its stdin (read to EOF, then closed), never its
-        # environment: /proc/<pid>/environ stays readable for the keeper's whole life (issue 15 item 2)
+        # environment: /proc/<pid>/environ stays readable for the keeper's whole life
         argv = module_argv("engine_manager.keeper", script=KEEPER) + ["--log", str(self.log_path), "--exit-file",
                 str(self.exit_path), "--max-bytes", str(self.log_max_bytes), "--backups", str(self.log_backups),
                 "--mask-stdin"]

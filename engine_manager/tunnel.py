@@ -1,4 +1,4 @@
-"""An SSH forward to an engine on another machine, with the system ``ssh`` (issue 19).
+"""An SSH forward to an engine on another machine, with the system ``ssh``.
 
 ``Tunnel(host, remote_port).open()`` runs ``ssh -N -L SOCKET:127.0.0.1:RPORT [options] -- host`` as an argv list
 (never a shell), where SOCKET is a Unix socket in a private folder of this user (mode 0700, made fresh for each

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the wheel and the one-folder bundle, then smoke-test both on this machine (issue 20):
+# Build the wheel and the one-folder bundle, then smoke-test both on this machine:
 #   dsv41 --version, dsv41 doctor --json, dsv41 start --engine sim, dsv41 chat "hi", dsv41 stop,
 #   and the window under Xvfb with --screenshot PNG (checked to be a non-empty PNG).
 # The wheel goes into a fresh virtual environment (not editable); the bundle runs with no Python of ours on PATH.

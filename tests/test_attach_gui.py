@@ -1,4 +1,4 @@
-"""Attach in the window (issue 19): the panel watches three engines at once — the scripted engine it starts itself,
+"""Attach in the window: the panel watches three engines at once — the scripted engine it starts itself,
 a llama-server the test starts (foreign to the panel) and a loopback server speaking vLLM's documented metrics and
 the OpenAI API — each detected, chosen, monitored (a sample reaches the Monitor) and chatted with; the overview
 lists all three; Start/Stop are never offered for the foreign ones and Stop is never sent (they still run after);

@@ -1,4 +1,4 @@
-"""The Benchmark's Qt-free core (issue 18): prompts, statistics and figures from token timestamps; a real run on
+"""The Benchmark's Qt-free core: prompts, statistics and figures from token timestamps; a real run on
 the scripted engine started through the real supervisor (restarts per configuration, the long-prompt pause, A/B,
 the engine put back as it was, cancel); results saved, history, compare; ``dsv41 bench --engine sim --quick
 --json`` against the guides' table."""

@@ -325,7 +325,7 @@ while True:
 
 
 def test_after_the_panels_engine_died_a_stranger_on_its_port_gets_no_key_and_no_question(panel_sim, tmp_path):
-    """Issue 15 item 1: start, kill -9 the engine, another program listens on the port. `dsv41 chat` sent
+    """start, kill -9 the engine, another program listens on the port. `dsv41 chat` sent
     ``Authorization: Bearer <key>`` and the question to it, `dsv41 monitor --once` four more requests: the state
     file still said "started by the panel" at that address. Now the listener must BE the recorded engine (its pid,
     or a process of its group): nothing is sent, and both commands say why in plain words."""

@@ -158,7 +158,7 @@ def test_no_engine_says_why_and_offers_start(qtbot, pane, ctx, shared_sim):
 
 
 def test_the_engine_handle_says_where_and_whether_it_is_simulated(qtbot, pane, ctx, recording_engine):
-    """issue 17: the pane takes the engine from ctx.engineRunning (a RunningEngine): its address and key, and
+    """the pane takes the engine from ctx.engineRunning (a RunningEngine): its address and key, and
     "simulated" from the handle, never guessed from /health (this engine's /health does not say it); a handle
     of an address and key alone is nothing known to be simulated."""
     sim = RunningEngine(recording_engine.base_url, "k" * 24, engine="sim", label="Scripted engine",
@@ -350,7 +350,7 @@ PANEL_SCRIPT = textwrap.dedent("""
 """)
 
 STREAM_BEFORE_KILL_S = 3.0      # how long the answer streams (its saves watched all along) before the kill
-MOST_LOST_S = 1.5               # issue 7: "killing the panel loses at most about a second" (it saves every 0.5 s)
+MOST_LOST_S = 1.5               # "killing the panel loses at most about a second" (it saves every 0.5 s)
 
 
 def _received(path) -> list[tuple[str, float, str]]:

@@ -1,4 +1,4 @@
-"""Attach (issue 19): saved connections, detection of what answers, the vLLM / SGLang / OpenAI adapters, and the
+"""Attach: saved connections, detection of what answers, the vLLM / SGLang / OpenAI adapters, and the
 panel watching and chatting with engines it did not start — all against real servers on loopback:
 
 - the scripted engine, a llama-server and Strata's stand-in server, each started by the test itself (foreign to
@@ -412,7 +412,7 @@ def test_strata_stand_in_detected_monitored_chatted(tmp_path, free_port, caplog)
 
 
 def test_cli_monitor_and_chat_reach_a_saved_connection_by_name(sim_process):
-    """`dsv41 monitor --connection NAME` and `dsv41 chat --connection NAME` (issue 19 step 5): the engine is
+    """`dsv41 monitor --connection NAME` and `dsv41 chat --connection NAME`: the engine is
     reached through the saved URL and key (never given on the command line), answers, and is left running."""
     sim = sim_process().wait_ready()
     r = dsv41("connections", "add", "box2", sim.base_url, "--api-key-stdin", stdin=sim.api_key + "\n")

@@ -776,7 +776,7 @@ def test_cancel_aborts_a_stalled_connection_and_local_status_counts_kept_bytes(h
     assert st.partial_bytes == sum(st.kept.values()) and st.sizes == {p.name: p.stat().st_size for p in shards}
 
 
-# -- hardening (issue 15) ------------------------------------------------------------------------------------------
+# -- hardening ------------------------------------------------------------------------------------------
 
 def _fill(folder: Path) -> Path:
     """Fill the filesystem of ``folder`` to the last byte (a real ENOSPC for whoever writes next)."""
@@ -799,7 +799,7 @@ def _fill(folder: Path) -> Path:
 
 def test_disk_full_mid_download_says_how_much_keeps_the_state_and_retries_nothing(hub, shards, tmp_path,
                                                                                    monkeypatch):
-    """Issue 15 item 11: a disk that fills up during the download gave an ENOSPC traceback from ``_write_state``
+    """a disk that fills up during the download gave an ENOSPC traceback from ``_write_state``
     after ENOSPC had been retried as if it were the network, and left 0-byte ``.tmp`` files. Now: "disk full: N GB
     more needed at PATH" at once, no retry, no temporary file, and a second run resumes."""
     from conftest import require_or_skip
@@ -838,7 +838,7 @@ def test_disk_full_mid_download_says_how_much_keeps_the_state_and_retries_nothin
 
 
 def test_a_second_download_into_the_same_folder_is_refused_and_names_the_first(hub, shards):
-    """Issue 15 item 12: two `dsv41 download` into one folder truncated each other's ``.part`` files and one
+    """two `dsv41 download` into one folder truncated each other's ``.part`` files and one
     crashed at ``os.replace``. The folder is locked; the second says who holds it (pid and command)."""
     hub.add_fault(kind="slow", rate_bps=300_000, times=None)
     env = _subprocess_env(hub.url)
@@ -866,7 +866,7 @@ def test_a_second_download_into_the_same_folder_is_refused_and_names_the_first(h
 
 
 def test_a_state_write_on_a_full_disk_leaves_the_old_state_and_no_temp_file(tmp_path):
-    """Issue 15 item 11, the checkpoint itself: ``_write_state`` on a full disk left a 0-byte ``.tmp`` file."""
+    """``_write_state`` on a full disk left a 0-byte ``.tmp`` file."""
     from conftest import require_or_skip
     small = tmp_path / "small"
     if not _mount_tmpfs(small, "1m"):

@@ -306,7 +306,7 @@ def test_pinned_commit_gone_offers_to_repin(panel, hub, tmp_path, qtbot):
 
 
 def test_the_panel_is_refused_while_the_cli_downloads_into_the_same_folder(panel, hub, qtbot):
-    """Issue 15 item 12 in the panel: the Downloads tab and `dsv41 download` into one folder — the second one (here
+    """the Downloads tab and `dsv41 download` into one folder — the second one (here
     the panel) is refused and says who holds the folder (real CLI process, real hub on loopback)."""
     import os
     import subprocess

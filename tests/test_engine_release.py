@@ -148,7 +148,7 @@ def test_missing_executable_is_refused(hub, tmp_path):
 
 @pytest.mark.parametrize("entry", ["../../victim", "bin/../../../victim", "ABS"])
 def test_manifest_executables_outside_the_release_are_refused_and_nothing_is_touched(hub, tmp_path, entry):
-    """Issue 15 item 3: an ``executables`` entry climbing out of the release folder (``../victim``) made the panel
+    """an ``executables`` entry climbing out of the release folder (``../victim``) made the panel
     chmod a file outside it (0644 → 0755). Refused in plain words before anything is fetched; the file keeps its
     mode."""
     archive = write_demo_release(tmp_path / "r.tar.gz")

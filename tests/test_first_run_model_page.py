@@ -1,5 +1,5 @@
 """The first-run wizard's model step, under a real X server: it says the scripted engine needs none of the
-264.5 GB it offers to download (issue 16 item 6), so a machine that fails every check is not sent to fetch it."""
+264.5 GB it offers to download, so a machine that fails every check is not sent to fetch it."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Hostile GGUF headers (issue 15, items 7 and 8): every case ends in a valid layout (planned without error) or a
+"""Hostile GGUF headers: every case ends in a valid layout (planned without error) or a
 plain LayoutError naming the file, never another exception; the hostile shapes are refused within bounded memory.
 
 The corpus is ``benchmarks/fuzz_gguf.py``'s (seeded; a real two-shard model written with ``gguf`` and damaged);

@@ -1,4 +1,4 @@
-"""Saved connections against hostile input (issue 26): servers that answer endlessly, drip, lie about their length,
+"""Saved connections against hostile input: servers that answer endlessly, drip, lie about their length,
 nest JSON 100,000 deep, echo the key, put terminal escapes in model ids or impossible numbers in their metrics
 (:mod:`hostile_servers`); connection and key files of every wrong shape (seeded corpora below); concurrent adds;
 a key "file" that is a named pipe. Every case ends within its deadline, in plain words, with no traceback, and no

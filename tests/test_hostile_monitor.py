@@ -1,4 +1,4 @@
-"""The Monitor and the overview against hostile engines (issue 26, items 4, 5 and 14): the panel's own engines'
+"""The Monitor and the overview against hostile engines: the panel's own engines'
 adapters (Strata, the scripted engine, llama.cpp) read every answer with a size cap and an overall deadline, and a
 server past either is a missing reading with the words shown — never a crash, never a hang, never a panel growing
 without end; impossible numbers (non-finite, negative counts, integers past what a float holds) are missing, never

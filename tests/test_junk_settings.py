@@ -1,4 +1,4 @@
-"""Junk in every DSV41_* variable never gives a traceback (issue 15, items 10 and 14, and the acceptance sweep).
+"""Junk in every DSV41_* variable never gives a traceback.
 
 Every variable the settings read (``settings.ALL_ENV_VARS``: the settings' own, enumerated from the model, and the
 two folder variables of ``paths``) × {empty, huge, negative, unicode, 300 characters, bytes that are not UTF-8} ×

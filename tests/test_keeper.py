@@ -1,7 +1,7 @@
-"""The engine's keeper (``engine_manager/keeper.py``): the key reaches it through a pipe, never its environment
-(issue 15 item 2); log files are never written through a symbolic link (issue 15 item 4); a log the engine writes
-itself (Strata's config ``log``, where ``serve/server.py`` ``StrataEngine.__init__`` sends the native engine's
-stderr, opened for appending) is followed into the panel's log, masked, prefixed, this run's lines only."""
+"""The engine's keeper (``engine_manager/keeper.py``): the key reaches it through a pipe, never its environment;
+log files are never written through a symbolic link; a log the engine writes itself (Strata's config ``log``,
+where ``serve/server.py`` ``StrataEngine.__init__`` sends the native engine's stderr, opened for appending) is
+followed into the panel's log, masked, prefixed, this run's lines only."""
 
 from __future__ import annotations
 

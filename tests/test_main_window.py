@@ -98,7 +98,7 @@ def test_geometry_and_splitter_survive_restart(qtbot):
     win2.close()
 
 
-# -- start-up (issue 16, item 5) -----------------------------------------------------------------------------------
+# -- start-up -----------------------------------------------------------------------------------
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 HEAVY = ("pyqtgraph", "numpy", "superqt", "httpx", "engine_manager.supervisor", "engine_manager.metrics")
 
@@ -198,7 +198,7 @@ def test_page_attributes_build_a_lazy_window_on_first_use(qtbot):
     win.close()
 
 
-# -- text that is not cut off (issue 16, item 4) ------------------------------------------------------------------
+# -- text that is not cut off ------------------------------------------------------------------
 def test_log_view_opens_at_the_start_of_its_lines_and_wraps(qtbot):
     """The Log tab used to open scrolled to the right (the cursor at the end of the last, long line), every line's
     start cut off, with no wrapping. Now: wrapped, the view at the left edge and at the newest line; Wrap off

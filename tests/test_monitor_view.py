@@ -467,7 +467,7 @@ def test_heatmap_takes_observed_routing_from_a_panel_started_scripted_engine(qtb
         stop.set()
     obs = place.observed
     assert obs.shape[1] == 384 and int((obs.sum(axis=1) > 0).sum()) == 40     # every MoE layer routed, no other
-    # issue 16 item 2: the tab shows the plan the engine runs and takes its trace as its data — no click
+    # the tab shows the plan the engine runs and takes its trace as its data — no click
     assert place.plan is not None and "No plan yet" not in place.summary.text()
     assert place.running_trace == str(traces[0].path) and "running engine" in place.usage_label.text()
     assert place.mode.currentData() == "observed" and not place.replan_observed.isHidden()
@@ -482,7 +482,7 @@ def test_heatmap_takes_observed_routing_from_a_panel_started_scripted_engine(qtb
     assert win.close()                             # nothing running: the window closes without asking
 
 
-# -- the throughput plots tell the truth (issue 16, item 3) ------------------------------------------------------
+# -- the throughput plots tell the truth ------------------------------------------------------
 def test_throughput_axis_fits_what_is_drawn_and_lone_readings_show(qtbot, view):
     """Decode near 50 with a prompt read at ~400 tok/s inside one poll: the prefill reading (no neighbour, so no
     line segment) was invisible while the y axis ran to ~400. Now the lone reading is a dot, prefill has its own
@@ -566,7 +566,7 @@ def test_cards_show_their_whole_text_at_the_panels_width(qtbot, view):
             (key, d.text(), need, d.contentsRect())
 
 
-# -- issue 17: one handle, one task owner, the presenter's words ------------------------------------------------
+# -- one handle, one task owner, the presenter's words ------------------------------------------------
 def test_cards_draw_exactly_what_the_presenter_says(qtbot, view):
     """The GUI cards and `dsv41 monitor` share one Qt-free presenter: each card shows its CardText verbatim."""
     from engine_manager.metrics import presenter

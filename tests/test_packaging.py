@@ -1,4 +1,4 @@
-"""Packaging (issue 20): the wheel carries the resources and runs from a fresh virtual environment; the entry
+"""Packaging: the wheel carries the resources and runs from a fresh virtual environment; the entry
 scripts run as the one-folder bundle runs them (top-level scripts); in the bundle the project's own helper
 processes (keeper, scripted engine) start through the bundle's ``dsv41``; the desktop entry installs for a bundle
 and its removal leaves nothing behind.

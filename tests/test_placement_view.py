@@ -160,7 +160,7 @@ def test_old_ram_in_gb_state_is_converted(qtbot):
 
 
 def test_hot_set_without_routing_data_is_drawn_as_unknown(view, lay, tmp_path):
-    """Issue 16 item 2: a plan without routing data lists experts 0..N of every layer as its hot set; the heatmap
+    """a plan without routing data lists experts 0..N of every layer as its hot set; the heatmap
     drew that as two flat blocks, a pattern that does not exist. It is one flat field, said to be unknown; with
     frequencies the placement is drawn (and told) as it is."""
     view.show_plan(P.plan(lay, P.reference_hardware(), None, None).to_dict())

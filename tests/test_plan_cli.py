@@ -161,7 +161,7 @@ def test_replica_flag_and_a_real_subprocess(tmp_path):
     assert abs(d["hot_experts"] - 5825) <= 175
 
 
-# -- a model written without this project's code (issue 3's acceptance) ----------------------------------------------
+# -- a model written without this project's code ----------------------------------------------
 #
 # A tiny GGUF writer of its own (struct only: neither engine_manager.replica nor gguf.GGUFWriter), so the planner
 # meets a header nobody here calibrated: a GLM-4.5-style layout (GQA attention with biases and q/k norms, 2 dense

@@ -1,4 +1,4 @@
-"""The provisioning step in the GUI (issue 14 item 1) and the Placement tab's "Start with this plan" (item 3),
+"""The provisioning step in the GUI and the Placement tab's "Start with this plan" (item 3),
 under a real X server, with the stand-in Strata release's own tool and a real small split GGUF."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Provisioning the Strata pack with the release's own tool (issue 14 item 1), and shard 1 from split metadata.
+"""Provisioning the Strata pack with the release's own tool, and shard 1 from split metadata.
 
 Facts relied on (Niko1221/Strata):
 - ``setup.py``'s native-pack branch runs ``python tools/iq_pack.py --gguf SHARD1 --out PACK``; ``tools/iq_pack.py``

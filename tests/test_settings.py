@@ -170,7 +170,7 @@ def test_settings_path_and_list_work_while_a_value_is_refused():
     assert r.returncode == 2 and "DSV41_DEFAULT_MAX_TOKENS" in r.stderr
 
 
-# -- issue 15: junk in folder variables and text settings, stop with a bad setting, private folders ----------------
+# -- junk in folder variables and text settings, stop with a bad setting, private folders ----------------
 
 def _cli(*args: str, env: dict | None = None, envb: dict | None = None):
     """``python -m engine_manager ARGS`` as a real process; ``envb``: variables given as raw bytes."""

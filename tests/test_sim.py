@@ -635,7 +635,7 @@ def test_scripted_replies_do_not_repeat_a_sentence(sim_process):
     assert len(seen) == 5
 
 
-# ------------------------------------------------------------------------------------------------ issue 16 item 8
+# ------------------------------------------------------------------------------------------------
 QUESTIONS = {
     "offload": ["How does the expert cache use VRAM?", "Why do experts move over PCIe?",
                 "Explain the long explanation NUMA binding PCIe expert offload"],
@@ -647,7 +647,7 @@ QUESTIONS = {
 
 
 def test_answers_are_curated_sentences_of_the_questions_topic(sim_process):
-    """Issue 16 item 8: canned and labelled, but every sentence is a whole sentence from the curated set of the
+    """canned and labelled, but every sentence is a whole sentence from the curated set of the
     question's topic (no splice of the question's words like "Here is a short answer about long explanation NUMA
     binding PCIe.")."""
     for name, qs in QUESTIONS.items():
@@ -674,9 +674,9 @@ def test_answers_are_curated_sentences_of_the_questions_topic(sim_process):
                 assert not any(w in msg["content"] for w in ("long explanation", "short answer about"))
 
 
-# ------------------------------------------------------------------------------------------------ issue 16 item 2
+# ------------------------------------------------------------------------------------------------
 def test_a_change_of_topic_makes_the_adaptive_tier_swap_experts(sim_process, tmp_path):
-    """Issue 16 item 2: each topic routes through its own distribution. Chats on one topic leave the hot set (the
+    """each topic routes through its own distribution. Chats on one topic leave the hot set (the
     shipped profile) alone; the first chat on another topic finds experts missing (its hit rate drops), the adaptive
     tier swaps them in (``adapt:`` lines, Strata's cumulative ``exchanged`` count rises) and the next chats on that
     topic hit more: the hot set moved. The routing trace moves with the topic too (the heatmap's data)."""
@@ -728,7 +728,7 @@ def test_a_change_of_topic_makes_the_adaptive_tier_swap_experts(sim_process, tmp
     assert len(top_a & top_b) < 0.9 * len(top_a)                                 # the heatmap moved
 
 
-# ------------------------------------------------------------------------------------------------ issue 15 item 9
+# ------------------------------------------------------------------------------------------------
 def _dsv41(*args: str, env: dict[str, str]) -> "subprocess.CompletedProcess[str]":
     import subprocess
     import sys
@@ -739,7 +739,7 @@ def _dsv41(*args: str, env: dict[str, str]) -> "subprocess.CompletedProcess[str]
 
 @pytest.mark.parametrize("value", ["abc", "-5", "0", "99999999999", "4096x"])
 def test_a_bad_default_max_tokens_breaks_only_what_uses_it(value, free_port):
-    """Issue 15 item 9: the sim's parser read DSV41_DEFAULT_MAX_TOKENS at import, so every dsv41 command
+    """the sim's parser read DSV41_DEFAULT_MAX_TOKENS at import, so every dsv41 command
     (``--version``, ``stop`` ...) died with a ValueError traceback. Now it is read only when the sim runs without
     ``--default-max-tokens``; a bad value exits 2 naming the variable."""
     import subprocess

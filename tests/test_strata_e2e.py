@@ -1,4 +1,4 @@
-"""Acceptance (issue 14): the panel starts the Strata engine the way Strata starts itself, end to end, with real
+"""Acceptance: the panel starts the Strata engine the way Strata starts itself, end to end, with real
 processes and the real CLI, on a machine without a GPU.
 
 - the release: the stand-in in ``DSV41_ENGINE_DIR`` (``tests/strata_support.make_strata_release``: ``serve/server.py``,

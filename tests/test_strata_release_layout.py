@@ -213,7 +213,7 @@ def test_dsv41_doctor_checks_the_release(strata_release):
     assert "imports jinja2, regex" in cp.stdout
 
 
-# ------------------------------------------------------------------------------------------------ issue 26 item 18
+# ------------------------------------------------------------------------------------------------
 def test_a_5000_digit_progress_number_is_no_traceback():
     assert provision.parse_progress("9" * 5000 + "/" + "9" * 5000, 43) is None
     assert provision.parse_progress("layer " + "9" * 5000, 43) is None

@@ -668,7 +668,7 @@ def test_usable_plan_never_starts_a_refused_or_foreign_host_plan():
     assert usable_plan("sim", None) is None
 
 
-# -- hardening (issue 15) ----------------------------------------------------------------------------------------
+# -- hardening ----------------------------------------------------------------------------------------
 
 def dsv41_cli(*args, timeout=90) -> subprocess.CompletedProcess:
     """The real CLI in another process, with this test's settings and data dirs (they are in the environment)."""
@@ -678,7 +678,7 @@ def dsv41_cli(*args, timeout=90) -> subprocess.CompletedProcess:
 
 
 def test_a_stop_during_a_start_wins_and_nothing_is_restarted(port, monkeypatch):
-    """Issue 15 item 5: `dsv41 stop` while a `dsv41 start` (another process) waits for the engine to load. The
+    """`dsv41 stop` while a `dsv41 start` (another process) waits for the engine to load. The
     stop said "Stopped.", then the start reported a crash ("exited on its own (exit code 0)"), restarted the engine,
     and it ended up running. The stop must win: the start ends with "stopped by request", nothing restarts."""
     monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 60")       # a slow start: the stop comes while it loads
@@ -702,7 +702,7 @@ def test_a_stop_during_a_start_wins_and_nothing_is_restarted(port, monkeypatch):
 
 
 def test_the_crash_cause_comes_from_this_runs_log_only(port, monkeypatch, tmp_path):
-    """Issue 15 item 6: a `--fail-bind` run, then an engine that exits with code 3 while no panel watches:
+    """a `--fail-bind` run, then an engine that exits with code 3 while no panel watches:
     `status` said "port is already in use", read from the earlier run's lines in the same log."""
     monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0 --fail-bind")
     evs, _ = drain(make(auto_restart=False).run(sim_engine()))
@@ -725,7 +725,7 @@ def test_the_crash_cause_comes_from_this_runs_log_only(port, monkeypatch, tmp_pa
 @pytest.mark.parametrize("bad", ['{"keeper_pid": "1x"}', '{"keeper_pid": 12, "port": "80"}', "[1, 2]",
                                  "{not json", '{"keeper_pid": 5}'])
 def test_a_malformed_state_file_is_moved_aside_and_said_status_stop_start_work(port, bad):
-    """Issue 15 item 13: ``{"keeper_pid": "1x"}`` made `status`, `stop` and `start` fail with a TypeError. The
+    """``{"keeper_pid": "1x"}`` made `status`, `stop` and `start` fail with a TypeError. The
     record is validated as a typed one (pydantic); a bad one is moved aside and the commands say so."""
     state = paths.data_dir() / sv.STATE_FILE
     state.parent.mkdir(parents=True, exist_ok=True)
@@ -748,7 +748,7 @@ def test_a_malformed_state_file_is_moved_aside_and_said_status_stop_start_work(p
 
 
 def test_a_symlinked_log_or_state_file_is_refused_not_followed(port, tmp_path):
-    """Issue 15 item 4 (the supervisor's part): a symlinked ``logs/engine.log`` had the engine's output appended
+    """a symlinked ``logs/engine.log`` had the engine's output appended
     to the link's target and the target chmod'ed; a symlinked state file was read through. Both are refused."""
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -781,7 +781,7 @@ def test_a_symlinked_log_or_state_file_is_refused_not_followed(port, tmp_path):
 
 
 def test_a_stop_while_a_start_prepares_keeps_the_engine_from_starting(port, tmp_path):
-    """Issue 15 item 5, the earlier moment: `dsv41 stop` while a start (another process's view: it holds the start
+    """`dsv41 stop` while a start (another process's view: it holds the start
     lock) still prepares the launch, before any engine process exists. The stop names the start in progress and
     waits for it; the start then starts nothing and ends "stopped by request"."""
     trigger = tmp_path / "go-on"
@@ -817,7 +817,7 @@ def test_a_stop_while_a_start_prepares_keeps_the_engine_from_starting(port, tmp_
     assert st.state == "stopped" and not listening(port)
 
 
-# -- issue 17: one event base, the typed state file, the engine session ---------------------------------------
+# -- one event base, the typed state file, the engine session ---------------------------------------
 
 def test_events_are_frozen_on_one_base_and_consumed_with_match():
     import dataclasses

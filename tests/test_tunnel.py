@@ -1,4 +1,4 @@
-"""The SSH port forward (issue 19) against a real OpenSSH server (Debian's ``openssh-server``) on 127.0.0.1 with
+"""The SSH port forward against a real OpenSSH server (Debian's ``openssh-server``) on 127.0.0.1 with
 throwaway keys: its own host key, port, authorized_keys and config (``sshd -D -e -f CONFIG``), and an ssh client
 config given with ``-F`` so the user's own ~/.ssh is never read or changed.
 

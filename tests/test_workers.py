@@ -1,4 +1,4 @@
-"""app.workers.TaskOwner: the one task idiom of the GUI (issue 17, step 3), on real superqt workers."""
+"""app.workers.TaskOwner: the one task idiom of the GUI, on real superqt workers."""
 
 import threading
 

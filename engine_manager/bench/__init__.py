@@ -1,4 +1,4 @@
-"""The Benchmark: the guides' experiments on this machine, side by side with the published figures (issue 18).
+"""The Benchmark: the guides' experiments on this machine, side by side with the published figures.
 
 Qt-free; the CLI (``dsv41 bench``), the Benchmark tab (``app/bench_view.py``) and the tests drive the same code:
 

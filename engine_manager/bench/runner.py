@@ -6,7 +6,7 @@ that returns the result document (see :mod:`.results` for its schema). The CLI p
 them into signals, the tests assert on them. ``stop`` (a ``threading.Event``) cancels: open streams are cut, the
 bench's engine is stopped and the engine that ran before (if any) is started again with its own settings and plan.
 
-Configurations (:class:`BenchConfig`) are the A/B of issue 18: settings overrides (``numa_binding``,
+Configurations (:class:`BenchConfig`) are the A/B of settings overrides (``numa_binding``,
 ``cpu_numerics``, ``slots``, ``vram_reserve_mib``, ``llamacpp_load_mode``), a hot-set size (``expert_cache``: the
 scripted engine's and Strata's ``--expert-cache``) and, for llama.cpp, which MoE layers keep their experts in RAM
 (``cpu_layers``). The first configuration is the baseline; every other one is reported as a ratio to it.
@@ -80,7 +80,7 @@ BASELINE = BenchConfig("baseline", "baseline (your settings)")
 # What the baseline sets for each preset (its A side); the preset's configuration is the B side
 PRESET_BASELINE: dict[str, dict[str, Any]] = {"numerics": {"cpu_numerics": "fork"}, "numa": {"numa_binding": "auto"},
                                               "hotset": {}, "placement": {}}
-# The guides' three settings (issue 18 §2), plus llama.cpp's placement
+# The guides' three settings, plus llama.cpp's placement
 PRESETS: dict[str, list[BenchConfig]] = {
     "numerics": [BenchConfig("numerics_gpu", "--cpu-numerics gpu", {"cpu_numerics": "gpu"})],
     "numa": [BenchConfig("numa_off", "NUMA binding off", {"numa_binding": "off"})],

@@ -82,7 +82,7 @@ class Context:
     @cached_property
     def settings_for_stop(self):
         """The settings, with any bad value skipped (its default used, and said): stopping the engine needs only
-        the state file, so an unrelated bad setting must not block it (issue 15, item 14). A folder variable
+        the state file, so an unrelated bad setting must not block it. A folder variable
         that cannot be used is still refused: the state file lives there."""
         try:
             return self.settings

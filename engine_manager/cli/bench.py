@@ -1,4 +1,4 @@
-"""``dsv41 bench``: the guides' experiments on this machine (issue 18).
+"""``dsv41 bench``: the guides' experiments on this machine.
 
 ``dsv41 bench [--engine sim|llamacpp|strata] [--quick] [--json]`` measures decode at 1/4/8 concurrent users, the
 long-prompt pause and the A/B presets, restarting the engine per configuration and putting it back as it was;

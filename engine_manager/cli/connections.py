@@ -1,4 +1,4 @@
-"""``dsv41 connections [list|add|test|remove]``: engines the panel did not start, saved by name (issue 19).
+"""``dsv41 connections [list|add|test|remove]``: engines the panel did not start, saved by name.
 
 - ``add NAME URL [--ssh HOST] [--api-key-file FILE | --api-key-stdin] [--replace] [--no-test]``: test it, then
   save it. An engine that cannot be reached now (not running, the network) is saved all the same and said so

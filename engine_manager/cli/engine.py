@@ -312,7 +312,7 @@ def run_prepare(args, ctx) -> int:
 
 
 def run_stop(args, ctx) -> int:
-    # an unrelated bad setting must not block stopping (issue 15, item 14): Context.settings_for_stop
+    # an unrelated bad setting must not block stopping: Context.settings_for_stop
     sup = sv.Supervisor(getattr(ctx, "settings_for_stop", None) or ctx.settings, grace_s=args.grace)
     printer = Printer()
     external = False

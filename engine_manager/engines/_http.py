@@ -124,11 +124,11 @@ def get_capped(client: Any, url: str, *, headers: dict[str, str] | None = None, 
             # iter_raw gives the bytes as sent: decode any content-encoding ourselves, with the cap, and re-wrap
             # without the header (httpx.Response decodes a body it is given with one, without any cap: a gzip
             # bomb of 16 MB would expand to gigabytes there)
-            headers: Any = r.headers
+            kept: Any = r.headers
             if r.headers.get("content-encoding"):
                 body = _decoded(body, r.headers["content-encoding"], cap, url)
-                headers = {k: v for k, v in r.headers.items() if k.lower() != "content-encoding"}
-            return httpx.Response(r.status_code, headers=headers, content=body, request=r.request)
+                kept = {k: v for k, v in r.headers.items() if k.lower() != "content-encoding"}
+            return httpx.Response(r.status_code, headers=kept, content=body, request=r.request)
     except httpx.TimeoutException as exc:
         if time.monotonic() >= end or fired.is_set():
             raise _too_slow(url, deadline_s) from exc

@@ -798,8 +798,9 @@ class StrataEngine(Engine):
                                  "shards, or download the model (`dsv41 download`).")
         edir = self.engine_dir(settings)
         if not edir.is_dir():
-            raise ProvisionError(f"The Strata engine release is not installed: {edir} does not exist. Download it "
-                                 "(`dsv41 download engine --from DIR` or `--url URL`) or set DSV41_ENGINE_DIR to the unpacked release.")
+            raise ProvisionError(f"The Strata engine release is not installed: {edir} does not exist. Get it "
+                                 "(`dsv41 download engine --from DIR` or `--url URL`) or set DSV41_ENGINE_DIR to the "
+                                 "unpacked release.")
         py = _release.release_python(edir)
         if py is None:
             raise ProvisionError(f"The engine release in {edir} has no .venv: its tools/iq_pack.py runs with the "
@@ -812,14 +813,14 @@ class StrataEngine(Engine):
         edir = Path(spec.cwd) if spec.cwd else None
         server = Path(spec.argv[1]) if len(spec.argv) > 1 else None
         if edir is not None and not edir.is_dir():
-            problems.append(f"The Strata engine release is not installed: {edir} does not exist. Download the "
-                            "engine release (Downloads tab or `dsv41 download engine --from DIR` or `--url URL`) or set DSV41_ENGINE_DIR "
-                            "to the unpacked release.")
+            problems.append(f"The Strata engine release is not installed: {edir} does not exist. Get the engine "
+                            "release (Downloads tab, or `dsv41 download engine --from DIR` or `--url URL`) or set "
+                            "DSV41_ENGINE_DIR to the unpacked release.")
             return problems
         if server is None or not server.is_file():
-            problems.append(f"The Strata engine is not installed: {server} does not exist. Download the engine "
-                            "release (Downloads tab or `dsv41 download engine --from DIR` or `--url URL`) or set DSV41_ENGINE_DIR to "
-                            "the unpacked release.")
+            problems.append(f"The Strata engine is not installed: {server} does not exist. Get the engine "
+                            "release (Downloads tab, or `dsv41 download engine --from DIR` or `--url URL`) or set "
+                            "DSV41_ENGINE_DIR to the unpacked release.")
         if edir is not None and _release.release_python(edir) is None:
             problems.append(f"The engine release in {edir} has no .venv: Strata's server and tools run with the "
                             f"release's own Python (never the panel's). To make it, {_release.SETUP_HINT}; then "

@@ -9,7 +9,7 @@ repeats a sentence until it has used every sentence of its topic. A token is a w
 
 Each topic also has its own routing distribution in the offload model (:attr:`Topic.routing`): a conversation
 about the GPU's memory routes to other experts than one about Python code, so a session that changes topic makes
-the adaptive tier swap experts (issue 16 item 2). ``general`` routes through distribution 0, the one the shipped
+the adaptive tier swap experts. ``general`` routes through distribution 0, the one the shipped
 profile (and the planner's ``expected_frequencies``) is made for; the other topics move part of each layer's
 favourites elsewhere.
 """

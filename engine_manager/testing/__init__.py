@@ -1,4 +1,4 @@
-"""Fixtures for tests and demos, kept out of the product's own modules (issue 17).
+"""Fixtures for tests and demos, kept out of the product's own modules.
 
 - :mod:`.hub`: a local Hugging Face hub on 127.0.0.1 (``python -m engine_manager.testing.hub --demo DIR`` serves
   the offline demo: a fake model and engine release, and the ``HF_ENDPOINT`` to use)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Benchmark's GPU run (issue 18) as one device call on an NVIDIA H200:
+# The Benchmark's GPU run as one device call on an NVIDIA H200:
 #   1. builds llama-server with CUDA (sm_90) from the sdist the [llamacpp] extra installs (as benchmarks/llamacpp_gpu.sh);
 #   2. meanwhile writes the --preset gpu MoE GGUF (qwen3moe, 12 MoE layers x 64 experts, F16, 7.7 GB);
 #   3. runs `dsv41 bench --engine llamacpp` (through benchmarks/results/bench_gpu/drive.py): 1/4/8 users, the
