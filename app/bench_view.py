@@ -6,7 +6,6 @@ Everything measured or decided lives in :mod:`engine_manager.bench`; this module
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pyqtgraph as pg
@@ -29,9 +28,11 @@ from PySide6.QtWidgets import (
 
 from engine_manager import bench
 from engine_manager.bench import results
+from engine_manager.cancel import CancelToken
 from engine_manager.errors import UserError
 
 from . import workers
+from .panel_base import Panel
 
 COLUMNS = ("users", "total tok/s", "spread", "slowest tok/s", "per stream", "first token s", "engine's total",
            "guides' total", "guides' slowest", "ratio", "verdict")
@@ -48,7 +49,7 @@ def _n(x: Any, fmt: str = "{:.1f}") -> str:
     return "—" if x is None else fmt.format(x)
 
 
-class BenchView(QWidget):
+class BenchView(Panel, QWidget):
     """The tab. ``run_bench()`` starts a run with the options shown; ``cancel()`` stops it (the engine is put back
     as it was). ``finished`` carries the result document."""
 
@@ -58,7 +59,7 @@ class BenchView(QWidget):
         super().__init__(parent)
         self.ctx = ctx
         self.tasks = workers.TaskOwner(self)
-        self._stop: threading.Event | None = None
+        self._token: CancelToken | None = None      # the running benchmark's: cancelling it stops the bench
         self.result: dict[str, Any] | None = None
         self.last_progress: Any = None
         self.saved_path: str | None = None
@@ -223,7 +224,7 @@ class BenchView(QWidget):
     def run_bench(self) -> None:
         if self.running():
             return
-        self._stop = threading.Event()
+        self._token = CancelToken()                 # the task's, and what the bench watches
         self.result = None
         self.run_button.setEnabled(False)
         self.cancel_button.setEnabled(True)
@@ -238,12 +239,12 @@ class BenchView(QWidget):
         self.ctx.lock_engine("The benchmark is running: it starts and stops the engine itself and puts it back "
                              "as it was when it ends. Cancel it in the Benchmark tab to get Start/Stop back now.")
         self.tasks.start("bench", bench.run_and_save, self.ctx.settings, self.spec(), hardware=self.ctx.hardware,
-                         stop=self._stop, on_engine_event=feed, on_event=self._on_event, on_done=self._on_done,
-                         on_error=self._on_error, on_finished=self._on_finished)
+                         stop=self._token, token=self._token, on_engine_event=feed, on_event=self._on_event,
+                         on_done=self._on_done, on_error=self._on_error, on_finished=self._on_finished)
 
     def cancel(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
+        if self._token is not None:
+            self._token.cancel("cancelled")
             self.progress.setFormat("cancelling: cutting the streams, putting the engine back…")
             self.cancel_button.setEnabled(False)
 
@@ -406,7 +407,7 @@ class BenchView(QWidget):
                 self.compare_table.setItem(i, j, item)
         self.compare_table.resizeColumnsToContents()
 
-    def shutdown(self, wait_ms: int = 3000) -> bool:
-        if self._stop is not None:
-            self._stop.set()
-        return self.tasks.shutdown(wait_ms)
+    def shutdown(self, wait_ms: int = 3000) -> None:
+        """The window is closing: the benchmark is cancelled (its token: the streams are cut, the
+        engine is put back) and waited for up to ``wait_ms``."""
+        self.tasks.shutdown(wait_ms)

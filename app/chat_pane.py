@@ -49,6 +49,7 @@ from .chat_render import (  # noqa: F401 - MarkdownRenderer, _theme, Conversatio
     MarkdownRenderer,
     _theme,
 )
+from .panel_base import Panel
 from .workers import TaskOwner
 
 __all__ = ["EMPTY_LIST_HINT", "ChatPane", "Composer", "ConversationDoc", "MarkdownRenderer"]
@@ -68,7 +69,7 @@ def _restore_ui(store: hist.HistoryStore) -> tuple[dict[str, Any], int | None]:
     return st, cid
 
 
-class ChatPane(ConversationList, QWidget):
+class ChatPane(ConversationList, Panel, QWidget):
     """The chat pane. ``ChatPane(ctx, parent=None)``; the window calls :meth:`shutdown` when it closes."""
 
     conversationsChanged = Signal()
@@ -529,7 +530,7 @@ class ChatPane(ConversationList, QWidget):
 
         kwargs = dict(store=self.store, conversation_id=st.id, engine=self.running, options=opts, user_text=text,
                       mode=mode, edit_message_id=edit_id, cancel=token, model=self.engine_model)
-        stream.worker = self._tasks.start(f"turn:{next(self._turns)}", turn, **kwargs,
+        stream.worker = self._tasks.start(f"turn:{next(self._turns)}", turn, **kwargs, token=token,
                                           on_event=lambda ev, s=stream: self._on_event(s, ev),
                                           on_error=lambda exc, s=stream: self._on_turn_error(s, exc),
                                           on_finished=lambda s=stream: self._on_turn_finished(s))
@@ -794,14 +795,14 @@ class ChatPane(ConversationList, QWidget):
     def _report_error(self, exc: BaseException) -> None:
         self.ctx.statusMessage.emit(f"Chat history: {exc}", 8000)
 
-    def shutdown(self, timeout_s: float = 3.0) -> None:
+    def shutdown(self, wait_ms: int = 3000) -> None:
         """Stop every stream (their answers are saved and marked interrupted) and wait briefly for the writes."""
         if self._tasks.shut_down:
             return
         streams = list(self._streams)
         for s in streams:
             s.token.cancel("shutdown")
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + wait_ms / 1000.0
         for s in streams:
             s.done.wait(max(0.0, deadline - time.monotonic()))
         for s in streams:

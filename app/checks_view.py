@@ -14,6 +14,7 @@ from PySide6.QtWidgets import QLabel
 
 from engine_manager.checks import collect_checks, failed, summary
 
+from .panel_base import Panel
 from .workers import TaskOwner
 
 FIRST_MS = 3000          # right after start (the engine has printed its INFO line; a first request may follow)
@@ -21,7 +22,7 @@ EVERY_MS = 60_000        # then every minute
 AMBER = "#9a6a00"
 
 
-class ChecksView(QLabel):
+class ChecksView(Panel, QLabel):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.setObjectName("engineChecks")

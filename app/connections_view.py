@@ -47,6 +47,7 @@ from PySide6.QtWidgets import (
 from engine_manager import connections as C
 from engine_manager import uistate
 
+from .panel_base import Panel
 from .workers import TaskOwner
 
 OWN = "This panel's engine"
@@ -211,7 +212,7 @@ def status_words(st: C.ConnectionStatus, shown_name: str) -> tuple[str, str, str
     return "problem", "#a1131c", f"{shown_name}: {why}\n{seen}"
 
 
-class OverviewStrip(QTreeWidget):
+class OverviewStrip(Panel, QTreeWidget):
     """This panel's engine and every saved connection: name, state, users (requests running), tok/s — polled at a
     low rate, each line on its own worker. ``connectionClicked(name)`` when a line is clicked (None: this panel's
     engine)."""
@@ -343,12 +344,12 @@ class OverviewStrip(QTreeWidget):
     def row_tooltip(self, name: str | None) -> str:
         return self._items[name or OWN_ROW].toolTip(1)
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_ms: int = 500) -> None:
         self.timer.stop()
-        self.tasks.shutdown(500)
+        self.tasks.shutdown(wait_ms)
 
 
-class ConnectionsView(QWidget):
+class ConnectionsView(Panel, QWidget):
     """The engine column's "Watching" part: the picker, Attach to… / Remove, what is watched, the overview."""
 
     def __init__(self, ctx, parent=None, *, period_s: float = C.OVERVIEW_PERIOD_S):
@@ -570,8 +571,8 @@ class ConnectionsView(QWidget):
         self.tasks.start("remove", C.remove_connection, name, on_done=lambda _c: self.refresh(),
                          on_error=lambda exc: self.info.setText(str(exc)))
 
-    def shutdown(self) -> None:
-        self.overview.shutdown()
-        self.tasks.shutdown(500)
+    def shutdown(self, wait_ms: int = 500) -> None:
+        self.overview.shutdown(wait_ms)
+        self.tasks.shutdown(wait_ms)
         # the SSH forwards of the connections watched (closed at exit too; closing them here frees their ports now)
         C.close_all_tunnels()

@@ -38,6 +38,7 @@ class AppContext(QObject):
     statusMessage = Signal(str, int)        # text, timeout ms
     requestStart = Signal()                 # any panel may ask the engine panel to start the engine
     requestRestart = Signal()               # … or to stop it and start it again (a setting that needs a restart)
+    startWithPlan = Signal(object)          # … or to start with exactly this plan (dict): "Start with this plan"
     requestTab = Signal(str)                # ask the main window to show a tab by name
     showPlacement = Signal(object)          # metrics.presenter.PlacementFeed: Monitor → Placement (plan, trace, counts)
     engineLockChanged = Signal(object)      # why the panel's Start/Stop are held (str), None when they are free

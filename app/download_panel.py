@@ -12,7 +12,7 @@ All work runs in ``engine_manager.download`` generators on a worker (``app.worke
 only renders their events and forwards the user's intents (a ``CancelToken``).
 
 Closing the window mid-download (``shutdown()``): the download is cancelled (partial files keep their checkpoints;
-the cancel also aborts connections that wait for bytes), and the panel waits — at most ``SHUTDOWN_WAIT_S`` — for the
+the cancel also aborts connections that wait for bytes), and the panel waits — at most ``SHUTDOWN_WAIT_MS`` — for the
 generator to end, so no worker is left emitting signals while Python tears the Qt objects down. Every slot is a
 no-op once the panel is closing, so a late signal changes nothing."""
 
@@ -36,6 +36,7 @@ from engine_manager.download import release_source as rs
 from engine_manager.gguf_split import short_name
 from engine_manager.release_check import ReleaseCheck, build_info, check_release, usable
 
+from .panel_base import Panel
 from .workers import TaskOwner
 
 COLS = ("", "Shard", "Progress", "Size", "Speed", "ETA", "State")
@@ -48,7 +49,7 @@ STATE_WORDS = {
 # the widest text each fixed-width column shows (sizes, speeds and ETAs as engine_manager.fmt writes them), so
 # the columns keep one width whatever state the rows are in
 COLUMN_SAMPLES = {0: "✓", 1: "shard 10 of 10", 3: "999.9 MB", 4: "999.9 MB/s", 5: "111:06:40"}
-SHUTDOWN_WAIT_S = 5.0       # how long closing the window waits for a download to stop (it takes ~0.2 s here)
+SHUTDOWN_WAIT_MS = 5000     # how long closing the window waits for a download to stop (it takes ~0.2 s here)
 
 
 class ErrorBox(QFrame):
@@ -120,7 +121,7 @@ def checks_html(folder: Path, checks: list[ReleaseCheck]) -> str:
     return "<br>".join(rows)
 
 
-class DownloadPanel(QWidget):
+class DownloadPanel(Panel, QWidget):
     progressChanged = Signal(object)      # engine_manager.download.Progress
     modelFinished = Signal(object)        # Finished
     engineFinished = Signal(object)       # Finished
@@ -137,6 +138,7 @@ class DownloadPanel(QWidget):
         super().__init__(parent)
         self.ctx = ctx
         self.control: CancelToken | None = None
+        self.stopped_in_time: bool | None = None      # after shutdown(): whether the download stopped within its wait
         self.tasks = TaskOwner(self)          # "download" (model, engine, verify), "prepare", "local" (disk reads)
         self.kind: str | None = None          # "model", "engine", "verify"
         self.rows: dict[str, int] = {}
@@ -529,8 +531,8 @@ class DownloadPanel(QWidget):
 
     def _run(self, fn: Callable[..., Iterator[Any]], *args: Any, on_done: Callable[[Any], None],
              **kwargs: Any) -> None:
-        self.tasks.start("download", fn, *args, control=self.control, on_event=self._on_event, on_done=on_done,
-                         on_error=self._on_error, on_finished=self._on_finished, **kwargs)
+        self.tasks.start("download", fn, *args, control=self.control, token=self.control, on_event=self._on_event,
+                         on_done=on_done, on_error=self._on_error, on_finished=self._on_finished, **kwargs)
 
     def start_model(self, repin: bool = False) -> None:
         """Download the missing shards; ``repin``: pin what the revision is now (the pinned commit is gone)."""
@@ -954,11 +956,12 @@ class DownloadPanel(QWidget):
         if hasattr(self, "_progress_min"):
             self._fit_progress()
 
-    def shutdown(self, wait_s: float = SHUTDOWN_WAIT_S) -> bool:
+    def shutdown(self, wait_ms: int = SHUTDOWN_WAIT_MS) -> None:
         """Window closing: cancel the download (partial files keep their checkpoints; a later Download resumes
-        them) and wait up to ``wait_s`` for its generator to end, so no worker thread is left emitting signals
+        them) and wait up to ``wait_ms`` for its generator to end, so no worker thread is left emitting signals
         while the application tears its objects down. From here on every slot of this panel is a no-op, so a
-        signal that still arrives changes nothing. Returns True when the worker stopped in time."""
+        signal that still arrives changes nothing. ``stopped_in_time``: whether the worker stopped within the
+        wait."""
         self._closing = True
         self.tasks.cancel("prepare")           # closing the generator kills the release's tool
         self.tasks.cancel("local")
@@ -967,10 +970,11 @@ class DownloadPanel(QWidget):
             control.cancel()
         if worker is None:
             self.tasks.shutdown()
-            return True
+            self.stopped_in_time = True
+            return
         # the cancel aborts the connections, so the generator returns within ~0.2 s here; superqt's worker clears
         # is_running once it has, and emits its last signals right after (microseconds)
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + wait_ms / 1000.0
         while getattr(worker, "is_running", False) and time.monotonic() < deadline:
             time.sleep(0.005)
         stopped = not getattr(worker, "is_running", False)
@@ -978,5 +982,5 @@ class DownloadPanel(QWidget):
         self.tasks.shutdown()                  # no task is left: callbacks that still arrive are dropped
         self.control = None
         self.status.setText("Stopped for closing; partial files are kept and the next Download resumes them.")
-        return stopped
+        self.stopped_in_time = stopped
 

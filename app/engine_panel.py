@@ -48,7 +48,8 @@ from engine_manager.settings import resolve_engine
 
 from .connections_view import ConnectionsView
 from .checks_view import ChecksView
-from .workers import TaskOwner
+from .panel_base import Panel
+from .workers import QUIT_WAIT_MS, TaskOwner
 
 
 def _text_label(name: str, text_format: Qt.TextFormat | None = None) -> QLabel:
@@ -155,7 +156,7 @@ class DryRunDialog(QDialog):
         lay.addWidget(bb)
 
 
-class EnginePanel(QWidget):
+class EnginePanel(Panel, QWidget):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx
@@ -166,6 +167,7 @@ class EnginePanel(QWidget):
         # background tasks by key: "run" (run/watch: owns the engine), "stop", "status" (the idle poll), "dry",
         # "placement"; callbacks are dropped once the panel shuts down
         self.tasks = TaskOwner(self)
+        self._chosen_plan: dict | None = None     # the Placement tab's "Start with this plan", taken once by start()
         self._close_after_stop = None
         self._stop_started: float | None = None
         self._last_notes: list[str] = []
@@ -176,6 +178,7 @@ class EnginePanel(QWidget):
         self._build()
         self._build_actions()
         ctx.requestStart.connect(self.start)
+        ctx.startWithPlan.connect(self.start_with_plan)
         ctx.requestRestart.connect(self.restart)
         self._restart_after_stop = False
         ctx.settingsChanged.connect(self._settings_changed)
@@ -255,7 +258,8 @@ class EnginePanel(QWidget):
         self.banner = CrashBanner()
         self.banner.log_button.clicked.connect(lambda: self.ctx.requestTab.emit("Log"))
         lay.addWidget(self.banner)
-        lay.addWidget(ChecksView(self.ctx))      # planned vs measured: amber when not as planned
+        self.checks = ChecksView(self.ctx)       # planned vs measured: amber when not as planned
+        lay.addWidget(self.checks)
 
         self.details = _text_label("engineDetails", Qt.TextFormat.RichText)
         lay.addWidget(self.details)
@@ -405,9 +409,15 @@ class EnginePanel(QWidget):
         else:
             self.start()
 
+    def start_with_plan(self, plan: dict) -> None:
+        """The Placement tab's "Start with this plan": start with exactly ``plan`` (taken once), or — an engine
+        runs — offer to restart it with that plan."""
+        self._chosen_plan = plan
+        self.start()
+
     def start(self) -> None:
         if self.is_running() or self.tasks.running("stop"):
-            if getattr(self.ctx, "start_plan", None) is not None:     # "Start with this plan" while one runs
+            if self._chosen_plan is not None:         # "Start with this plan" while one runs
                 self._offer_restart_with_plan()
             return
         why = self._watch_refusal()
@@ -427,7 +437,7 @@ class EnginePanel(QWidget):
         engine = self.resolved_engine()
         self._render_state(sv.STARTING, f"starting the {ENGINE_WORDS.get(engine, engine)}")
         # the Placement tab's "Start with this plan": that plan as it is, even one made for another host (warned)
-        chosen, self.ctx.start_plan = getattr(self.ctx, "start_plan", None), None
+        chosen, self._chosen_plan = self._chosen_plan, None
         plan = chosen if chosen is not None else sv.usable_plan(engine, self.ctx.plan)
         warning = sv.plan_host_warning(chosen, self.ctx.hardware) if chosen is not None else None
         if warning:
@@ -450,18 +460,18 @@ class EnginePanel(QWidget):
     def _offer_restart_with_plan(self) -> None:
         if self.tasks.running("stop") or self._restart_after_stop:
             return
-        label = ((self.ctx.start_plan or {}).get("hardware") or {}).get("label")
+        label = ((self._chosen_plan or {}).get("hardware") or {}).get("label")
         text = ("The engine is already running, with the plan it was started with. Restart it with this plan"
                 + (f" (made for {label})" if label else "") + "? It stops, then starts again with the plan.")
         if self.ask_restart(text, "Restart with this plan"):
-            self.restart()              # start() takes ctx.start_plan once the engine has stopped
+            self.restart()              # start() takes the chosen plan once the engine has stopped
         else:
-            self.ctx.start_plan = None
+            self._chosen_plan = None
             self.ctx.statusMessage.emit("Not restarted: the engine keeps running with its plan.", 6000)
 
     def restart(self) -> None:
-        """Stop the engine, then start it again with the settings as they are now (and ``ctx.start_plan``, the
-        Placement tab's plan, when one was chosen)."""
+        """Stop the engine, then start it again with the settings as they are now (and the Placement tab's plan,
+        when one was chosen: :meth:`start_with_plan`)."""
         why = self._watch_refusal()
         if why:
             self.ctx.statusMessage.emit(why, 8000)
@@ -898,11 +908,12 @@ class EnginePanel(QWidget):
         self.shutdown()
         super().closeEvent(event)
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_ms: int = QUIT_WAIT_MS) -> None:
         self.poll_timer.stop()
         self.clock.stop()
         self.clear_copied_key()
         self.connections.shutdown()
+        self.checks.shutdown()
         if self.tasks.running("run") and self._state not in (sv.STOPPING,):
             self.sup.detach()                         # stop watching; the engine keeps running
-        self.tasks.shutdown()                         # later callbacks are dropped; the workers are asked to end
+        self.tasks.shutdown(wait_ms)                  # later callbacks are dropped; the workers are asked to end

@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
 
 from engine_manager.supervisor import log_path, read_log_tail
 
+from .panel_base import Panel
 from .workers import TaskOwner
 
 MAX_LINES = 20_000
@@ -74,7 +75,7 @@ class LogHighlighter(QSyntaxHighlighter):
             self.setFormat(0, STAMP_LEN, self.stamp_format)
 
 
-class LogView(QWidget):
+class LogView(Panel, QWidget):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx

@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 from engine_manager import __version__, uistate
 
 from . import theme
+from .panel_base import Closable, shutdown_all
 
 # The pages are imported when they are built (MainWindow.build_pages), not here: their imports (numpy, pyqtgraph,
 # superqt, the supervisor, httpx …) took ~1 s, and a window that waits for them appears that much later.
@@ -246,6 +247,13 @@ class MainWindow(QMainWindow):
         if not self.built:
             self.build_pages()
         return getattr(self, attr)
+
+    def panels(self) -> list[Closable]:
+        """Every panel of the window, in the order they are shut down on close: the chat pane (its answers are
+        saved), the tabs' pages, then the engine panel (it stops watching the engine last). Empty until built."""
+        if not self.built:
+            return []
+        return [self._chat_pane, *self.pages.values(), self._engine_panel]
 
     engine_panel = property(lambda self: self._page("_engine_panel"))
     chat_pane = property(lambda self: self._page("_chat_pane"))
@@ -486,10 +494,6 @@ class MainWindow(QMainWindow):
             if confirm is not None and not confirm(self):
                 event.ignore()
                 return
-            for w in (self._chat_pane, self.pages["Monitor"], self.pages["Downloads"], self.pages["Placement"],
-                      self.pages["Log"], self._engine_panel):
-                shutdown = getattr(w, "shutdown", None)
-                if shutdown is not None:
-                    shutdown()
+            shutdown_all(self)
         self.save_state()
         event.accept()

@@ -18,9 +18,9 @@ from PySide6.QtGui import QFont, QFontMetricsF
 from PySide6.QtWidgets import QGraphicsItem
 
 from engine_manager import metrics as M
+from engine_manager.fmt import GIB
 from engine_manager.metrics.presenter import fmt_value
 
-GiB = float(1024**3)
 DASH = Qt.PenStyle.DashLine
 REF_COLOR = "#e6550d"            # the planner's prediction: the line and its legend entry
 SLOT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
@@ -53,7 +53,7 @@ class PlotSpec:
 
 def plot_specs() -> list[PlotSpec]:
     pct = dict(scale=100.0, fmt="{:.1f}", unit="%")
-    gib = dict(scale=1 / GiB, fmt="{:.1f}", unit="GiB")
+    gib = dict(scale=1 / GIB, fmt="{:.1f}", unit="GiB")
     return [
         PlotSpec("tok", "Throughput", "tok/s", [
             Series("decode_tok_s", "decode (all slots)", "#1f77b4", unit="tok/s"),

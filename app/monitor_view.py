@@ -54,13 +54,14 @@ from .monitor_plots import (  # noqa: F401
     nice_range,
     plot_specs,
 )
+from .panel_base import Panel
 from .workers import TaskOwner
 
 WINDOWS: tuple[tuple[str, float | None], ...] = (("1 min", 60.0), ("10 min", 600.0), ("1 h", 3600.0), ("All", None))
 RATES = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
-class MonitorView(QWidget):
+class MonitorView(Panel, QWidget):
     """Live plots, now cards and the guides card. Starts collecting on ``ctx.engineRunning`` (a
     :class:`RunningEngine`: the watched engine — the panel's own, or an attached one) and stops when it carries
     None; every tick is re-emitted as ``ctx.sampleArrived(Sample)``. Its background work (making the hub, the hub's
@@ -380,16 +381,15 @@ class MonitorView(QWidget):
         self.tasks.start(f"stop-{id(hub)}", hub.stop,
                          on_finished=lambda h=hub: self._stopping.remove(h) if h in self._stopping else None)
 
-    def shutdown(self) -> None:
-        """The window is closing: stop collecting and close the recording (waits at most a few seconds)."""
+    def shutdown(self, wait_ms: int = 2000) -> None:
+        """The window is closing: stop collecting and close the recording (waits up to ``wait_ms`` per hub)."""
         self._cancel_order()
-        self.tasks.cancel("ticks")
-        self.tasks.shut_down = True         # later callbacks are dropped (not TaskOwner.shutdown(): its wait
-        hub, self.hub = self.hub, None      # asks every worker of the process to quit, other panels' too)
+        self.tasks.shutdown(0)              # the ticks end; later callbacks are dropped; the hubs are stopped here
+        hub, self.hub = self.hub, None
         self._routing_timer.stop()
         for h in [hub, *self._stopping]:
             if h is not None:
-                h.stop(timeout=2.0)
+                h.stop(timeout=wait_ms / 1000.0)
         uistate.save({"monitor_window": self._window_label()})
 
     # -- settings / plan ------------------------------------------------------------------------------------

@@ -20,11 +20,11 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFileDialog, QFrame, Q
 
 from engine_manager import placement
 from engine_manager import uistate
+from engine_manager.fmt import GB, GIB, MIB
 from engine_manager.metrics import presenter
 
 from . import workers
-
-GiB, GB, MiB = 1 << 30, 10**9, 1 << 20
+from .panel_base import Panel
 
 TERM_COLORS = {
     "non-expert weights": "#4e79a7", "KV cache": "#59a14f", "compute buffers": "#9c755f", "CUDA context": "#bab0ac",
@@ -53,7 +53,7 @@ class BudgetBar(QWidget):
         self._rects: list[tuple[QRectF, str]] = []
 
     def fmt(self, n: float) -> str:
-        return f"{n / GiB:.2f} GiB" if self.unit == "GiB" else f"{n / GB:.1f} GB"
+        return f"{n / GIB:.2f} GiB" if self.unit == "GiB" else f"{n / GB:.1f} GB"
 
     def set_budget(self, budget: int, terms: list[dict[str, Any]]) -> None:
         self.budget, self.terms = int(budget), list(terms)
@@ -100,7 +100,7 @@ class BudgetBar(QWidget):
         QToolTip.hideText()
 
 
-class PlacementView(QWidget):
+class PlacementView(Panel, QWidget):
     planMade = Signal(object)              # the plan dict, after a plan made here
 
     def __init__(self, ctx, parent=None):
@@ -151,7 +151,7 @@ class PlacementView(QWidget):
         self.ram.setDecimals(1)
         self.ram.setSuffix(" GiB RAM")
         self.ram.setToolTip("The host's RAM in GiB (as `dsv41 plan --ram-gib` takes it); 280 GB = 260.8 GiB")
-        self.ram.setValue(placement.REFERENCE_RAM_BYTES / GiB)
+        self.ram.setValue(placement.REFERENCE_RAM_BYTES / GIB)
         self.ram_gb = QLabel()
         self.ram_gb.setObjectName("ramInGB")
         self.ram.valueChanged.connect(self._ram_units)
@@ -323,7 +323,7 @@ class PlacementView(QWidget):
             if isinstance(st.get("ram_gib"), (int, float)):
                 self.ram.setValue(float(st["ram_gib"]))
             elif isinstance(st.get("ram_gb"), (int, float)):       # saved by a version that took GB here
-                self.ram.setValue(float(st["ram_gb"]) * GB / GiB)
+                self.ram.setValue(float(st["ram_gb"]) * GB / GIB)
             self.usage_paths = [str(x) for x in st.get("usage") or [] if isinstance(x, str)]
 
     def _persist(self) -> None:
@@ -340,7 +340,7 @@ class PlacementView(QWidget):
         self.ram_gb.setVisible(custom)
 
     def _ram_units(self) -> None:
-        self.ram_gb.setText(f"= {self.ram.value() * GiB / GB:,.1f} GB")
+        self.ram_gb.setText(f"= {self.ram.value() * GIB / GB:,.1f} GB")
 
     def _pick_usage(self) -> None:
         dlg = QFileDialog(self, "Routing data: traces, frequency tables, Strata profiles")
@@ -381,8 +381,8 @@ class PlacementView(QWidget):
     # -- planning ----------------------------------------------------------------------------------------------------
     def request(self, extra_usage: tuple[str, ...] = ()) -> placement.PlanRequest:
         host = self.host.currentData()
-        return placement.PlanRequest(host=host, vram_bytes=int(self.vram.value() * GiB) if host == "custom" else None,
-                                     ram_bytes=int(self.ram.value() * GiB) if host == "custom" else None,
+        return placement.PlanRequest(host=host, vram_bytes=int(self.vram.value() * GIB) if host == "custom" else None,
+                                     ram_bytes=int(self.ram.value() * GIB) if host == "custom" else None,
                                      usage_paths=tuple(self.usage_paths) + tuple(extra_usage))
 
     def start_replan_observed(self) -> None:
@@ -431,18 +431,16 @@ class PlacementView(QWidget):
         if plan_dict is not None and plan_dict is not self.plan:
             self.show_plan(plan_dict)
 
-    def shutdown(self) -> None:
-        self.tasks.cancel("plan")
-        self.tasks.shut_down = True      # later callbacks are dropped
+    def shutdown(self, wait_ms: int = 0) -> None:
+        # a plan that is being made still finishes and is saved; its callbacks are dropped (nothing to draw)
+        self.tasks.shutdown(wait_ms)
 
     # -- rendering --------------------------------------------------------------------------------------------------
     def start_with_shown_plan(self) -> None:
-        """Ask the engine panel to start with exactly the plan on screen (``ctx.start_plan``, taken once by
-        ``EnginePanel.start``)."""
+        """Ask the engine panel to start with exactly the plan on screen (``ctx.startWithPlan``)."""
         if not self.plan or self.plan.get("refused"):
             return
-        self.ctx.start_plan = self.plan
-        self.ctx.requestStart.emit()
+        self.ctx.startWithPlan.emit(self.plan)
 
     def show_plan(self, d: dict[str, Any], saved: bool = False) -> None:
         self.plan = d
@@ -468,8 +466,8 @@ class PlacementView(QWidget):
                     parts.append(f"RAM: needs {_both(sf['needed_bytes'])}, {host} has {_both(sf['available_bytes'])}"
                                  f" — <b>{_both(sf['missing_bytes'])} missing</b>")
                 elif sf["resource"] == "vram":
-                    parts.append(f"VRAM: needs {sf['needed_bytes'] / GiB:.1f} GiB before any expert, the GPU has "
-                                 f"{sf['available_bytes'] / GiB:.1f} GiB — <b>{sf['missing_bytes'] / GiB:.1f} GiB "
+                    parts.append(f"VRAM: needs {sf['needed_bytes'] / GIB:.1f} GiB before any expert, the GPU has "
+                                 f"{sf['available_bytes'] / GIB:.1f} GiB — <b>{sf['missing_bytes'] / GIB:.1f} GiB "
                                  f"missing</b>")
                 else:
                     parts.append("GPU: none found")
@@ -483,14 +481,14 @@ class PlacementView(QWidget):
             self.summary.setStyleSheet("")
             self.summary.setText(
                 f"{head}<br><b>{d['hot_experts']:,}</b> of {d['total_experts']:,} experts in VRAM "
-                f"({d['hot_expert_bytes'] / GiB:.1f} GiB), {d['cold_experts']:,} in RAM "
-                f"({d.get('cold_expert_bytes', 0) / GiB:.1f} GiB). Predicted share of expert picks in VRAM: {hr_s}.<br>"
+                f"({d['hot_expert_bytes'] / GIB:.1f} GiB), {d['cold_experts']:,} in RAM "
+                f"({d.get('cold_expert_bytes', 0) / GIB:.1f} GiB). Predicted share of expert picks in VRAM: {hr_s}.<br>"
                 f"Strata: <code>{_esc(' '.join(d.get('strata_args') or []))}</code>")
         v, r = d.get("vram") or {}, d.get("ram") or {}
         self.vram_bar.set_budget(v.get("budget_bytes", 0), v.get("terms") or [])
         self.ram_bar.set_budget(r.get("budget_bytes", 0), r.get("terms") or [])
-        self.vram_title.setText(f"<b>VRAM</b> — {v.get('total_bytes', 0) / GiB:.2f} of "
-                                f"{v.get('budget_bytes', 0) / GiB:.2f} GiB")
+        self.vram_title.setText(f"<b>VRAM</b> — {v.get('total_bytes', 0) / GIB:.2f} of "
+                                f"{v.get('budget_bytes', 0) / GIB:.2f} GiB")
         self.ram_title.setText(f"<b>RAM</b> — {r.get('total_bytes', 0) / GB:.1f} of "
                                f"{r.get('budget_bytes', 0) / GB:.1f} GB"
                                + (" — <span style='color:#b00020'><b>short "
@@ -616,7 +614,7 @@ class PlacementView(QWidget):
         if self.observed is not None:
             o = self.observed
             obs = f"; observed {o[row, expert] / max(o.sum(), 1e-12):.4%} ({int(o[row, expert]):,} picks)"
-        return (f"layer {b} (MoE row {row}), expert {expert}: {nbytes / MiB:.2f} MiB, {where}, {freq}{obs}")
+        return (f"layer {b} (MoE row {row}), expert {expert}: {nbytes / MIB:.2f} MiB, {where}, {freq}{obs}")
 
     def _draw_coverage(self, d: dict[str, Any]) -> None:
         cov = d.get("coverage")
@@ -745,7 +743,7 @@ def _empty_label(text: str) -> QLabel:
 
 def _both(n: float) -> str:
     """RAM in GB (how it is sold) with GiB beside it (what the spin box and `--ram-gib` take)."""
-    return f"{n / GB:.1f} GB ({n / GiB:.1f} GiB)"
+    return f"{n / GB:.1f} GB ({n / GIB:.1f} GiB)"
 
 
 def _esc(s: str) -> str:
@@ -756,6 +754,6 @@ def _legend(terms: list[dict[str, Any]], unit: str) -> str:
     out = []
     for i, t in enumerate(terms):
         c = _color(t["name"], i).name()
-        v = f"{t['bytes'] / GiB:.2f} GiB" if unit == "GiB" else f"{t['bytes'] / GB:.1f} GB"
+        v = f"{t['bytes'] / GIB:.2f} GiB" if unit == "GiB" else f"{t['bytes'] / GB:.1f} GB"
         out.append(f"<span style='color:{c}'>■</span> {_esc(t['name'])} <b>{v}</b>")
     return " &nbsp; ".join(out)

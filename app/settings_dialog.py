@@ -3,7 +3,6 @@ atomically through ``save_settings``. Settings fixed by the environment are show
 
 from __future__ import annotations
 
-import secrets
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -15,7 +14,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine_manager.settings import (
-    Settings, SettingsError, field_allowed, field_env, mask_secret, restart_needed,
+    Settings, SettingsError, field_allowed, field_env, mask_secret, new_api_key, restart_needed,
 )
 
 GROUPS = {
@@ -177,7 +176,7 @@ class SettingsDialog(QDialog):
             lay.addWidget(edit, 1)
             if name == "api_key":
                 regen = QPushButton("Regenerate")
-                regen.clicked.connect(lambda: edit.setText("dsv41-" + secrets.token_urlsafe(32)))
+                regen.clicked.connect(lambda: edit.setText(new_api_key()))
                 lay.addWidget(regen)
             box.line_edit = edit  # type: ignore[attr-defined]
             return box

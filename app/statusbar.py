@@ -9,11 +9,10 @@ from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QLabel, QStatusBar
 
 from engine_manager import sysstat
+from engine_manager.fmt import GIB
 
 from .engine_panel import BADGE
 from .workers import TaskOwner
-
-GiB = 1024**3
 
 
 class LiveStatusBar(QStatusBar):
@@ -52,12 +51,12 @@ class LiveStatusBar(QStatusBar):
         self.tasks.start("read", sysstat.read, on_done=self._show, replace=False)
 
     def _show(self, st: sysstat.SysStat) -> None:
-        self.ram_label.setText(f"RAM {st.ram_used_bytes / GiB:.1f}/{st.ram_total_bytes / GiB:.0f} GiB")
+        self.ram_label.setText(f"RAM {st.ram_used_bytes / GIB:.1f}/{st.ram_total_bytes / GIB:.0f} GiB")
         self.cpu_label.setText(f"CPU {st.cpu_pct:.0f}%")
         if st.gpus:
             g = st.gpus[0]
             util = f"{g.util_pct:.0f}%" if g.util_pct is not None else "?"
-            mem = (f" {g.vram_used_bytes / GiB:.1f}/{g.vram_total_bytes / GiB:.0f} GiB"
+            mem = (f" {g.vram_used_bytes / GIB:.1f}/{g.vram_total_bytes / GIB:.0f} GiB"
                    if g.vram_used_bytes is not None else "")
             self.gpu_label.setText(f"GPU {util}{mem}")
             self.gpu_label.setToolTip("")

@@ -12,6 +12,8 @@ import time
 
 from PySide6.QtCore import QCoreApplication, Qt, QThreadPool
 
+from engine_manager.cancel import CancelToken
+
 if TYPE_CHECKING:
     from superqt.utils import FunctionWorker, GeneratorWorker
 
@@ -103,6 +105,11 @@ class TaskOwner:
     restarted engine's hub replaces the old one's). Callbacks are also dropped after :meth:`shutdown` or once
     ``owner`` (a QObject, usually the panel) is deleted. ``shutdown(wait_ms)`` asks every task to quit and waits up
     to ``wait_ms`` for them; returns whether all finished.
+
+    Every task has a :class:`~engine_manager.cancel.CancelToken` (``token=``: one the caller made and handed to
+    ``fn``; else a fresh one), which :meth:`cancel`, a replacing :meth:`start` and :meth:`shutdown` cancel — so work
+    blocked on a socket that registered with it wakes, where ``quit()`` alone waits for the next yield.
+    ``token(key)`` gives the running task's token: cancelling it asks the work to stop and keeps its callbacks.
     """
 
     def __init__(self, owner: Any = None):
@@ -110,6 +117,7 @@ class TaskOwner:
         self._tasks: dict[str, Any] = {}
         self._serial: dict[str, int] = {}
         self._done: dict[int, threading.Event] = {}    # every worker started and not yet finished, replaced ones too
+        self._tokens: dict[str, CancelToken] = {}       # the running task's token under each key
         self.shut_down = False
 
     def _alive(self) -> bool:
@@ -126,6 +134,10 @@ class TaskOwner:
     def get(self, key: str) -> Any:
         return self._tasks.get(key)
 
+    def token(self, key: str) -> CancelToken | None:
+        """The cancel token of the task running under ``key`` (None when none runs)."""
+        return self._tokens.get(key) if key in self._tasks else None
+
     def current(self, key: str, serial: int) -> bool:
         """Whether ``serial`` (from :meth:`serial`) is still the newest task under ``key`` and the owner lives."""
         return self._alive() and self._serial.get(key) == serial
@@ -138,7 +150,7 @@ class TaskOwner:
               on_done: Callable[[Any], None] | None = None,
               on_error: Callable[[BaseException], None] | None = None,
               on_finished: Callable[[], None] | None = None,
-              replace: bool = True, **kwargs: Any) -> Any:
+              replace: bool = True, token: CancelToken | None = None, **kwargs: Any) -> Any:
         import inspect
         if self.shut_down:
             return None
@@ -160,9 +172,13 @@ class TaskOwner:
 
         holder: list = []
 
+        task_token = token if token is not None else CancelToken()
+
         def finished() -> None:
             if holder and self._tasks.get(key) is holder[0]:
                 del self._tasks[key]
+                if self._tokens.get(key) is task_token:
+                    del self._tokens[key]
             if on_finished is not None and self.current(key, serial):
                 on_finished()
 
@@ -175,6 +191,7 @@ class TaskOwner:
             worker = run_function(fn, *args, **common, **kwargs)
         holder.append(worker)
         self._tasks[key] = worker
+        self._tokens[key] = task_token
         done = threading.Event()
         self._done[id(worker)] = done
         # set in the worker's own thread as it finishes (a queued slot would need the GUI loop, which is blocked
@@ -186,7 +203,10 @@ class TaskOwner:
     def cancel(self, key: str) -> None:
         """Ask the task under ``key`` to quit; its later callbacks are dropped."""
         worker = self._tasks.pop(key, None)
+        token = self._tokens.pop(key, None)
         self._serial[key] = self._serial.get(key, 0) + 1
+        if token is not None:
+            token.cancel("stopped")
         if worker is not None:
             try:
                 worker.quit()
@@ -196,6 +216,9 @@ class TaskOwner:
     def shutdown(self, wait_ms: int = QUIT_WAIT_MS) -> bool:
         self.shut_down = True
         workers = list(self._tasks.values())
+        tokens, self._tokens = list(self._tokens.values()), {}
+        for token in tokens:
+            token.cancel("shutdown")
         for w in workers:
             try:
                 w.quit()

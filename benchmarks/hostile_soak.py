@@ -125,6 +125,7 @@ class Counts:
             return fn(*a, **kw)
         except Exception:  # noqa: BLE001 - the point: count what escapes
             self.tracebacks.append(f"{op} {what}: {traceback.format_exc(limit=3).strip().splitlines()[-1]}")
+            print(traceback.format_exc(), file=sys.stderr, flush=True)
             return None
         finally:
             took = time.monotonic() - t0
@@ -192,32 +193,47 @@ def readiness(engine: str, url: str) -> str:
         return eng.readiness(client, spec_for(eng, url, KEY)).state
 
 
-def server_round(name: str, behaviour: str, counts: Counts, peak: Peak, poller: C.OverviewPoller,
+def serve(out: Path) -> None:
+    """The servers' side, in a process of its own (so the panel side's memory is its own): one server a behaviour,
+    their URLs as one JSON line; at a line on stdin (or its end), what each received is written to ``out``."""
+    servers = {b: HostileServer(default=b) for b in sorted(BEHAVIOURS)}
+    print(json.dumps({b: s.base_url for b, s in servers.items()}), flush=True)
+    sys.stdin.readline()
+    got = {b: [[m, p, h] for m, p, h in s.requests] for b, s in servers.items()}
+    out.write_text(json.dumps(got))
+    for s in servers.values():
+        s.stop()
+
+
+def server_round(name: str, behaviour: str, url: str, counts: Counts, peak: Peak, poller: C.OverviewPoller,
                  cli: bool) -> None:
-    srv = HostileServer(default=behaviour)
-    try:
-        url = srv.base_url
-        counts.timed("detect", behaviour, C.DETECT_DEADLINE_S, C.detect, url, KEY)
-        C.add_connection(name, url, KEY, replace=True)
-        for eng in READY_ENGINES:
-            counts.timed("readiness", f"{behaviour}/{eng}", PROBE_TIMEOUT_S, readiness, eng, url)
-        for eng in MONITOR_ENGINES:
-            counts.timed("monitor", f"{behaviour}/{eng}", 2 * SOURCE_TIMEOUT_S, monitor_cycle, eng, url)
-        conn = C.get_connection(name)
-        counts.timed("overview", behaviour, C.DETECT_DEADLINE_S + poller.timeout_s, poller.poll_one, conn)
-        if cli:
-            child(peak, counts, "connections test", behaviour, ["connections", "test", name], C.DETECT_DEADLINE_S)
-            child(peak, counts, "chat", behaviour,
-                  ["chat", "--connection", name, "--timeout", "5", "--max-tokens", "5", "hello"],
-                  C.DETECT_DEADLINE_S + 30)
-    finally:
-        srv.stop()
-    for method, path, headers in srv.requests:
-        if KEY in path:
-            counts.leaks.append(f"{behaviour}: the key in the path of {method} {path[:60]}")
-        for k, v in headers.items():
-            if KEY in v and k.lower() != "authorization":
-                counts.leaks.append(f"{behaviour}: the key in request header {k}")
+    counts.timed("detect", behaviour, C.DETECT_DEADLINE_S, C.detect, url, KEY)
+    C.add_connection(name, url, KEY, replace=True)
+    for eng in READY_ENGINES:
+        counts.timed("readiness", f"{behaviour}/{eng}", PROBE_TIMEOUT_S, readiness, eng, url)
+    for eng in MONITOR_ENGINES:
+        counts.timed("monitor", f"{behaviour}/{eng}", 2 * SOURCE_TIMEOUT_S, monitor_cycle, eng, url)
+    conn = C.get_connection(name)
+    counts.timed("overview", behaviour, C.DETECT_DEADLINE_S + poller.timeout_s, poller.poll_one, conn)
+    if cli:
+        child(peak, counts, "connections test", behaviour, ["connections", "test", name], C.DETECT_DEADLINE_S)
+        child(peak, counts, "chat", behaviour,
+              ["chat", "--connection", name, "--timeout", "5", "--max-tokens", "5", "hello"],
+              C.DETECT_DEADLINE_S + 30)
+
+
+def check_requests(received: dict[str, list], counts: Counts) -> int:
+    """The key only ever in the ``Authorization`` header (every server is at the saved URL); the requests seen."""
+    n = 0
+    for behaviour, reqs in received.items():
+        for method, path, headers in reqs:
+            n += 1
+            if KEY in path:
+                counts.leaks.append(f"{behaviour}: the key in the path of {method} {path[:60]}")
+            for k, v in headers.items():
+                if KEY in v and k.lower() != "authorization":
+                    counts.leaks.append(f"{behaviour}: the key in request header {k}")
+    return n
 
 
 # -- files ---------------------------------------------------------------------------------------------------------
@@ -253,7 +269,8 @@ def good_plan() -> dict:
     from engine_manager import plans as P
     from engine_manager.settings import load_settings
 
-    d = placement.make_plan(load_settings().settings, placement.PlanRequest(host="reference", save=False)).plan.to_dict()
+    req = placement.PlanRequest(host="reference", save=False)
+    d = placement.make_plan(load_settings().settings, req).plan.to_dict()
     d["usage"]["counts"] = (d["usage"]["counts"] or [[1.0]])[:2]
     d["hot_set"] = d["hot_set"][:50]
     strp = P.plans_dir() / "last-plan.strp"
@@ -317,7 +334,7 @@ def key_files(counts: Counts) -> list[str]:
     allowed = C.keys_file()
     seen = []
     for p in BASE.rglob("*"):
-        if not p.is_file() or p.is_symlink():
+        if not p.is_file() or p.is_symlink() or p.stat().st_size > 64 * MB:     # the replica's sparse model files
             continue
         try:
             data = p.read_bytes()
@@ -339,9 +356,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=150, help="damaged plan and bench files per round")
     ap.add_argument("--cli-rounds", type=int, default=1, help="rounds that also run the dsv41 child processes")
     ap.add_argument("--out", type=Path, default=None, help="write the counts as Markdown here")
+    ap.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.serve is not None:
+        serve(a.serve)
+        return 0
     if not (1 <= a.rounds <= 100 and 10 <= a.max_seconds <= 3600 and 0 <= a.files <= 5000):
         ap.error("--rounds 1..100, --max-seconds 10..3600, --files 0..5000")
+    received_file = BASE / "received.json"
+    servers = subprocess.Popen([sys.executable, __file__, "--serve", str(received_file)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert servers.stdout is not None and servers.stdin is not None
+    urls: dict[str, str] = json.loads(servers.stdout.readline())
     counts, peak = Counts(), Peak()
     poller = C.OverviewPoller(timeout_s=3.0, record=True)
     behaviours = sorted(BEHAVIOURS)
@@ -353,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() - started > a.max_seconds:
             break
         for i, b in enumerate(behaviours):
-            server_round(f"soak-{i}", b, counts, peak, poller, cli=r < a.cli_rounds)
+            server_round(f"soak-{i}", b, urls[b], counts, peak, poller, cli=r < a.cli_rounds)
             print(f"round {r + 1} {b}: {len(counts.tracebacks)} tracebacks, {len(counts.hangs)} hangs, "
                   f"{len(counts.leaks)} leaks, peak {peak.self_peak / MB:.0f} MB", flush=True)
         if good is not None and a.files:
@@ -369,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
                 files["bench read"] += got["read"]
                 files["bench refused"] += got["refused"]
         rounds += 1
+    servers.stdin.write("stop\n")
+    servers.stdin.flush()
+    servers.wait(60)
+    requests_seen = check_requests(json.loads(received_file.read_text()), counts)
     key_seen = key_files(counts)
     C.close_all_tunnels()
     peak.stop()
@@ -384,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- rounds: {rounds} ({a.cli_rounds} with the `dsv41` child processes), {len(behaviours)} behaviours, "
         f"{took:.0f} s",
-        "- calls: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.calls.items())),
+        "- calls: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.calls.items()))
+        + f"; requests the servers received: {requests_seen}",
         "- files: " + ", ".join(f"{k} {v}" for k, v in files.items()),
         f"- **tracebacks: {len(counts.tracebacks)}**",
         f"- **hangs past their deadline (+{SLACK_S:g} s slack): {len(counts.hangs)}**",

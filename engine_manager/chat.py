@@ -1,42 +1,18 @@
 """OpenAI chat-completions client for the engine (Strata, llama-server or the scripted engine), streaming.
 
 ``ChatClient.stream(messages, options, cancel)`` posts ``/v1/chat/completions`` with ``stream: true`` and yields
-typed events as the Server-Sent Events arrive:
+typed events (:mod:`engine_manager.chat_events`, re-exported here): :class:`StreamOpened`, :class:`ReasoningDelta`,
+:class:`ContentDelta`, :class:`FinishReason`, :class:`UsageInfo`, :class:`TimingsInfo`, and :class:`StreamDone`
+last with :class:`StreamStats` measured on our side beside the engine's figures. Anything that goes wrong raises
+:class:`ChatError` in plain words (the engine's message for HTTP errors, an error frame, a lost connection, a dead
+engine, a stall); the API key is masked wherever a server echoes it. What a server sends is bounded
+(``SSE_LINE_CAP``, ``SMALL_BODY_CAP``, ``max_tokens`` plus a margin); impossible figures are missing, not errors.
 
-- :class:`StreamOpened` once the engine answered 200 with an event stream,
-- :class:`ReasoningDelta` for ``delta.reasoning_content`` (the model's thinking),
-- :class:`ContentDelta` for ``delta.content`` (the answer),
-- :class:`FinishReason`, :class:`UsageInfo`, :class:`TimingsInfo` when the engine reports them,
-- :class:`StreamDone` last, with :class:`StreamStats` measured on our side (time to first token, tok/s) beside the
-  engine's own figures.
-
-Anything that goes wrong raises :class:`ChatError` whose ``str()`` says in plain words what happened and what to do:
-HTTP 400 / 401 / 409 / 503 with the engine's own message, an ``{"error": ...}`` frame in the middle of the stream,
-the connection lost, the engine process gone, no token for longer than the read timeout, a chunk of the wrong shape.
-The API key is masked wherever a server echoes it back.
-
-What a server sends is bounded (:meth:`ChatClient.stream`): a line or an event of the stream at most
-``SSE_LINE_CAP``, an error body at most ``SMALL_BODY_CAP``, the answer at most ``max_tokens`` plus a margin (then it
-is cut off, what arrived kept), and no server holds a chat for ever with keep-alives or empty frames. Figures that
-are not finite, negative or impossible are missing, never an error.
-
-Cancel: :class:`CancelToken.cancel` may be called from any thread. It shuts the stream's socket down, which wakes a
-read blocked inside httpx at once (a plain flag would wait for the next token, or forever on a stalled engine); the
-stream then ends with ``StreamDone(stats.cancelled=True)``.
-
-Fields OpenAI does not define (``reasoning_effort``, ``strata_reproducible``, anything in ``ChatOptions.extra``) are
-sent as top-level JSON keys of the request body, which is where Strata and llama-server read them.
-
-The SSE framing is parsed by ``httpx-sse`` (a well-kept parser; it handles comments such as Strata's
-``: keep-alive``, multi-line data and CRLF). Parsing costs a few microseconds per event, measured by
-``benchmarks/chat_latency.py`` (far below a token's ~16 ms at 63 tok/s), so there is no reason to hand-write one.
-
-:func:`engine_manager.chat_turn.run_turn` is one chat turn recorded into :mod:`engine_manager.history` (it uses this
-client; this module never imports the history). The options and event types live in
-:mod:`engine_manager.chat_events` and are re-exported here.
-
-:func:`engine_target` / :func:`check_target` decide, from the supervisor's status, whether the engine at an address
-is the one the panel started before a request (and the API key) is sent there.
+Cancel: :class:`CancelToken.cancel` (any thread) shuts the stream's socket down, waking a blocked read at once; the
+stream ends with ``StreamDone(stats.cancelled=True)``. Fields OpenAI does not define (``ChatOptions.extra``…) are
+top-level keys of the body, where Strata and llama-server read them. SSE is parsed by ``httpx-sse`` (a few µs per
+event: ``benchmarks/chat_latency.py``). :func:`engine_target` / :func:`check_target` say whether the engine at an
+address is the one the panel started before a request (and the key) is sent there.
 """
 
 from __future__ import annotations
@@ -72,6 +48,7 @@ from .engines._http import (
     SSE_LINE_CAP,
     AnswerTooLarge,
     AnswerTooSlow,
+    bearer_headers,
     get_capped,
 )
 from .engines.base import mask_in
@@ -422,9 +399,8 @@ class ChatClient:
         self.engine_alive = engine_alive
         self._secrets = [api_key] if api_key else []
         self.first_token_s = max(read_timeout_s, first_token_deadline_s)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(
-            base_url=self.base_url, headers=headers, trust_env=False,
+            base_url=self.base_url, headers=bearer_headers(api_key), trust_env=False,
             timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=5.0),
             limits=httpx.Limits(max_keepalive_connections=0),
             # an SSH forward's URL is reached only through its Unix socket (engine_manager.tunnel)

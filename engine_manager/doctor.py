@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .hardware import HardwareReport, format_cpulist
+from .fmt import GB, GIB, MIB
 from .settings import Settings
 
 Status = Literal["pass", "warn", "fail", "info"]
@@ -24,10 +25,6 @@ RAM_NEEDED_BYTES = 280 * 10**9
 DISK_NEEDED_BYTES = 300 * 10**9
 MODEL_BYTES = 264_500_000_000
 ENGINE_RELEASE_ARCH = "12.0"          # engine release v0.1.0 is prebuilt for sm_120
-
-GB = 10**9
-GiB = 1024**3
-MiB = 1024**2
 
 
 @dataclass
@@ -64,8 +61,8 @@ def verdicts(report: HardwareReport, settings: Settings) -> list[Verdict]:
         out.append(Verdict("driver", "NVIDIA driver ≥ 580.65", "fail", "no driver",
                            "Install the NVIDIA driver 580.65 or newer (CUDA 13)."))
     else:
-        vram_mib = gpu.vram_total_bytes // MiB
-        fig = f"{gpu.name}, {vram_mib:,} MiB VRAM ({gpu.vram_total_bytes / GiB:.1f} GiB), bus {gpu.pci_bus_id}"
+        vram_mib = gpu.vram_total_bytes // MIB
+        fig = f"{gpu.name}, {vram_mib:,} MiB VRAM ({gpu.vram_total_bytes / GIB:.1f} GiB), bus {gpu.pci_bus_id}"
         if vram_mib >= REFERENCE_VRAM_MIB * 0.98:
             out.append(Verdict("gpu", "NVIDIA GPU with its VRAM", "pass", fig,
                                "At least the guides' 96 GB card: the reference placement fits."))
@@ -101,7 +98,7 @@ def verdicts(report: HardwareReport, settings: Settings) -> list[Verdict]:
 
     # Host ---------------------------------------------------------------------------------------------------
     ram = report.host.ram_total_bytes
-    fig = f"{ram / GB:.0f} GB total ({ram / GiB:.0f} GiB), {report.host.ram_available_bytes / GB:.0f} GB available"
+    fig = f"{ram / GB:.0f} GB total ({ram / GIB:.0f} GiB), {report.host.ram_available_bytes / GB:.0f} GB available"
     if ram >= RAM_NEEDED_BYTES * 0.96:
         out.append(Verdict("ram", "RAM ≈ 280 GB", "pass", fig))
     else:
@@ -198,11 +195,11 @@ SYMBOL = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "info": "INFO"}
 def render_text(report: HardwareReport, vs: list[Verdict]) -> str:
     lines = []
     h = report.host
-    lines.append(f"Host {h.hostname}: {h.os}, {h.cores_logical} CPUs, {h.ram_total_bytes / GiB:.1f} GiB RAM, "
+    lines.append(f"Host {h.hostname}: {h.os}, {h.cores_logical} CPUs, {h.ram_total_bytes / GIB:.1f} GiB RAM, "
                  f"{len(h.numa_nodes)} NUMA node(s)")
     if report.gpus:
         for g in report.gpus:
-            lines.append(f"GPU {g.index}: {g.name}, {g.vram_total_bytes // MiB:,} MiB, driver {g.driver_version}, "
+            lines.append(f"GPU {g.index}: {g.name}, {g.vram_total_bytes // MIB:,} MiB, driver {g.driver_version}, "
                          f"bus {g.pci_bus_id}, NUMA node {g.numa_node if g.numa_node is not None else 'unknown'}")
     else:
         lines.append(f"GPU: none — {report.gpu_error}")      # the reason says it once (it used to repeat "no GPU")

@@ -52,7 +52,6 @@ from .layout import ModelLayout
 from .routing import CoverageCurve, FrequencyTable, Usage, coverage_curve, rank_by_density, write_strp
 
 SCHEMA = 1
-MiB, GiB, GB = MIB, GIB, GB     # the units of engine_manager.fmt, under the names this module's callers know
 
 REFERENCE_GPU_NAME = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
 REFERENCE_VRAM_MIB = 97_887
@@ -78,7 +77,7 @@ class PlanSettings:
     compute_per_slot_mib: int = 128
     staging_base_mib: int = 2048
     staging_per_slot_mib: int = 256
-    os_headroom_min_bytes: int = 8 * GiB
+    os_headroom_min_bytes: int = 8 * GIB
     os_headroom_share: float = 0.05
     usage_decay: float = 1.0
 
@@ -223,7 +222,7 @@ class Plan:
         if self.refused:
             return f"Refused: {self.refused}"
         hr = f"{self.predicted_hit_rate:.1%}" if self.predicted_hit_rate is not None else UNKNOWN_HIT_RATE
-        return (f"{self.n_hot:,} of {self.total_experts:,} experts in VRAM ({self.hot_expert_bytes / GiB:.1f} GiB), "
+        return (f"{self.n_hot:,} of {self.total_experts:,} experts in VRAM ({self.hot_expert_bytes / GIB:.1f} GiB), "
                 f"{self.cold_experts:,} in RAM; predicted share of expert picks in VRAM: {hr}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -286,7 +285,7 @@ def reference_hardware(vram_mib: float = REFERENCE_VRAM_MIB, ram_bytes: float = 
     """A HardwareReport of the guides' workstation (one 96 GB RTX PRO 6000 Blackwell, 97,887 MiB; 280 GB RAM), or
     of another host with the given sizes: what ``dsv41 plan --vram-gib/--ram-gib`` and the scripted engine plan for.
     Plans made for it are labelled hypothetical."""
-    vram = int(vram_mib * MiB)
+    vram = int(vram_mib * MIB)
     ram = int(ram_bytes)
     cpus = list(range(32))
     gpu = GpuInfo(index=0, name=gpu_name, uuid=HYPOTHETICAL_UUID, pci_bus_id="00000000:00:00.0",
@@ -310,15 +309,15 @@ def hypothetical_hardware(base: HardwareReport | None, vram_bytes: int | None, r
     """This host with its VRAM and/or RAM replaced (``--vram-gib``/``--ram-gib``); a host without a GPU borrows the
     reference card's VRAM unless one is given."""
     gpu = base.gpus[0] if base and base.gpus else None
-    vram = vram_bytes if vram_bytes is not None else (gpu.vram_total_bytes if gpu else REFERENCE_VRAM_MIB * MiB)
+    vram = vram_bytes if vram_bytes is not None else (gpu.vram_total_bytes if gpu else REFERENCE_VRAM_MIB * MIB)
     ram = ram_bytes if ram_bytes is not None else (base.host.ram_total_bytes if base else REFERENCE_RAM_BYTES)
     if vram_bytes is None:
         name = gpu.name if gpu else REFERENCE_GPU_NAME
-    elif vram_bytes == REFERENCE_VRAM_MIB * MiB:
+    elif vram_bytes == REFERENCE_VRAM_MIB * MIB:
         name = REFERENCE_GPU_NAME
     else:
-        name = f"a {vram / GiB:.0f} GiB GPU"
-    return reference_hardware(vram / MiB, ram, gpu_name=name)
+        name = f"a {vram / GIB:.0f} GiB GPU"
+    return reference_hardware(vram / MIB, ram, gpu_name=name)
 
 
 # -- the plan -------------------------------------------------------------------------------------------------------
@@ -353,7 +352,7 @@ def _describe(tensors: Iterable[Any]) -> str:
         if True:
             label = "output head" if t.name.startswith("output") else t.kind.replace("_", " ")
             by[label] = by.get(label, 0) + t.n_bytes
-    return ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in sorted(by.items(), key=lambda kv: -kv[1]) if v)
+    return ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in sorted(by.items(), key=lambda kv: -kv[1]) if v)
 
 
 def _usage_counts(usage: Any, layout: ModelLayout, moe_layers: list[int], n_experts: int
@@ -466,14 +465,14 @@ def plan(layout: ModelLayout, hardware: HardwareReport | None, usage: Usage | Fr
     gpu_tensors = [t for t in layout.tensors if t.kind != "routed_experts" and not t.lookup]
     gpu_bytes = sum(t.n_bytes for t in gpu_tensors)
     kv, kv_note = _kv_bytes(layout, s)
-    compute = (s.compute_base_mib + s.compute_per_slot_mib * s.slots) * MiB
+    compute = (s.compute_base_mib + s.compute_per_slot_mib * s.slots) * MIB
     fixed = [
         Term("non-expert weights", gpu_bytes, _describe(gpu_tensors)),
         Term("KV cache", kv, kv_note),
         Term("compute buffers", compute, f"graphs, prefill chunk and MoE scratch: {s.compute_base_mib:,} MiB + "
                                          f"{s.compute_per_slot_mib} MiB × {s.slots} slot(s) (estimate)"),
-        Term("CUDA context", s.cuda_context_mib * MiB, "driver and cuBLAS workspace (estimate)"),
-        Term("reserve (--vram-reserve-mib)", s.vram_reserve_mib * MiB, "kept free for CUDA's own use"),
+        Term("CUDA context", s.cuda_context_mib * MIB, "driver and cuBLAS workspace (estimate)"),
+        Term("reserve (--vram-reserve-mib)", s.vram_reserve_mib * MIB, "kept free for CUDA's own use"),
     ]
     vram_total = int(gpu.vram_total_bytes) if gpu else 0
     fixed_sum = sum(t.bytes for t in fixed)
@@ -487,8 +486,8 @@ def plan(layout: ModelLayout, hardware: HardwareReport | None, usage: Usage | Fr
     elif fixed_sum > vram_total:
         shortfalls.append(Shortfall("vram", fixed_sum, vram_total, fixed))
         reasons.append(f"VRAM cannot hold the non-expert part + KV cache + reserve: it needs "
-                       f"{fixed_sum / GiB:.1f} GiB, the GPU has {vram_total / GiB:.1f} GiB — "
-                       f"{(fixed_sum - vram_total) / GiB:.1f} GiB short. Lower the context length or slots, use a "
+                       f"{fixed_sum / GIB:.1f} GiB, the GPU has {vram_total / GIB:.1f} GiB — "
+                       f"{(fixed_sum - vram_total) / GIB:.1f} GiB short. Lower the context length or slots, use a "
                        "smaller KV type (q4_0), or use a GPU with more memory")
     expert_budget = max(0, vram_total - fixed_sum) if not shortfalls else 0
 
@@ -499,14 +498,14 @@ def plan(layout: ModelLayout, hardware: HardwareReport | None, usage: Usage | Fr
     hot_bytes = int(eb_flat[order[:n_hot]].sum())
     vram_terms = fixed + [Term("hot experts", hot_bytes,
                                f"{n_hot:,} of {eb_flat.size:,} routed experts "
-                               f"({(hot_bytes / n_hot if n_hot else 0) / MiB:.2f} MiB each)")]
+                               f"({(hot_bytes / n_hot if n_hot else 0) / MIB:.2f} MiB each)")]
     vram = Budget(vram_total, vram_terms)
 
     # -- RAM ---------------------------------------------------------------------------------------------------------
     cold_bytes = int(eb_flat.sum()) - hot_bytes
     lookup = [t for t in layout.tensors if t.lookup]
     lookup_bytes = sum(t.n_bytes for t in lookup)
-    staging = (s.staging_base_mib + s.staging_per_slot_mib * s.slots) * MiB
+    staging = (s.staging_base_mib + s.staging_per_slot_mib * s.slots) * MIB
     headroom = max(s.os_headroom_min_bytes, int(s.os_headroom_share * ram_total))
     ram_terms = [
         Term("cold experts (pinned)", cold_bytes, f"{eb_flat.size - n_hot:,} experts computed by CPU threads"),
@@ -519,15 +518,15 @@ def plan(layout: ModelLayout, hardware: HardwareReport | None, usage: Usage | Fr
         Term("pinned staging", staging,
              f"PCIe upload buffers and CPU expert pool activations: "
              f"{s.staging_base_mib:,} MiB + {s.staging_per_slot_mib} MiB × {s.slots} slot(s)"),
-        Term("OS headroom", headroom, f"max({s.os_headroom_min_bytes / GiB:.0f} GiB, "
+        Term("OS headroom", headroom, f"max({s.os_headroom_min_bytes / GIB:.0f} GiB, "
                                       f"{s.os_headroom_share:.0%} of RAM): the OS, page cache, the server"),
     ]
     ram = Budget(ram_total, ram_terms)
     if ram.total_bytes > ram_total:
         shortfalls.append(Shortfall("ram", ram.total_bytes, ram_total, ram_terms))
         reasons.append(f"RAM cannot hold the minimum layout: it needs {ram.total_bytes / GB:.1f} GB "
-                       f"({ram.total_bytes / GiB:.1f} GiB), the host has {ram_total / GB:.1f} GB "
-                       f"({ram_total / GiB:.1f} GiB) — {(ram.total_bytes - ram_total) / GB:.1f} GB short. Add RAM, "
+                       f"({ram.total_bytes / GIB:.1f} GiB), the host has {ram_total / GB:.1f} GB "
+                       f"({ram_total / GIB:.1f} GiB) — {(ram.total_bytes - ram_total) / GB:.1f} GB short. Add RAM, "
                        "or use the engine's low-RAM mode "
                        "(--mmap-experts: experts read from disk, much slower)")
     refused = "; ".join(reasons) if reasons else None
@@ -594,8 +593,8 @@ def _mask(flat: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
 
 def _hardware_label(hw: HardwareReport, gpu: GpuInfo | None, hyp: bool) -> str:
     ram = hw.host.ram_total_bytes
-    g = f"{gpu.name} ({gpu.vram_total_bytes / MiB:,.0f} MiB)" if gpu else "no GPU"
-    r = f"{ram / GB:.0f} GB ({ram / GiB:.0f} GiB) RAM"     # both units: the CLI's sizes are GiB, RAM is sold in GB
+    g = f"{gpu.name} ({gpu.vram_total_bytes / MIB:,.0f} MiB)" if gpu else "no GPU"
+    r = f"{ram / GB:.0f} GB ({ram / GIB:.0f} GiB) RAM"     # both units: the CLI's sizes are GiB, RAM is sold in GB
     if hyp:
         return f"hypothetical host: {g}, {r}"
     return f"this host ({hw.host.hostname}): {g}, {r}"

@@ -2,37 +2,13 @@
 scripted engine: the real header layout (7 shards ``DeepSeek-V4.1-Flash-Q2_K-0000N-of-00007.gguf``, every tensor
 with its name, type, shape and offset, shard 1 with a tokenizer-sized metadata block) and files of the real sizes,
 but no weights: tensor data is a hole (``os.truncate``), so 264.5 GB take kilobytes of disk. The files are written
-with ``gguf.GGUFWriter`` (its split support names the shards and writes the ``split.*`` keys); only the tensor data
-is left out.
+with ``gguf.GGUFWriter`` (its split support names the shards and writes the ``split.*`` keys).
 
-The chosen hyperparameters (the guides give totals, not a header; these make the totals come out):
-
-=========================  =========================================================================================
-architecture               ``deepseek2`` key names (llama.cpp's DeepSeek family): MLA attention, routed + shared
-                           experts, the first 3 blocks dense
-blocks                     43: blocks 0–2 dense FFN, blocks 3–42 MoE (40 MoE layers)
-routed experts             384 per MoE layer, 6 used per token, 1 shared expert; 15,360 in all
-n_embd / expert n_ff       7,680 / 1,536; gate and up Q2_K, down Q3_K (llama.cpp's Q2_K recipe: ffn_down one step
-                           up) → 3,870,720 + 3,870,720 + 5,068,800 = 12,810,240 bytes = 12.22 MiB per expert;
-                           15,360 experts = 196.77 GB = 183.3 GiB (guides: ~12.2 MiB, 183.4 GiB = 69.5 + 113.9)
-attention (MLA)            128 heads, q_lora 1,536, kv_lora 512, qk 128 + rope 64, v 128; BF16 (kept unquantised)
-dense FFN (blocks 0–2)     n_ff 18,432, Q8_0
-shared expert              n_ff 1,536, BF16
-router                     ``ffn_gate_inp`` F32 [7680, 384] and ``exp_probs_b`` F32 per MoE layer
-vocabulary                 163,840 tokens (byte-level BPE, 163,328 merges) in shard 1; ``token_embd`` Q8_0 (a lookup
-                           table, kept in host RAM), ``output`` Q8_0
-n-gram memory              blocks 1 and 22 carry 2 orders × 8 heads of hashed n-gram embedding tables
-                           (``blk.N.engram_embd_O_H.weight``, Q2_K, 1,024 wide) — lookup tables kept in host RAM —
-                           and their BF16 key/value projections (16,384 → 7,680) on the GPU. The guides' totals
-                           (264.5 GB file, 183.4 GiB routed experts, 69.5 GiB hot experts in a 95.6 GiB card) leave
-                           ~63 GiB of non-expert weight of which at most ~24 GiB can sit on the GPU; the replica
-                           models the rest as these host-resident tables. Their row count is solved so the seven
-                           files add up to 264.5 GB. The real header may differ: the planner relies only on the
-                           classification rules of :mod:`engine_manager.layout`, which is what
-                           ``tests/test_plan_cli.py`` checks with a replica of other shapes.
-totals                     264.5 GB in 7 shards; 22.3 GiB of GPU-resident non-expert weights; 40.8 GiB of lookup
-                           tables; the replica does not try to match the 763 B parameter count.
-=========================  =========================================================================================
+The hyperparameters are chosen so the guides' totals come out (``deepseek2`` key names; 43 blocks, the first 3
+dense; 384 routed experts per MoE layer, 6 used, 12.22 MiB each; host-resident n-gram tables whose row count is
+solved so the files add up to 264.5 GB). The table of choices and the figures they reproduce:
+benchmarks/results/replica.md. The real header may differ: the planner relies only on the classification rules of
+:mod:`engine_manager.layout` (``tests/test_plan_cli.py`` checks it with a replica of other shapes).
 
 ``python -m engine_manager.replica DIR`` writes it; ``--small`` writes a small one for fast tests.
 """

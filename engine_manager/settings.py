@@ -374,8 +374,17 @@ def restart_needed(changed) -> list[str]:
     return [f.title or n for n, f in Settings.model_fields.items() if n in RESTART_FIELDS and n in set(changed)]
 
 
+API_KEY_PREFIX = "dsv41-"
+
+
+def new_api_key() -> str:
+    """A fresh engine API key, the one format the panel generates: ``dsv41-`` and 43 URL-safe characters (256
+    random bits), which the ``api_key`` setting accepts."""
+    return API_KEY_PREFIX + secrets.token_urlsafe(32)
+
+
 def mask_secret(value: str | None) -> str:
-    """``sk-abcdef…`` → ``sk-a…(43 chars)``; never the whole secret."""
+    """``dsv41-abcdef…`` → ``dsv4…(49 chars)``; never the whole secret."""
     if not value:
         return ""
     return f"{paths.shown(value[:4])}…({len(value)} chars)"
@@ -550,7 +559,7 @@ def load_settings(env: Mapping[str, str] | None = None, path: Path | None = None
 
     loaded = LoadedSettings(settings, sources, dict(file_values), path, notices)
     if generate_key and not settings.api_key:
-        key = "dsv41-" + secrets.token_urlsafe(32)
+        key = new_api_key()
         try:
             loaded = save_settings(loaded, {"api_key": key}, env=env)
         except OSError as exc:

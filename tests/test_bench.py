@@ -10,7 +10,6 @@ import os
 import stat
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from engine_manager.bench import prompts as P
 from engine_manager.bench import results
 from engine_manager.bench.stats import ratio, summary
 from engine_manager.bench.streams import StreamRecord, common_window, decode_figures
+from engine_manager.cancel import CancelToken
 from engine_manager.errors import UserError
 from engine_manager.settings import load_settings
 
@@ -161,14 +161,14 @@ def test_cancel_puts_back_the_engine_that_ran_before(port, tmp_path):
         pass
     st0 = before.status()
     assert st0.state == sv.READY
-    stop = threading.Event()
+    stop = CancelToken()
     spec = bench.BenchSpec.make("sim", presets=[], users=(1,), tokens=400, repeats=3, long_prompt_tokens=0)
     gen = bench.run_bench(settings, spec, stop=stop)
     events = []
     for ev in gen:
         events.append(ev)
         if ev.kind == "progress" and ev.phase == "users_1":
-            stop.set()                        # mid-stream: a 400-token reply takes seconds
+            stop.cancel()                     # mid-stream: a 400-token reply takes seconds
     done = events[-1]
     assert done.kind == "done" and done.cancelled and done.result["cancelled"] is True
     assert any(e.kind == "note" and "started again" in e.text for e in events)

@@ -48,18 +48,16 @@ def test_start_with_this_plan_while_an_engine_runs_offers_a_restart_with_it(qtbo
     panel.ask_restart = lambda text, action: asked.append((text, action)) or False
     messages = []
     ctx.statusMessage.connect(lambda text, _ms: messages.append(text))
-    ctx.start_plan = plan
-    ctx.requestStart.emit()
+    ctx.startWithPlan.emit(plan)
     assert asked and asked[0][1] == "Restart with this plan" and "already running" in asked[0][0]
-    assert ctx.start_plan is None and any("Not restarted" in m for m in messages)
+    assert panel._chosen_plan is None and any("Not restarted" in m for m in messages)
     assert panel.sup.snapshot().pid == pid
     # "Restart with this plan": stopped, then started again, with that plan taken
     panel.ask_restart = lambda text, action: asked.append((text, action)) or True
-    ctx.start_plan = plan
-    ctx.requestStart.emit()
+    ctx.startWithPlan.emit(plan)
     qtbot.waitUntil(lambda: panel.badge.text() == "Ready" and panel.sup.snapshot() is not None
                     and panel.sup.snapshot().pid != pid, timeout=90_000)
-    assert len(asked) == 2 and getattr(ctx, "start_plan", None) is None
+    assert len(asked) == 2 and panel._chosen_plan is None
 
 
 def test_a_setting_that_needs_a_restart_asks_to_restart_while_the_engine_runs(qtbot, port):

@@ -14,7 +14,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from engine_manager.bench import results
 from engine_manager.bench.runner import BASELINE, BenchSpec, _combine, _monitor_summary
 from engine_manager.bench.stats import finite_json, measured, measured_int
 from engine_manager.bench.streams import StreamRecord, Streams, decode_figures
+from engine_manager.cancel import CancelToken
 from engine_manager.chat import ChatClient, ChatOptions
 from engine_manager.cli.bench import _save, exit_code
 from engine_manager.errors import UserError
@@ -342,7 +342,7 @@ def test_a_stalled_engine_is_given_up_on_from_its_pace(port, monkeypatch):
     settings = load_settings().settings
     spec = bench.BenchSpec.make("sim", presets=[], users=(1,), tokens=300, repeats=1, long_prompt_tokens=0,
                                 timeout_s=60.0, stall_min_s=3.0)
-    stop = threading.Event()
+    stop = CancelToken()
     events, r = drain(bench.run_bench(settings, spec, stop=stop))
     assert r["error"] and "sent no token for" in r["error"] and "at 1 user" in r["error"], r["error"]
     assert "looks stuck" in r["error"] and math.isfinite(r["duration_s"])

@@ -148,7 +148,8 @@ def test_a_body_that_is_not_the_compression_it_claims_is_said_in_words(hostile, 
         said = missing_words(src)
     finally:
         src.close()
-    assert said.startswith("something else answers at"), said
+    assert said == (f"the answer at {srv.base_url}/metrics says it is gzip-compressed but is not; it cannot be "
+                    "read"), said
 
 
 def test_a_compressed_answer_expands_only_up_to_the_cap(hostile):
@@ -231,3 +232,34 @@ def test_the_key_goes_only_in_the_authorization_header(hostile):
     one_tick("strata", srv)
     for _m, _p, headers in srv.requests:
         assert [k for k, v in headers.items() if KEY in v] in ([], ["Authorization"]), headers
+
+
+# -- memory: what a capped answer costs once parsed -----------------------------------------------------------------
+def test_a_one_line_page_of_megabytes_is_not_handed_to_the_prometheus_parser():
+    """prometheus_client's parser takes ~8 times a line's size: a 14 MB line cost the panel 110 MB. A line no
+    sample could be is left out first; the page's real samples are still read."""
+    import tracemalloc
+
+    from engine_manager.engines import _prometheus
+
+    size = 14 * 1024 * 1024
+    page = "x" * size + "\nvllm:num_requests_running 3\n"
+    tracemalloc.start()
+    try:
+        rows = _prometheus.read_samples(page)
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del page                                         # (never in an assertion's message)
+    assert rows == [("vllm:num_requests_running", {}, 3.0)]
+    assert peak < 3 * size, f"{peak / size:.1f} times the page"    # a copy or two, not the parser's eightfold
+
+
+def test_a_json_metrics_answer_far_past_stratas_is_refused_before_parsing(hostile):
+    srv = hostile({"/metrics": "huge_models"})           # 13.6 MB of JSON: under the 16 MB cap as sent
+    src = source("strata", srv)
+    try:
+        said = missing_words(src)
+    finally:
+        src.close()
+    assert "larger than 4 MB" in said and "far past what Strata sends" in said, said

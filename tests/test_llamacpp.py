@@ -29,7 +29,7 @@ from engine_manager.testing import tinymoe
 from engine_manager.engines import get_engine
 from engine_manager.engines.base import LaunchSpec
 from engine_manager.engines.llamacpp import (
-    LlamaPlacement, ModelNotFound, PlacementSummary, cpu_layers_rule, first_shard, parse_line, parse_prometheus,
+    LlamaPlacement, ModelNotFound, PlacementSummary, cpu_layers_rule, parse_line, parse_prometheus,
     placement_from_log, resolve_model, sample_from,
 )
 from engine_manager.settings import load_settings
@@ -155,8 +155,12 @@ def test_cpu_layers_rule_matches_exactly_the_expert_tensors_of_those_layers():
 
 
 def test_first_shard_and_model_resolution(tmp_path, tiny):
-    assert first_shard(Path("/m/X-00004-of-00007.gguf")) == Path("/m/X-00001-of-00007.gguf")
-    assert first_shard(Path("/m/single.gguf")) == Path("/m/single.gguf")
+    # llama-server is given shard 1 (by name: it finds the others by theirs), whichever shard the setting names
+    with pytest.raises(ModelNotFound, match=r"X-00001-of-00007\.gguf does not exist"):
+        resolve_model(settings_for(DSV41_LLAMACPP_MODEL=tmp_path / "X-00004-of-00007.gguf"), None)
+    single = tmp_path / "single.gguf"
+    single.write_bytes(b"GGUF")
+    assert resolve_model(settings_for(DSV41_LLAMACPP_MODEL=single), None) == single
     s = settings_for(DSV41_MODEL_DIR=tiny.parent)
     assert resolve_model(s, None) == tiny
     with pytest.raises(ModelNotFound, match="DSV41_LLAMACPP_MODEL"):

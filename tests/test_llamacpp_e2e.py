@@ -28,6 +28,7 @@ import pytest
 from engine_manager import chat, history, llamacpp_bin, placement, supervisor
 from engine_manager.testing import tinymoe
 from engine_manager.engines import get_engine
+from engine_manager.fmt import MIB
 from engine_manager.engines.llamacpp import RATE_WINDOW_S, PlacementSummary, placement_from_log
 from engine_manager.layout import read_layout
 from engine_manager.metrics import sources
@@ -86,7 +87,7 @@ def make_plan(tiny: Path, settings) -> dict:
     roomy = placement.plan(layout, placement.reference_hardware(), None, settings)
     fixed = sum(t.bytes for t in roomy.vram.terms if t.name != "hot experts")
     layer_bytes = int(layout.expert_bytes_matrix().sum(axis=1)[0])
-    hw = placement.reference_hardware(vram_mib=(fixed + 2.5 * layer_bytes) / placement.MiB, ram_bytes=64e9)
+    hw = placement.reference_hardware(vram_mib=(fixed + 2.5 * layer_bytes) / MIB, ram_bytes=64e9)
     p = placement.plan(layout, hw, None, settings).to_dict()
     assert p["refused"] is None and p["hardware"]["hypothetical"]
     return p

@@ -104,7 +104,7 @@ def test_start_with_this_plan_hands_that_plan_to_the_engine_panel(qtbot, qapp, s
                           placement.PlanSettings.from_settings(settings)).to_dict()
     assert plan["hardware"]["hypothetical"] and not plan["refused"]
     requested = []
-    ctx.requestStart.connect(lambda: requested.append(getattr(ctx, "start_plan", None)))
+    ctx.startWithPlan.connect(requested.append)
     view.show_plan(plan)
     assert view.start_with_plan.isEnabled()
     view.start_with_plan.click()
@@ -114,7 +114,7 @@ def test_start_with_this_plan_hands_that_plan_to_the_engine_panel(qtbot, qapp, s
 
 
 def test_the_engine_panel_starts_with_the_chosen_plan_and_names_its_host(qtbot, qapp, setup, monkeypatch, free_port):
-    """"Start with this plan" (ctx.start_plan): the supervisor gets exactly that plan — even one made for a
+    """"Start with this plan" (ctx.startWithPlan): the supervisor gets exactly that plan — even one made for a
     hypothetical host, which the default start would not use — and the panel warns, naming the host."""
     import json
     from pathlib import Path
@@ -142,11 +142,10 @@ def test_the_engine_panel_starts_with_the_chosen_plan_and_names_its_host(qtbot, 
                           placement.PlanSettings.from_settings(ctx.settings)).to_dict()
     assert "50" in plan["hardware"]["label"]
     try:
-        ctx.start_plan = plan
         with qtbot.waitSignal(ctx.ownEngineChanged, timeout=60_000, check_params_cb=lambda r: r is not None):
-            ctx.requestStart.emit()
+            ctx.startWithPlan.emit(plan)
         assert "This plan was made for hypothetical host" in panel.notes.text()
-        assert getattr(ctx, "start_plan", None) is None                  # taken once
+        assert panel._chosen_plan is None                                # taken once
         started = json.loads(Path(panel.sup.snapshot().spec.files["plan"]).read_text())
         assert started["hardware"]["label"] == plan["hardware"]["label"]
     finally:

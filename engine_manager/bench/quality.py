@@ -29,7 +29,6 @@ import io
 import json
 import random
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -38,10 +37,11 @@ from pathlib import Path
 from typing import Any, Callable, Generator, Sequence
 
 from ..atomic import atomic_write_text, read_bytes_nofollow
+from ..cancel import Cancelled, CancelToken
 from ..chat import ChatClient, ChatError
 from ..chat_events import ChatOptions, ContentDelta, ReasoningDelta
 from ..errors import UserError
-from .runner import BenchDone, BenchEvent, BenchNote, BenchProgress, Cancelled, EngineControl
+from .runner import BenchDone, BenchEvent, BenchNote, BenchProgress, EngineControl
 from .sandbox import Limits, SandboxUnavailable, run_python
 from .stats import finite_json
 
@@ -303,11 +303,11 @@ def _model_file(settings: Any, engine: str, plan: dict[str, Any] | None) -> dict
 
 class QualityRun:
     def __init__(self, settings: Any, spec: QualitySpec, *, plan: dict[str, Any] | None = None,
-                 hardware: Any = None, stop: threading.Event | None = None,
+                 hardware: Any = None, stop: CancelToken | None = None,
                  supervisor_factory: Callable[..., Any] | None = None,
                  on_engine_event: Callable[[Any], None] | None = None):
         self.settings, self.spec, self.plan, self.hardware = settings, spec, plan, hardware
-        self.stop = stop or threading.Event()
+        self.stop = stop or CancelToken()
         self.control = EngineControl(settings, hardware, supervisor_factory, on_engine_event)
         self.t0 = time.monotonic()
         self.total = 1.0
@@ -321,8 +321,7 @@ class QualityRun:
         return BenchProgress("quality", phase, message, frac, el, eta)
 
     def _check(self) -> None:
-        if self.stop.is_set():
-            raise Cancelled()
+        self.stop.raise_if_cancelled()
 
     def _settings_for(self, numerics: dict[str, Any]) -> Any:
         s = self.spec

@@ -2,31 +2,29 @@
 decode at 1/4/8 concurrent streams (repeats), the long-prompt experiment, then restore the engine as it was.
 
 :func:`run_bench` is a generator of typed events (:class:`BenchProgress`, :class:`BenchPhase`, :class:`BenchDone`)
-that returns the result document (see :mod:`.results` for its schema). The CLI prints the events, the GUI turns
-them into signals, the tests assert on them. ``stop`` (a ``threading.Event``) cancels: open streams are cut, the
-bench's engine is stopped and the engine that ran before (if any) is started again with its own settings and plan.
+that returns the result document (schema: :mod:`.results`); the CLI prints them, the GUI turns them into signals.
+``stop`` (a :class:`~engine_manager.cancel.CancelToken`) cancels: open streams are cut, the bench's engine is
+stopped and the engine that ran before (if any) is started again with its own settings and plan.
 
-Configurations (:class:`BenchConfig`) are the A/B of settings overrides (``numa_binding``,
-``cpu_numerics``, ``slots``, ``vram_reserve_mib``, ``llamacpp_load_mode``), a hot-set size (``expert_cache``: the
-scripted engine's and Strata's ``--expert-cache``) and, for llama.cpp, which MoE layers keep their experts in RAM
-(``cpu_layers``). The first configuration is the baseline; every other one is reported as a ratio to it.
-
-The scripted engine cannot see a NUMA binding (it is a Python process that models one), so a configuration with
-``numa_binding`` off also passes it ``--numa unbound``; likewise ``--reply-tokens`` makes its replies as long as the
-bench asks (a real engine is asked with ``ignore_eos``).
+Configurations (:class:`BenchConfig`) are the A/B of settings overrides (``numa_binding``, ``cpu_numerics``,
+``slots``, ``vram_reserve_mib``, ``llamacpp_load_mode``), a hot-set size (``expert_cache``) and, for llama.cpp,
+which MoE layers keep their experts in RAM (``cpu_layers``). The first is the baseline; the others are ratios to it.
+The scripted engine cannot see a NUMA binding, so ``numa_binding`` off also passes it ``--numa unbound``, and
+``--reply-tokens`` makes its replies as long as asked (a real engine is asked with ``ignore_eos``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Generator, Iterator
 
 import httpx
 
+from ..cancel import Cancelled, CancelToken
 from ..chat import ChatClient, ChatOptions
+from ..engines._http import bearer_headers
 from ..errors import UserError
 from ..eventbase import Event
 from ..events import Crashed, StartFailed
@@ -199,10 +197,6 @@ class BenchDone(Event):
 BenchEvent = BenchProgress | BenchPhase | BenchNote | BenchDone
 
 
-class Cancelled(Exception):
-    pass
-
-
 # ------------------------------------------------------------------------------------------------ engine control
 class EngineControl:
     """Start the engine for each configuration through the supervisor; put back what ran before.
@@ -335,14 +329,14 @@ class BenchRun:
     """One benchmark (use :func:`run_bench`)."""
 
     def __init__(self, settings: Any, spec: BenchSpec, *, plan: dict[str, Any] | None = None, hardware: Any = None,
-                 stop: threading.Event | None = None, supervisor_factory: Callable[..., Any] | None = None,
+                 stop: CancelToken | None = None, supervisor_factory: Callable[..., Any] | None = None,
                  on_token: Callable[[str, int, float], None] | None = None,
                  on_engine_event: Callable[[Any], None] | None = None):
         self.settings = settings
         self.spec = spec
         self.plan = plan
         self.hardware = hardware
-        self.stop = stop or threading.Event()
+        self.stop = stop or CancelToken()
         self.control = EngineControl(settings, hardware, supervisor_factory, on_engine_event)
         self.on_token = on_token
         self.ratio = P.TokenRatio()
@@ -376,8 +370,7 @@ class BenchRun:
         return BenchProgress(cfg, phase, message, self.clock.fraction(), self.clock.elapsed(), self.clock.eta())
 
     def _check(self) -> None:
-        if self.stop.is_set():
-            raise Cancelled()
+        self.stop.raise_if_cancelled()
 
     def check(self) -> None:
         """Every configuration's settings, checked before anything is stopped or started: a bad ``--config`` (an
@@ -593,7 +586,7 @@ class BenchRun:
 
     def _model_name(self, eng: RunningEngine) -> str | None:
         try:
-            r = httpx.get(eng.base_url + "/v1/models", headers={"Authorization": f"Bearer {eng.api_key}"},
+            r = httpx.get(eng.base_url + "/v1/models", headers=bearer_headers(eng.api_key),
                           timeout=5.0, trust_env=False)
             data = r.json().get("data") or []
             return str(data[0].get("id")) if data else None
@@ -688,7 +681,7 @@ class BenchRun:
         # every stream decoding for a few tokens first
         end = time.monotonic() + self._deadlines(n, s.prompt_tokens)[1]
         while not all(len(r.token_times) >= 8 for r in dec.records):
-            if self.stop.is_set() or time.monotonic() > end or dec.alive() < n:
+            if self.stop.cancelled or time.monotonic() > end or dec.alive() < n:
                 dec.cancel()
                 dec.wait(10)
                 self._check()
@@ -704,7 +697,7 @@ class BenchRun:
         stall_s, first_s = self._deadlines(1, s.long_prompt_tokens)
         ok = lp.wait(s.timeout_s, self.stop, stall_s=stall_s, first_token_s=first_s)
         long_rec = lp.records[0]
-        if not ok and lp.stalled_s is not None and not self.stop.is_set():
+        if not ok and lp.stalled_s is not None and not self.stop.cancelled:
             dec.cancel()
             dec.wait(30)
             raise self._stalled(lp, f"to the ~{s.long_prompt_tokens:,}-token prompt")
@@ -712,7 +705,7 @@ class BenchRun:
         if ok and long_rec.token_times:
             after = long_rec.token_times[0]
             until = time.monotonic() + 10.0
-            while time.monotonic() < until and not self.stop.is_set() and \
+            while time.monotonic() < until and not self.stop.cancelled and \
                     not all(sum(t > after for t in r.token_times) >= 8 for r in dec.records):
                 time.sleep(0.02)
         dec.cancel()

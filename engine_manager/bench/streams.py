@@ -17,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..cancel import CancelToken
 from ..chat import (
-    CancelToken,
     ChatClient,
     ChatError,
     ChatOptions,
@@ -128,10 +128,10 @@ class Streams:
     def alive(self) -> int:
         return sum(t.is_alive() for t in self._threads)
 
-    def wait(self, timeout: float | None = None, stop: threading.Event | None = None, *,
+    def wait(self, timeout: float | None = None, stop: CancelToken | None = None, *,
              stall_s: float | None = None, first_token_s: float | None = None) -> bool:
-        """Join every stream (True), or give up (False: cancelled) at ``timeout``, when ``stop`` is set, or when the
-        engine stalls: no token on any stream for ``stall_s`` seconds (``first_token_s`` before the first token,
+        """Join every stream (True), or give up (False: cancelled) at ``timeout``, when ``stop`` is cancelled, or when
+        the engine stalls: no token on any stream for ``stall_s`` seconds (``first_token_s`` before the first token,
         while the prompts are read). After a stall ``stalled_s`` says how long nothing came."""
         start = time.monotonic()
         end = None if timeout is None else start + timeout
@@ -139,7 +139,7 @@ class Streams:
         for t in self._threads:
             while t.is_alive():
                 now = time.monotonic()
-                if stop is not None and stop.is_set():
+                if stop is not None and stop.cancelled:
                     self.cancel()
                     self._join_all(5.0)
                     return False

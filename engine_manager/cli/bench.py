@@ -19,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ..cancel import CancelToken
 from ..errors import UserError
 from ..exitcodes import ExitCode
 
@@ -225,7 +226,7 @@ def run(args, ctx) -> int:
         hw = hardware.probe(None)
     except Exception:  # noqa: BLE001 - the report is saved without it
         hw = None
-    stop = threading.Event()
+    stop = CancelToken()
     out = sys.stderr if args.json else sys.stdout
     gen = bench.run_bench(settings, spec, plan=plan, hardware=hw, stop=stop)
     result = None
@@ -243,7 +244,7 @@ def run(args, ctx) -> int:
                 if interrupted:   # a second one: leave now (the engine may be left running; `dsv41 stop` stops it)
                     raise
                 interrupted = True
-                stop.set()
+                stop.cancel("interrupted")
                 why = f"{exc.args[0]} received" if isinstance(exc, _Signalled) and exc.args else "interrupted"
                 print(f"\n{why}: cutting the streams and putting the engine back…", file=sys.stderr, flush=True)
     if result is None:
@@ -280,7 +281,7 @@ def _quality(args, settings, engine: str) -> int:
     except UserError as exc:
         print(f"dsv41 bench: {exc}", file=sys.stderr)
         return ExitCode.USAGE
-    stop = threading.Event()
+    stop = CancelToken()
     out = sys.stderr if args.json else sys.stdout
     gen = quality.run_quality(settings, spec, plan=plan, stop=stop)
     result = None
@@ -298,7 +299,7 @@ def _quality(args, settings, engine: str) -> int:
                 if interrupted:
                     raise
                 interrupted = True
-                stop.set()
+                stop.cancel("interrupted")
                 why = f"{exc.args[0]} received" if isinstance(exc, _Signalled) and exc.args else "interrupted"
                 print(f"\n{why}: stopping and putting the engine back…", file=sys.stderr, flush=True)
     if result is None:

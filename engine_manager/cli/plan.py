@@ -26,11 +26,10 @@ from ..routing import RoutingError, load_usage
 
 from ..exitcodes import ExitCode
 
-GiB, GB, MiB = fmt.GIB, fmt.GB, fmt.MIB
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(gib|gb|mib|mb|tib|tb|g|m|t)?\s*$", re.I)
-_UNIT = {None: GiB, "gib": GiB, "g": GiB, "gb": GB, "mib": MiB, "m": MiB, "mb": fmt.MB, "tib": 1 << 40,
-         "tb": 10**12, "t": 1 << 40}
+_UNIT = {None: fmt.GIB, "gib": fmt.GIB, "g": fmt.GIB, "gb": fmt.GB, "mib": fmt.MIB, "m": fmt.MIB, "mb": fmt.MB,
+         "tib": 1 << 40, "tb": 10**12, "t": 1 << 40}
 
 
 def parse_size(text: str) -> int:
@@ -150,23 +149,23 @@ def run(args, ctx) -> int:
 
 
 def _g(n: int) -> str:
-    return f"{n / GiB:9.2f} GiB"
+    return f"{n / fmt.GIB:9.2f} GiB"
 
 
 def _both(n: int) -> str:
     """RAM in GB (how it is sold) with GiB beside it (what --ram-gib takes)."""
-    return f"{n / GB:.1f} GB ({n / GiB:.1f} GiB)"
+    return f"{n / fmt.GB:.1f} GB ({n / fmt.GIB:.1f} GiB)"
 
 
 def _left(free_bytes: int) -> str:
     """What is left of a VRAM budget: free, or how far the terms are over it (never a negative "free")."""
     if free_bytes >= 0:
-        return f"free {free_bytes / MiB:,.1f} MiB"
-    return f"OVER BUDGET by {-free_bytes / MiB:,.1f} MiB ({-free_bytes / GiB:.2f} GiB)"
+        return f"free {free_bytes / fmt.MIB:,.1f} MiB"
+    return f"OVER BUDGET by {-free_bytes / fmt.MIB:,.1f} MiB ({-free_bytes / fmt.GIB:.2f} GiB)"
 
 
 def _gb(n: int) -> str:
-    return f"{n / GB:8.1f} GB ({n / GiB:6.1f} GiB)"
+    return f"{n / fmt.GB:8.1f} GB ({n / fmt.GIB:6.1f} GiB)"
 
 
 _ranges = fmt.ranges
@@ -175,28 +174,28 @@ _ranges = fmt.ranges
 def render(p: placement.Plan, what: str | None = None) -> str:
     lay, s = p.layout, p.settings
     L = []
-    L.append(f"Plan for {lay.name}: {len(lay.shards)} shard(s), {lay.total_bytes / GB:.1f} GB"
+    L.append(f"Plan for {lay.name}: {len(lay.shards)} shard(s), {lay.total_bytes / fmt.GB:.1f} GB"
              + (f" — {what}" if what else ""))
     L.append(f"Host: {p.hardware_label}" + ("  [HYPOTHETICAL: not this machine]" if p.hypothetical else ""))
     L.append(f"Settings: {s.slots} slot(s), {s.context_length:,}-token context, {s.kv_type} KV cache, "
              f"{s.vram_reserve_mib} MiB VRAM reserve")
     kinds = lay.bytes_by_kind()
-    L.append("Model: " + ", ".join(f"{KIND_LABELS[k]} {v / GiB:.1f} GiB" for k, v in kinds.items() if v))
+    L.append("Model: " + ", ".join(f"{KIND_LABELS[k]} {v / fmt.GIB:.1f} GiB" for k, v in kinds.items() if v))
     L.append("")
     if p.gpu_name is None:
         L.append("VRAM  budget: no GPU (the terms below are what a GPU would need to hold)")
     else:
-        L.append(f"VRAM  budget {p.vram.budget_bytes / GiB:.2f} GiB ({p.vram.budget_bytes / MiB:,.0f} MiB)")
+        L.append(f"VRAM  budget {p.vram.budget_bytes / fmt.GIB:.2f} GiB ({p.vram.budget_bytes / fmt.MIB:,.0f} MiB)")
     w = max(len(t.name) for t in p.vram.terms + p.ram.terms)
     for t in p.vram.terms:
         L.append(f"  {t.name:<{w}} {_g(t.bytes)}   {t.note}")
     L.append(f"  {'total':<{w}} {_g(p.vram.total_bytes)}   " + _left(p.vram.free_bytes))
-    L.append(f"RAM   budget {p.ram.budget_bytes / GB:.1f} GB ({p.ram.budget_bytes / GiB:.1f} GiB)")
+    L.append(f"RAM   budget {p.ram.budget_bytes / fmt.GB:.1f} GB ({p.ram.budget_bytes / fmt.GIB:.1f} GiB)")
     for t in p.ram.terms:
         L.append(f"  {t.name:<{w}} {_gb(t.bytes)}   {t.note}")
     L.append(f"  {'total':<{w}} {_gb(p.ram.total_bytes)}   "
-             + (f"free {p.ram.free_bytes / GB:.1f} GB" if p.ram.free_bytes >= 0
-                else f"SHORT {-p.ram.free_bytes / GB:.1f} GB"))
+             + (f"free {p.ram.free_bytes / fmt.GB:.1f} GB" if p.ram.free_bytes >= 0
+                else f"SHORT {-p.ram.free_bytes / fmt.GB:.1f} GB"))
     L.append("")
     if p.refused:
         L.append("REFUSED — this host cannot hold the model's minimum layout:")
@@ -204,16 +203,16 @@ def render(p: placement.Plan, what: str | None = None) -> str:
             if sf.resource == "gpu":
                 L.append("  GPU: none found")
             elif sf.resource == "vram":
-                L.append(f"  VRAM: needs {sf.needed_bytes / GiB:.1f} GiB before any expert, has "
-                         f"{sf.available_bytes / GiB:.1f} GiB → {sf.missing_bytes / GiB:.1f} GiB "
-                         f"({sf.missing_bytes / GB:.1f} GB) missing")
+                L.append(f"  VRAM: needs {sf.needed_bytes / fmt.GIB:.1f} GiB before any expert, has "
+                         f"{sf.available_bytes / fmt.GIB:.1f} GiB → {sf.missing_bytes / fmt.GIB:.1f} GiB "
+                         f"({sf.missing_bytes / fmt.GB:.1f} GB) missing")
             else:
                 L.append(f"  RAM: needs {_both(sf.needed_bytes)}, has {_both(sf.available_bytes)} → "
                          f"{_both(sf.missing_bytes)} missing")
         L.append(f"  {p.refused}.")
         return "\n".join(L)
-    L.append(f"Hot set: {p.n_hot:,} of {p.total_experts:,} experts in VRAM ({p.hot_expert_bytes / GiB:.1f} GiB); "
-             f"{p.cold_experts:,} in RAM ({p.cold_expert_bytes / GiB:.1f} GiB)")
+    L.append(f"Hot set: {p.n_hot:,} of {p.total_experts:,} experts in VRAM ({p.hot_expert_bytes / fmt.GIB:.1f} GiB); "
+             f"{p.cold_experts:,} in RAM ({p.cold_expert_bytes / fmt.GIB:.1f} GiB)")
     if p.predicted_hit_rate is not None:
         L.append(f"Predicted hit rate: {p.predicted_hit_rate:.1%} ({p.hit_rate_note})")
     else:

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from ..atomic import atomic_write_json
 from ..cancel import CancelToken
+from ..engines._http import bearer_headers
 from ..settings import Settings
 from .events import (
     DownloadRun,
@@ -304,7 +305,7 @@ def download_engine(settings: Settings, *, manifest: dict[str, Any] | os.PathLik
     def locate() -> tuple[str, dict[str, str]]:
         headers = {"User-Agent": "dsv41-panel"}
         if token and urlsplit(url).netloc == urlsplit(endpoint).netloc:
-            headers["Authorization"] = f"Bearer {token}"
+            headers.update(bearer_headers(token))
         return url, headers
 
     job = _Job(asset, size, sha, downloads / asset, downloads / STATE_DIR, locate, pin={"url": url},

@@ -162,7 +162,10 @@ def _decoded(body: bytes, encoding: str, cap: int, url: str) -> bytes:
     try:
         out = d.decompress(body, cap + 1)
     except zlib.error:
-        raise ValueError(f"the answer at {url} says it is {enc}-compressed but is not; it cannot be read") from None
+        import httpx       # the error httpx itself raises for such a body, which every caller already handles
+
+        raise httpx.DecodingError(f"the answer at {url} says it is {enc}-compressed but is not; it cannot be "
+                                  "read") from None
     if len(out) > cap or d.unconsumed_tail:
         raise AnswerTooLarge(f"the answer at {url} expands past {cap / MB:g} MB; refusing to read it")
     return out

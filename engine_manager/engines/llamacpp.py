@@ -1,54 +1,16 @@
-"""Stock llama.cpp's ``llama-server`` behind the panel's engine interface (docs/ENGINE_CONTRACT.md §3).
+"""Stock llama.cpp's ``llama-server`` behind the panel's engine interface.
 
-Placement under llama.cpp is per layer: a layer's experts live in three tensors (``blk.N.ffn_{gate,up,down}_exps``),
-so the plan names the MoE layers whose experts stay in RAM (``llamacpp_cpu_layers``) and the command line keeps
-them there with one ``-ot 'blk\\.(N|M)\\.ffn_.*_exps\\.=CPU'`` rule. Choices made here, and why:
+Placement is per layer: the plan names the MoE layers whose experts stay in RAM (``llamacpp_cpu_layers``) and one
+``-ot`` rule (:func:`cpu_layers_rule`) keeps them there. The command line (:meth:`LlamaCppEngine.build_launch`):
+no ``-ngl`` (llama-server's own fitting stays on, with ``--fit-target`` = ``vram_reserve_mib``); ``-c
+context_length*slots`` with ``--no-kv-unified`` (each slot gets its context); the KV type mapped to ``-ctk/-ctv``;
+``-lv 4`` (the placement proof, no per-token lines; 5 is opt-in); the key in a 0600 ``--api-key-file``; ``-lm
+none`` when expert layers stay in RAM on a GPU build (:func:`load_mode_for`); the GPU chosen by PCI bus order.
 
-* **No ``-ngl``.** llama-server's default (``auto``) offloads every layer and keeps its own fitting (``--fit``)
-  on: it projects the memory of the whole layout against free VRAM minus ``--fit-target`` (we pass the panel's
-  ``vram_reserve_mib``) before loading. With our ``-ot`` rule in place, fitting reports the projection and leaves
-  the placement alone (it refuses to rewrite user overrides); with no CPU layers in the plan, fitting may itself
-  move experts out of VRAM if they do not fit, instead of dying of a CUDA OOM. ``-ngl 999`` would turn all that off.
-* **Context.** ``-c`` is the *total* KV size; with ``-np N`` and ``--no-kv-unified`` each slot gets exactly
-  ``c / N`` (llama-server logs ``n_ctx_seq``), so ``-c context_length*slots`` gives every slot the context the
-  settings promise — the panel's ``context_length`` is per slot. (A unified cache would let one long request
-  starve the others.)
-* **KV type.** int8 → ``q8_0``, q4_0 → ``q4_0``, k8v4 → K ``q8_0`` V ``q4_0`` (a quantized V cache makes
-  llama.cpp enable flash attention itself).
-* **Verbosity ``-lv 4``.** Level 4 (trace) prints the fitting projection, every ``model/KV/compute buffer size``
-  line per device and ``offloaded N/M layers`` — the proof of placement — and no per-token lines. Level 5 adds a
-  line per overridden tensor (``tensor blk.0.ffn_gate_exps.weight … buffer type overridden to CPU``) but also ~15
-  lines per generated token and the prompts themselves, so it is opt-in: ``DSV41_LLAMACPP_LOG_VERBOSITY=5``.
-* **The key** goes in a 0600 file (``--api-key-file``), not on the command line where ``ps`` shows it.
-* **Load mode.** ``-lm none`` when expert layers stay in RAM on a GPU build (pinned host memory; prompt
-  processing ×4.4 measured on an H200 — see :func:`load_mode_for`); llama.cpp's default (mmap) otherwise.
-* **GPU choice.** ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` + ``CUDA_VISIBLE_DEVICES=<gpu_index>`` (unless the caller set
-  ``CUDA_VISIBLE_DEVICES``) so llama.cpp's ``CUDA0`` is the GPU that NVML index ``gpu_index`` names.
-
-Live decode rate: ``/metrics``' ``*_tokens_seconds`` gauges are running averages over finished requests and its
-counters only move when a request ends (and are printed with 6 significant digits). The in-flight count is in
-``/slots`` (``next_token[0].n_decoded`` of each processing slot), so the panel's token counter is
-``tokens_predicted_total + Σ n_decoded(processing slots)``. A request that ends between polls moves its tokens
-from the second term to the first, so nothing is lost or counted twice.
-
-Why the live rate is a per-request average and not the delta between two polls (measured 2026-12-01 on the 2-core
-CPU build of the [llamacpp] extra, tiny MoE, 3,000-token replies, polls at 4 Hz, load average 6-10 from other work):
-``/slots`` is *not* stale and the HTTP side is *not* starved. This llama.cpp answers ``/slots`` and ``/metrics`` on
-a worker thread *during* each decode (tools/server/server-queue.cpp ``yield_to_queue`` / ``worker_loop``;
-server-context.cpp accepts only METRICS and SLOT_GET tasks while yielding), in 1-30 ms, and ``n_decoded`` is
-``slot.stats.n_gen``, the tokens made so far (``server_slot::to_json``). The decode itself is bursty on a busy
-2-core machine: the client's own streamed chunks show the same pattern (quarter-seconds with 0 or 1 token, gaps up
-to 1.3 s between chunks, then bursts of 200+ tokens), because llama.cpp's compute threads (one per core) wait for
-each other at every graph barrier and lose whole scheduler slices when one is descheduled. Over three runs the
-per-poll deltas' time-weighted mean equals the engine's ``timings.predicted_per_second`` (91/92, 218/221, 130/131
-tok/s), but their median was 0.09-0.90 of it: 0, 4, 0, 4 … with a burst now and then.
-``llamacpp:tokens_predicted_total`` moves only when a request ends (server-context.cpp ``metrics_on_prediction``,
-called from the slot's ``callback_on_reset``), so it cannot give a live rate either. The engine's own figure is the
-tokens of the request divided by the time since its first token; the live rate here is the same quantity as the
-panel sees it: the slot's tokens since the poll before the request began generating, over the time since that poll,
-for up to :data:`RATE_WINDOW_S` seconds back (a long request then still shows a change of pace). Σ over generating
-slots is the engine's rate. A steady GPU decode gives the same figure as a two-poll delta; a bursty CPU decode now
-gives the engine's figure (tests/test_llamacpp_e2e.py compares them within 10 % in the same run).
+Live decode rate: ``/metrics``' counters move only when a request ends, so the token counter is
+``tokens_predicted_total + Σ n_decoded`` of the processing ``/slots``, and the rate is each generating slot's tokens
+over the time since the poll before it began, up to :data:`RATE_WINDOW_S` back (a per-poll delta is bursty on a
+busy CPU build). Why, with the measurements: benchmarks/results/llamacpp_live_rate.md.
 """
 
 from __future__ import annotations
@@ -56,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -69,6 +30,7 @@ from ..atomic import atomic_write_bytes
 from ..errors import EngineSetupError
 from ..figures import measured_int
 from ..gguf_split import FIRST_SHARD_GLOB, first_shard_name
+from ..settings import new_api_key
 from . import _prometheus as _prom
 from ._http import (
     METRICS_BODY_CAP, SMALL_BODY_CAP, bearer_headers, deadline_of, get_capped, json_body, probe_health)
@@ -104,12 +66,6 @@ def cpu_layers_rule(layers: Iterable[int]) -> str | None:
     return r"blk\.(" + "|".join(str(x) for x in ls) + r")\.ffn_.*_exps\.=CPU"
 
 
-def first_shard(path: Path) -> Path:
-    """``…-00003-of-00007.gguf`` → ``…-00001-of-00007.gguf``: llama.cpp loads a split model from shard 1 and finds
-    the others by their names (the names: :func:`engine_manager.gguf_split.first_shard_name`)."""
-    return path.with_name(first_shard_name(path.name))
-
-
 class ModelNotFound(EngineSetupError):
     pass
 
@@ -127,7 +83,8 @@ def resolve_model(settings: Any, plan: dict[str, Any] | None) -> Path:
         firsts = sorted(d.glob(FIRST_SHARD_GLOB)) or sorted(d.glob("*.gguf"))
         cands += firsts[:1]
     for c in cands:
-        c = first_shard(c)
+        # llama.cpp loads a split model from shard 1 and finds the others by their names, so the name decides here
+        c = c.with_name(first_shard_name(c.name))
         if c.is_file():
             return c
         raise ModelNotFound(f"The model file {c} does not exist. Point DSV41_LLAMACPP_MODEL at the first shard "
@@ -554,7 +511,7 @@ class LlamaCppEngine(Engine):
         ctx = int(ps.get("context_length") or getattr(settings, "context_length", 4096) or 4096)
         kv_type = str(ps.get("kv_type") or getattr(settings, "kv_type", "int8"))
         ctk, ctv = KV_TYPES.get(kv_type, ("f16", "f16"))
-        key = getattr(settings, "api_key", "") or ("dsv41-" + secrets.token_urlsafe(32))
+        key = getattr(settings, "api_key", "") or new_api_key()
         host = getattr(settings, "host", "127.0.0.1")
         port = int(getattr(settings, "port", 8090))
         reserve = int(getattr(settings, "vram_reserve_mib", 700))

@@ -45,10 +45,12 @@ from .. import release_check as _release
 from ..atomic import atomic_write_bytes, atomic_write_json
 from ..errors import PlacementRefused
 from ..figures import measured
+from ..fmt import MB
 from ..plans import check_strata_args
 from . import _prometheus as _prom
 from ._http import (  # noqa: F401 - NOT_STRATA: re-exported
-    METRICS_BODY_CAP, NOT_STRATA, SMALL_BODY_CAP, bearer_headers, deadline_of, get_capped, json_body, probe_health)
+    METRICS_BODY_CAP, NOT_STRATA, SMALL_BODY_CAP, AnswerTooLarge, bearer_headers, deadline_of, get_capped, json_body,
+    probe_health)
 from .base import (
     Engine,
     FailureHint,
@@ -553,6 +555,9 @@ def poll_metrics(client: Any, spec: LaunchSpec, previous: Sample | None, *, engi
     r.raise_for_status()
     if "json" not in r.headers.get("content-type", "json"):
         return sample_from_prometheus(r.text, engine, t, simulated=simulated)
+    if len(r.content) > STRATA_JSON_CAP:        # parsed, JSON takes ~5 times its size (16 MB: ~80 MB of objects)
+        raise AnswerTooLarge(f"the answer at {spec.base_url}/metrics is larger than {STRATA_JSON_CAP // MB} MB, "
+                             "far past what Strata sends: is another server on that port?")
     doc = json_body(r)
     doc = doc if isinstance(doc, dict) else {}
     status = None
@@ -566,6 +571,10 @@ def poll_metrics(client: Any, spec: LaunchSpec, previous: Sample | None, *, engi
             status = None
     return sample_from_metrics(doc, engine, previous, t, simulated=simulated,
                                status=status if isinstance(status, dict) else None)
+
+
+# Strata's JSON /metrics keeps its 500 newest requests (serve/server.py@2291cb3 Service.metrics): well under 1 MB
+STRATA_JSON_CAP = 4 * MB
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

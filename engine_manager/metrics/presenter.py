@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .columns import MAX_SLOTS, SLOT_COLUMNS
+from ..fmt import GIB
 from .hub import Tick
 
-GiB = float(1024**3)
 DASH = "—"
 
 # (key, title) of the cards, in the order the Monitor lays them out
@@ -64,8 +64,8 @@ def gib_pair(used: float | None, total: float | None) -> str:
     if used is None:
         return DASH
     if total is None:
-        return f"{used / GiB:.1f} GiB"
-    return f"{used / GiB:.1f} / {total / GiB:.0f} GiB"
+        return f"{used / GIB:.1f} GiB"
+    return f"{used / GIB:.1f} / {total / GIB:.0f} GiB"
 
 
 def origin_words(origin: str | None) -> str:
@@ -181,7 +181,7 @@ def cards(tick: Tick) -> dict[str, CardText]:
                           else f"{fmt_value(pw, '{:.0f}', 'W')} · {fmt_value(tc, '{:.0f}', '°C')}",
                           False, why("gpu"))
     rss, ecpu = v.get("engine_rss_bytes"), v.get("engine_cpu_pct")
-    out["engine"] = CardText(fmt_value(None if rss is None else rss / GiB, "{:.2f}", "GiB"),
+    out["engine"] = CardText(fmt_value(None if rss is None else rss / GIB, "{:.2f}", "GiB"),
                              f"CPU {fmt_value(ecpu, '{:.0f}', '%')} of a core",
                              False, why("host") or str(tick.notes.get("engine_process", "")))
     return out

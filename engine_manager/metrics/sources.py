@@ -164,8 +164,9 @@ def plain_engine_error(exc: BaseException, base_url: str, timeout_s: float | Non
     """An engine poll's failure in plain words: what answered (or did not) at ``base_url`` and what to do."""
     import httpx
 
-    if isinstance(exc, (AnswerTooLarge, AnswerTooSlow)):
-        return str(exc)                     # already plain words, the URL and the cap or deadline named
+    if isinstance(exc, (AnswerTooLarge, AnswerTooSlow)) or (isinstance(exc, httpx.DecodingError)
+                                                             and "compressed but is not" in str(exc)):
+        return str(exc)                     # already plain words (engines._http.get_capped), the URL named
     if isinstance(exc, httpx.ConnectError):
         return f"nothing answers at {base_url} (connection refused): the engine is not running, or still loading"
     if isinstance(exc, httpx.TimeoutException):

@@ -1,64 +1,16 @@
 """``python -m engine_manager.sim``: the scripted engine, a real HTTP server on 127.0.0.1 that speaks Strata's
-endpoints and models the expert offload. Everything it reports is SIMULATED (``service: strata-sim``).
+endpoints and models the expert offload (:mod:`.offload`). Everything it reports is SIMULATED (``service:
+strata-sim``).
 
-Flags (stable; the supervisor, metrics and chat tests rely on them)
--------------------------------------------------------------------
-Serving:
-  --plan FILE               the planner's plan JSON (Plan.to_dict()); without it, the guides' reference layout
-                            (40 MoE layers x 384 experts, 6 used, 5,825 hot, 12.2 MiB per expert)
-  --host ADDR --port N      where to listen (default 127.0.0.1:8090); a port in use -> exit 2 naming the port
-  --api-key KEY             require Authorization: Bearer KEY or x-api-key: KEY on all but /health
-  --api-key-file FILE       the same key read from FILE (first line): keeps it off the command line, where `ps`
-                            shows it to every local user (the panel starts the sim this way)
-  --slots N | --batch N     concurrent slots, 1..8 (default: the plan's settings.slots, else 1)
-  --queue N                 accepted, ignored: chat requests always queue FIFO (Strata: 409 model_busy is only
-                            for /v1/load and /v1/unload while a request runs or waits)
-  --max-context N           context per slot (default: the plan's, else 32768)
-  --default-max-tokens N    max_tokens when a request gives none (default: $DSV41_DEFAULT_MAX_TOKENS, read
-                            only here and only when this flag is absent - a bad value exits 2 naming it -
-                            else 4096)
-  --load-time S             wall seconds of loading before the port opens (default 1.0)
-  --speed F                 run F times faster than modelled time (tests); reported figures stay modelled
-  --reply-tokens N          every reply is exactly N tokens (or max_tokens if smaller): for benchmarks
-  --verbose                 log every HTTP request
-Offload model (see engine_manager/sim/offload.py):
-  --skew NAME               reference (0.90 hits at 37.9% hot) | mild | steep | flat | zm:S[,Q]
-  --seed N                  seed of the routing *distribution* (default 41: the planner's expected_frequencies())
-  --routing-seed N          seed of the routing *draws* (default: fresh each run, like real traffic)
-  --initial-hot HOW         auto | plan | ideal | random (auto: --expert-profile, else the plan's hot set when
-                            the plan was made from routing data, else ideal = a 'shipped' profile)
-  --numa bound|unbound      unbound doubles the CPU experts' time (~53 tok/s for 1 user instead of ~63)
-Strata's own engine flags, accepted and modelled:
-  --expert-cache auto|N  --expert-profile STRP  --vram-reserve-mib N  --kv int8|q4_0|k8v4
-  --cpu-numerics fork|gpu  --adapt-every N  --adapt-swaps N  --adapt-decay F  --dump-routing FILE
-  --dump-routing-max-mb N   cap the trace (the sim's own flag): at start and at N MB it moves to FILE.1
-  --gpu N  --lazy  --config FILE  (accepted, ignored)
-Fault switches (the supervisor's and chat client's test doubles):
-  --never-ready             bind the port but never open it nor print READY
-  --fail-bind               exit 2 at start as if the port were in use
-  --fail-at-load KIND       cuda-oom | driver | profile | crash: print that failure's log line, exit 1
-  --sigkill-at-load         SIGKILL itself while loading (as the OOM killer would)
-  --sigkill-after-tokens N  SIGKILL itself after N generated tokens (all requests together)
-  --die-after-tokens N      print a fatal line and exit with --die-code (default 1) after N tokens
-  --stall-after-tokens N --stall-s S   the engine stops for S wall seconds once, mid-stream
-  --error-after-tokens N    every reply ends after N tokens with a `data: {"error": {"type": "server_error",
-                            ...}}` frame, then [DONE] (not streamed: 503 server_error)
-  --admit-experts N         the expert cache admits only N experts whatever --expert-cache / the plan ask for
-                            (reported as Strata does: INFO/`engine.expert_slots`, `expert_cache_mib`)
-  --file-reads              no pinned RAM arena (`engine.arena_mib` 0): every expert the CPU computes is a blob
-                            read from the file (`requests[].file_blobs`, the log's "blob reads from the file")
-Extra arguments may also come from the environment variable DSV41_SIM_ARGS (split like a shell would),
-appended after the command line's, e.g. DSV41_SIM_ARGS="--die-after-tokens 20". Where the sim listens and with which
-key are the panel's to say: --host, --port, --api-key, --api-key-file and --plan there are refused (exit 2).
+Its flags (``--help`` lists them) are stable: the supervisor, metrics, chat and bench tests rely on them. They
+serve (``--plan``, ``--host/--port``, ``--api-key-file``, ``--slots``), shape the model (``--skew``, ``--seed``,
+``--numa``), accept Strata's own engine flags, and switch faults on for test doubles (``--never-ready``,
+``--fail-at-load``, ``--sigkill-after-tokens``, ``--stall-after-tokens``, ``--error-after-tokens``…). Extra
+arguments may come from ``DSV41_SIM_ARGS`` (split like a shell would), appended after the command line's; there
+--host, --port, --api-key, --api-key-file and --plan are refused (exit 2).
 
-Log lines (stdout): ``phase: ...`` while loading, ``INFO key=value ...``, ``READY http://host:port ...``,
-``adapt: round(s) ...: swapped N experts into VRAM (X MiB over PCIe, T ms); ...`` (the adaptive tier's swaps: as in
-Strata, swaps are only in the log, never on HTTP), ``[strata] done: N tokens in S s (R tok/s) (finish,
-cancel=False), expert cache H% hit [simulated]`` (Strata's per-request line).
-
-Topics: each question is classified into a topic of ``corpus.py`` (offload, host, setup, code, general); each topic
-routes through its own distribution (``offload.py``), so a conversation that changes topic makes the adaptive
-tier swap experts into VRAM (the swaps plot and the routing heatmap move).
+Log lines (stdout) are Strata's: ``phase: ...`` while loading, ``INFO key=value ...``, ``READY http://host:port``,
+``adapt: ...`` (the adaptive tier's swaps, only in the log) and the per-request ``[strata] done: ...`` line.
 Exit codes: 0 after SIGTERM/SIGINT, 2 bad usage / port in use / refused plan, 1 a load failure, -9 SIGKILL faults.
 """
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Iterable
 from ..engines._http import bearer_headers
 from ..engines.sim import sim_env, write_key_file
 from ..procs import free_port
+from ..settings import new_api_key
 
 
 class SimProcess:
@@ -31,7 +31,7 @@ class SimProcess:
                  cwd: str | None = None):
         self.host = host
         self.port = port or free_port(host)
-        self.api_key = secrets.token_urlsafe(24) if api_key is None else api_key
+        self.api_key = new_api_key() if api_key is None else api_key
         self.args = list(args)
         self.extra_env = dict(env or {})
         self.load_time = load_time

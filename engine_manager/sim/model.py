@@ -121,7 +121,7 @@ class Request:
     topic: corpus.Topic = corpus.GENERAL
     # the numerics promise, modelled (simulated): with --cpu-numerics fork a request that shared a decode step with
     # another one ("batched") is not bit-identical to itself served alone: its text turns at DIVERGE_AT of its
-    # length (one token more there, the rest shifted); --cpu-numerics gpu, or strata_reproducible, never turns
+    # length (another token there); --cpu-numerics gpu, or strata_reproducible, never turns
     reproducible: bool = False
     batched: bool = False
     turned: bool = False
@@ -431,13 +431,18 @@ class Engine:
 
     @staticmethod
     def _diverge(req: Request) -> None:
-        """A batched answer's late turn (simulated): one token more at this position, the rest shifted."""
-        i = req.generated
+        """A batched answer's late turn (simulated): from this position on, two whole sentences of the answer
+        change places (the words, their count and every sentence stay those of the answer served alone, so
+        max_tokens, usage and the curated sentences hold; the text differs from the turn on). An answer with fewer
+        than two whole sentences left does not turn (a canned answer never holds a sentence the corpus lacks)."""
         req.turned = True
-        if i < len(req.reasoning):
-            req.reasoning.insert(i, "also ")
-        else:
-            req.answer.insert(i - len(req.reasoning), "also ")
+        i = max(0, req.generated - len(req.reasoning))
+        words = req.answer
+        ends = [k for k in range(i, len(words)) if words[k].rstrip().endswith((".", "!", "?"))]
+        if len(ends) >= 3:
+            a, b, c = ends[0] + 1, ends[1] + 1, ends[2] + 1      # sentences words[a:b] and words[b:c]
+            if words[a:b] != words[b:c]:
+                words[a:c] = words[b:c] + words[a:b]
 
     def _drain(self, timeout: float = 1.0) -> None:
         """Let the HTTP threads write the tokens already produced (so "die after N tokens" means the clients

@@ -1,72 +1,17 @@
 """The scripted engine's offload model: routing, the VRAM hot set, the adaptive tier and the cost of a token.
 
-Everything here is a *stated model*, not a measurement. Its parameters are chosen so that, on the guides'
-reference layout (40 MoE layers × 384 experts, 6 used per token, the 5,825 most used experts — 37.9% — in VRAM,
-12.2 MiB per expert), it reproduces the guides' published figures:
+Everything here is a *stated model*, not a measurement, tuned so that the guides' reference layout (40 MoE layers
+× 384 experts, 6 used, the 5,825 most used in VRAM) reproduces the guides' published figures (about 9 in 10 picks
+on the GPU; 63.11 tok/s for 1 user, 152.53 total for 8). The model, its parameters and how they were fitted:
+benchmarks/results/sim_engine.md.
 
-* about 9 in 10 expert picks hit the GPU;
-* 63.11 tok/s for 1 user, 127.58 total for 4, 152.53 total (~19 each) for 8 (docs/ENGINE_CONTRACT.md §1);
-* ~53 tok/s for 1 user without NUMA binding; ``--cpu-numerics gpu`` costing ~25.7% of single-user speed.
-
-Routing distribution
---------------------
-Each MoE layer ``l`` has its own Zipf–Mandelbrot popularity over its experts: the expert of popularity rank
-``r`` (0-based) has weight ``(r + q) ** -s_l``. A per-layer permutation (seeded) maps ranks to expert ids, so
-every layer has different favourites. ``s_l = s · (1 + d_l)`` where ``d_l`` is drawn uniformly in ±``spread``
-(seeded), so some layers are more skewed than others and the best hot set is not the same size per layer.
-
-The weights are turned into *inclusion probabilities* ``π_l,e`` = P(token routes to expert e in layer l):
-``π = min(1, c·w)`` with ``c`` chosen so that ``Σ_e π_l,e = k`` (the experts used per token). A token's ``k``
-distinct experts per layer are drawn by **systematic PPS sampling** over a randomly chosen (seeded, one of
-``N_PERMS``) ordering of the experts, which selects exactly ``k`` distinct experts with inclusion probabilities
-exactly ``π``. So the expected frequency table is known in closed form (:func:`expected_frequencies`), and the
-expected hit rate of any hot set is ``Σ_hot π / (L·k)`` — the number a planner computes from the same table.
-
-Skews (``--skew``): ``reference`` (q = 8, spread 0.15, base exponent *solved* so that the best 37.9% of all
-(layer, expert) pairs carry 90% of the lookups — s ≈ 1.455), ``mild`` (the same, 75%), ``steep`` (97%),
-``flat`` (uniform routing: hit rate = share of experts held), ``zm:S[,Q]`` (explicit exponent and offset).
-
-Topics
-------
-A request's topic (``corpus.py``: general, offload, host, setup, code) picks its routing distribution. Topic 0 is
-the distribution above; topic ``t`` > 0 takes the same per-layer weights but moves ``TOPIC_DRIFT`` (25%) of each
-layer's favourites — the ranks a hot set of the reference share holds — to experts ranked just below them, and
-those experts up in their place (seeded by ``seed`` and ``t``). A hot set made for topic 0 then hits ~77% of a
-topic-``t`` token's lookups instead of ~90%, and the adaptive tier swaps the newly popular experts in (~100 in
-the first rounds after the change): the swaps plot and the routing heatmap follow the conversation.
-
-Hot set and adaptive tier
--------------------------
-The hot set (of the plan's size) starts from an STRP profile when one is given, else from the plan's
-``hot_set`` when the plan was made from routing data, else from the distribution's best experts — standing for the
-profile an engine release ships — or, on request, a random pick. Like Strata's adaptive tier
-(``--adapt-every 4 --adapt-swaps 96 --adapt-decay 0.7``), the model
-keeps decayed routing counts; every ``adapt_every`` decode steps it swaps up to ``adapt_swaps`` of the most
-routed missing experts into VRAM in place of the least routed resident ones, but only where the missing one's
-count beats the resident's by at least ``max(min_gain, z·sqrt(c_missing + c_resident))`` (hysteresis: min_gain
-= 3, z = 2, so Poisson noise in the counts does not churn the cache), then multiplies all counts by
-``adapt_decay``. Each swap copies one expert host→VRAM over PCIe.
-
-Cost of a decode step (all active slots decode together in one shared step of ``B`` tokens)
--------------------------------------------------------------------------------------------
-::
-
-    t_step = T0 + B·Tg                         GPU: attention, dense layers, launch/sync (fixed + per token)
-           + U_hot · expert_bytes / vram_Bps   GPU: each distinct hot expert's weights read once from VRAM
-           + f_cpu · (U_cold · expert_bytes / cpu_Bps + M · t_row)
-                                               CPU: each distinct missed expert read once from RAM, plus each
-                                               (token, missed expert) row computed
-           + swaps · expert_bytes / pcie_Bps   adaptive-tier copies host→VRAM
-
-``U_hot``/``U_cold``: distinct hot / missed (layer, expert) pairs among the step's B tokens; ``M``: missed
-lookups. ``f_cpu`` = 1 (NUMA-bound, fork numerics), × ``unbound_factor`` without NUMA binding, ×
-``gpu_numerics_factor`` with ``--cpu-numerics gpu``. Parameters (:class:`CostModel`): T0 = 10.02 ms,
-Tg = 1.218 ms, vram 1.8 TB/s, cpu 128 GB/s, t_row = 25 µs, PCIe 30.2 GB/s; T0 and Tg are a least-squares fit
-of the three guide points given the other (physical) figures. See ``modelled_throughput()``.
-
-Prompt reading (prefill) of ``n`` tokens takes ``min(batched(n), max(stream, n·tp))`` where ``batched`` is the
-step formula above with B = n (and per-token GPU cost ``tp``), and ``stream`` is copying every cold expert over
-PCIe once (113.9 GiB / 30.2 GB/s ≈ 4.05 s: the guides' "a 64K-token prompt paused 4 decodes at most 4.048 s").
+* Routing: per layer a seeded Zipf–Mandelbrot popularity (``--skew``); a token's ``k`` experts per layer are drawn
+  by systematic PPS sampling, so the expected frequency table is exact (:func:`expected_frequencies`).
+* Topics (``corpus.py``) move ``TOPIC_DRIFT`` of each layer's favourites, so a change of topic makes the adaptive
+  tier swap experts in, with hysteresis like Strata's ``--adapt-every/--adapt-swaps/--adapt-decay``.
+* Cost of a decode step of ``B`` tokens: a fixed and per-token GPU cost, the hot experts read from VRAM, the
+  missed ones from RAM by the CPU, and the swaps over PCIe (:class:`CostModel`, :func:`modelled_throughput`);
+  prefill is the cheaper of the batched step and streaming every cold expert over PCIe once.
 """
 
 from __future__ import annotations
@@ -78,7 +23,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-MIB = 1 << 20
+from ..fmt import MIB
+
 
 # -- the guides' reference layout (docs/ENGINE_CONTRACT.md §1) --------------------------------------------------------
 REF_MOE_LAYERS = 40

@@ -1,41 +1,18 @@
 """The scripted engine's HTTP layer: a stdlib ``ThreadingHTTPServer`` on 127.0.0.1 that answers exactly as Strata's
-``serve/server.py`` does (docs/ENGINE_CONTRACT.md §2; the fixtures in ``tests/data/strata`` with their sources;
-``tests/test_sim_conformance.py`` diffs the two), for the model in :mod:`.model` (one engine thread stepping up to 8
-slots together); the Prometheus pages are written by :mod:`.exposition`.
+``serve/server.py``@2291cb3 does (the fixtures in ``tests/data/strata``; ``tests/test_sim_conformance.py`` diffs
+the two), for the model in :mod:`.model`; the Prometheus pages are written by :mod:`.exposition`.
 
-What is Strata's here (Niko1221/Strata ``serve/server.py`` at commit 2291cb3, function names below):
+Strata's, by function: HTTP/1.0 closing after every answer (``make_handler``); ``/health`` open, everything else
+behind ``Authorization: Bearer KEY`` or ``x-api-key`` (``_authorized``); ``/metrics`` JSON (``Service.metrics``,
+``StrataEngine.slots_view``) or Prometheus text (``serve/prometheus.py`` ``render``, ``Service.prometheus``); chat
+requests queue FIFO, the last SSE chunk carries ``usage`` and ``timings``, a failure mid-stream is a
+``server_error`` frame then ``[DONE]``.
 
-* HTTP/1.0, the connection closed by the server after every answer (``make_handler``: ``protocol_version``);
-  SSE streams end by closing too.
-* ``/health`` and ``/api/health`` open, the same document (``do_GET``); everything else needs
-  ``Authorization: Bearer KEY`` or ``x-api-key`` (``_authorized``), else 401 ``authentication_error``.
-* ``/metrics`` JSON (``Service.metrics``): ``live.tok_s`` is null unless generating; with ``--batch`` (2+ slots)
-  ``live.slots`` lists every slot, idle ones with ``held_tokens``, busy ones ``reading``/``decoding`` with their own
-  ``tok_s`` and no hit rate (``StrataEngine.slots_view``); a request alone runs on the solo path, outside the slots
-  (``generate_batched``: all slots idle, ``outside_slots`` 1). ``requests[]`` holds finished requests only, newest
-  first, 12 of them, with ``decode_tok_s`` (1 decimal) and ``hit_rate`` (3 decimals) (``Service.run``).
-  ``/metrics`` with ``Accept: text/plain`` (or openmetrics, or ``?format=prometheus``): vLLM's names plus
-  ``strata:*`` (``serve/prometheus.py`` ``render``); ``/metrics/prometheus``: ``llamacpp:*`` (``Service.prometheus``).
-* Chat requests queue FIFO, never 409 (409 ``model_busy`` is only for ``/v1/load`` / ``/v1/unload`` while a request
-  runs or waits); the final SSE chunk always carries ``usage`` (``include_usage`` is ignored) and ``timings``
-  (``openai_chunks``, ``request_timings``); a failure mid-stream is a ``server_error`` frame, then ``[DONE]``.
-
-What is the sim's own (documented): ``service`` is ``strata-sim`` and the model id
-``deepseek-v4.1-flash-simulated``, and every JSON document carries ``"simulated": true`` (the panel's label) — the
-only extra key. Every figure is *modelled* (the offload model, ``offload.py``); host readings the model does not
-cover (GPU temperature and power) are null. Expert swaps are not on HTTP, as in Strata: they are in the engine log
-(``adapt: ... swapped N experts ...`` lines, see ``engine_manager.engines.strata``). The answer text is canned and
-labelled (``corpus.py``); each topic of the corpus routes through its own distribution, so a change of topic makes
-the adaptive tier swap experts.
-
-Why the stdlib server: a stream costs one thread that sleeps on its request's queue between tokens; 8 streams at
-the modelled ~19 tok/s each are ~150 small writes a second, which a threaded server does at a few percent of
-one core (measured by ``benchmarks/sim_cpu.py``). An idle sim sleeps on a condition variable (no polling loop
-besides ``serve_forever``'s 0.1 s select timeout and a once-a-second telemetry sample).
-
-Time: every duration the sim reports (tok/s, prompt_ms, decode_ms, ...) is *modelled* time from the cost model.
-``speed`` > 1 makes the process run that many times faster in wall time than modelled (for tests); it never
-changes a reported figure.
+The sim's own: ``service`` ``strata-sim``, every JSON document ``"simulated": true``, every figure *modelled*
+(:mod:`.offload`; ``speed`` > 1 runs faster in wall time, never changes a figure), GPU temperature and power null,
+expert swaps only in the log (as Strata), canned labelled answers (``corpus.py``). A stream is one sleeping thread;
+8 streams cost a few percent of one core (``benchmarks/sim_cpu.py``). Strata's behaviour in full:
+benchmarks/results/sim_engine.md.
 """
 
 from __future__ import annotations
