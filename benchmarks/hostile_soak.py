@@ -78,6 +78,7 @@ class Peak:
 
     def __init__(self) -> None:
         self.me = psutil.Process()
+        self.baseline = self.me.memory_info().rss          # after the imports, before any server is read
         self.self_peak = 0
         self.child_peak = 0
         self.children: list[psutil.Process] = []
@@ -198,6 +199,11 @@ def serve(out: Path) -> None:
     their URLs as one JSON line; at a line on stdin (or its end), what each received is written to ``out``."""
     servers = {b: HostileServer(default=b) for b in sorted(BEHAVIOURS)}
     print(json.dumps({b: s.base_url for b, s in servers.items()}), flush=True)
+    try:        # the planner's own plan, the seed of the damaged plan files (made here: the planner is no panel part)
+        print(json.dumps(good_plan()), flush=True)
+    except Exception:  # noqa: BLE001 - no plan: the plan files are left out, said in the counts
+        traceback.print_exc()
+        print("null", flush=True)
     sys.stdin.readline()
     got = {b: [[m, p, h] for m, p, h in s.requests] for b, s in servers.items()}
     out.write_text(json.dumps(got))
@@ -365,16 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds 1..100, --max-seconds 10..3600, --files 0..5000")
     received_file = BASE / "received.json"
     servers = subprocess.Popen([sys.executable, __file__, "--serve", str(received_file)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)     # loopback only
     assert servers.stdout is not None and servers.stdin is not None
     urls: dict[str, str] = json.loads(servers.stdout.readline())
+    good = json.loads(servers.stdout.readline())
     counts, peak = Counts(), Peak()
     poller = C.OverviewPoller(timeout_s=3.0, record=True)
     behaviours = sorted(BEHAVIOURS)
     started = time.monotonic()
     rounds = 0
     files = {"plans read": 0, "plans refused": 0, "bench read": 0, "bench refused": 0}
-    good = counts.timed("plan files", "the planner's plan", 120, good_plan)
+    if good is None:
+        counts.tracebacks.append("plan files: the planner's plan could not be made (see the servers' output)")
     for r in range(a.rounds):
         if time.monotonic() - started > a.max_seconds:
             break
@@ -419,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         "- files: " + ", ".join(f"{k} {v}" for k, v in files.items()),
         f"- **tracebacks: {len(counts.tracebacks)}**",
         f"- **hangs past their deadline (+{SLACK_S:g} s slack): {len(counts.hangs)}**",
-        f"- **peak RSS: this process {peak.self_peak / MB:.0f} MB, the largest child {peak.child_peak / MB:.0f} MB** "
-        "(target < 200 MB)",
+        f"- **peak RSS: this process {peak.self_peak / MB:.0f} MB ({peak.baseline / MB:.0f} MB after its imports), "
+        f"the largest `dsv41` child {peak.child_peak / MB:.0f} MB** (target < 200 MB)",
         f"- **the key outside its 0600 file / the Authorization header: {len(counts.leaks)}** "
         f"(files holding it: {', '.join(key_seen) or 'none'})",
         "- slowest call of each kind: " + "; ".join(f"{k} {v[0]:.1f} s ({v[1]})"
