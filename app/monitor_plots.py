@@ -247,7 +247,8 @@ class MonitorPlot:
         f.setPointSizeF(8.0)
         self.readout.setFont(f)
         self.readout.hide()
-        self.note = pg.TextItem("", anchor=(0, 1), color="#8a5a00")
+        # white behind it: a curve under the words stays a curve, the words stay words
+        self.note = pg.TextItem("", anchor=(0, 1), color="#8a5a00", fill=pg.mkBrush(255, 255, 255, 215))
         note_font = QFont()
         note_font.setPointSizeF(8.0)
         self.note.setFont(note_font)
@@ -391,7 +392,8 @@ class MonitorPlot:
         if self.ref_line is None:
             self.ref_line = pg.InfiniteLine(angle=0, movable=False,
                                             pen=pg.mkPen(REF_COLOR, style=Qt.PenStyle.DashDotLine),
-                                            label=label, labelOpts={"position": 0.55, "color": REF_COLOR,
+                                            label=label, labelOpts={"position": 0.98, "color": REF_COLOR,
+                                                                    "anchors": [(1, 0), (1, 1)],
                                                                     "fill": (255, 255, 255, 200)})
             self.ref_line.setZValue(-5)       # under the curves: an observed rate on the prediction stays visible
             self.item.addItem(self.ref_line, ignoreBounds=False)
@@ -407,9 +409,11 @@ class MonitorPlot:
             self.note.setText(text)
 
     def place_note(self) -> None:
-        """At the bottom left of the plot, wrapped to the plot's width (one long line ran off its right edge)."""
+        """At the bottom left of the plot, wrapped to 60 % of the plot's width (one long line ran off its right
+        edge), so it never reaches the reference line's label, drawn right-aligned at the right edge (the two
+        overlapped at 1280×800)."""
         (x0, x1), (y0, y1) = self.item.vb.viewRange()
-        width = max(60.0, self.item.vb.width() - 6)
+        width = max(60.0, 0.6 * self.item.vb.width() - 8)
         if abs(self.note.textItem.textWidth() - width) > 1:
             self.note.setTextWidth(width)
         self.note.setPos(x0, y0 + 0.02 * (y1 - y0))

@@ -658,7 +658,7 @@ def test_hit_rates_are_labelled_pcie_share_plotted_and_differences_explained(qtb
     assert card.value.text() == "last admission 82.8 %" and card.is_stale()
     assert card.detail.text() == "plan 90.0% · 1 min 81.0%\nhit rate 92.0% (admission)"
     assert "hit rate 92.0 %: the engine's own hit rate" in card.toolTip() and "PCIe 10.0 %: " in card.toolTip()
-    assert view.plots["hit"].note.toPlainText().startswith("Planner 90.0 % vs observed 81.0 %: these prompts route")
+    assert view.plots["hit"].note.toPlainText().startswith("Planner 90.0 % vs observed 81.0 %: other prompts than planned")
     qtbot.waitUntil(lambda: np.nanmax(curve_y(view, "hit", "pcie_share"), initial=0) == pytest.approx(10.0),
                     timeout=5000)
     assert np.nanmax(curve_y(view, "hit", "vram_share")) == pytest.approx(82.8, abs=0.01)
@@ -722,3 +722,5 @@ def test_the_monitor_fits_the_width_it_has_on_a_1280x800_screen(qtbot, view, sim
     assert vb.left() - 1 <= lab.left() and lab.right() <= vb.right() + 1, (lab, vb)
     assert hit.note.toPlainText().startswith("Planner 90.0 % vs observed 78.4 %")
     assert hit.note_fits(), (hit.note.sceneBoundingRect(), hit.item.vb.sceneBoundingRect())
+    # the note and the planner's label never write over each other (they did at 1280x800: both near the top left)
+    assert not hit.note.sceneBoundingRect().intersects(lab), (hit.note.sceneBoundingRect(), lab)

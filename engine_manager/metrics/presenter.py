@@ -226,7 +226,7 @@ def hit_difference_line(tick: Tick) -> str:
         obs = tick.values.get("vram_share")
     if pred is None or obs is None or abs(pred - obs) <= 0.03:
         return ""
-    return f"Planner {pct(pred)} vs observed {pct(obs)}: these prompts route differently from the planning traffic."
+    return f"Planner {pct(pred)} vs observed {pct(obs)}: other prompts than planned."
 
 
 def hit_card(tick: Tick, missing_why: str = "") -> CardText:
