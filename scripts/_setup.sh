@@ -86,12 +86,16 @@ install_project() {
 # 5 %, and at least every 30 s with the time spent: under load 5 % can take 6 minutes), and the end. Everything
 # is in the log beside it.
 show_progress() {
-  awk '
+  # Debian's awk is mawk, which reads its input in blocks unless -W interactive: lines (and the time-based ones
+  # below) would then come in bursts long after they were printed
+  local opts=()
+  if awk -W version 2>&1 | grep -q mawk; then opts=(-W interactive); fi
+  awk "${opts[@]}" -v every="${DSV41_PROGRESS_EVERY_S:-30}" '
     BEGIN { t0 = systime(); last = t0 }
     /^ *\[ *[0-9]+%\]/ {
       match($0, /[0-9]+%/); p = substr($0, RSTART, RLENGTH - 1) + 0
       now = systime()
-      if (p >= shown + 5 || (p == 100 && shown < 100) || now - last >= 30) {
+      if (p >= shown + 5 || (p == 100 && shown < 100) || now - last >= every) {
         printf "   building llama-server: %3d%% (%d min %02d s)\n", p, int((now - t0) / 60), (now - t0) % 60
         shown = p; last = now; fflush()
       }
