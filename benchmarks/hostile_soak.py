@@ -46,7 +46,9 @@ MB = 1024 * 1024
 
 def _isolate() -> Path:
     """Temporary config/data/cache folders, no DSV41_* from the caller, no OS keyring (set before any import)."""
-    base = Path(tempfile.mkdtemp(prefix="dsv41-soak-"))
+    given = os.environ.get("HOSTILE_SOAK_BASE")       # the servers' process shares the panel side's folders
+    base = Path(given) if given else Path(tempfile.mkdtemp(prefix="dsv41-soak-"))
+    os.environ["HOSTILE_SOAK_BASE"] = str(base)
     for k in [k for k in os.environ if k.startswith("DSV41_")]:
         del os.environ[k]
     os.environ.update(DSV41_CONFIG_DIR=str(base / "config"), DSV41_DATA_DIR=str(base / "data"),
