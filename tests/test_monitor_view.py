@@ -658,7 +658,8 @@ def test_hit_rates_are_labelled_pcie_share_plotted_and_differences_explained(qtb
     assert card.value.text() == "last admission 82.8 %" and card.is_stale()
     assert card.detail.text() == "plan 90.0% · 1 min 81.0%\nhit rate 92.0% (admission)"
     assert "hit rate 92.0 %: the engine's own hit rate" in card.toolTip() and "PCIe 10.0 %: " in card.toolTip()
-    assert view.plots["hit"].note.toPlainText().startswith("Planner 90.0 % vs observed 81.0 %: other prompts than planned")
+    assert view.plots["hit"].note.toPlainText().startswith(
+        "Planner 90.0 % vs observed 81.0 %: other prompts than planned")
     qtbot.waitUntil(lambda: np.nanmax(curve_y(view, "hit", "pcie_share"), initial=0) == pytest.approx(10.0),
                     timeout=5000)
     assert np.nanmax(curve_y(view, "hit", "vram_share")) == pytest.approx(82.8, abs=0.01)
