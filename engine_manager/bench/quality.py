@@ -413,11 +413,7 @@ class QualityRun:
         except UserError as exc:
             error = str(exc)
         except BaseException:
-            try:
-                for _ in self.control.restore():
-                    pass
-            except Exception:  # noqa: BLE001 - the original exception matters more
-                pass
+            self.control.restore_quietly()
             raise
         yield self._progress("restore", "Putting the engine back as it was…")
         try:

@@ -281,6 +281,15 @@ class EngineControl:
             finally:
                 sup.close()
 
+    def restore_quietly(self) -> None:
+        """:meth:`restore` without yielding, for a run being closed from outside or failing (a closing generator
+        must not yield); its own errors give way to the one already under way."""
+        try:
+            for _ in self.restore():
+                pass
+        except Exception:  # noqa: BLE001 - the original exception matters more
+            pass
+
     @staticmethod
     def _drain(gen, forward: Callable[[Any], None] | None = None) -> Generator[BenchEvent, None, Any]:
         while True:
@@ -490,12 +499,8 @@ class BenchRun:
             error = str(exc)
         except BaseException:
             # closed from outside (GeneratorExit: a worker asked to quit, the caller gone) or a bug: put the engine
-            # back without yielding (a closing generator must not yield), then let it go on
-            try:
-                for _ in self.control.restore():
-                    pass
-            except Exception:  # noqa: BLE001 - the original exception matters more
-                pass
+            # back without yielding, then let it go on
+            self.control.restore_quietly()
             raise
         yield self._progress("", "restore", "Putting the engine back as it was…")
         try:

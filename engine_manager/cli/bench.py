@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+from typing import Any
 import threading
 from pathlib import Path
 
@@ -229,24 +230,7 @@ def run(args, ctx) -> int:
     stop = CancelToken()
     out = sys.stderr if args.json else sys.stdout
     gen = bench.run_bench(settings, spec, plan=plan, hardware=hw, stop=stop)
-    result = None
-    interrupted = False
-    with _signals_as_ctrl_c():
-        while True:
-            try:              # Ctrl-C (or SIGTERM / SIGHUP) anywhere in here: cut the streams, put the engine back
-                try:
-                    ev = next(gen)
-                except StopIteration as st:
-                    result = st.value
-                    break
-                _print_event(ev, out)
-            except KeyboardInterrupt as exc:
-                if interrupted:   # a second one: leave now (the engine may be left running; `dsv41 stop` stops it)
-                    raise
-                interrupted = True
-                stop.cancel("interrupted")
-                why = f"{exc.args[0]} received" if isinstance(exc, _Signalled) and exc.args else "interrupted"
-                print(f"\n{why}: cutting the streams and putting the engine back…", file=sys.stderr, flush=True)
+    result, interrupted = _drive(gen, stop, out, "cutting the streams and putting the engine back")
     if result is None:
         return ExitCode.FAIL
     if args.json:
@@ -257,6 +241,31 @@ def run(args, ctx) -> int:
     line, save_rc = _save(result, folder, results)
     print(line, file=out if save_rc == 0 else sys.stderr)
     return exit_code(result, interrupted, save_rc)
+
+
+def _drive(gen, stop: CancelToken, out, doing: str) -> tuple[Any, bool]:
+    """Run a bench generator to its end, printing its events: (its result, whether it was interrupted). Ctrl-C (or
+    SIGTERM / SIGHUP) anywhere in here cancels ``stop`` once and lets the run put the engine back; a second one
+    leaves at once (the engine may be left running; `dsv41 stop` stops it)."""
+    result = None
+    interrupted = False
+    with _signals_as_ctrl_c():
+        while True:
+            try:
+                try:
+                    ev = next(gen)
+                except StopIteration as st:
+                    result = st.value
+                    break
+                _print_event(ev, out)
+            except KeyboardInterrupt as exc:
+                if interrupted:
+                    raise
+                interrupted = True
+                stop.cancel("interrupted")
+                why = f"{exc.args[0]} received" if isinstance(exc, _Signalled) and exc.args else "interrupted"
+                print(f"\n{why}: {doing}…", file=sys.stderr, flush=True)
+    return result, interrupted
 
 
 def _quality(args, settings, engine: str) -> int:
@@ -284,24 +293,7 @@ def _quality(args, settings, engine: str) -> int:
     stop = CancelToken()
     out = sys.stderr if args.json else sys.stdout
     gen = quality.run_quality(settings, spec, plan=plan, stop=stop)
-    result = None
-    interrupted = False
-    with _signals_as_ctrl_c():
-        while True:
-            try:
-                try:
-                    ev = next(gen)
-                except StopIteration as st:
-                    result = st.value
-                    break
-                _print_event(ev, out)
-            except KeyboardInterrupt as exc:
-                if interrupted:
-                    raise
-                interrupted = True
-                stop.cancel("interrupted")
-                why = f"{exc.args[0]} received" if isinstance(exc, _Signalled) and exc.args else "interrupted"
-                print(f"\n{why}: stopping and putting the engine back…", file=sys.stderr, flush=True)
+    result, interrupted = _drive(gen, stop, out, "stopping and putting the engine back")
     if result is None:
         return ExitCode.FAIL
     if args.json:
