@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 from engine_manager import bench
 from engine_manager.bench import results
 from engine_manager.cancel import CancelToken
+from engine_manager.engines import find_engine
 from engine_manager.errors import UserError
 
 from . import workers
@@ -200,13 +201,14 @@ class BenchView(Panel, QWidget):
 
     def _show_engine(self) -> None:
         name = self.engine_name()
-        sim = " — SIMULATED: its figures check the panel's wiring, not this host" if name == "sim" else ""
+        eng = find_engine(name)
+        sim = " — SIMULATED: its figures check the panel's wiring, not this host" if eng.simulated else ""
         self.engine_label.setText(f"Engine: <b>{name}</b>{sim}")
-        self.preset_boxes["placement"].setEnabled(name == "llamacpp")
-        self.preset_boxes["numerics"].setEnabled(name in ("sim", "strata"))
-        self.preset_boxes["hotset"].setEnabled(name in ("sim", "strata"))
-        if name in ("sim", "strata") and not any(b.isChecked() for b in self.preset_boxes.values()):
-            self.preset_boxes["numerics"].setChecked(True)
+        for preset, box in self.preset_boxes.items():
+            box.setEnabled(preset in eng.bench_presets)
+        if not any(b.isChecked() for b in self.preset_boxes.values()):
+            for preset in eng.default_bench_presets:
+                self.preset_boxes[preset].setChecked(True)
 
     def spec(self) -> bench.BenchSpec:
         name = self.engine_name()

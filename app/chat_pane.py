@@ -2,7 +2,7 @@
 
 Everything the pane does goes through :mod:`engine_manager.chat_turn` (``run_turn``: stream one answer and record
 it) and :mod:`engine_manager.history` (the SQLite store), always on worker threads (one ``app.workers.TaskOwner``);
-the GUI thread only renders. The engine it talks to is the :class:`engine_manager.session.RunningEngine` of
+the GUI thread only renders. The engine it talks to is the :class:`engine_manager.engine_state.RunningEngine` of
 ``ctx.engineRunning`` (address, key, whether it is simulated).
 
 Its parts: :mod:`app.chat_render` (Markdown and each conversation's document: how streaming stays cheap),
@@ -35,8 +35,8 @@ from engine_manager import history as hist
 from engine_manager import uistate
 from engine_manager.chat import CancelToken, ChatClient, ChatOptions, ContentDelta, ReasoningDelta, check_target
 from engine_manager.chat_turn import TurnEnded, TurnStarted, run_turn
-from engine_manager.inferencekey.endpoint import NO_STREAMING
-from engine_manager.session import RunningEngine
+from engine_manager.engines import find_engine
+from engine_manager.engine_state import RunningEngine
 
 from .chat_conversations import EMPTY_LIST_HINT, ConversationList, ConvState, Stream
 from .chat_options import Composer, OptionsForm
@@ -356,7 +356,7 @@ class ChatPane(ConversationList, Panel, QWidget):
         self.engine_state_text = None
         if not same:                     # another engine (both signals announce the same one: probe it once)
             self.engine_model = None
-        if not same and running.engine != "inferencekey":     # an endpoint has no /health (its model: the workload)
+        if not same and find_engine(running.engine).answers_health:    # an InferenceKey endpoint has none
             def probe():
                 with ChatClient.for_engine(running) as c:
                     return c.health(timeout_s=3.0)
@@ -410,8 +410,9 @@ class ChatPane(ConversationList, Panel, QWidget):
             if not getattr(self.ctx, "watching", None):
                 self.engine_label.setText(f"Engine ready at {where}{model}{sim}")
             else:                       # an attached connection: its name and kind (label) say which one
+                note = find_engine(self.running.engine).chat_note        # InferenceKey: answered whole
                 self.engine_label.setText(f"Attached to {self.running.label or where}{model}{sim}"
-                                          + (f"\n{NO_STREAMING}" if self.running.engine == "inferencekey" else ""))
+                                          + (f"\n{note}" if note else ""))
             self.engine_label.setStyleSheet(f"color: {self._theme['dim']}")
             self.start_button.setVisible(False)
         elif getattr(self.ctx, "watching", None):

@@ -31,6 +31,7 @@ class ChecksView(Panel, QLabel):
         self.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.hide()
         self.report = None
+        self.ctx = ctx
         self._running = None
         self.tasks = TaskOwner(self)
         self.timer = QTimer(self)
@@ -59,6 +60,7 @@ class ChecksView(Panel, QLabel):
         if report is None or self._running is None:
             self.hide()
             return
+        self.ctx.checksReported.emit(report)     # the desktop notifications hear it (app.notify)
         bad = failed(report.checks)
         self.setToolTip("<br>".join(escape(c.line()) for c in report.checks))
         if bad:

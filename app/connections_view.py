@@ -1,19 +1,17 @@
 """Attach: watch engines the panel did not start, from the engine column.
 
 - :class:`ConnectionsView` — "Watching": a picker with "This panel's engine" and every saved connection
-  (:mod:`engine_manager.connections`), "Attach to…" (the :class:`AddConnectionDialog`) and Remove. Choosing a
-  connection resolves it on a worker (detection, the SSH forward when it names a host) and points the Monitor and
-  the chat pane at it through ``ctx.watch`` — exactly as at a started engine; the panel's own engine keeps running
-  and choosing "This panel's engine" shows it again. The choice survives a restart (``uistate``).
+  (:mod:`engine_manager.connections`), "Attach to…" (:class:`AddConnectionDialog`) and Remove. Choosing one resolves
+  it on a worker (detection, the SSH forward when it names a host) and points the Monitor and the chat pane at it
+  through ``ctx.watch``, as at a started engine; the panel's own engine keeps running, and choosing "This panel's
+  engine" shows it again. The choice survives a restart (``uistate``).
 - :class:`OverviewStrip` — every saved connection with its state, users and tok/s, polled by
   :class:`engine_manager.connections.OverviewPoller` every ``OVERVIEW_PERIOD_S``, each connection (and the panel's
-  own engine) on its own worker, never on the GUI thread: one slow or stalled connection holds up no other line
-  (every request has a size cap and a deadline). A figure an engine cannot give is "—", never 0; a connection
-  that does not answer is "unreachable", with the reason and when it was last seen in its tooltip, and no
-  figures. Clicking a line watches that connection.
-
-Keys are typed into a password field, stored by ``engine_manager.connections`` (keyring or an owner-only file)
-and never shown, logged or put in a label.
+  own engine) on its own worker, never the GUI thread: one slow connection holds up no other line (every request has
+  a size cap and a deadline). A figure an engine cannot give is "—", never 0; a connection that does not answer is
+  "unreachable", with the reason and when it was last seen in its tooltip. Clicking a line watches that connection.
+Keys are typed into a password field, stored by ``engine_manager.connections`` (keyring or an owner-only file) and
+never shown, logged or put in a label.
 """
 
 from __future__ import annotations

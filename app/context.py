@@ -19,9 +19,10 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
-from engine_manager.events import LogLines
+from engine_manager.supervisor_events import LogLines
 from engine_manager.hardware import HardwareReport
-from engine_manager.session import EngineSession, RunningEngine
+from engine_manager.engine_state import RunningEngine
+from engine_manager.session import EngineSession
 from engine_manager.settings import LoadedSettings, resolve_engine, save_settings
 
 
@@ -42,6 +43,7 @@ class AppContext(QObject):
     requestTab = Signal(str)                # ask the main window to show a tab by name
     showPlacement = Signal(object)          # metrics.presenter.PlacementFeed: Monitor → Placement (plan, trace, counts)
     engineLockChanged = Signal(object)      # why the panel's Start/Stop are held (str), None when they are free
+    checksReported = Signal(object)         # engine_manager.checks.CheckReport: the engine column's planned vs measured
 
     def __init__(self, loaded: LoadedSettings, hardware: HardwareReport | None = None, parent=None,
                  session: EngineSession | None = None):

@@ -1,20 +1,16 @@
 """The Downloads tab: the seven model shards (a progress bar, speed, ETA and a verified tick each), the total,
 pause / resume / cancel, the engine release, and "use a folder that already has the shards".
 
-The engine release has three ways in: the manifest's pinned release ("Download engine", when the manifest pins
-one); "Use an engine release I already have…" (a folder, checked the way ``dsv41 doctor`` checks a release:
-``engine_manager.release_check.check_release``, each failure shown with its fix, and saved as the ``engine_dir``
-setting when none fails: :meth:`DownloadPanel.use_release_folder`); and "Download from URL" (an archive whose
-sha256 is given beforehand, or shown when it arrived and confirmed by the user against the release page before
-anything is unpacked: ``engine_manager.download.release_source``).
-
-All work runs in ``engine_manager.download`` generators on a worker (``app.workers.TaskOwner``); this widget
-only renders their events and forwards the user's intents (a ``CancelToken``).
-
-Closing the window mid-download (``shutdown()``): the download is cancelled (partial files keep their checkpoints;
-the cancel also aborts connections that wait for bytes), and the panel waits — at most ``SHUTDOWN_WAIT_MS`` — for the
-generator to end, so no worker is left emitting signals while Python tears the Qt objects down. Every slot is a
-no-op once the panel is closing, so a late signal changes nothing."""
+The engine release has three ways in: "Download engine" (when the manifest pins a release); "Use an engine release I
+already have…" (a folder checked as ``dsv41 doctor`` checks one, ``engine_manager.release_check.check_release``,
+each failure shown with its fix, saved as the ``engine_dir`` setting when none fails:
+:meth:`DownloadPanel.use_release_folder`); and "Download from URL" (an archive whose sha256 is given beforehand, or
+shown on arrival and confirmed by the user before anything is unpacked: ``engine_manager.download.release_source``).
+All work runs in ``engine_manager.download`` generators on a worker (``app.workers.TaskOwner``); this widget only
+renders their events and forwards the user's intents (a ``CancelToken``).
+``shutdown()`` (the window closing mid-download) cancels the download (partial files keep their checkpoints; the
+cancel also aborts connections waiting for bytes) and waits at most ``SHUTDOWN_WAIT_MS`` for the generator to end,
+so no worker emits signals while Qt objects are torn down; every slot is a no-op once the panel is closing."""
 
 from __future__ import annotations
 
@@ -891,12 +887,12 @@ class DownloadPanel(Panel, QWidget):
         """Make the Strata pack (``StrataEngine.prepare``: the release's tools/iq_pack.py, once) on a worker."""
         if self.prep_worker is not None or self._closing:
             return
-        from engine_manager import placement
+        from engine_manager import plans
         from engine_manager.engines import get_engine
 
         eng = get_engine("strata")
         settings = self.ctx.settings
-        plan = placement.load_last_plan()
+        plan = plans.load_last_plan()
         self.prep_btn.setEnabled(False)
         self.prep_bar.setRange(0, 0)
         self.prep_bar.show()

@@ -41,7 +41,14 @@ from PySide6.QtWidgets import (
 )
 
 from engine_manager import fmt
-from engine_manager import supervisor as sv
+from engine_manager.dryrun import DryRun
+from engine_manager.engine_state import (CRASHED, READY, RESTARTING, RUNNING_STATES, STARTING, STOPPED, STOPPING,
+                                         EngineStatus)
+from engine_manager.procs import describe_owner
+from engine_manager.start_plan import plan_host_warning, usable_plan
+from engine_manager.supervisor_events import (Attached, Crashed, Event, GaveUp, LogLines, Note, Progress, Ready,
+                                              Restarting, StartFailed, StateChanged, Stopped, Stopping)
+from engine_manager.engines import ENGINE_NAMES, find_engine, get_engine
 from engine_manager.engines.llamacpp import PlacementSummary, placement_from_log
 from engine_manager.release_check import engine_release_facts
 from engine_manager.settings import resolve_engine
@@ -63,21 +70,14 @@ def _text_label(name: str, text_format: Qt.TextFormat | None = None) -> QLabel:
     return label
 
 
-ENGINE_CHOICES = (
-    ("auto", "Auto"),
-    ("strata", "deepseek-one-gpu (Strata)"),
-    ("llamacpp", "llama.cpp (stock llama-server)"),
-    ("sim", "Scripted engine (simulated)"),
-)
-ENGINE_WORDS = {"strata": "Strata", "llamacpp": "llama.cpp", "sim": "scripted engine (simulated)"}
 
 BADGE = {  # state: (text, background, foreground)
-    sv.STOPPED: ("Stopped", "#e4e6eb", "#3a3f47"),
-    sv.STARTING: ("Starting…", "#dbe8ff", "#1f4e99"),
-    sv.READY: ("Ready", "#d9f2dd", "#1b6b2b"),
-    sv.STOPPING: ("Stopping…", "#fff0d6", "#8a5300"),
-    sv.CRASHED: ("Crashed", "#fde2e1", "#a1131c"),
-    sv.RESTARTING: ("Restarting…", "#ffe7cc", "#9a4a00"),
+    STOPPED: ("Stopped", "#e4e6eb", "#3a3f47"),
+    STARTING: ("Starting…", "#dbe8ff", "#1f4e99"),
+    READY: ("Ready", "#d9f2dd", "#1b6b2b"),
+    STOPPING: ("Stopping…", "#fff0d6", "#8a5300"),
+    CRASHED: ("Crashed", "#fde2e1", "#a1131c"),
+    RESTARTING: ("Restarting…", "#ffe7cc", "#9a4a00"),
     "reattaching": ("Re-attaching…", "#dbe8ff", "#1f4e99"),   # the panel's own: finding the engine left running
 }
 POLL_MS = 3000
@@ -163,7 +163,7 @@ class EnginePanel(Panel, QWidget):
         self.setObjectName("enginePanel")
         self.session = ctx.session
         self.sup = ctx.session.supervisor
-        self._state = sv.STOPPED
+        self._state = STOPPED
         # background tasks by key: "run" (run/watch: owns the engine), "stop", "status" (the idle poll), "dry",
         # "placement"; callbacks are dropped once the panel shuts down
         self.tasks = TaskOwner(self)
@@ -171,7 +171,7 @@ class EnginePanel(Panel, QWidget):
         self._close_after_stop = None
         self._stop_started: float | None = None
         self._last_notes: list[str] = []
-        self._emitted_state = sv.STOPPED        # the state the rest of the window was last told (status bar …)
+        self._emitted_state = STOPPED        # the state the rest of the window was last told (status bar …)
         self._refused_cause: str | None = None  # a start refused because another engine runs: keep saying why
         # where llama-server put each buffer, folded (in engine_manager) from the log events of this run
         self.placement = PlacementSummary()
@@ -192,9 +192,9 @@ class EnginePanel(Panel, QWidget):
         self.poll_timer.start()
         self.clock = QTimer(self)
         self.clock.setInterval(1000)
-        self.clock.timeout.connect(lambda: self._state == sv.READY and self._refresh_details())
+        self.clock.timeout.connect(lambda: self._state == READY and self._refresh_details())
         self.clock.start()
-        self._render_state(sv.STOPPED, "")
+        self._render_state(STOPPED, "")
         QTimer.singleShot(0, self.reattach)
 
     # -- layout ----------------------------------------------------------------------------------------------------
@@ -212,8 +212,9 @@ class EnginePanel(Panel, QWidget):
         row.addWidget(QLabel("Engine"))
         self.engine_box = QComboBox()
         self.engine_box.setObjectName("engineSelector")
-        for name, text in ENGINE_CHOICES:
-            self.engine_box.addItem(text, name)
+        self.engine_box.addItem("Auto", "auto")
+        for name in ENGINE_NAMES:                       # engines.registry's order, each Engine.choice_label
+            self.engine_box.addItem(get_engine(name).choice_label, name)
         self.engine_box.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.engine_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.engine_box.setMinimumContentsLength(12)
@@ -365,8 +366,8 @@ class EnginePanel(Panel, QWidget):
         if self.selected_engine() == "auto":
             why = "a GPU was found" if self.ctx.has_gpu else (
                 "no NVIDIA GPU here" if self.ctx.hardware is not None else "probing the hardware…")
-            self.resolved.setText(f"→ {ENGINE_WORDS.get(name, name)} ({why})")
-        elif name == "sim":
+            self.resolved.setText(f"→ {find_engine(name).words or name} ({why})")
+        elif find_engine(name).simulated:
             self.resolved.setText("Every figure it reports is simulated.")
         else:
             self.resolved.setText("")
@@ -381,7 +382,7 @@ class EnginePanel(Panel, QWidget):
         return self._state
 
     def is_running(self) -> bool:
-        return self._state in sv.RUNNING_STATES or self.tasks.running("run")
+        return self._state in RUNNING_STATES or self.tasks.running("run")
 
     # -- intents ----------------------------------------------------------------------------------------------------
     def _watch_refusal(self) -> str | None:
@@ -402,7 +403,7 @@ class EnginePanel(Panel, QWidget):
         if why:
             self.ctx.statusMessage.emit(why, 8000)
             return
-        if self._state == sv.STOPPING:
+        if self._state == STOPPING:
             self.force_stop()
         elif self.is_running():
             self.stop()
@@ -435,11 +436,11 @@ class EnginePanel(Panel, QWidget):
         self.sup.hardware = self.ctx.hardware
         self.sup.auto_restart = self.auto_restart.isChecked()
         engine = self.resolved_engine()
-        self._render_state(sv.STARTING, f"starting the {ENGINE_WORDS.get(engine, engine)}")
+        self._render_state(STARTING, f"starting {find_engine(engine).words or engine}")
         # the Placement tab's "Start with this plan": that plan as it is, even one made for another host (warned)
         chosen, self._chosen_plan = self._chosen_plan, None
-        plan = chosen if chosen is not None else sv.usable_plan(engine, self.ctx.plan)
-        warning = sv.plan_host_warning(chosen, self.ctx.hardware) if chosen is not None else None
+        plan = chosen if chosen is not None else usable_plan(engine, self.ctx.plan)
+        warning = plan_host_warning(chosen, self.ctx.hardware) if chosen is not None else None
         if warning:
             self._add_note(warning[0].upper() + warning[1:], "warning")
         self.tasks.start("run", self.sup.run, engine, plan, on_event=self._on_event, on_done=self._run_done,
@@ -499,12 +500,12 @@ class EnginePanel(Panel, QWidget):
             self.ctx.statusMessage.emit(why, 8000)
             return
         self._refused_cause = None
-        if self._state == sv.STOPPING:
+        if self._state == STOPPING:
             self.force_stop()
             return
         if self.tasks.running("stop"):
             return
-        if not self.is_running() and self._state not in (sv.CRASHED,):
+        if not self.is_running() and self._state not in (CRASHED,):
             return
         self._stop_started = time.monotonic()
         self.tasks.start("stop", self.sup.stop, on_event=self._on_event, on_error=self._on_error,
@@ -527,7 +528,7 @@ class EnginePanel(Panel, QWidget):
             return
         self.sup.settings = self.ctx.settings
         self.sup.auto_restart = self.auto_restart.isChecked()
-        if self._state == sv.STOPPED and self.sup.state_path.exists():
+        if self._state == STOPPED and self.sup.state_path.exists():
             # an engine was left running (or its record was): say so for the seconds the check takes, not "Stopped"
             self._render_state("reattaching", "re-attaching to the running engine…")
         self.tasks.start("run", self.sup.watch, on_event=self._on_event, on_done=self._run_done,
@@ -539,27 +540,27 @@ class EnginePanel(Panel, QWidget):
         self.dry_button.setEnabled(False)
         self.ctx.statusMessage.emit("Preparing the dry run (probing the binding)…", 3000)
         engine = self.resolved_engine()
-        self.tasks.start("dry", self.sup.dry_run, engine, sv.usable_plan(engine, self.ctx.plan),
+        self.tasks.start("dry", self.sup.dry_run, engine, usable_plan(engine, self.ctx.plan),
                          on_done=self._show_dry_run, on_error=self._on_error,
                          on_finished=lambda: self.dry_button.setEnabled(True))
 
-    def _show_dry_run(self, dr: sv.DryRun) -> None:
+    def _show_dry_run(self, dr: DryRun) -> None:
         self.last_dry_run = DryRunDialog(dr.render(), self)
         self.last_dry_run.setModal(False)
         self.last_dry_run.show()
 
     # -- events from the supervisor ----------------------------------------------------------------------------------
-    def _on_event(self, ev: sv.Event) -> None:
+    def _on_event(self, ev: Event) -> None:
         self.session.feed(ev)          # the ready engine (ctx.running, engineRunning) and the log (engineLog)
         match ev:
-            case sv.LogLines():
+            case LogLines():
                 if self.placement.add_log_lines(ev.lines, ev.events):
                     self._show_placement()
-            case sv.StateChanged():
+            case StateChanged():
                 self._render_state(ev.state, ev.message, ev)
-            case sv.Progress():
+            case Progress():
                 self._show_progress(ev)
-            case sv.Ready():
+            case Ready():
                 self.progress.hide()
                 self.phase.hide()
                 if not (ev.attached and self._refused_cause == "engine_running"):
@@ -568,7 +569,7 @@ class EnginePanel(Panel, QWidget):
                                             + (" (re-attached)" if ev.attached else f" after {fmt_s(ev.elapsed_s)}"),
                                             6000)
                 self._refresh_details()
-            case sv.Crashed():
+            case Crashed():
                 extra = ""
                 if ev.will_restart:
                     # the countdown itself is one line (the phase line above the banner), fed by the supervisor's
@@ -577,12 +578,12 @@ class EnginePanel(Panel, QWidget):
                              f"{self.sup.crash_limit} within {self.sup.crash_window_s / 60:.0f} min).")
                     self._show_restart_countdown(ev.restart_in_s or 0.0, ev.crashes_in_window)
                 self.banner.show_problem(ev.title, self._gui_fix(ev.cause, ev.fix), extra)
-            case sv.Restarting():
+            case Restarting():
                 self._show_restart_countdown(ev.remaining_s, ev.attempt)
-            case sv.GaveUp():
+            case GaveUp():
                 self.banner.show_problem(self.banner.title.text() or "The engine keeps crashing",
                                          self.banner.fix.text(), ev.message)
-            case sv.StartFailed():
+            case StartFailed():
                 extra = ("Last log lines:\n" + "\n".join(ev.log_tail[-8:])) if ev.log_tail else ""
                 if ev.cause == "engine_running":
                     self._refused_cause = ev.cause
@@ -591,26 +592,26 @@ class EnginePanel(Panel, QWidget):
                                          severe=not quiet, show_log=not quiet)
                 self.progress.hide()
                 self.phase.hide()
-            case sv.Stopping():
+            case Stopping():
                 left = max(0.0, ev.grace_s - ev.elapsed_s)
                 self.phase.setText(f"{ev.signal_name} sent {fmt_s(ev.elapsed_s)} ago; {ev.remaining} process(es) "
                                    "left" + (f" — SIGKILL in {fmt_s(left)} (or Force stop now)"
                                              if ev.signal_name == "SIGTERM" else ""))
                 self.phase.show()
-            case sv.Stopped():
+            case Stopped():
                 self.progress.hide()
                 self.phase.hide()
                 self.banner.hide()                        # a stop the user asked for ends the crash story
                 self.ctx.statusMessage.emit(ev.message, 5000)
-            case sv.Attached():
+            case Attached():
                 self.ctx.statusMessage.emit(ev.message, 8000)
                 self._emitted_state = ev.state
                 self.ctx.engineStateChanged.emit(ev)
-                if ev.engine == "llamacpp":             # its loading lines went by before this panel watched
+                if find_engine(ev.engine).placement_in_log:   # its loading lines went by before this panel watched
                     self.tasks.start("placement", placement_from_log, self.sup.log_path,
                                      on_done=self._placement_read,
                                      on_error=lambda _exc: None)  # an unreadable log: the box just stays empty
-            case sv.Note():
+            case Note():
                 self._add_note(ev.text, ev.level)
 
     def _placement_read(self, summary: PlacementSummary) -> None:
@@ -645,7 +646,7 @@ class EnginePanel(Panel, QWidget):
         one that is free now), a running engine is stopped with the Stop button."""
         if cause == "engine_running":
             return (f"Press Stop above (it stops the engine that runs; `dsv41 stop` does the same in a terminal), "
-                    f"then Start {ENGINE_WORDS.get(self.resolved_engine(), 'the engine')}. Only one engine runs at "
+                    f"then Start {find_engine(self.resolved_engine()).words or 'the engine'}. Only one engine runs at "
                     "a time; starting the same engine again re-attaches to it.")
         if cause != "port_in_use":
             return fix
@@ -658,7 +659,7 @@ class EnginePanel(Panel, QWidget):
         cli = f" From a terminal: `dsv41 settings set port {suggested_port or '<N>'}`."
         return f"Stop that program (`ss -ltnp` shows it), or {where}{cli}"
 
-    def _show_progress(self, ev: sv.Progress) -> None:
+    def _show_progress(self, ev: Progress) -> None:
         if ev.fraction is not None:
             self.progress.setRange(0, 1000)
             self.progress.setValue(int(ev.fraction * 1000))
@@ -675,14 +676,14 @@ class EnginePanel(Panel, QWidget):
     def _clear_ready(self) -> None:
         self.session.set_running(None)
 
-    def _run_done(self, st: sv.EngineStatus | None) -> None:
+    def _run_done(self, st: EngineStatus | None) -> None:
         if st is not None:
             self._render_state(st.state, st.message)
 
     def _run_finished(self) -> None:
         if self._state == "reattaching":        # the look found nothing to re-attach to
-            self._state = sv.STOPPED
-        if self._state in (sv.STOPPED, sv.CRASHED):
+            self._state = STOPPED
+        if self._state in (STOPPED, CRASHED):
             self._clear_ready()
         self._render_state(self._state, "")
         if self._refused_cause == "engine_running" and not self.tasks.shut_down:
@@ -713,14 +714,14 @@ class EnginePanel(Panel, QWidget):
         self._state = state
         if ev is not None or state != self._emitted_state:
             self._emitted_state = state
-            self.ctx.engineStateChanged.emit(ev if ev is not None else sv.StateChanged(state, prev, message))
+            self.ctx.engineStateChanged.emit(ev if ev is not None else StateChanged(state, prev, message))
         text, bg, fg = BADGE.get(state, (state, "#eee", "#333"))
         self.badge.setText(text)
         self.badge.setToolTip(message or text)
         self.badge.setStyleSheet(f"QLabel#stateBadge {{ background: {bg}; color: {fg}; border-radius: 4px; "
                                  "padding: 4px; }")
         running = self.is_running()
-        stopping = state == sv.STOPPING or self.tasks.running("stop")
+        stopping = state == STOPPING or self.tasks.running("stop")
         if stopping:
             self.start_button.setText("Force stop")
             self.start_button.setToolTip("Kill the engine now (SIGKILL) instead of waiting for the grace period")
@@ -738,10 +739,10 @@ class EnginePanel(Panel, QWidget):
         self.stop_action.setEnabled(running and not stopping and why is None)
         self.force_action.setEnabled((running or stopping) and why is None)
         self.engine_box.setEnabled(not running and not stopping)
-        if state == sv.READY:
+        if state == READY:
             self.progress.hide()                      # (the Ready event that follows hides them too)
             self.phase.hide()
-        if state in (sv.STOPPED, sv.CRASHED) and not running:
+        if state in (STOPPED, CRASHED) and not running:
             self.progress.hide()
             if not stopping:
                 self.phase.hide()
@@ -751,15 +752,15 @@ class EnginePanel(Panel, QWidget):
         st = self.sup.snapshot()
         own = getattr(self.ctx, "own", None)
         self.copy_key_button.setVisible(st is not None and bool(st.ready_at) and own is not None
-                                        and bool(own.api_key) and self._state == sv.READY)
-        if st is None or self._state in (sv.STOPPED, sv.CRASHED):
+                                        and bool(own.api_key) and self._state == READY)
+        if st is None or self._state in (STOPPED, CRASHED):
             if not self.details.text().startswith("<b>Port"):
                 self.details.setText("")
                 self.details.hide()
             return
         parts = [f"<b>{html.escape(st.label or st.engine or '')}</b>"
                  + (f" · {html.escape(st.started_by_words)}" if st.started_by_words else "")]
-        up = f" · up {fmt_s(time.time() - st.started_at)}" if st.started_at and self._state == sv.READY else ""
+        up = f" · up {fmt_s(time.time() - st.started_at)}" if st.started_at and self._state == READY else ""
         parts.append(f"pid {st.pid or '?'} · port {st.port}{up}")
         if st.ready_at:
             parts.append(f"<code>{html.escape(st.base_url or '')}</code>")
@@ -855,14 +856,14 @@ class EnginePanel(Panel, QWidget):
             return
         self.tasks.start("status", self.sup.status, on_done=self._polled)
 
-    def _polled(self, st: sv.EngineStatus) -> None:
+    def _polled(self, st: EngineStatus) -> None:
         if self.is_running() or self.tasks.shut_down:
             return
         if st.owner == "panel" and st.running:
             self.reattach()
         elif st.external:
             self.details.setText(f"<b>Port {self.ctx.settings.port} is taken</b> by something this panel did not "
-                                 f"start: {html.escape(sv.describe_owner(st.external))}. It is shown, never "
+                                 f"start: {html.escape(describe_owner(st.external))}. It is shown, never "
                                  "stopped; to start an engine, choose another port in File ▸ Settings… → Port.")
             self.details.show()
         elif self.details.text().startswith("<b>Port"):
@@ -888,7 +889,7 @@ class EnginePanel(Panel, QWidget):
     def confirm_close(self, win) -> bool:
         if self._close_after_stop is not None:
             return False                              # still stopping: the window closes when it is done
-        if self._state not in sv.RUNNING_STATES and not self.tasks.running("stop"):
+        if self._state not in RUNNING_STATES and not self.tasks.running("stop"):
             # no engine known to run — at most the start-up look for one a previous panel left (a quit in the
             # first ~0.2 s asked "The engine is still running…" about nothing, and under automation nobody
             # answered: `dsv41-panel --quit-after 0` hung); shutdown() stops that look
@@ -914,6 +915,6 @@ class EnginePanel(Panel, QWidget):
         self.clear_copied_key()
         self.connections.shutdown()
         self.checks.shutdown()
-        if self.tasks.running("run") and self._state not in (sv.STOPPING,):
+        if self.tasks.running("run") and self._state not in (STOPPING,):
             self.sup.detach()                         # stop watching; the engine keeps running
         self.tasks.shutdown(wait_ms)                  # later callbacks are dropped; the workers are asked to end

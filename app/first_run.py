@@ -278,8 +278,10 @@ class StartPage(QWizardPage):
         lay.addStretch(1)
 
     def initializePage(self) -> None:  # noqa: N802
+        from engine_manager.engines import find_engine
+
         name = self.ctx.engine_name()
-        sim = " — the scripted engine, simulated (no NVIDIA GPU here)" if name == "sim" else ""
+        sim = " — the scripted engine, simulated (no NVIDIA GPU here)" if find_engine(name).simulated else ""
         self.engine.setText(f"Engine: <b>{name}</b>{sim}. First start of the real engine may take well over five "
                             "minutes (it reads 264.5 GB).")
 

@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
     QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSizePolicy, QVBoxLayout, QWidget,
 )
 
-from engine_manager.supervisor import log_path, read_log_tail
+from engine_manager.logtail import log_path, read_log_tail
 
 from .panel_base import Panel
 from .workers import TaskOwner

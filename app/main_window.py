@@ -37,14 +37,22 @@ DEFAULT_SIZE = (1440, 900)      # the first window, where the screen has room fo
 FRAME_GUESS = (0, 32)           # what a window manager adds around the window (a title bar) until it is known
 
 
-def _tab_classes() -> dict[str, type]:
+def _tab_class(name: str) -> type:
+    """The class of the page called ``name``, imported only then (a page that plots brings pyqtgraph and numpy)."""
+    if name == "Monitor":
+        from .monitor_view import MonitorView
+        return MonitorView
+    if name == "Placement":
+        from .placement_view import PlacementView
+        return PlacementView
+    if name == "Downloads":
+        from .download_panel import DownloadPanel
+        return DownloadPanel
+    if name == "Log":
+        from .log_view import LogView
+        return LogView
     from .bench_view import BenchView
-    from .download_panel import DownloadPanel
-    from .log_view import LogView
-    from .monitor_view import MonitorView
-    from .placement_view import PlacementView
-    return {"Monitor": MonitorView, "Placement": PlacementView, "Downloads": DownloadPanel, "Log": LogView,
-            "Benchmark": BenchView}
+    return BenchView
 
 
 class _Placeholder(QLabel):
@@ -94,7 +102,9 @@ class HardwareBanner(QLabel):
                          f"{g.driver_version}<br>engine: <b>{engine}</b>")
         else:
             self.setStyleSheet("QLabel { background: #fff4e5; color: #7a4b00; }")
-            sim = " — the <b>scripted engine (simulated)</b> is the default" if engine == "sim" else ""
+            from engine_manager.engines import find_engine     # the engine column has loaded the adapters by now
+
+            sim = " — the <b>scripted engine (simulated)</b> is the default" if find_engine(engine).simulated else ""
             self.setText(f"<b>No NVIDIA GPU found</b><br>{report.gpu_error}{sim}.")
 
 
@@ -105,6 +115,7 @@ class MainWindow(QMainWindow):
     (``win.monitor_view`` …) builds the pages first if they are not built yet."""
 
     pagesBuilt = Signal()
+    firstPageShown = Signal()       # the staged start: the engine column and the page on screen built and painted
 
     def __init__(self, ctx, parent=None, lazy: bool = False, show_first_run: bool = True):
         """``ctx``: the AppContext, or (with ``lazy``) a function that makes it — called after the first paint, so
@@ -136,6 +147,7 @@ class MainWindow(QMainWindow):
         # plot area: one placeholder per tab until the pages are built ---------------------------------------------
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
+        self.tabs.currentChanged.connect(self._tab_changed)
         self._placeholders: dict[str, _Placeholder] = {}
         for name in TAB_NAMES:
             ph = _Placeholder()
@@ -173,27 +185,31 @@ class MainWindow(QMainWindow):
     def _build_soon(self) -> None:
         if not self.built and not getattr(self, "_build_queued", False):
             self._build_queued = True
-            QTimer.singleShot(0, self.build_pages)
+            QTimer.singleShot(0, self._build_staged)
 
-    def build_pages(self) -> None:
-        """Build the engine panel, the four tabs, the chat pane and the live status bar in place of their
-        placeholders (once)."""
-        if self.built or self._building:
-            return
-        self._building = True
+    # -- building the pages ------------------------------------------------------------------------------------
+    # Each piece is built once, by whichever comes first: the staged start (what is on screen first, the rest one
+    # piece per pass of the event loop, so a click is answered between them), a page attribute read, a tab shown,
+    # or build_pages() (everything now).
+    _engine_panel = None
+    _chat_pane = None
+    _status = None
+    _closing = False
+    _staged = False             # the staged start has begun: a waiting tab, once chosen, is built at once
+
+    def _ensure_ctx(self) -> bool:
         if self.ctx is None:
             self.ctx = self._ctx_factory() if self._ctx_factory is not None else None
             if self.ctx is None:
-                self._building = False
-                return
+                return False
             self.banner.attach(self.ctx)
-        from . import first_run
-        from .chat_pane import ChatPane
-        from .engine_panel import EnginePanel
-        from .statusbar import LiveStatusBar
+        return True
 
-        ctx = self.ctx
-        self._engine_panel = EnginePanel(ctx)
+    def _build_engine_panel(self) -> None:
+        if self._engine_panel is not None:
+            return
+        from .engine_panel import EnginePanel
+        self._engine_panel = EnginePanel(self.ctx)
         # the column scrolls when the screen is short (1280×800 with a crash banner up): its labels are never
         # squeezed below the height their words need
         self.control_scroll = QScrollArea()
@@ -206,20 +222,31 @@ class MainWindow(QMainWindow):
         cl.replaceWidget(self._engine_placeholder, self.control_scroll)
         cl.setStretchFactor(self.control_scroll, 1)
         self._engine_placeholder.deleteLater()
+        for act in getattr(self._engine_panel, "actions_for_menu", lambda: [])():
+            self.engine_menu.insertAction(self._engine_sep, act)
 
+    def _build_tab(self, name: str) -> None:
+        if name in self.pages:
+            return
+        page = _tab_class(name)(self.ctx)
+        self.pages[name] = page
         current = self.tabs.currentIndex()
         self.tabs.blockSignals(True)
-        for name, cls in _tab_classes().items():
-            page = cls(ctx)
-            self.pages[name] = page
-            i = self.tabs.indexOf(self._placeholders[name])
-            self.tabs.removeTab(i)
-            self.tabs.insertTab(i, page, name)
-            self._placeholders[name].deleteLater()
+        i = self.tabs.indexOf(self._placeholders[name])
+        self.tabs.removeTab(i)
+        self.tabs.insertTab(i, page, name)
         self.tabs.setCurrentIndex(current)
         self.tabs.blockSignals(False)
+        self._placeholders[name].deleteLater()
+        if name == "Monitor":
+            for act in getattr(page, "file_actions", lambda: [])():
+                self.file_menu.insertAction(self._file_sep, act)
 
-        self._chat_pane = ChatPane(ctx)
+    def _build_chat(self) -> None:
+        if self._chat_pane is not None:
+            return
+        from .chat_pane import ChatPane
+        self._chat_pane = ChatPane(self.ctx)
         self._chat_pane.setMinimumWidth(300)
         # the sizes restored from the last session until the window has been shown, then the ones on screen
         sizes = self.splitter.sizes() if self.isVisible() else (self._restored_sizes or self.splitter.sizes())
@@ -229,18 +256,94 @@ class MainWindow(QMainWindow):
         self._chat_pane.setVisible(visible)
         self.splitter.setSizes(sizes)
 
-        self._status = LiveStatusBar(ctx)
+    def _build_status(self) -> None:
+        if self._status is not None:
+            return
+        from .statusbar import LiveStatusBar
+        self._status = LiveStatusBar(self.ctx)
         self.setStatusBar(self._status)
-        self._add_page_actions()
+
+    def _finish(self) -> None:
+        if self.built:
+            return
+        from . import first_run
         self.built = True
-        self._building = False
         # Help ▸ Getting started…, shown once at startup while no model is present
         first_run.install(self, autoshow=self.show_first_run)
-        ctx.requestTab.connect(self.show_tab)
-        for n in ctx.loaded.notices:
-            ctx.statusMessage.emit(n, 15000)
+        self.ctx.requestTab.connect(self.show_tab)
+        for n in self.ctx.loaded.notices:
+            self.ctx.statusMessage.emit(n, 15000)
         self.refresh_hardware()
         self.pagesBuilt.emit()
+
+    def _steps(self) -> list:
+        """The pieces in the order the staged start builds them: the engine column and the page on screen, then
+        the chat pane, the status bar, the other pages, and last what only a first run needs."""
+        shown = self._shown_tab_name()
+        return [self._build_engine_panel, lambda: self._build_tab(shown), self._build_chat, self._build_status,
+                *(lambda n=n: self._build_tab(n) for n in TAB_NAMES if n != shown), self._finish]
+
+    def build_pages(self) -> None:
+        """Build every piece not built yet — engine panel, the tabs, the chat pane, the live status bar — in place
+        of its placeholder, now."""
+        if self.built or self._building:
+            return
+        self._building = True
+        try:
+            if not self._ensure_ctx():
+                return
+            for step in self._steps():
+                step()
+        finally:
+            self._building = False
+
+    def _build_staged(self) -> None:
+        """The panel's own start: the engine column and the page on screen first, painted at once
+        (``firstPageShown``), then one piece per pass of the event loop."""
+        if self.built or self._building or self._closing:
+            return
+        self._building = True
+        try:
+            if not self._ensure_ctx():
+                return
+            self._staged = True
+            steps = self._steps()
+            for step in steps[:2]:
+                step()
+        finally:
+            self._building = False
+        self.repaint()
+        self.firstPageShown.emit()
+        self._queue_steps(steps[2:])
+
+    def _queue_steps(self, steps: list) -> None:
+        def run_next() -> None:
+            if self._closing or self.built or not steps:
+                return
+            if not self._building:
+                self._building = True
+                try:
+                    steps.pop(0)()
+                finally:
+                    self._building = False
+            if steps:
+                QTimer.singleShot(0, run_next)
+        QTimer.singleShot(0, run_next)
+
+    def staging(self) -> bool:
+        """The staged start has begun and some pieces are still waiting."""
+        return self._staged and not self.built
+
+    def _tab_changed(self, index: int) -> None:
+        # a page still waiting for the staged start is built when its tab is chosen
+        name = self.tabs.tabText(index)
+        waiting = name in self._placeholders and name not in self.pages
+        if self._staged and self.ctx is not None and waiting and not self._building:
+            self._building = True
+            try:
+                self._build_tab(name)
+            finally:
+                self._building = False
 
     # the pages: built on first use when the window has not built them yet
     def _page(self, attr: str):
@@ -249,11 +352,9 @@ class MainWindow(QMainWindow):
         return getattr(self, attr)
 
     def panels(self) -> list[Closable]:
-        """Every panel of the window, in the order they are shut down on close: the chat pane (its answers are
-        saved), the tabs' pages, then the engine panel (it stops watching the engine last). Empty until built."""
-        if not self.built:
-            return []
-        return [self._chat_pane, *self.pages.values(), self._engine_panel]
+        """Every panel of the window built so far, in the order they are shut down on close: the chat pane (its
+        answers are saved), the tabs' pages, then the engine panel (it stops watching the engine last)."""
+        return [p for p in (self._chat_pane, *self.pages.values(), self._engine_panel) if p is not None]
 
     engine_panel = property(lambda self: self._page("_engine_panel"))
     chat_pane = property(lambda self: self._page("_chat_pane"))
@@ -293,6 +394,8 @@ class MainWindow(QMainWindow):
         self.chat_toggle = self._action(view_menu, "Show &chat pane", self.toggle_chat, "Ctrl+Shift+C")
         self.chat_toggle.setCheckable(True)
         self.chat_toggle.setChecked(True)
+        from .compact_view import open_compact_view
+        self._action(view_menu, "Co&mpact view", lambda: open_compact_view(self), "Ctrl+Shift+M", "actionCompactView")
         # light / dark: the desktop's, or a choice that is remembered
         self.theme_menu = view_menu.addMenu("&Theme")
         self.theme_actions: dict[str, QAction] = {}
@@ -313,14 +416,9 @@ class MainWindow(QMainWindow):
             theme.follow_desktop(theme.saved_mode)
 
         help_menu = mb.addMenu("&Help")
+        self._action(help_menu, "Save a &diagnostic bundle…", lambda: self.save_diagnostic_bundle(), None,
+                     "actionDiagnose")
         self._action(help_menu, "&About dsv41 panel", self.about, None, "actionAbout")
-
-    def _add_page_actions(self) -> None:
-        """The pages' own actions (Export metrics CSV…, Start/Stop …) go into the menus once they exist."""
-        for act in getattr(self.pages["Monitor"], "file_actions", lambda: [])():
-            self.file_menu.insertAction(self._file_sep, act)
-        for act in getattr(self._engine_panel, "actions_for_menu", lambda: [])():
-            self.engine_menu.insertAction(self._engine_sep, act)
 
     def set_theme(self, mode: str) -> None:
         """View ▸ Theme: "auto" (follow the desktop), "light" or "dark"; remembered for the next start."""
@@ -379,6 +477,49 @@ class MainWindow(QMainWindow):
             "264.5 GB at Q2_K) on one GPU workstation: the most-used experts live in VRAM, the rest are computed "
             "on the CPU from RAM.</p><p>Engines: deepseek-one-gpu / Strata, stock llama.cpp, and a scripted engine "
             "(simulated) for machines without the GPU.</p>")
+
+    def save_diagnostic_bundle(self, path=None) -> None:
+        """Help ▸ Save a diagnostic bundle…: the zip ``dsv41 diagnose --out FILE`` writes (keys masked;
+        ``engine_manager.cli.diagnose.write_bundle``) to a file asked for (``path``: that file, no question),
+        collected on a worker; then a message says where it is."""
+        import time
+        from pathlib import Path
+
+        if not self.built:
+            self.build_pages()
+        if self.ctx is None:
+            return
+        if path is None:
+            from PySide6.QtWidgets import QFileDialog
+
+            suggested = Path.home() / time.strftime("dsv41-diagnose-%Y%m%d-%H%M%S.zip")
+            path, _ = QFileDialog.getSaveFileName(self, "Save a diagnostic bundle", str(suggested),
+                                                  "Zip archives (*.zip)")
+            if not path:
+                return
+        from engine_manager.cli.diagnose import write_bundle
+
+        from .workers import run_function
+        out = Path(path).expanduser()
+        self.ctx.statusMessage.emit(f"Collecting the diagnostic bundle for {out.name}…", 0)
+
+        def done(result) -> None:
+            size, notes = result
+            text = (f"Saved the diagnostic bundle to {out} ({size / 1024:.0f} KiB, readable only by you; keys and "
+                    "tokens masked). Attach it to a bug report.")
+            self.ctx.statusMessage.emit(text, 15000)
+            self.bundle_box = QMessageBox(QMessageBox.Icon.Information, "Diagnostic bundle saved", text,
+                                          QMessageBox.StandardButton.Ok, self)
+            self.bundle_box.setDetailedText("\n".join(notes))
+            self.bundle_box.setModal(False)
+            self.bundle_box.show()
+
+        def failed(exc: BaseException) -> None:
+            why = getattr(exc, "strerror", None) or exc
+            self.ctx.statusMessage.emit(f"The diagnostic bundle was not saved: cannot write {out} ({why}); "
+                                        "choose another file.", 15000)
+
+        run_function(write_bundle, self.ctx.settings, out, on_done=done, on_error=failed)
 
     # -- the window on its screen ----------------------------------------------------------------------------------
     def _screen(self):
@@ -489,11 +630,13 @@ class MainWindow(QMainWindow):
         })
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt's name
-        if self.built:              # pages never built (a quit right at start-up) have nothing to stop
-            confirm = getattr(self._engine_panel, "confirm_close", None) if self.ask_on_close else None
-            if confirm is not None and not confirm(self):
-                event.ignore()
-                return
-            shutdown_all(self)
+        # pages never built (a quit right at start-up) have nothing to stop; a start still building its pages
+        # stops the ones it has
+        confirm = getattr(self._engine_panel, "confirm_close", None) if self.ask_on_close else None
+        if confirm is not None and not confirm(self):
+            event.ignore()
+            return
+        self._closing = True
+        shutdown_all(self)
         self.save_state()
         event.accept()

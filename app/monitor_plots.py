@@ -1,6 +1,6 @@
 """The Monitor's plots: what each plot shows (:class:`PlotSpec`), and :class:`MonitorPlot`, a pyqtgraph PlotItem
-with its curves created once and fed with ``setData`` (pyqtgraph's PlotSpeedTest idioms: ``setClipToView(True)``,
-``setDownsampling(mode='peak')``), sticky "nice" y ranges, a legend in the title row and a hover read-out.
+with its curves created once and fed with ``setData`` (the visible range only, reduced by the store to min/max per
+two pixels), sticky "nice" y ranges, a legend in the title row and a hover read-out.
 
 Missing values are gaps in the curves, never zero; a lone reading is drawn as a dot.
 """
@@ -171,8 +171,9 @@ class MonitorPlot:
         # horizontal grid lines only: the time axis redraws as the window advances, and with vertical grid
         # lines its cached picture would span the whole plot (measured ~30 ms per plot on a software X server)
         it.showGrid(x=False, y=True, alpha=0.25)
-        it.setClipToView(True)
-        it.setDownsampling(auto=True, mode="peak")
+        # no clipToView/auto-downsampling: the store hands each curve only the visible range, already reduced to
+        # min/max per two pixels (MonitorView._draw_one); pyqtgraph's own pass over the same points was ~30 % of
+        # the GUI thread's work at 1 Hz (cProfile of benchmarks/gui_load.py part 2)
         it.setMenuEnabled(True)
         from .plot_export import add_export     # right click: Save plot as PNG/SVG…, Copy figures
         add_export(it, spec.title)
@@ -200,19 +201,16 @@ class MonitorPlot:
             pen = pg.mkPen(s.color, width=s.width, style=s.style)
             if s.right and self.right_vb is not None:
                 c = pg.PlotDataItem(pen=pen, name=f"{s.name} (right)", connect="finite")
-                c.setClipToView(True)
-                c.setDownsampling(auto=True, method="peak")
                 self.right_vb.addItem(c)
             else:
                 c = it.plot(pen=pen, name=s.name, connect="finite")
-                c.setClipToView(True)
-                c.setDownsampling(auto=True, method="peak")
             self.curves[s.column] = c
             self.series[s.column] = s
             # a reading with no neighbour (a prompt read within one poll, a slot busy for one tick) has no line
             # segment to draw: it is a dot, so every reading shows and the y range never holds an invisible one
             dots = pg.ScatterPlotItem(size=5, pen=None, brush=pg.mkBrush(s.color))
             dots.setZValue(c.zValue() + 1)
+            dots.setVisible(False)                 # until it has a dot to draw
             (self.right_vb if s.right and self.right_vb is not None else it.vb).addItem(dots)
             self.dots[s.column] = dots
         # The legend sits in the title row, above the data, never over it (a legend inside the plot covered
@@ -310,7 +308,7 @@ class MonitorPlot:
             if want == curve.isVisible() and (col in self.legend_cols) == want:
                 continue
             curve.setVisible(want)
-            self.dots[col].setVisible(want)
+            self.dots[col].setVisible(want and self.dots[col].data.size > 0)
             changed = True
             if want:
                 self.legend_cols.add(col)
@@ -340,16 +338,27 @@ class MonitorPlot:
             if t.size == 0 or not np.isfinite(y).any():
                 if self.empty.get(col) is not True:        # already empty: nothing to redraw
                     curve.setData([], [])
-                    self.dots[col].setData([], [])
+                    self._set_dots(col, None, None)
                     self.empty[col] = True
             else:
                 curve.setData(t, y, connect="finite")
                 lone = isolated(y)
                 if lone.any() or self.dots[col].data.size:
-                    self.dots[col].setData(t[lone], y[lone])
+                    self._set_dots(col, t[lone], y[lone])
                 self.empty[col] = False
         if fit_y:
             self.fit_y(x_range)
+
+    def _set_dots(self, col: str, t: np.ndarray | None, y: np.ndarray | None) -> None:
+        """The lone readings of ``col`` as dots; a scatter item with none is hidden: drawn empty, each of the
+        plots' ~10 scatter items cost ~0.4 ms per paint (cProfile, benchmarks/gui_load.py part 2)."""
+        dots = self.dots[col]
+        if t is None or y is None or t.size == 0:
+            dots.setData([], [])
+            dots.setVisible(False)
+        else:
+            dots.setData(t, y)
+            dots.setVisible(self.curves[col].isVisible())
 
     def fit_y(self, x_range: tuple[float, float] | None = None) -> None:
         """Sticky 'nice' y ranges over the visible data: changed only when the data leaves the range or fills

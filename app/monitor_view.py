@@ -42,7 +42,8 @@ from PySide6.QtWidgets import (
 from engine_manager import metrics as M
 from engine_manager import uistate
 from engine_manager.metrics import guides, presenter
-from engine_manager.session import EngineSession, RunningEngine
+from engine_manager.engine_state import RunningEngine
+from engine_manager.session import EngineSession
 
 from .monitor_cards import CompareCard, ElidedLabel, NowCard
 from .monitor_plots import (  # noqa: F401

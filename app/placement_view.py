@@ -3,7 +3,7 @@ routing frequency (hover: layer, expert, bytes, frequency), the coverage curve w
 plain words with the missing amount, and a Plan button that runs the planner off the GUI thread.
 
 Everything is rendered from the plan's JSON dict (``ctx.plan``), so a plan made elsewhere (the engine panel, the CLI)
-shows here too. The planning itself is ``engine_manager.placement.make_plan`` on a worker (``app.workers``).
+shows here too. The planning itself is ``engine_manager.plans.make_plan`` on a worker (``app.workers``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from PySide6.QtGui import QColor, QKeySequence, QPainter, QPen
 from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QPushButton,
                                QSizePolicy, QSplitter, QStackedWidget, QToolTip, QVBoxLayout, QWidget)
 
-from engine_manager import placement
+from engine_manager import placement, plans
 from engine_manager import uistate
 from engine_manager.fmt import GB, GIB, MIB
 from engine_manager.metrics import presenter
@@ -305,7 +305,7 @@ class PlacementView(Panel, QWidget):
         if ctx.plan:
             self.show_plan(ctx.plan)
         else:
-            saved = placement.load_shown_plan()
+            saved = plans.load_shown_plan()
             if saved:
                 self.show_plan(saved, saved=True)
 
@@ -379,9 +379,9 @@ class PlacementView(Panel, QWidget):
                                      "has observed routing).")
 
     # -- planning ----------------------------------------------------------------------------------------------------
-    def request(self, extra_usage: tuple[str, ...] = ()) -> placement.PlanRequest:
+    def request(self, extra_usage: tuple[str, ...] = ()) -> plans.PlanRequest:
         host = self.host.currentData()
-        return placement.PlanRequest(host=host, vram_bytes=int(self.vram.value() * GIB) if host == "custom" else None,
+        return plans.PlanRequest(host=host, vram_bytes=int(self.vram.value() * GIB) if host == "custom" else None,
                                      ram_bytes=int(self.ram.value() * GIB) if host == "custom" else None,
                                      usage_paths=tuple(self.usage_paths) + tuple(extra_usage))
 
@@ -400,10 +400,10 @@ class PlacementView(Panel, QWidget):
         self.summary.setText("Planning: reading the model's headers and the host…")
         hw = self.ctx.hardware if self.host.currentData() == "this" else None
         # a plan that finishes while the window closes is saved; its callbacks are dropped (nothing to draw)
-        self.tasks.start("plan", placement.make_plan, self.ctx.settings, self.request(extra_usage), hw,
+        self.tasks.start("plan", plans.make_plan, self.ctx.settings, self.request(extra_usage), hw,
                          on_done=self._on_done, on_error=self._on_error, on_finished=self._on_finished)
 
-    def _on_done(self, outcome: placement.PlanOutcome) -> None:
+    def _on_done(self, outcome: plans.PlanOutcome) -> None:
         self.ctx.set_plan(outcome.plan_dict)           # → planChanged → show_plan
         if self.plan is not outcome.plan_dict:
             self.show_plan(outcome.plan_dict)
@@ -452,9 +452,9 @@ class PlacementView(Panel, QWidget):
                 f"{_esc(hw.get('label', '?'))}" + (" — <i>saved plan from " + when + "</i>" if saved else ""))
         self.saved_note.hide()
         if saved:
-            why = placement.why_not_startable(d)
+            why = plans.why_not_startable(d)
             self.saved_note.setText(_esc(f"Not the plan `dsv41 start` uses: {why}.") if why else
-                                    _esc(f"The plan `dsv41 start` uses ({placement.last_plan_path()})."))
+                                    _esc(f"The plan `dsv41 start` uses ({plans.last_plan_path()})."))
             self.saved_note.setVisible(True)
         if m.get("source", "").startswith("the header-faithful replica"):
             head += "<br><i>No model found: sizes come from the header-faithful replica.</i>"

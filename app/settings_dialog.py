@@ -24,7 +24,7 @@ GROUPS = {
                         "llamacpp_model", "engine_manifest", "hf_token"],
     "llama.cpp": ["llamacpp_log_verbosity", "llamacpp_load_mode"],
     "Scripted engine": ["sim_args"],
-    "Chat and monitor": ["default_max_tokens", "metrics_hz"],
+    "Chat and monitor": ["default_max_tokens", "metrics_hz", "desktop_notifications"],
 }
 
 

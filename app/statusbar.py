@@ -1,24 +1,42 @@
-"""Status bar widgets: engine state, RAM, CPU and GPU, refreshed every 2 s off the GUI thread.
+"""Status bar widgets: engine state, RAM, CPU and GPU, refreshed every 2 s off the GUI thread, and the GPU
+warnings (:mod:`engine_manager.gpu_warnings`: heat, power, slowdowns) as an amber label whose tooltip says what
+each means and what to do; hidden while there is none (and on a machine without an NVIDIA GPU).
 
 The engine label follows ``ctx.engineStateChanged`` — the events the engine panel's badge is drawn from (the panel
-emits one whenever its badge changes) — and uses the badge's words, so the two never disagree."""
+emits one whenever its badge changes) — and uses the badge's words, so the two never disagree. The bar also owns
+the window's desktop notifications (:class:`app.notify.Notifier`, off unless the setting is on)."""
 
 from __future__ import annotations
+
+from html import escape
 
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QLabel, QStatusBar
 
 from engine_manager import sysstat
 from engine_manager.fmt import GIB
+from engine_manager.gpu_warnings import GpuWarning, GpuWatch, WarningReport
 
 from .engine_panel import BADGE
+from .notify import Notifier
 from .workers import TaskOwner
+
+WARNING_STYLE = ("QLabel#statusGpuWarning { background: #fff4e5; color: #7a4b00; border: 1px solid #c88a00; "
+                 "border-radius: 3px; padding: 0 6px; }")
 
 
 class LiveStatusBar(QStatusBar):
     def __init__(self, ctx, parent=None):
         super().__init__(parent)
         self.ctx = ctx
+        self.warning_label = QLabel()
+        self.warning_label.setObjectName("statusGpuWarning")
+        self.warning_label.setStyleSheet(WARNING_STYLE)
+        self.warning_label.hide()
+        self.addPermanentWidget(self.warning_label)
+        self.warnings: list[GpuWarning] = []
+        self.gpu_watch = GpuWatch()          # the hysteresis lives across readings: one per bar
+        self.notifier = Notifier(ctx, parent=self)
         self.engine_label = QLabel(self.engine_text("stopped"))
         self.engine_label.setObjectName("statusEngine")
         self.ram_label = QLabel("RAM –")
@@ -27,7 +45,7 @@ class LiveStatusBar(QStatusBar):
         for w in (self.engine_label, self.ram_label, self.cpu_label, self.gpu_label):
             w.setMinimumWidth(90)
             self.addPermanentWidget(w)
-        self.tasks = TaskOwner(self)        # "read": one sysstat reading at a time
+        self.tasks = TaskOwner(self)        # "read", "warn": one sysstat / GPU-warning reading at a time
         self.timer = QTimer(self)
         self.timer.setInterval(2000)
         self.timer.timeout.connect(self.refresh)
@@ -49,6 +67,23 @@ class LiveStatusBar(QStatusBar):
     def refresh(self) -> None:
         # a reading still under way is kept (replace=False): a slow one is not stacked up every 2 s
         self.tasks.start("read", sysstat.read, on_done=self._show, replace=False)
+        self.tasks.start("warn", self.gpu_watch.poll, on_done=self.show_warnings, replace=False)
+
+    def show_warnings(self, report: WarningReport | list[GpuWarning]) -> None:
+        """The active GPU warnings (a :class:`WarningReport` or its list): the first one's title on the amber
+        label (and how many more), every one's meaning and fix in its tooltip; hidden when there is none."""
+        warnings = list(report.warnings if isinstance(report, WarningReport) else report)
+        self.warnings = warnings
+        if not warnings:
+            self.warning_label.hide()
+            self.warning_label.setToolTip("")
+            return
+        more = f" (+{len(warnings) - 1} more)" if len(warnings) > 1 else ""
+        self.warning_label.setText(f"⚠ {warnings[0].title}{more}")
+        # rich text: Qt wraps it (a plain-text tooltip runs off the screen)
+        self.warning_label.setToolTip("".join(f"<p><b>{escape(w.title)}</b><br>{escape(w.meaning[:1].upper())}"
+                                              f"{escape(w.meaning[1:])}<br>{escape(w.fix)}</p>" for w in warnings))
+        self.warning_label.show()
 
     def _show(self, st: sysstat.SysStat) -> None:
         self.ram_label.setText(f"RAM {st.ram_used_bytes / GIB:.1f}/{st.ram_total_bytes / GIB:.0f} GiB")

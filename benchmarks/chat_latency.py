@@ -71,7 +71,7 @@ def summary(ms: list[float]) -> str:
 def run_pane(app, sim, streams: int, tokens: int, naive: bool, switch_s: float) -> dict:
     from app import chat_pane
     from app.context import AppContext
-    from engine_manager.session import RunningEngine
+    from engine_manager.engine_state import RunningEngine
     from engine_manager.settings import load_settings
 
     original = chat_pane.ConversationDoc.append

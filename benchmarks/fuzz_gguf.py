@@ -12,8 +12,8 @@ Every case is a model folder: a real small MoE model written with ``gguf.GGUFWri
   flip      1-8 random bytes, or one 8-byte word, overwritten in a header;
   inf       a float key set to inf/NaN in the bytes;
   hostile   headers built to be slow or big: arrays of arrays, arrays of empty strings, masses of tiny tensors,
-            long strings, many keys — just past each bound (``--full``: also the sizes issue 15 reported: 2 M nested
-            empty arrays, 16 M empty strings, 2^20 tensors).
+            long strings, many keys — just past each bound (``--full``: also the sizes slow before the bounds:
+            2 M nested empty arrays, 16 M empty strings, 2^20 tensors).
 
 Each case must end in a valid layout (then ``placement.plan`` runs on it, and its plan is serialised) or a
 ``LayoutError``/plain refusal — never another exception. The corpus is a pure function of ``--seed``.
@@ -182,7 +182,7 @@ def write_model(folder: Path, kv_over: dict[str, tuple[object, str] | None] | No
 
 def _header_end(data: bytes) -> int:
     """End of the tensor infos (where the padding before the data begins), by the planner's own reader."""
-    from engine_manager.layout import parse_header
+    from engine_manager.tensor_layout import parse_header
     return parse_header(io.BytesIO(data), Path("base.gguf"), len(data)).header_bytes
 
 
@@ -373,11 +373,11 @@ def _deterministic_cases() -> Iterator[tuple[str, str, Callable[[Path], Path]]]:
 
 
 def bounds():
-    """The reader's bounds (engine_manager.layout.MAX_*), with the values of issue 15's fix where a version of the
-    reader has none, so that the corpus also runs against the reader before the fix (to count what it did)."""
+    """The reader's bounds (engine_manager.tensor_layout.MAX_*), with their first values where a version of
+    the reader has none, so that the corpus also runs against the reader before the fix (to count what it did)."""
     from types import SimpleNamespace
 
-    from engine_manager import layout
+    from engine_manager import tensor_layout as layout
     defaults = {"MAX_NESTED": 1 << 12, "MAX_STRINGS": 1 << 20, "MAX_STRINGS_TOTAL": 1 << 20, "MAX_TENSORS": 1 << 15,
                 "MAX_KV": 1 << 12, "MAX_STRING": 1 << 20, "MAX_NAME": 256, "MAX_EXPERTS": 1 << 12,
                 "MAX_EXPERT_CELLS": 1 << 20}
@@ -386,7 +386,7 @@ def bounds():
 
 
 def full_size_cases() -> Iterator[tuple[str, str, Callable[[Path], Path]]]:
-    """The sizes issue 15 reported (tens to hundreds of MB each): only with --full."""
+    """The sizes that were slow before the bounds (tens to hundreds of MB each): only with --full."""
     yield "hostile", "2 M nested empty arrays (35 MB)", _raw_lazy("h.gguf", lambda: hostile_nested(2_000_000))
     yield "hostile", "16 M empty strings (128 MB)", _raw_lazy("h.gguf", lambda: hostile_empty_strings(16 << 20))
     yield "hostile", "2^20 tiny tensors", _raw_lazy("h.gguf", lambda: hostile_tensors(1 << 20))
@@ -501,7 +501,7 @@ def corpus(seed: int, n: int, cache_dir: Path, full: bool = False) -> Iterator[C
 def run_case(path: Path) -> tuple[str, str]:
     """("ok" | "refused" | "crash", detail): read the layout, and plan on it when it is valid."""
     from engine_manager.errors import UserError
-    from engine_manager.layout import LayoutError, read_layout
+    from engine_manager.tensor_layout import LayoutError, read_layout
     from engine_manager.placement import plan, reference_hardware
 
     try:
@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=15)
-    ap.add_argument("--full", action="store_true", help="also the full-size cases issue 15 reported")
+    ap.add_argument("--full", action="store_true", help="also the full-size cases (slow before the bounds)")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--worker", nargs=3, type=int, metavar=("START", "STOP", "_"), help=argparse.SUPPRESS)
     ap.add_argument("--cache", type=Path, help=argparse.SUPPRESS)

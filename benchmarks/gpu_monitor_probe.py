@@ -35,14 +35,15 @@ def main() -> int:
     import httpx
     import psutil
 
-    from engine_manager import doctor, hardware, metrics as M, placement, supervisor as sv
+    from engine_manager import doctor, hardware, metrics as M, placement, plans, supervisor as sv
+    from engine_manager.engine_state import RunningEngine
     from engine_manager.settings import load_settings
 
     settings = load_settings().settings
     out: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     report = hardware.probe(settings.cache_path)
     out["doctor"] = [v.__dict__ for v in doctor.verdicts(report, settings)]
-    layout = placement.default_sim_layout()
+    layout = plans.default_sim_layout()
     p = placement.plan(layout, report, None, settings)
     out["plan_this_gpu"] = {k: p.to_dict().get(k) for k in ("hot_experts", "hot_expert_bytes", "refused",
                                                             "llamacpp_cpu_layers")}
@@ -59,8 +60,9 @@ def main() -> int:
     out["status"] = {k: v for k, v in st.to_dict().items() if k in ("state", "engine", "pid", "keeper_pid", "port",
                                                                     "binding", "binding_note")}
     print("engine:", out["status"], flush=True)
-    hub = M.build_hub("sim", st.base_url, settings.api_key, spec=st.spec, pid=st.pid, binding=st.binding,
-                      log_path=st.log_path, gpu_index=0, hz=2.0, plan=st.plan(), record=False, argv=st.argv)
+    running = RunningEngine(st.base_url, settings.api_key, engine="sim", spec=st.spec, pid=st.pid, binding=st.binding,
+                            log_path=st.log_path or None, argv=tuple(st.argv), gpu_index=0)
+    hub = M.build_hub(running, hz=2.0, plan=st.plan(), record=False)
     stop = threading.Event()
 
     def chat() -> None:

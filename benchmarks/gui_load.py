@@ -54,7 +54,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--overview", type=int, default=3, metavar="N",
                    help="during the stall run, the engine column's overview strip polls N saved "
                         "connections to a scripted engine every second (5× the panel's rate) beside the view; 0: "
-                        "no overview (the figures before issue 19)")
+                        "no overview (as the panel was before the overview strip, app.connections_view.OverviewStrip)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="skip the gc.freeze() that app/main.py does once the window is built (a full collection "
                         "of the main window's ~120,000 objects takes ~90 ms): to see what it buys")
@@ -132,7 +132,7 @@ def part_stall(args, app, wait) -> int:
     from app.monitor_view import MonitorView
     from engine_manager import metrics as M
     from engine_manager.settings import load_settings
-    from engine_manager.session import RunningEngine
+    from engine_manager.engine_state import RunningEngine
 
     # -- 1. stall --------------------------------------------------------------------------------------------------
     ctx = AppContext(load_settings())
@@ -272,7 +272,7 @@ def part_stall(args, app, wait) -> int:
     return 0
 
 
-def start_overview(n: int, wait):
+def start_overview(n: int, wait, period_s: float = 1.0):
     """The engine column's overview strip, polling ``n`` saved connections (all to one scripted engine started
     here) every second: what watching several boxes adds to the GUI thread."""
     from app.connections_view import OverviewStrip
@@ -283,8 +283,9 @@ def start_overview(n: int, wait):
     sim.wait_ready()
     for i in range(n):
         C.add_connection(f"box{i}", sim.base_url, sim.api_key)
-    strip = OverviewStrip(period_s=1.0)
-    strip.set_names([c.name for c in C.load_connections()])
+    strip = OverviewStrip(period_s=period_s)
+    conns = C.load_connections()
+    strip.set_names([c.name for c in conns], conns)      # the records too: a line without one is never polled
     strip.resize(300, 200)
     strip.show()
     strip.poll()
@@ -292,8 +293,8 @@ def start_overview(n: int, wait):
         if strip.polls:
             break
         wait(50)
-    print(f"   overview: {n} saved connection(s) to a scripted engine, polled every 1 s on a worker (the panel: "
-          f"every {C.OVERVIEW_PERIOD_S:g} s); first poll shown: {strip.polls > 0}")
+    print(f"   overview: {n} saved connection(s) to a scripted engine, polled every {period_s:g} s on a worker "
+          f"(the panel: every {C.OVERVIEW_PERIOD_S:g} s); first poll shown: {strip.polls > 0}")
     return strip, sim
 
 
@@ -302,7 +303,7 @@ def part_engine(args, app, wait) -> int:
     from app.monitor_view import MonitorView
     from engine_manager import metrics as M
     from engine_manager.engines import get_engine
-    from engine_manager.session import RunningEngine
+    from engine_manager.engine_state import RunningEngine
     from engine_manager.settings import load_settings
     from engine_manager.sim.launch import SimProcess
 
@@ -341,6 +342,11 @@ def part_engine(args, app, wait) -> int:
             s = eng.poll(client, spec, None)
             return time.monotonic(), int(s.tokens_generated_total or 0)
 
+        # the engine column's overview strip is on, as in the panel: N saved connections at the panel's own rate
+        overview = overview_sim = None
+        if args.overview > 0:
+            from engine_manager import connections as C
+            overview, overview_sim = start_overview(args.overview, wait, C.OVERVIEW_PERIOD_S)
         ctx2 = AppContext(load_settings())
         ctx2.update_settings({"metrics_hz": 1.0})
         view2 = MonitorView(ctx2)
@@ -392,7 +398,11 @@ def part_engine(args, app, wait) -> int:
         print(f"\n2. panel CPU at the default rate (1 Hz), the Monitor collecting from the scripted engine under "
               f"{args.users} chats for {cpu_s:g} s: {busy:.2f}% of one core (goal ≤ 2%) — GUI thread "
               f"{busy_gui:.2f}%, collector threads {busy - busy_gui:.2f}%; the same view not collecting: "
-              f"{idle:.2f}% ({ticks} ticks)")
+              f"{idle:.2f}% ({ticks} ticks)" + (f"; the overview strip polling {args.overview} connection(s) "
+                                                f"beside it ({overview.polls} lines shown)" if overview else ""))
+        if overview is not None:
+            overview.shutdown()
+            overview_sim.stop()
 
         def speed_phase(seconds: float) -> float:
             t1, n1 = tokens()

@@ -274,12 +274,11 @@ def _mutants(good: dict, n: int, seed: int, skip: tuple[str, ...] = ()):
 
 
 def good_plan() -> dict:
-    from engine_manager import placement
     from engine_manager import plans as P
     from engine_manager.settings import load_settings
 
-    req = placement.PlanRequest(host="reference", save=False)
-    d = placement.make_plan(load_settings().settings, req).plan.to_dict()
+    req = P.PlanRequest(host="reference", save=False)
+    d = P.make_plan(load_settings().settings, req).plan.to_dict()
     d["usage"]["counts"] = (d["usage"]["counts"] or [[1.0]])[:2]
     d["hot_set"] = d["hot_set"][:50]
     strp = P.plans_dir() / "last-plan.strp"

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware.probe(args.model_dir)
     result["hardware"] = {"gpu": hw.gpu(0).__dict__ if hw.gpu(0) else None, "gpu_error": hw.gpu_error,
                           "cpus": getattr(hw.host, "cpu_count_logical", None)}
-    from engine_manager.layout import read_layout
+    from engine_manager.tensor_layout import read_layout
 
     layout = read_layout(first)
     moe = list(layout.moe_layers)

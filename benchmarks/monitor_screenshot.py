@@ -1,5 +1,5 @@
-"""A picture of the main window with the scripted engine under load from 4 concurrent streaming chats (issue 6's
-acceptance screenshot): every Monitor plot should be moving with sensible values.
+"""A picture of the main window with the scripted engine under load from 4 concurrent streaming chats (the
+Monitor's acceptance screenshot): every Monitor plot should be moving with sensible values.
 
 It runs the real flow: the engine panel plans and starts the scripted engine through the supervisor (4 slots;
 the engine fills its hot set from the plan, which was made from the engine's own routing distribution, so the
@@ -53,7 +53,7 @@ def main() -> int:
     p.add_argument("--long-prompt-tokens", type=int, default=2000,
                    help="every third question of the first user carries a document this long (0: none)")
     p.add_argument("--topics", action="store_true",
-                   help="issue 16's demo: the users ask about two topics (expert offload, then the host's NUMA "
+                   help="the adaptive tier's demo: users ask about two topics (expert offload, then the host's NUMA "
                         "setup), switching together every --topic-every seconds, so the adaptive hot set swaps")
     p.add_argument("--topic-every", type=float, default=60.0)
     p.add_argument("--placement-out", default=None, help="also grab the Placement tab to this PNG at the end")

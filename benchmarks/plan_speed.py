@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_manager.layout import find_shards, read_layout  # noqa: E402
+from engine_manager.tensor_layout import find_shards, read_layout  # noqa: E402
 from engine_manager.placement import plan, reference_hardware  # noqa: E402
 from engine_manager.replica import ReplicaSpec, write_replica  # noqa: E402
 

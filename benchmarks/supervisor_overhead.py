@@ -33,6 +33,7 @@ os.environ["DSV41_SIM_ARGS"] = "--load-time 0"
 import httpx  # noqa: E402
 
 from engine_manager import supervisor as sv  # noqa: E402
+from engine_manager.launch import KEEPER  # noqa: E402
 from engine_manager.engines import get_engine  # noqa: E402
 from engine_manager.settings import load_settings  # noqa: E402
 from engine_manager.sim.launch import free_port  # noqa: E402
@@ -96,7 +97,7 @@ def log_throughput(lines: int) -> tuple[float, float]:
     direct = time.perf_counter() - t0
     env = dict(os.environ, DSV41_KEEPER_MASK="sk-XYZ")
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-I", "-S", str(sv.KEEPER), "--log", str(d / "kept.log"), "--exit-file",
+    subprocess.run([sys.executable, "-I", "-S", str(KEEPER), "--log", str(d / "kept.log"), "--exit-file",
                     str(d / "exit.json"), "--max-bytes", str(10 * 2**20), "--backups", "3", "--", sys.executable,
                     "-c", script], env=env, check=True)
     kept = time.perf_counter() - t0

@@ -51,6 +51,7 @@ from .engines._http import (
     bearer_headers,
     get_capped,
 )
+from .engines import STARTABLE, get_engine
 from .engines.base import mask_in
 from .errors import UserError
 from .inferencekey import endpoint as ik_endpoint
@@ -59,7 +60,7 @@ from .tunnel import transport_for
 from .fmt import MB
 
 if TYPE_CHECKING:
-    from .session import RunningEngine
+    from .engine_state import RunningEngine
 
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 # The longest an engine may go without a token once it has started answering (its keep-alives and empty frames do
@@ -410,7 +411,7 @@ class ChatClient:
 
     @classmethod
     def for_engine(cls, running: RunningEngine, **kw: Any) -> "ChatClient":
-        """A client for the running engine (:class:`engine_manager.session.RunningEngine`): its address and key;
+        """A client for the running engine (:class:`engine_manager.engine_state.RunningEngine`): its address and key;
         ``kw`` as for the constructor (``model``, timeouts, ``engine_alive``)."""
         return cls(running.base_url, running.api_key, **kw)
 
@@ -726,17 +727,17 @@ class EngineTarget:
     engine: RunningEngine | None = field(default=None, compare=False)   # the handle (engine_target fills it)
 
     def running(self) -> RunningEngine:
-        """The :class:`~engine_manager.session.RunningEngine` to talk to: what the supervisor knows of the panel's
+        """The :class:`~engine_manager.engine_state.RunningEngine` to talk to: what the supervisor knows of the panel's
         engine, or just the address and key (an engine the panel did not start)."""
         if self.engine is not None:
             return self.engine
-        from .session import RunningEngine
+        from .engine_state import RunningEngine
         return RunningEngine(self.base_url, self.api_key or "", engine="unknown", started_by_panel=False)
 
 
 def _handle(st, base_url: str, api_key: str | None, *, simulated: bool = False, pid: int | None = None):
     """The RunningEngine for ``base_url``: from the supervisor's status ``st`` when it is the panel's engine."""
-    from .session import RunningEngine
+    from .engine_state import RunningEngine
     if st is not None and st.owner == "panel" and _same_url(st.base_url, base_url):
         return RunningEngine.from_status(st, base_url, api_key or "", read_plan=False)
     if simulated:
@@ -789,12 +790,7 @@ def scripted_by_hand(owner: dict[str, Any] | None) -> bool:
     if owner.get("user") != me:
         return False
     argv = [str(a) for a in owner.get("cmdline") or []]
-    if any(a == "engine_manager.sim" or a.endswith("/engine_manager/sim/__main__.py") for a in argv):
-        return True
-    for i, a in enumerate(argv[:-1]):
-        if (a == "engine_manager" or a.rsplit("/", 1)[-1] == "dsv41") and argv[i + 1] == "sim":
-            return True
-    return False
+    return any(get_engine(n).started_by_hand(argv) for n in STARTABLE)     # Engine.started_by_hand
 
 
 def _is_loopback(base_url: str) -> bool:
@@ -841,7 +837,7 @@ def check_target(settings, base_url: str, api_key: str | None, *, status=None) -
         ours_ports.add(_port_of(st.base_url))
     if port is None or port not in ours_ports or not _is_loopback(base_url):
         return
-    from .supervisor import describe_owner, port_free, port_owner, suggest_port
+    from .procs import describe_owner, port_free, port_owner, suggest_port
     host = httpx.URL(base_url).host
     if port_free("127.0.0.1" if host == "localhost" else host, port):
         return                                   # nothing listens: the request says "No engine answers"

@@ -26,7 +26,7 @@ from .errors import UserError
 from .history import STATUS_COMPLETE, STATUS_ERROR, STATUS_INTERRUPTED, STATUS_STOPPED, AnswerRecorder
 
 if TYPE_CHECKING:
-    from .session import RunningEngine
+    from .engine_state import RunningEngine
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,7 @@ def _plan_context(store, conversation_id: int | None, mode: str, user_text: str 
     raise ValueError(f"unknown mode {mode!r}")
 
 
-def run_turn(store, conversation_id: int | None, *, engine: RunningEngine | None = None,
-             base_url: str | None = None, api_key: str | None = None,
+def run_turn(store, conversation_id: int | None, *, engine: RunningEngine,
              options: ChatOptions | None = None, user_text: str | None = None, mode: str = "send",
              edit_message_id: int | None = None, cancel: CancelToken | None = None, model: str | None = None,
              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, flush_interval_s: float = 0.5,
@@ -97,7 +96,8 @@ def run_turn(store, conversation_id: int | None, *, engine: RunningEngine | None
     """One chat turn, recorded. ``mode``: ``send`` (append ``user_text``), ``regenerate`` (replace the answers
     after the last user message) or ``edit`` (replace message ``edit_message_id`` with ``user_text`` and what
     followed it). ``conversation_id=None`` creates a conversation. The engine is ``engine`` (the
-    :class:`~engine_manager.session.RunningEngine` handle), or ``base_url`` and ``api_key`` given alone.
+    :class:`~engine_manager.engine_state.RunningEngine` handle; an engine reached by URL alone is
+    ``RunningEngine(base_url, api_key)``).
 
     Nothing is written until the engine has accepted the request (HTTP 200 with an event stream): a request that
     fails before that (nothing listens, 401, 409, 503, 400 …) leaves the history exactly as it was (no new
@@ -115,13 +115,7 @@ def run_turn(store, conversation_id: int | None, *, engine: RunningEngine | None
     last — always, also on errors (``TurnEnded.error``), so a caller never has to catch a :class:`ChatError`.
     Raises ValueError / ``HistoryError`` before anything is sent when the turn cannot be asked at all.
     """
-    key: str | None
-    if engine is not None:
-        url, key = engine.base_url, engine.api_key
-    elif base_url:
-        url, key = base_url, api_key
-    else:
-        raise ValueError("run_turn needs the engine: a RunningEngine, or its base_url and api_key")
+    url, key = engine.base_url, engine.api_key
     options = options or ChatOptions()
     if system_prompt is not None:
         options = replace(options, system=system_prompt if system_prompt.strip() else None)

@@ -1,28 +1,17 @@
 """Planned vs measured: does the running engine hold what its plan says it holds, where the binding says?
 
-An engine can run and still not run as planned: an expert cache that came up short, a pinned host arena that was
-never allocated (the engine then reads experts from the model file, an order of magnitude slower), memory on the
-far NUMA node, another program on the GPU. Each :class:`Check` puts the plan's figure beside the measured one:
-
-- ``experts_in_vram`` — the engine's expert slots (Strata's INFO line, ``/metrics`` ``engine.expert_slots`` /
-  ``expert_cache_mib``; serve/server.py @2291cb3 ``Service.metrics``) vs the plan's hot set; for llama.cpp the MoE
-  layers its log shows on the GPU (:class:`engine_manager.engines.llamacpp.PlacementSummary`) vs the plan's;
-- ``host_arena`` — the pinned host arena (``engine.arena_mib``) vs the plan's cold experts;
-- ``no_file_reads`` — the finished requests' expert reads from the model file (``requests[].file_blobs``, the
-  DONE line's tiers) must be 0;
-- ``numa_memory`` — the engine's memory on the bound node (``/proc/PID/numa_maps`` of the engine and its children,
-  read with a cap) vs a binding that steers memory (``numactl --preferred``);
-- ``cpu_affinity`` — the engine's CPU affinity (psutil) vs the bound node's CPUs;
-- ``vram_available`` and ``gpu_other_processes`` — the GPU's memory less what other processes hold vs what the plan
-  puts on the GPU, and those processes, named (NVML, :mod:`engine_manager.nvml`).
-
-A check is ``ok`` True (as planned), False (not: the figures and a fix in words) or None — *unknown*: the engine or
-the machine does not say (no NVML, no finished request yet, an engine on another machine). Unknown is never shown
-as ok nor as failed.
-
-:func:`run_checks` is pure (readings in, checks out); :func:`collect_checks` takes the readings for a
-:class:`~engine_manager.session.RunningEngine` (one ``/metrics`` read, /proc, psutil, NVML) — blocking, so off a
-GUI thread.
+Each :class:`Check` puts the plan's figure beside the measured one: ``experts_in_vram`` (Strata's expert slots,
+``/metrics`` ``engine.expert_slots`` / ``expert_cache_mib``: serve/server.py @2291cb3 ``Service.metrics``; for
+llama.cpp the MoE layers its log shows on the GPU, :class:`engine_manager.engines.llamacpp.PlacementSummary`),
+``host_arena`` (the pinned ``engine.arena_mib`` vs the cold experts), ``no_file_reads`` (the finished requests'
+``file_blobs`` must be 0: experts read from the model file are an order of magnitude slower), ``numa_memory``
+(``/proc/PID/numa_maps``, capped, vs a binding that steers memory), ``cpu_affinity`` (psutil vs the node's CPUs),
+``vram_available`` and ``gpu_other_processes`` (NVML, :mod:`engine_manager.nvml`; the other processes named).
+``ok`` is True (as planned), False (the figures and a fix in words) or None: *unknown*, the engine or the machine
+does not say (no NVML, no finished request yet, an engine on another machine); unknown is never shown as ok nor as
+failed. :func:`run_checks` is pure (readings in, checks out); :func:`collect_checks` takes the readings for a
+:class:`~engine_manager.engine_state.RunningEngine` (one ``/metrics`` read, /proc, psutil, NVML) — blocking, so off
+a GUI thread.
 """
 
 from __future__ import annotations
@@ -545,7 +534,7 @@ def read_metrics_facts(base_url: str, api_key: str, timeout_s: float = 5.0) -> d
 
 def collect_checks(running: Any, *, plan: Mapping[str, Any] | None = None, placement: Any = None,
                    binding: Any = None, timeout_s: float = 5.0) -> CheckReport:
-    """Read everything for ``running`` (a :class:`~engine_manager.session.RunningEngine`) and run the checks.
+    """Read everything for ``running`` (a :class:`~engine_manager.engine_state.RunningEngine`) and run the checks.
     Blocking (one HTTP request, /proc, NVML): call it off a GUI thread."""
     import time
 
@@ -568,7 +557,7 @@ def collect_checks(running: Any, *, plan: Mapping[str, Any] | None = None, place
 def checks_for_status(status: Any, settings: Any, placement: Any = None) -> CheckReport | None:
     """The checks of the engine the supervisor's ``status`` describes, when it is ready (else None): what
     ``dsv41 status`` prints and ``--json`` carries."""
-    from .session import RunningEngine
+    from .engine_state import RunningEngine
 
     if getattr(status, "state", None) != "ready" or not getattr(status, "base_url", None):
         return None

@@ -1,25 +1,16 @@
 """Saved connections to engines the panel did not start — on this machine or another one.
 
-A connection is a name, a base URL (http or https, as the engine answers it on *its* machine) and, for an engine
-on another machine, an SSH host: then the panel reaches it through an ``ssh -L`` forward (:mod:`.tunnel`) and the
-URL's host and port are where the engine listens over there (usually ``http://127.0.0.1:PORT``).
+A connection is a name, a base URL (http or https, as the engine answers it on *its* machine) and, for an engine on
+another machine, an SSH host: the panel then reaches it through an ``ssh -L`` forward (:mod:`.tunnel`), the URL's
+host and port being where the engine listens over there. The list is ``connections.json`` in the config folder
+(atomic, 0600, never through a symbolic link); the API key is kept apart, in the OS keyring (``keyring``) when one
+is usable, else in ``connection-keys.json`` (0600) — never on a command line, in a log, in ``--json`` or the list.
 
-The list lives in ``connections.json`` in the config folder (atomic, 0600, never through a symbolic link). The API
-key is kept apart: in the OS keyring (the ``keyring`` library: Secret Service, KWallet, macOS Keychain, Windows
-Credential Locker) when one is usable, else in ``connection-keys.json`` beside the list (0600, atomic). It is never
-put on a command line, in a log, in ``--json`` output or in the list file.
-
-What runs behind a URL is **detected** from what it answers (:func:`detect`):
-
-- ``/api/health`` with ``service`` ``strata`` → Strata; ``strata-sim`` → the scripted engine (simulated);
-- ``/props`` (llama-server's own) or ``llamacpp:*`` Prometheus names on ``/metrics`` → llama.cpp;
-- ``vllm:*`` on ``/metrics`` (or ``owned_by: vllm`` in ``/v1/models``) → vLLM;
-- ``sglang:*`` on ``/metrics`` → SGLang;
-- a ``/v1/models`` list and nothing else → a plain OpenAI-compatible server.
-
-:func:`detect` never raises for what the server does: a refused connection, a TLS failure, a refused key or a
-program that is not an LLM server come back as a :class:`Detection` with ``problem`` set and plain words.
-
+:func:`detect` tells what runs behind a URL from what it answers: ``/api/health`` ``service`` ``strata`` (Strata) or
+``strata-sim`` (the scripted engine); ``/props`` or ``llamacpp:*`` metrics (llama.cpp); ``vllm:*`` metrics or
+``owned_by: vllm`` in ``/v1/models`` (vLLM); ``sglang:*`` (SGLang); a ``/v1/models`` list alone (a plain
+OpenAI-compatible server). It never raises for what the server does: a refused connection, a TLS failure, a refused
+key or a program that is not an LLM server come back as a :class:`Detection` with ``problem`` set, in plain words.
 This module never imports Qt.
 """
 
@@ -43,10 +34,12 @@ from typing import Any, Iterable, Iterator, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import atomic, paths
-from .engines.base import mask_in
+from .engines import TraitTable, find_engine, get_engine
+from .engines.base import Evidence, mask_in
+from .engines.registry import DETECTION_ORDER
 from .errors import UserError
 from .fmt import MB
-from .session import RunningEngine, why_invalid
+from .engine_state import RunningEngine, why_invalid
 
 SCHEMA = 1
 KEYRING_SERVICE = "dsv41-panel"
@@ -63,12 +56,8 @@ MODEL_ID_CHARS = 200
 MESSAGE_CHARS = 1000
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
-#: the engine adapter (``engine_manager.engines``) for each detected kind
-KIND_LABELS = {
-    "strata": "Strata", "sim": "scripted engine (simulated)", "llamacpp": "llama.cpp (llama-server)",
-    "vllm": "vLLM", "sglang": "SGLang", "openai_compat": "OpenAI-compatible server",
-    "inferencekey": "InferenceKey endpoint",
-}
+#: each kind of engine (its adapter in ``engine_manager.engines``) → its name in the list (``Engine.kind_label``)
+KIND_LABELS = TraitTable("kind_label")
 
 #: a detection's ``problem`` that means the engine could not be reached at all (it may be down, or the network);
 #: the others (a refused key, not an LLM server, TLS, an answer too large) mean something answered and said no
@@ -674,7 +663,7 @@ def detect(base_url: str, api_key: str | None, *, timeout_s: float = DETECT_TIME
     ``deadline_s``, however slowly the server drips; the key is masked in every word it returns."""
     import httpx
 
-    from .engines import prom
+    from .engines import prometheus_text as prom
     from .engines._http import (
         METRICS_BODY_CAP,
         SMALL_BODY_CAP,
@@ -749,50 +738,26 @@ def detect(base_url: str, api_key: str | None, *, timeout_s: float = DETECT_TIME
                     det.models.append(_clip(mid, MODEL_ID_CHARS))
             if isinstance(owner, str) and len(owned_by) < 16:
                 owned_by.add(owner.lower()[:40])
-    prefixes: set[str] = set()
+    metric_names: frozenset[str] = frozenset()
     if metrics_r is not None and metrics_r.status_code == 200:
         try:
-            scrape = prom.parse(metrics_r.text, time.time())
-            for p in ("llamacpp:", "vllm:", "sglang:", "strata"):
-                if scrape.has_prefix(p):
-                    prefixes.add(p)
+            metric_names = frozenset(prom.parse(metrics_r.text, time.time()).names())
         except Exception:  # noqa: BLE001 - /metrics that is not Prometheus text says nothing about the kind
             pass
     pj = body(props_r)
     props_ok = isinstance(pj, dict) and bool({"default_generation_settings", "total_slots", "build_info"} & set(pj))
 
-    if isinstance(service, str) and service.lower() == "strata-sim":
-        det.kind, det.simulated = "sim", True
-        det.found.append("the scripted engine's /api/health (service strata-sim): its figures are simulated")
-    elif isinstance(service, str) and "strata" in service.lower():
-        det.kind = "strata"
-        det.found.append(f"Strata's /api/health (service {_clip(service)})")
-    elif props_ok or "llamacpp:" in prefixes:
-        det.kind = "llamacpp"
-        if props_ok:
-            det.found.append("llama-server's /props")
-        if "llamacpp:" in prefixes:
-            det.found.append("llama.cpp metrics (llamacpp:*) on /metrics")
-        else:
-            det.missing.append("llama-server's /metrics (start it with --metrics): token rates are missing")
-    elif "vllm:" in prefixes or "vllm" in owned_by:
-        det.kind = "vllm"
-        if "vllm:" in prefixes:
-            det.found.append("vLLM metrics (vllm:*) on /metrics")
-        else:
-            det.found.append("vLLM's model list (owned_by vllm)")
-            det.missing.append("vLLM's /metrics: load, token rates and latencies are missing")
-    elif "sglang:" in prefixes or "sglang" in owned_by:
-        det.kind = "sglang"
-        if "sglang:" in prefixes:
-            det.found.append("SGLang metrics (sglang:*) on /metrics")
-        else:
-            det.found.append("SGLang's model list")
-            det.missing.append("SGLang's /metrics (start it with --enable-metrics): load and latencies are missing")
-    elif models_ok:
-        det.kind = "openai_compat"
-        det.missing.append("load figures: a plain OpenAI-compatible server reports none (users, tok/s, KV cache "
-                           "show as missing)")
+    # each adapter says whether the answers are its kind's (Engine.recognise), the specific before the generic
+    evidence = Evidence(service=service, metric_names=metric_names, owned_by=frozenset(owned_by), props=props_ok,
+                        models=models_ok)
+    for kind in DETECTION_ORDER:
+        eng = get_engine(kind)
+        said = eng.recognise(evidence)
+        if said is not None:
+            det.kind, det.simulated = eng.name, eng.simulated
+            det.found += said[0]
+            det.missing += said[1]
+            break
     if models_ok:
         shown = ", ".join(det.models) if det.models else "(an empty list)"
         more = det.models_total - len(det.models)
@@ -979,10 +944,7 @@ def resolve_connection(name: str, *, ssh_options: list[str] | None = None) -> Ru
     where = f" via {conn.ssh_host}" if conn.remote else ""
     host = (urllib.parse.urlsplit(conn.base_url).hostname or "").lower()
     here = not conn.remote and (host in ("localhost", "::1") or host.startswith("127."))
-    if det.kind == "inferencekey":               # the chat appends /v1/chat/completions to …/<workload>
-        from .inferencekey.endpoint import endpoint_ref
-
-        url = getattr(endpoint_ref(url), "chat_base", url)
+    url = find_engine(det.kind).chat_base(url)     # the URL the chat appends /v1/chat/completions to
     return RunningEngine(base_url=url, api_key=key or "", engine=det.kind or "openai_compat",
                          label=f"{name}: {det.label}{where}", simulated=det.simulated, started_by_panel=False,
                          on_this_machine=here)

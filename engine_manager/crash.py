@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 import signal
-from dataclasses import dataclass
 
+from .engine_state import ExitInfo
 from .engines.base import Engine, FailureHint
 
 #: causes that another try cannot fix by itself: no auto-restart for these
@@ -19,30 +19,6 @@ PERMANENT_CAUSES = {"port_in_use", "driver_too_old", "placement_refused", "bad_a
                     # Strata's own refusals (engines/strata.py): the same start fails the same way
                     "expert_cache_oom", "cuda_libs_missing", "engine_ready_timeout", "ple_gguf_missing",
                     "pack_arch_unsupported", "release_python_missing"}
-
-
-@dataclass
-class ExitInfo:
-    returncode: int | None               # the engine's: negative = killed by that signal
-    signal: int | None
-    signal_name: str | None = None
-    source: str = "unknown"              # exit-file | keeper | unknown
-    silent_s: float | None = None        # set when the panel stopped it for not answering
-    keeper_killed: bool = False
-
-    def words(self) -> str:
-        if self.signal:
-            return f"killed by signal {self.signal} ({self.signal_name or signal.Signals(self.signal).name})"
-        if self.returncode is None:
-            return "exit status unknown"
-        return f"exit code {self.returncode}"
-
-
-def signame(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 # -- crash classification -----------------------------------------------------------------------------------

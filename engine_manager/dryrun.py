@@ -1,6 +1,8 @@
 """``dsv41 start --dry-run``: every command a start would run on this machine, without starting anything.
 
-Never imports Qt.
+The binding probes, the port check, the keeper and engine command line (:mod:`engine_manager.launch`, as a start
+builds it), the environment with the key masked, the readiness check, the stop — also under a refused plan, with
+the refusal at the top; a port held by the panel's own engine is named as such. Never imports Qt.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .atomic import atomic_write_json, ensure_private_dir
+from .engine_state import EngineRecord
+from .engines.base import Engine
+from .launch import keeper_argv, preflight
 from .numa import Binding
+from .procs import describe_owner, port_free, port_owner
+from .supervisor_events import engine_words, running_conflict
+
 
 @dataclass
 class DryRun:
@@ -67,32 +76,23 @@ class DryRun:
                 "binding": self.binding.to_dict() if self.binding else None}
 
 
-def build_dry_run(sup: Any, engine: Any = None, plan: dict[str, Any] | None = None) -> DryRun:
-    """What :meth:`Supervisor.dry_run <engine_manager.supervisor.Supervisor.dry_run>` returns for ``sup``: every
-    command a start would run on this machine, without starting anything (the binding probes do run: they are
-    ``<prefix> true``). Generated files are written, so the printed command works as is."""
-    from .atomic import atomic_write_json, ensure_private_dir
-    from .events import engine_words, running_conflict
-    from .frozen import module_argv
-    from .procs import describe_owner, port_free, port_owner
-    from .supervisor import KEEPER, _preflight
-
-    eng = sup._engine(engine)
-    notes: list[str] = []
-    if plan is None:
-        plan, pnotes = sup._default_plan(eng.name)
-        notes.extend(pnotes)
+def build_dry_run(eng: Engine, plan: dict[str, Any] | None, settings: Any, binding: Binding, workdir: Path, *,
+                  own: EngineRecord | None, log_path: Path, exit_path: Path, log_max_bytes: int, log_backups: int,
+                  ready_timeout_s: float, grace_s: float, notes: list[str]) -> DryRun:
+    """What :meth:`Supervisor.dry_run <engine_manager.supervisor.Supervisor.dry_run>` returns: every command a
+    start of ``eng`` with ``plan`` would run on this machine, without starting anything (``binding`` was probed:
+    the probes are ``<prefix> true``). Generated files are written under ``workdir``, so the printed command works
+    as is. ``own``: the state file's record of a live engine the panel started (None: none runs)."""
+    notes = list(notes)
     refused = plan.get("refused") if plan else None
-    b = sup.binding(refresh=True)
-    workdir = sup.runs_dir / eng.name
+    b = binding
     ensure_private_dir(workdir)
     # A refused plan: the engines will not build a launch from it, but the dry run still shows every command
     # (built from the plan's terms as they are) under the refusal, which `dsv41 start` would stop at.
-    spec = eng.build_launch(sup.settings, {**plan, "refused": None} if refused else plan, workdir)
+    spec = eng.build_launch(settings, {**(plan or {}), "refused": None} if refused else plan, workdir)
     if refused and spec.files.get("plan"):
         atomic_write_json(Path(spec.files["plan"]), plan)    # the file keeps the refusal: it never starts
-    notes.extend(f"WARNING: {p}" for p in _preflight(eng, spec))
-    own = sup._own_running_record()
+    notes.extend(f"WARNING: {p}" for p in preflight(eng, spec))
     if own is not None:
         if own.engine == eng.name:
             notes.append(f"{engine_words(eng.name, True)} is already running (pid {own.pid}, port "
@@ -120,17 +120,14 @@ def build_dry_run(sup: Any, engine: Any = None, plan: dict[str, Any] | None = No
         port_note = f"IN USE now by {describe_owner(port_owner(spec.host, spec.port))}"
     steps.append((f"check that {spec.host}:{spec.port} is free", ["ss", "-ltnp", f"sport = :{spec.port}"],
                   port_note))
-    keeper = module_argv("engine_manager.keeper", script=KEEPER) + ["--log", str(sup.log_path), "--exit-file",
-              str(sup.exit_path), "--max-bytes", str(sup.log_max_bytes), "--backups", str(sup.log_backups),
-              "--mask-stdin"] + (["--follow", spec.files["engine_log"]] if spec.files.get("engine_log") else []) \
-        + ["--"]
+    keeper = keeper_argv(spec, log_path=log_path, exit_path=exit_path, max_bytes=log_max_bytes, backups=log_backups)
     steps.append((f"start the engine in a new session and process group — binding: {b.summary()}",
                   keeper + spec.masked_argv(b.prefix),
                   f"working directory: {spec.cwd or os.getcwd()}\nthe keeper (first part) copies the engine's "
                   "output to the size-rotated log and records how it ended; the engine command follows `--`"))
-    steps.append((f"wait until ready (up to {sup.ready_timeout_s:.0f} s)",
+    steps.append((f"wait until ready (up to {ready_timeout_s:.0f} s)",
                   ["curl", "-s", f"{spec.base_url}{spec.health_path}"], "connection refused = still loading"))
-    steps.append((f"stop: SIGTERM to the group, {sup.grace_s:.0f} s grace, then SIGKILL",
-                  f"kill -TERM -<pgid>; sleep {sup.grace_s:.0f}; kill -KILL -<pgid>", ""))
+    steps.append((f"stop: SIGTERM to the group, {grace_s:.0f} s grace, then SIGKILL",
+                  f"kill -TERM -<pgid>; sleep {grace_s:.0f}; kill -KILL -<pgid>", ""))
     return DryRun(eng.name, spec.label or eng.label, spec.simulated, steps, spec.masked_env(),
                   dict(spec.files), b, notes, refused)

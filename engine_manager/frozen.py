@@ -1,20 +1,17 @@
 """Running from the one-folder bundle (``packaging/dsv41-panel.spec``, PyInstaller) as well as from Python.
 
-In the bundle there is no separate Python: ``sys.executable`` is the bundle's ``dsv41`` (or ``dsv41-panel``)
-executable, which cannot take ``-m engine_manager.sim`` or ``-I -S keeper.py``. So every place that starts one
-of this project's own modules as a process asks :func:`module_argv` for the command line:
+In the bundle ``sys.executable`` is the bundle's ``dsv41`` (or ``dsv41-panel``), which cannot take ``-m
+engine_manager.sim`` or ``-I -S keeper.py``, so every place that starts one of this project's modules as a process
+asks :func:`module_argv` for the command line: from Python ``[sys.executable, -I -S, "-m", MODULE]`` (the flags only
+where given); in the bundle ``[<bundle>/dsv41, "-m", MODULE]``, whose ``engine_manager/__main__.py`` calls
+:func:`run_module_if_asked` first to run the module as ``__main__`` and exit. Only the modules in :data:`MODULES` are
+run this way; any other is refused with a plain error (exit 2).
 
-- from Python: ``[sys.executable, -I -S, "-m", MODULE]`` (the flags only where given);
-- in the bundle: ``[<bundle>/dsv41, "-m", MODULE]``; the bundle's ``dsv41`` (``engine_manager/__main__.py``)
-  calls :func:`run_module_if_asked` first, which runs the module as ``__main__`` and exits. Only the modules in
-  :data:`MODULES` are run this way; any other is refused with a plain error (exit 2).
-
-The bundle's loader also puts its private library folder first on ``LD_LIBRARY_PATH`` (keeping the user's value
-in ``LD_LIBRARY_PATH_ORIG``); a program started from the bundle (``llama-server``, Strata's Python,
-``nvidia-smi``, ``xvfb-run``) would load the bundle's libraries instead of its own. :func:`restore_environment`,
-called first thing by both of the bundle's entry scripts, puts the user's value back in ``os.environ``; the
-running process is not affected (the dynamic loader reads the variable once, at start-up), and a bundled
-executable started later sets it again for itself.
+The bundle's loader puts its private library folder first on ``LD_LIBRARY_PATH`` (the user's value kept in
+``LD_LIBRARY_PATH_ORIG``), which a program started from the bundle (``llama-server``, Strata's Python,
+``nvidia-smi``, ``xvfb-run``) would load from. :func:`restore_environment`, called first by both of the bundle's
+entry scripts, puts the user's value back in ``os.environ``; the running process is unaffected (the dynamic loader
+reads the variable once, at start-up), and a bundled executable started later sets it again for itself.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """A generic GGUF header reader: every metadata key and every tensor's name, type, shape and offset of one file,
 without reading any tensor data, bounded against hostile headers. (What the tensors *mean* for a DeepSeek-style MoE
-model is :mod:`engine_manager.layout`; which files form a split is :mod:`engine_manager.gguf_split`.)
+model is :mod:`engine_manager.tensor_layout`; which files form a split is :mod:`engine_manager.gguf_split`.)
 
-Why a hand-written reader and not ``gguf.GGUFReader`` (the house prefers the library; this is the measured
-exception). ``GGUFReader`` memory-maps the file and builds numpy views for every field *and every element of every
-array*: the tokenizer's 163,840 tokens + 163,328 merges become ~650k small numpy objects. Measured on this machine
-(2 shared cores, Python 3.11, gguf 0.19) on shard 1 of the replica (a 5.3 MB header: 163,840-token vocabulary and
-its merges, 102 tensors), see ``python benchmarks/gguf_reader_compare.py FILE`` (machine shared, so ranges over
-runs):
-
-    gguf.GGUFReader(shard 1)        7.7–14.3 s, +527–531 MiB RSS
-    read_shard_header(shard 1)      0.005 s, +1 MiB RSS (0.31 s with a plain loop per string instead of the
-                                    vectorised skip; 0.02–0.06 s with an earlier whole-buffer skip)
-
-(the issue's own figures, on another machine: GGUFReader 7.5 s / 558 MiB, a plain struct read 0.17 s). So the
-planner reads headers with ``struct`` through a sliding window: scalar fields are unpacked, fixed-size arrays are
-stepped over without being read, long string arrays stream through a small chunk where numpy finds the string starts
-and the walk jumps along runs of them (exactly the sequential walk, one plain step where the fast test cannot tell),
-and nothing is allocated from a count before the count has been checked against the bytes that remain.
+Hand-written rather than ``gguf.GGUFReader`` (the house prefers the library; this is the measured exception):
+GGUFReader builds numpy views for every field and every element of every array (the tokenizer's 163,840 tokens and
+163,328 merges), so one header costs seconds and hundreds of MiB where this reader takes milliseconds and about a
+MiB (``python benchmarks/gguf_reader_compare.py FILE``; the figures: benchmarks/results/design_figures.md). It reads
+with ``struct`` through a sliding window: scalars are unpacked, fixed-size arrays stepped over unread, long string
+arrays streamed through a small chunk where numpy finds the string starts (exactly the sequential walk), and
+nothing is allocated from a count before the count has been checked against the bytes that remain.
 
 Errors are :class:`LayoutError` naming the file and the problem (bad magic or version, truncated header, absurd
 counts, arrays nested too deep, data past the end of the file) and what to do.
@@ -25,6 +16,7 @@ counts, arrays nested too deep, data past the end of the file) and what to do.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from dataclasses import dataclass
@@ -40,8 +32,8 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
 # Bounds checked before anything is allocated from a count read in a header, each set by what a real model has
-# (with a wide margin) so that a hostile header is refused in well under a second and a few tens of MB (issue 15,
-# item 8: before these bounds 2 M nested empty arrays took 5.8 s, 16 M empty strings 31 s, 2^20 tiny tensors 5.9 s
+# (with a wide margin) so that a hostile header is refused in well under a second and a few tens of MB (before
+# these bounds 2 M nested empty arrays took 5.8 s, 16 M empty strings 31 s, 2^20 tiny tensors 5.9 s
 # and 491 MB; `benchmarks/fuzz_gguf.py` measures every hostile case).
 MAX_TENSORS = 1 << 15               # tensors in a split (DeepSeek-V3-style GGUFs: ~1,100; the replica: 757)
 MAX_KV = 1 << 12                    # metadata entries in a shard (real models: 30-60)
@@ -76,13 +68,12 @@ _NP = {T_UINT8: "<u1", T_INT8: "<i1", T_UINT16: "<u2", T_INT16: "<i2", T_UINT32:
 SMALL_ARRAY = 64                    # arrays up to this many elements keep their values; longer ones are summarised
 
 
-def _quant_sizes() -> dict[int, tuple[int, int, str]]:
-    """ggml type id → (block size, bytes per block, name), from the gguf package."""
+@functools.cache
+def quant_sizes() -> dict[int, tuple[int, int, str]]:
+    """ggml type id → (block size, bytes per block, name), from the gguf package (imported on first use: with
+    PyYAML it is ~70 ms of a start that reads no header)."""
     import gguf
     return {int(t): (bs, ts, t.name) for t, (bs, ts) in gguf.GGML_QUANT_SIZES.items()}
-
-
-QUANT = _quant_sizes()
 
 
 class LayoutError(UserError, ValueError):
@@ -575,7 +566,7 @@ def _check_header_keys(path: Path, md: dict[str, Any]) -> None:
 
 
 def tensor_nbytes(path: Path, name: str, ggml_type: int, shape: tuple[int, ...]) -> int:
-    q = QUANT.get(ggml_type)
+    q = quant_sizes().get(ggml_type)
     if q is None:
         raise LayoutError(path, f"tensor {name} has unknown ggml type {ggml_type}",
                           "The file was written by a newer llama.cpp than this reader knows, or is damaged")

@@ -1,20 +1,16 @@
 """The one home for split-GGUF facts: shard file names, the split metadata, and which file is shard 1.
 
-Names. A split GGUF's files are named ``<stem>-0000N-of-0000M.gguf`` (N 1-based; llama.cpp's ``gguf-split`` and
+Names: a split's files are ``<stem>-0000N-of-0000M.gguf`` (N 1-based; llama.cpp's ``gguf-split`` and
 ``gguf.GGUFWriter`` name them so): :data:`SPLIT_RE`, :func:`shard_name`, :func:`parse_shard_name`,
-:func:`short_name` (how the CLI and the Downloads tab show one), :func:`strip_shard_suffix`,
-:func:`first_shard_name`, :func:`first_shard_files` (where a model's shard 1 lies below a folder, by name) and
-:func:`find_shards` (the files a name points at, for the layout reader).
+:func:`short_name` (as the CLI and the Downloads tab show one), :func:`strip_shard_suffix`, :func:`first_shard_name`,
+:func:`first_shard_files` (a model's shard 1 below a folder, by name) and :func:`find_shards` (for the layout reader).
 
-Shard 1 — read from the split metadata, never from a file name.
-
-A split GGUF's files each carry ``split.no`` (0-based) and ``split.count`` (llama.cpp's ``gguf-split`` and
-``gguf.GGUFWriter`` write them; :mod:`engine_manager.gguf_header` reads them). Strata's engine and its packer
-take the split's *first* shard (``--native SHARD1``, ``tools/iq_pack.py --gguf SHARD1``), so the panel must name
-that file whatever the files are called: a renamed download, a replica, a model other than the seven
-``DeepSeek-V4.1-Flash-Q2_K-0000N-of-00007.gguf`` files. The headers are read with the project's own header reader
-(:func:`engine_manager.gguf_header.read_shard_header`: milliseconds per shard, no tensor data).
-:func:`split_problems` says whether a set of files agrees in its split keys (the download's last check).
+Shard 1 is read from the split metadata, never from a file name: each file carries ``split.no`` (0-based) and
+``split.count``, read by :func:`engine_manager.gguf_header.read_shard_header` (milliseconds, no tensor data).
+Strata's engine and packer take the split's *first* shard (``--native SHARD1``, ``tools/iq_pack.py --gguf SHARD1``),
+so the panel must name that file whatever the files are called: a renamed download, a replica, a model other than
+the seven ``DeepSeek-V4.1-Flash-Q2_K-0000N-of-00007.gguf`` files. :func:`split_problems` says whether a set of files
+agrees in its split keys (the download's last check).
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Chat history: conversations and their messages in SQLite (WAL), owner-only, safe to kill at any moment.
 
-One file, ``chat_history.sqlite3`` in the data dir (:func:`engine_manager.paths.data_dir`), mode 0600 (SQLite's
-``-wal`` / ``-shm`` files take the same mode). Every call opens its own short connection, so any thread may use a
-:class:`HistoryStore`; the GUI runs them on worker threads, never on its own.
-
-Crash safety: an answer is written as it streams (:class:`AnswerRecorder`, throttled to about twice a second) in
-its own committed transaction; in WAL mode a commit survives the process being killed, so a killed panel loses at
-most the last half second of an answer. The row of an answer being streamed carries the writer's pid and process
-start time; whoever opens the store later and finds such a row whose writer is gone marks it ``interrupted``
-(a row of a writer that is still alive, e.g. a ``dsv41 chat`` running beside the panel, is left alone).
-
-Statuses of a message: ``complete``; ``streaming`` (being written now); ``stopped`` (the user pressed Stop);
-``interrupted`` (the stream broke: engine died, connection lost, error frame mid-answer, panel closed or killed);
-``error`` (the engine accepted a regenerate / edit, then failed before any token). A request the engine refuses
-(nothing listens, HTTP 401 / 409 / 503 …) is never written at all, and a new question whose answer fails before
-its first token is taken back out (:func:`engine_manager.chat_turn.run_turn`), so failures leave no empty
-conversations.
+One file, ``chat_history.sqlite3`` in the data dir (:func:`engine_manager.paths.data_dir`), mode 0600 (its ``-wal``
+/ ``-shm`` files too). Every call opens its own short connection, so any thread may use a :class:`HistoryStore`; the
+GUI runs them on worker threads. An answer is written as it streams (:class:`AnswerRecorder`, about twice a second),
+each write its own committed transaction, so a killed panel loses at most the last half second. A streaming row
+carries its writer's pid and start time; a later opener marks it ``interrupted`` once that writer is gone (a row of a
+live writer, e.g. a ``dsv41 chat`` beside the panel, is left alone).
+Statuses: ``complete``; ``streaming``; ``stopped`` (Stop pressed); ``interrupted`` (engine died, connection lost,
+error frame mid-answer, panel closed or killed); ``error`` (a regenerate / edit accepted, then failed before any
+token). A request the engine refuses (nothing listens, HTTP 401 / 409 / 503 …) is never written, and a new question
+whose answer fails before its first token is taken back out (:func:`engine_manager.chat_turn.run_turn`), so
+failures leave no empty conversations.
 """
 
 from __future__ import annotations

@@ -3,30 +3,15 @@
     python -I -S keeper.py --log FILE --exit-file FILE [--max-bytes N] [--backups K] [--mask-stdin]
                            [--follow FILE [--follow-prefix TEXT]] -- ENGINE ARGV...
 
-The supervisor starts the keeper as the leader of a new session and process group; the keeper starts the engine
-(behind its NUMA binding prefix) in that same group, so ``kill -TERM -<pgid>`` reaches both. Why a keeper rather
-than the engine writing its own file:
-
-- the log is **size-rotated** (``FILE``, ``FILE.1`` … ``FILE.K``) even when no panel is running (after
-  ``dsv41 start`` returns, or after the panel was killed);
-- **how the engine ended** (exit code, or the signal that killed it — SIGKILL usually means the OOM killer) is
-  written atomically to ``--exit-file`` (0600), so a panel that re-attaches later can still explain a crash;
-- the secrets (the API key) are masked out of every line the engine prints, so the log never holds them. With
-  ``--mask-stdin`` they are read from the keeper's stdin up to end of file — a pipe the supervisor writes and
-  closes: ``MASK <secret>`` lines, and ``ENV NAME=VALUE`` lines for a secret the engine takes from its environment
-  (Strata's ``$STRATA_API_KEY``), set in the engine's environment only — never from the keeper's own environment:
-  ``/proc/<pid>/environ`` is readable for the process's whole life. ``DSV41_KEEPER_MASK``, if a
-  caller still sets it, is honoured and removed from the engine's environment;
-- ``--follow FILE``: a log file the engine writes itself (Strata's server sends the native engine's stderr to its
-  config's ``log`` file, ``serve/server.py`` ``StrataEngine.__init__``, opened for appending) is emptied at launch
-  (so only this run's lines count) and followed into the rotated log, masked, each line prefixed (``[engine] ``),
-  until the engine has ended and the file is drained;
-- every log file is opened with ``O_NOFOLLOW``: a symbolic link planted at a log's path is refused with a plain
-  error, never followed.
-
-The keeper ignores SIGTERM/SIGINT/SIGHUP (with a Python handler, which ``exec`` resets for the engine): it keeps
-copying output until the engine's end of file, so the last lines the engine prints while shutting down are kept.
-SIGKILL of the group ends it with the engine. Stdlib only, so it starts in ~20 ms with ``-I -S``.
+The supervisor starts it as the leader of a new session and process group; it starts the engine in that group, so
+``kill -TERM -<pgid>`` reaches both. It keeps the size-rotated log (``FILE``, ``FILE.1`` … ``FILE.K``) while no panel
+runs; writes how the engine ended (exit code or signal) atomically to ``--exit-file`` (0600); masks the secrets out
+of every line (``--mask-stdin``: ``MASK <secret>`` and ``ENV NAME=VALUE`` lines read from stdin until end of file,
+never from its own environment, which ``/proc/<pid>/environ`` shows; ``DSV41_KEEPER_MASK`` is still honoured);
+follows a log the engine writes itself into the rotated one (``--follow``: emptied at launch, masked, prefixed);
+and opens every log with ``O_NOFOLLOW``. It ignores SIGTERM/SIGINT/SIGHUP so the engine's last lines are kept;
+SIGKILL of the group ends it. Stdlib only, run with ``-I -S``. Why each of these:
+benchmarks/results/design_rationale.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,28 @@
 """Bind the engine to the GPU's NUMA node — with a binding that has been seen to work on this machine.
 
-The strategies, strongest first:
-
-1. ``numactl --cpunodebind=N --preferred=N``: CPU threads on node N, memory allocated on node N where it fits
-   (the deepseek-one-gpu guides measured 1 user going from ~53 to 63 tok/s with it on a two-socket host).
-2. ``numactl --cpunodebind=N``: CPUs only; memory follows first touch (usually the same node).
-3. ``taskset -c <CPUs of N>``: CPUs only, without libnuma (numactl missing, or its memory-policy calls refused).
-4. none.
-
-Each one is **probed by really running it** (``<prefix> true``): a container whose seccomp profile refuses
-``set_mempolicy``/``mbind`` makes numactl fail only when it runs, with a one-line "Operation not permitted" that
-is easy to miss in an engine log. The first that exits 0 is chosen, and the report says why each stronger one
-failed, in plain words.
-
-On a host with one NUMA node binding cannot change speed (every CPU and all memory are equally near the GPU);
-the probe still runs, so the command is the one a two-socket machine would get, and the report says so.
-
-``python -m engine_manager.numa [--json]`` prints the decision for this machine (handy under
-``python -m engine_manager.numa_seccomp_probe`` to see what a container's filter does).
+Strategies, strongest first: ``numactl --cpunodebind=N --preferred=N`` (CPU threads and, where it fits, memory on
+node N; the guides' measured gain: benchmarks/results/design_figures.md); ``numactl --cpunodebind=N`` (CPUs only;
+memory follows first touch); ``taskset -c <CPUs of N>`` (no libnuma, or its memory-policy calls refused); none.
+Each is **probed by really running it** (``<prefix> true``): a container whose seccomp profile refuses
+``set_mempolicy``/``mbind`` makes numactl fail only when it runs, with a one-line "Operation not permitted" easy to
+miss in an engine log. :func:`choose_binding` takes the first that exits 0 and says why each stronger one failed.
+On a one-node host binding cannot change speed; the probe still runs, so the command is the one a two-socket machine
+would get, and the report says so. ``python -m engine_manager.numa [--json]`` prints the decision for this machine
+(under ``python -m engine_manager.numa_seccomp_probe``: what a container's filter does).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from .hardware import HardwareReport, NumaNodeInfo, format_cpulist, numa_nodes
+from .hardware import HardwareReport, NumaNodeInfo, format_cpulist, numa_nodes, parse_cpulist
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -305,6 +297,60 @@ def _reason(chosen: str, attempts: list[ProbeResult]) -> str:
     }[chosen]
     why = "; ".join(f"`{a.command_line}` failed: {a.reason}" for a in failed)
     return f"{head}. {why}." if why else f"{head}."
+
+
+# -- a binding as front ends get it (a Binding, its dict, its one-line summary) ---------------------------
+
+def binding_cpus(binding: Any) -> list[int] | None:
+    """The CPU list of a binding, however it is given: a ``numa.Binding`` (``.cpus``), its dict, a cpulist
+    string ``"0-7,16"``, a list of ints; None when unknown or unbound."""
+    if binding is None:
+        return None
+    if isinstance(binding, Mapping):
+        cpus = binding.get("cpus")
+        if binding.get("prefix") == []:
+            return None
+    elif isinstance(binding, str):
+        # a cpulist ("0-7,16") or the supervisor's one-line summary ("numactl … (node 0, CPUs 0-7)")
+        if binding.strip().lower().startswith("none"):
+            return None
+        m = re.search(r"CPUs ([\d,\-]+)", binding)
+        text = m.group(1) if m else binding
+        try:
+            return parse_cpulist(text) or None
+        except ValueError:
+            return None
+    elif isinstance(binding, (list, tuple)):
+        cpus = list(binding)
+    else:
+        if getattr(binding, "prefix", None) == []:
+            return None
+        cpus = getattr(binding, "cpus", None)
+    if isinstance(cpus, str):
+        try:
+            return parse_cpulist(cpus) or None
+        except ValueError:
+            return None
+    try:
+        return [int(c) for c in cpus] if cpus else None
+    except (TypeError, ValueError):
+        return None
+
+
+def binding_bound(binding: Any) -> bool | None:
+    """True when the engine runs behind a binding prefix, False when explicitly unbound, None when unknown."""
+    if binding is None:
+        return None
+    if isinstance(binding, str):
+        return not binding.strip().lower().startswith("none")
+    if isinstance(binding, Mapping):
+        if "prefix" in binding:
+            return bool(binding["prefix"])
+        return None
+    prefix = getattr(binding, "prefix", None)
+    if prefix is not None:
+        return bool(prefix)
+    return None
 
 
 # -- command line ------------------------------------------------------------------------------------------

@@ -2,18 +2,14 @@
 
     python -m engine_manager.numa_seccomp_probe [--deny set_mempolicy,mbind] [--errno EPERM] [-- CMD ...]
 
-Without a command it runs the binding probe (``python -m engine_manager.numa --json --no-gpu-probe``), so you can
-see which binding the engine would get inside a container whose profile refuses NUMA memory policy:
-
+Without a command it runs the binding probe (``python -m engine_manager.numa --json --no-gpu-probe``):
 - ``--deny set_mempolicy,mbind`` (EPERM: Docker's default profile without CAP_SYS_NICE): ``numactl --preferred``
   fails with "set_mempolicy: Operation not permitted"; ``numactl --cpunodebind`` still works.
 - ``--deny get_mempolicy,set_mempolicy,mbind --errno ENOSYS`` (a sandbox that hides the calls): numactl cannot run
-  at all ("does not support NUMA policy"); ``taskset`` still works.
-- add ``sched_setaffinity``: nothing can bind; the engine runs unbound.
-
-The filter is installed with libseccomp (``libseccomp.so.2``, through ctypes) in this process, which then
-``exec``s the command: the filter is inherited by it and by everything it starts, and cannot be lifted.
-``name:ERRNO`` in ``--deny`` sets a per-call errno.
+  at all ("does not support NUMA policy"); ``taskset`` still works. Add ``sched_setaffinity``: nothing can bind.
+The filter is installed with libseccomp (``libseccomp.so.2``, through ctypes) in this process, which then ``exec``s
+the command: the filter is inherited by it and by everything it starts, and cannot be lifted. ``name:ERRNO`` in
+``--deny`` sets a per-call errno.
 """
 
 from __future__ import annotations

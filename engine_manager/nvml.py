@@ -1,13 +1,9 @@
 """The one wrapper of NVIDIA's NVML (nvidia-ml-py, imported as ``pynvml``) in the panel.
 
-Three users, three lifetimes, one module:
-
-* :func:`session` — ``nvmlInit`` … ``nvmlShutdown`` around one probe (:func:`engine_manager.hardware.probe_gpus`);
-* :func:`acquire` / :func:`release` — held while a metrics source lives (``metrics.sources.NvmlSource``);
-* :func:`shared` — initialised once per process and kept (the status bar's ``sysstat.read``).
-
-NVML counts its own ``nvmlInit``/``nvmlShutdown`` calls (the driver library is reference-counted), so the three
-can overlap in one process; the calls are serialised here by one lock.
+Three users, three lifetimes: :func:`session` (``nvmlInit`` … ``nvmlShutdown`` around one probe,
+:func:`engine_manager.hardware.probe_gpus`); :func:`acquire` / :func:`release` (held while a metrics source lives,
+``metrics.sources.NvmlSource``); :func:`shared` (initialised once per process and kept: the status bar's
+``sysstat.read``). NVML reference-counts ``nvmlInit``/``nvmlShutdown``, so they can overlap; one lock serialises them.
 
 No library, no driver or no GPU is a normal answer: :class:`NvmlUnavailable` with the reason in plain words
 (:func:`start_reason`), never an NVML traceback. A query the driver refuses is ``None`` (:func:`attempt`), and

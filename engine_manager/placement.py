@@ -1,39 +1,18 @@
 """The placement plan: which routed experts live in VRAM (the hot set), what stays in host RAM, and whether this
-host can hold the model at all — decided before the engine starts, from the model's headers, the GPU's VRAM, the
-host's RAM and (when there is any) real routing data.
+host can hold the model at all — from the model's headers, the GPU's VRAM, the host's RAM and real routing data.
 
 ``plan(layout, hardware, usage, settings) -> Plan``; ``Plan.to_dict()`` is the JSON the engines read
-(docs/ARCHITECTURE.md). The model of memory, per engine term (Strata, the engine the guides run):
-
-VRAM (budget: the GPU's total memory)
-  1. non-expert weights — every tensor but the routed experts and the embedding lookup tables (attention, dense
-     FFN, shared experts, routers, norms, the output head), bytes from the headers;
-  2. KV cache — context × slots × blocks × bytes per token-layer at the KV type (MLA caches its 512-wide latent +
-     64 rope dims; int8 = 34 bytes per 32 values, q4_0 = 18 per 32, k8v4 halfway);
-  3. compute buffers — CUDA graphs, the prefill chunk and MoE scratch: 1,632 MiB + 128 MiB per slot (estimate);
-  4. CUDA context — driver and cuBLAS workspace: 640 MiB (estimate);
-  5. reserve — ``--vram-reserve-mib`` (setting ``vram_reserve_mib``, default 700, Strata's default);
-  6. hot experts — as many routed experts as fit in what is left, chosen to maximise expected hits per byte.
-RAM (budget: the host's total memory)
-  1. cold experts (pinned; CPU threads compute them);
-  2. host copies of the hot experts (pinned): the VRAM expert cache is a cache — its backing store stays in RAM so
-     the adaptive tier can drop an expert from VRAM without copying it back; so every routed expert is in RAM;
-  3. CPU-resident tensors — embedding lookup tables (``token_embd``, n-gram memory tables);
-  4. pinned staging — PCIe upload buffers and the CPU expert pool's activations: 2,048 MiB + 256 MiB per slot;
-  5. OS headroom — max(8 GiB, 5 % of RAM) for the OS, the page cache the loader streams through, the server.
-
-Calibration against the guides (one RTX PRO 6000, 97,887 MiB; 280 GB RAM; default settings: 1 slot, 32,768
-tokens, int8 KV, 700 MiB reserve) on the replica: VRAM = 22.27 GiB non-expert + 0.80 GiB KV + 1.72 GiB compute +
-0.63 GiB CUDA + 0.68 GiB reserve + 5,825 hot experts (69.49 GiB) = 95.59 GiB of 95.59 GiB; the other 9,535
-experts (113.8 GiB) are cold. RAM = 183.3 GiB experts + 40.8 GiB lookup tables + 2.25 GiB staging + 14 GB headroom
-= 257 GB of 280 GB. A 192 GB host is refused (needs ~253 GB: ~61 GB short). The figures are printed by
-``tests/test_placement.py::test_calibration`` and ``dsv41 plan --replica --vram-gib 95.593 --ram-gib 280GB``.
-
-A predicted hit rate comes only from real frequencies (traces, saved observed routing); without them it is None
-and the plan says "unknown until the engine has seen traffic". A STRP profile only ranks.
-
-Where the model is, the replica the scripted engine plans with, and the saved plans (the plan store) are
-:mod:`engine_manager.plans`; their names are also reachable here (``placement.load_last_plan``) for older callers.
+(docs/ARCHITECTURE.md). The memory model, per engine term (the estimates are :class:`PlanSettings`' fields):
+VRAM = non-expert weights (every tensor but the routed experts and the embedding lookup tables) + KV cache
+(context × slots × blocks × bytes per token-layer; MLA caches its 512-wide latent + 64 rope dims;
+:data:`KV_BYTES_PER_VALUE`) + compute buffers + CUDA context + reserve (``vram_reserve_mib``, 700: Strata's default)
++ hot experts (as many as fit, most expected hits per byte first). RAM = every routed expert (the cold ones, and
+the hot ones' pinned host copies: the VRAM expert cache is a cache) + CPU-resident lookup tables + pinned staging
++ OS headroom (max(8 GiB, 5 % of RAM)). Each estimate and the calibration on the guides' host (printed by
+``tests/test_placement.py::test_calibration_against_the_guides``): benchmarks/results/design_figures.md.
+A predicted hit rate comes only from real frequencies (traces, saved observed routing), else it is None ("unknown
+until the engine has seen traffic"); a STRP profile only ranks. The plan store and the replica are
+:mod:`engine_manager.plans`.
 """
 
 from __future__ import annotations
@@ -48,8 +27,8 @@ import numpy as np
 
 from .fmt import GB, GIB, MIB
 from .hardware import GpuInfo, HardwareReport, HostInfo, NumaNodeInfo
-from .layout import ModelLayout
-from .routing import CoverageCurve, FrequencyTable, Usage, coverage_curve, rank_by_density, write_strp
+from .tensor_layout import ModelLayout
+from .expert_routing import CoverageCurve, FrequencyTable, Usage, coverage_curve, rank_by_density, write_strp
 
 SCHEMA = 1
 
@@ -598,18 +577,3 @@ def _hardware_label(hw: HardwareReport, gpu: GpuInfo | None, hyp: bool) -> str:
     if hyp:
         return f"hypothetical host: {g}, {r}"
     return f"this host ({hw.host.hostname}): {g}, {r}"
-
-
-_STORE_NAMES = frozenset({
-    "find_model", "sim_replica_dir", "default_sim_layout", "plans_dir", "LAST_PLAN_NAME", "OTHER_PLAN_NAME",
-    "last_plan_path", "other_plan_path", "why_not_startable", "save_plan", "load_last_plan", "load_shown_plan",
-    "StoredPlan", "store_plan", "PlanRequest", "PlanOutcome", "make_plan",
-})
-
-
-def __getattr__(name: str) -> Any:
-    """The plan store's names, from :mod:`engine_manager.plans` (imported on first use: it imports this module)."""
-    if name in _STORE_NAMES:
-        from . import plans
-        return getattr(plans, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

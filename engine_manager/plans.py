@@ -16,7 +16,7 @@ from .atomic import atomic_write_json
 from .errors import UserError
 from .gguf_split import first_shard_files
 from .hardware import HardwareReport
-from .layout import LayoutError, ModelLayout, read_layout
+from .tensor_layout import LayoutError, ModelLayout, read_layout
 from .placement import SCHEMA, Plan, hypothetical_hardware, plan, reference_hardware
 
 
@@ -212,7 +212,7 @@ def make_plan(settings: Any, request: PlanRequest, hardware: HardwareReport | No
     host, read the routing data, plan, and (``request.save``) store it with :func:`store_plan`: the last plan when
     this machine can start it, else the Placement tab's other plan. Blocking: the GUI runs it on a worker thread."""
     from . import hardware as hwmod
-    from .routing import load_usage
+    from .expert_routing import load_usage
     if request.model_path:
         layout = read_layout(request.model_path)
         source = str(layout.first_shard)

@@ -1,25 +1,17 @@
 """Provisioning: turn the verified model shards into the pack the Strata engine loads, with the release's own tool.
 
-Strata's setup (Niko1221/Strata ``setup.py``, native-pack branch) runs ``python tools/iq_pack.py --gguf SHARD1 --out
-PACK`` once after the download; the pack holds ``index.txt``, ``dense.bin``, ``conversions.json``,
-``native_experts.txt`` and ``tokenizer/`` (``iq_pack.py`` ``main()`` runs ``tools/strata_tokenizer.py`` itself), and
-the server's config then names ``PACK/tokenizer`` (``serve/server.py`` ``main()`` refuses ``--engine strata``
-without ``tokenizer/vocab.json``). The panel does the same, with the release's Python and the release's tool (the
-panel never re-implements it), and:
-
-- finds shard 1 from the split metadata (:mod:`engine_manager.gguf_split`), never from a file name;
-- turns the tool's output into :class:`ProvisionEvent` s (a line, and progress with an ETA where the tool prints
-  counts: ``iq_pack.py`` prints ``  layer L ...`` every 8 layers while it writes ``experts.bin``);
-- gates on its **own sentinel**, not on a file merely existing: Strata's setup treats a pack as done when
-  ``native_experts.txt`` exists, but several of its writers are not atomic (``dense.bin``, ``index.txt``, the
-  tokenizer files; ``iq_pack.py`` publishes only ``native_experts.txt`` through a temporary name), so a killed run
-  can leave files that exist and are wrong. The tool writes into a staging folder; only after it exited 0 is the
-  folder renamed into place and the sentinel ``.dsv41-provisioned.json`` (marker, the source shards' sizes, every
-  pack file's size; atomic, 0600) written. A pack whose sentinel is missing, unreadable or whose files no longer
-  match is made again.
-
-Qt-free: the CLI (``dsv41 prepare``, ``dsv41 start --engine strata``), the supervisor's start path and the GUI
-(first-run flow, Downloads tab, through ``app.workers.run_generator``) all run :func:`provision`.
+As Strata's setup does (Niko1221/Strata ``setup.py``, native-pack branch), :func:`provision` runs the release's
+``tools/iq_pack.py --gguf SHARD1 --out PACK`` once, with the release's Python (the panel never re-implements it);
+the pack holds ``index.txt``, ``dense.bin``, ``conversions.json``, ``native_experts.txt`` and ``tokenizer/`` (the
+server refuses ``--engine strata`` without ``tokenizer/vocab.json``: ``serve/server.py`` ``main()``). Shard 1 is
+found from the split metadata (:mod:`engine_manager.gguf_split`); the tool's output becomes
+:class:`ProvisionEvent` s (a line, and progress with an ETA from the ``  layer L ...`` lines it prints).
+A pack counts as made only by the panel's **own sentinel**: Strata's setup trusts ``native_experts.txt`` existing,
+but ``iq_pack.py`` writes ``dense.bin``, ``index.txt`` and the tokenizer in place, so a killed run leaves files that
+exist and are wrong. The tool writes into a staging folder, renamed into place only after it exited 0, then
+``.dsv41-provisioned.json`` (the source shards' and every pack file's size; atomic, 0600); a pack whose sentinel is
+missing, unreadable or no longer matches is made again. Qt-free: the CLI (``dsv41 prepare``, ``dsv41 start --engine
+strata``), the supervisor's start path and the GUI (through ``app.workers.run_generator``) all run :func:`provision`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """A Strata engine release as Strata's setup lays it out, found and checked in one place.
 
 The layout (Niko1221/Strata ``setup.py`` @28c47b1 ``get_prebuilt``, ``pip_install``, ``cuda_lib_dirs``, ``main``):
-
-- ``engine/strata`` (and ``strata-vision``) with ``engine/BUILD.json`` beside it — the prebuilt zip holds exactly
-  these three; ``BUILD.json`` says ``version``, ``cuda``, ``archs`` (compute capabilities as ints, e.g. ``[120]``),
-  ``ptx``; a locally compiled engine's says ``source: "local"`` and ``cuda_dirs`` (the toolkit's library folders).
-  Strata's server reads ``Path(exe).parent / "BUILD.json"`` for the version (``serve/server.py`` @2291cb3
-  ``StrataEngine.__init__``).
-- ``.venv``: the Python that runs ``serve/server.py`` and ``tools/iq_pack.py`` (setup's ``pip_install`` puts
-  ``jinja2``, ``regex``, ``numpy``, ... there: ``serve/frontend.py`` imports jinja2 at module level,
-  ``tools/strata_tokenizer.py`` needs ``regex``) and NVIDIA's CUDA 13 wheels the prebuilt engine loads
-  (``CUDA_WHEELS``: nvidia-cublas 13.0.2.14, nvidia-cuda-runtime 13.0.96). ``cuda_lib_dirs()`` finds the folders
-  holding ``libcublas.so.13*`` under ``site-packages/nvidia`` (``nvidia/cu13/lib`` on Linux); setup writes them as
-  the config's ``lib_dirs`` (``meta.get("cuda_dirs") or cuda_lib_dirs()``), which the server's ``child_env`` puts
-  first on ``LD_LIBRARY_PATH``.
+- ``engine/strata`` (and ``strata-vision``) with ``engine/BUILD.json`` (``version``, ``cuda``, ``archs`` as ints,
+  ``ptx``; a locally compiled engine's says ``source: "local"`` and ``cuda_dirs``), whose version the server reads
+  (``serve/server.py`` @2291cb3 ``StrataEngine.__init__``);
+- ``.venv``: the Python that runs ``serve/server.py`` and ``tools/iq_pack.py`` (jinja2, regex, numpy, ...) and
+  NVIDIA's CUDA 13 wheels (setup's ``CUDA_WHEELS``). :func:`cuda_lib_dirs` finds the folders holding
+  ``libcublas.so.13*`` under ``site-packages/nvidia``; setup writes them as the config's ``lib_dirs``
+  (``meta.get("cuda_dirs") or cuda_lib_dirs()``), which the server's ``child_env`` puts first on ``LD_LIBRARY_PATH``;
 - ``serve/server.py`` and ``tools/iq_pack.py``.
-
 :func:`check_release` returns typed results (:class:`ReleaseCheck`) that ``dsv41 doctor``, the adapter's preflight
 and a GUI "use a release I already have" can all show. Never imports Qt.
 """

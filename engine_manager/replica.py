@@ -8,7 +8,7 @@ The hyperparameters are chosen so the guides' totals come out (``deepseek2`` key
 dense; 384 routed experts per MoE layer, 6 used, 12.22 MiB each; host-resident n-gram tables whose row count is
 solved so the files add up to 264.5 GB). The table of choices and the figures they reproduce:
 benchmarks/results/replica.md. The real header may differ: the planner relies only on the classification rules of
-:mod:`engine_manager.layout` (``tests/test_plan_cli.py`` checks it with a replica of other shapes).
+:mod:`engine_manager.tensor_layout` (``tests/test_plan_cli.py`` checks it with a replica of other shapes).
 
 ``python -m engine_manager.replica DIR`` writes it; ``--small`` writes a small one for fast tests.
 """

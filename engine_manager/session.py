@@ -1,299 +1,23 @@
-"""The engine as one typed session: the state file, the status, the handle, the session.
+"""The engine as one session, for every front end: :class:`EngineSession`.
 
-- :class:`EngineRecord` — the state file (``engine-state.json``) typed: the supervisor reads it only through this.
-- :class:`EngineStatus` — what :meth:`Supervisor.status` says runs now.
-- :class:`RunningEngine` — the one handle for the engine that is ready (below).
-- :class:`EngineSession` — owns the :class:`~engine_manager.supervisor.Supervisor`, keeps the
-  :class:`RunningEngine` from the supervisor's events, tells listeners (the GUI's ``AppContext`` re-emits them as
-  signals) and holds the rule for carrying the plots across a restart (:meth:`EngineSession.carries_plots`).
+It owns the panel's :class:`~engine_manager.supervisor.Supervisor`, keeps the
+:class:`~engine_manager.engine_state.RunningEngine` that is ready from the supervisor's events, tells its listeners
+(the GUI's ``AppContext`` re-emits them as signals) and holds the rule for carrying the plots across a restart
+(:meth:`EngineSession.carries_plots`).
 
-``RunningEngine`` is what every front end (the Monitor, the chat pane, ``dsv41 monitor``/``chat``, the bench)
-needs to reach and describe the engine that is ready: where it answers, its key, which engine it is, its process,
-launch spec, binding, log, the plan it runs with and whether it is the scripted (simulated) engine. It is built once
-from the supervisor's status (``RunningEngine.from_status``) or from a URL and key alone (an engine reached with
-``--url``), and handed around instead of loose ``(base_url, api_key)`` pairs and dicts.
-
-The signatures front ends code against::
-
-    RunningEngine.from_status(status, base_url, api_key, *, engine=None, spec=None, gpu_index=0, pid=None,
-                              binding=None, log_path=None, argv=None, read_plan=True) -> RunningEngine
-    engine_manager.metrics.hub_for_running_engine(running, hz, plan=None, *, old_store=None, recorder=None,
-                                                  use_nvml=True) -> (MetricsHub, RingStore, RunningEngine, rows)
-    engine_manager.metrics.build_hub(running, *, hz=1.0, plan=None, record=True, store=None, ...) -> MetricsHub
-
-This module never imports Qt.
+The values it hands around — the states, ``RunningEngine`` (the one handle every front end takes instead of loose
+``(base_url, api_key)`` pairs), ``EngineRecord``, ``EngineStatus`` — live in :mod:`engine_manager.engine_state`; how
+front ends use them: docs/ARCHITECTURE.md "The one handle". Never imports Qt.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from .engine_state import CRASHED, STOPPED, RunningEngine
 
-
-@dataclass(frozen=True)
-class RunningEngine:
-    base_url: str
-    api_key: str = field(repr=False)          # never in a repr, a log or --json output
-    engine: str = "sim"                       # engine name: "strata" | "llamacpp" | "sim" | ...
-    label: str = ""                           # the engine's label for people
-    simulated: bool = False                   # the scripted engine: its figures are labelled simulated
-    pid: int | None = None
-    spec: Any = field(default=None, repr=False)   # its LaunchSpec, when known (holds the key: never in a repr)
-    binding: Any = None                       # the binding record (dict) or its one-line summary
-    numa_bound: bool | None = None
-    log_path: str | None = None
-    argv: tuple[str, ...] | None = None       # masked
-    gpu_index: int = 0
-    plan: Mapping[str, Any] | None = None     # the plan the engine runs with, when known
-    plan_path: str | None = None
-    started_by_panel: bool = True             # False: attached to an engine the panel did not start (no Stop)
-    on_this_machine: bool = True              # False: another box (SSH or a remote URL): no local GPU/RAM/CPU figures
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "base_url", str(self.base_url).rstrip("/"))
-
-    @classmethod
-    def from_status(cls, status: Any, base_url: str, api_key: str, *, engine: Any = None, spec: Any = None,
-                    gpu_index: int = 0, pid: int | None = None, binding: Any = None, log_path: str | None = None,
-                    argv: list[str] | tuple[str, ...] | None = None, read_plan: bool = True) -> "RunningEngine":
-        """The engine at ``base_url`` (reached with ``api_key``), completed from the supervisor's ``status``
-        (:class:`EngineStatus`, or None) — only when that status is about the engine at ``base_url``: the
-        supervisor may know another one than the one that is ready. What the caller knows (``engine`` — a name or
-        an Engine, the default when the status does not say —, ``spec``, ``pid``, ``binding``, ``log_path``,
-        ``argv``) is kept where the status says nothing. A launch ``spec`` of another address is dropped. The plan
-        is the status's plan file, else the spec's (``read_plan=False``: no file is read — safe on a GUI thread;
-        ``plan_path`` still names it). ``started_by_panel`` is True only when the status says the panel (or
-        ``dsv41 start``) started it."""
-        url = str(base_url).rstrip("/")
-        st = status
-        if st is not None and str(getattr(st, "base_url", None) or "").rstrip("/") != url:
-            st = None
-        plan_path = None
-        if st is not None:                   # what the status says about this engine wins over the caller's guess
-            engine = st.engine or engine
-            pid = st.pid if st.pid is not None else pid
-            binding = st.binding if st.binding is not None else binding
-            log_path = st.log_path or log_path
-            spec = st.spec if st.spec is not None else spec
-            argv = st.argv or argv
-            plan_path = st.plan_path
-        name = getattr(engine, "name", engine) or "sim"
-        if spec is not None and str(getattr(spec, "base_url", "")).rstrip("/") != url:
-            spec = None
-        if plan_path is None and spec is not None:
-            plan_path = (getattr(spec, "files", None) or {}).get("plan")
-        plan = read_plan_file(plan_path) if read_plan else None
-        label, simulated = "", False
-        try:
-            from .engines import get_engine
-
-            eng = get_engine(name)
-            label, simulated = eng.label or "", bool(eng.simulated)
-        except Exception:  # an unknown engine name: the name is its label
-            pass
-        if st is not None and st.label:
-            label = st.label
-        simulated = bool(simulated or (st is not None and st.simulated) or getattr(spec, "simulated", False))
-        from .metrics import binding_bound
-
-        return cls(url, api_key, engine=name, label=label or name, simulated=simulated, pid=pid, spec=spec,
-                   binding=binding, numa_bound=binding_bound(binding), log_path=str(log_path) if log_path else None,
-                   argv=tuple(argv) if argv is not None else None, gpu_index=int(gpu_index or 0), plan=plan,
-                   plan_path=plan_path, started_by_panel=bool(st is not None and st.owner == "panel"))
-
-    def with_plan(self) -> "RunningEngine":
-        """This handle with its plan read from ``plan_path`` when it has none yet (file I/O: off the GUI
-        thread)."""
-        if self.plan is not None or not self.plan_path:
-            return self
-        plan = read_plan_file(self.plan_path)
-        return self if plan is None else replace(self, plan=plan)
-
-    def with_(self, **changes: Any) -> "RunningEngine":
-        return replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """For ``--json`` and logs: everything but the key and the launch spec (which holds the key)."""
-        return {"base_url": self.base_url, "engine": self.engine, "label": self.label, "simulated": self.simulated,
-                "pid": self.pid, "binding": self.binding, "numa_bound": self.numa_bound, "log_path": self.log_path,
-                "argv": list(self.argv) if self.argv is not None else None, "gpu_index": self.gpu_index,
-                "plan_path": self.plan_path, "started_by_panel": self.started_by_panel,
-                "on_this_machine": self.on_this_machine}
-
-
-# -- the state file, typed -------------------------------------------------------------------------------------
-
-#: who started an engine, in words, where it was not the panel itself (the state file's ``started_by``)
-STARTED_BY_WORDS = {"inferencekey": "started by the InferenceKey backend", "cli": "started with dsv41 start"}
-
-
-class EngineRecord(BaseModel):
-    """The state file (``engine-state.json``) as the supervisor writes it: every field it reads, with its type.
-    A file that does not fit (``{"keeper_pid": "1x"}``, a list, half a record) is moved aside, never half-used.
-    The supervisor reads the record only through these attributes (None = not recorded)."""
-
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True, frozen=True)
-
-    schema_version: int | None = Field(None, alias="schema")
-    owner: str | None = None
-    state: str | None = None
-    updated_at: float | int | None = None
-    engine: str | None = None
-    label: str | None = None
-    simulated: bool | None = None
-    pid: int | None = Field(None, gt=0)
-    pid_start_time: float | int | None = None
-    keeper_pid: int | None = Field(None, gt=0)
-    keeper_start_time: float | int | None = None
-    pgid: int | None = Field(None, gt=0)
-    host: str | None = None
-    port: int | None = Field(None, ge=0, le=65535)
-    base_url: str | None = None
-    health_path: str | None = None
-    argv: list[str] | None = None
-    env: dict[str, str] | None = None
-    files: dict[str, str] | None = None
-    cwd: str | None = None
-    binding: dict[str, Any] | None = None
-    log_path: str | None = None
-    exit_file: str | None = None
-    started_at: float | int | None = None
-    ready_at: float | int | None = None
-    supervisor_pid: int | None = None
-    key_fingerprint: str | None = None
-    message: str | None = None
-    last_failure: dict[str, Any] | None = None
-    stop_requested: dict[str, Any] | bool | None = None
-    run_id: str | None = None
-    started_by: str | None = Field(None, max_length=40)    # who started it (STARTED_BY_WORDS); None: not recorded
-
-    @model_validator(mode="after")
-    def _keeper_needs_its_start_time(self) -> "EngineRecord":
-        if self.keeper_pid is not None and self.keeper_start_time is None:
-            raise ValueError("keeper_pid without keeper_start_time")
-        return self
-
-    @classmethod
-    def empty(cls) -> "EngineRecord":
-        """A record of nothing (every field None): what "no state file" reads as where a record is needed."""
-        return cls.model_validate({})
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> "EngineRecord":
-        """Parse and validate; ``ValueError`` (or pydantic's ``ValidationError``) when it is not a record."""
-        try:
-            d = json.loads(raw.decode("utf-8"))
-        except RecursionError:              # 100,000 nested brackets: not a ValueError by itself
-            raise ValueError("it nests too deeply to be read") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"it holds a JSON {type(d).__name__}, not a record")
-        return cls.model_validate(d)
-
-    def to_json_dict(self) -> dict[str, Any]:
-        """The record as written: the keys it had (``schema`` by its name), nothing added."""
-        return self.model_dump(by_alias=True, exclude_unset=True)
-
-    @property
-    def names_process(self) -> bool:
-        """It names a keeper (an engine was started): only then is there a process to re-attach to or clean up."""
-        return bool(self.keeper_pid)
-
-    @property
-    def plan_path(self) -> str | None:
-        return (self.files or {}).get("plan")
-
-    def alive(self) -> bool:
-        """The engine it names runs: keeper and engine both alive with their recorded start times."""
-        from .procs import alive
-
-        if not self.keeper_pid:
-            return False
-        if not alive(self.keeper_pid, self.keeper_start_time):
-            return False
-        return self.pid is None or alive(self.pid, self.pid_start_time)
-
-
-def why_invalid(exc: Exception) -> str:
-    """A validation error of the state file in a few plain words (at most three fields)."""
-    if isinstance(exc, ValidationError):
-        parts = []
-        for e in exc.errors()[:3]:
-            where = ".".join(str(x) for x in e.get("loc", ())) or "the record"
-            parts.append(f"{where}: {e.get('msg')}" + (f" (got {e['input']!r:.40})" if "input" in e and
-                                                      not isinstance(e["input"], dict) else ""))
-        return "; ".join(parts)
-    return str(exc)
-
-
-# -- the supervisor's status ------------------------------------------------------------------------------------
-
-@dataclass
-class EngineStatus:
-    state: str
-    engine: str | None = None
-    label: str = ""
-    simulated: bool = False
-    pid: int | None = None               # the engine process (the binding prefix execs into it)
-    pgid: int | None = None              # its process group (the keeper leads it)
-    keeper_pid: int | None = None
-    port: int | None = None
-    base_url: str | None = None
-    binding: str | None = None           # one-line summary of the binding
-    log_path: str = ""
-    started_at: float | None = None
-    ready_at: float | None = None
-    argv: list[str] = field(default_factory=list)   # masked
-    owner: str | None = None             # "panel" (started by dsv41) or None
-    message: str = ""
-    last_failure: dict[str, Any] | None = None
-    external: dict[str, Any] | None = None   # something the panel did not start, on the port
-    key_matches: bool | None = None
-    binding_note: str | None = None      # e.g. one NUMA node: binding cannot change speed
-    plan_path: str | None = None         # the plan the engine was started with (JSON), when it had one
-    spec: Any = None                     # engine_manager.engines.base.LaunchSpec, when known
-    started_by: str | None = None        # "panel", "cli", "inferencekey" (STARTED_BY_WORDS); None: not recorded
-
-    @property
-    def started_by_words(self) -> str | None:
-        """``started by the InferenceKey backend`` and the like, for an engine another front end started."""
-        return STARTED_BY_WORDS.get(self.started_by or "")
-
-    def plan(self) -> dict[str, Any] | None:
-        """The plan the engine runs with, read from ``plan_path`` (None when there is none or it is unreadable)."""
-        return read_plan_file(self.plan_path)
-
-    @property
-    def running(self) -> bool:
-        from .events import RUNNING_STATES
-
-        return self.state in RUNNING_STATES
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("spec", None)
-        d["running"] = self.running
-        d["uptime_s"] = round(time.time() - self.started_at, 1) if self.started_at and self.running else None
-        return d
-
-
-def read_plan_file(path: str | Path | None) -> dict[str, Any] | None:
-    """A plan JSON file as a dict; None when there is none or it is unreadable."""
-    if not path:
-        return None
-    try:
-        d = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return None
-    return d if isinstance(d, dict) else None
-
-
-# -- the session -------------------------------------------------------------------------------------------------
 
 class EngineSession:
     """The engine as the panel sees it: owns the :class:`~engine_manager.supervisor.Supervisor` (the panel's one),
@@ -352,7 +76,7 @@ class EngineSession:
         """One supervisor event: listeners hear it; a ``Ready`` makes the :class:`RunningEngine` (from the
         supervisor's in-memory snapshot: no I/O); an end (stopped, crashed, a failed start, a state that is not
         running) clears it. Returns ``running`` after the event."""
-        from .events import CRASHED, STOPPED, Crashed, GaveUp, Ready, StartFailed, StateChanged, Stopped
+        from .supervisor_events import Crashed, GaveUp, Ready, StartFailed, StateChanged, Stopped
 
         with self._lock:
             on_event, on_running = list(self._on_event), list(self._on_running)
@@ -400,15 +124,6 @@ class EngineSession:
             return False
         now = time.time() if now is None else now
         return previous.base_url == new.base_url and now - last_sample_t < cls.CONTINUE_PLOT_S
-
-    def make_hub(self, running: RunningEngine, hz: float, plan: Mapping[str, Any] | None = None, *,
-                 old_store: Any = None, recorder: Any = None, use_nvml: bool = True):
-        """:func:`engine_manager.metrics.hub_for_running_engine` for ``running`` (blocking: off the GUI
-        thread)."""
-        from . import metrics
-
-        return metrics.hub_for_running_engine(running, hz, plan, old_store=old_store, recorder=recorder,
-                                              use_nvml=use_nvml)
 
     def close(self) -> None:
         if self._supervisor is not None:

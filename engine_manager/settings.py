@@ -22,6 +22,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from . import paths
+from .engines.registry import ALIASES
 from .atomic import atomic_write_json, move_aside, rotate_backup
 
 BACKUPS_KEPT = 5
@@ -38,8 +39,8 @@ def _manifest_revision() -> str:
         return "main"
 
 
-EngineName = Literal["auto", "strata", "llamacpp", "sim"]
-ENGINE_ALIASES = {"mock": "sim"}
+EngineName = Literal["auto", "strata", "llamacpp", "sim"]    # "auto" + engines.registry.STARTABLE (test_engines)
+ENGINE_ALIASES = ALIASES            # engines.registry: the other spellings of an engine's name
 
 
 class Settings(BaseModel):
@@ -183,6 +184,13 @@ class Settings(BaseModel):
         description="How often the monitor polls, in Hz",
         json_schema_extra={"env": "DSV41_METRICS_HZ", "allowed": "a number from 0.25 to 10"},
     )
+    desktop_notifications: bool = Field(
+        False,
+        title="Desktop notifications",
+        description="Tell the desktop (tray message, else notify-send) when the engine crashes or stalls, or a "
+        "planned-vs-measured check fails",
+        json_schema_extra={"env": "DSV41_DESKTOP_NOTIFICATIONS", "allowed": "true or false"},
+    )
     # -- the model and the engine binaries -------------------------------------------------------------
     model_repo: str = Field(
         DEFAULT_MODEL_REPO,
@@ -253,9 +261,9 @@ class Settings(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _text(cls, v: Any, info) -> Any:
-        """Text no file or environment could sensibly hold is refused for every setting, with the reason (issue 15,
-        item 10: bytes that are not UTF-8 made `start --dry-run` fail with PydanticSerializationError; a 300-character
-        folder name with an OSError traceback)."""
+        """Text no file or environment could sensibly hold is refused for every setting, with the reason (bytes
+        that are not UTF-8 made `start --dry-run` fail with PydanticSerializationError; a 300-character folder name
+        with an OSError traceback: tests/test_junk_settings.py)."""
         if isinstance(v, Path):
             v = str(v)
         if not isinstance(v, str):
@@ -358,9 +366,9 @@ PATH_FIELDS = frozenset(n for n, f in Settings.model_fields.items()
 MAX_TEXT = 4096                     # characters in any text setting (a key, a token, flags, a repository name)
 
 # The settings an engine reads when it starts (its command line, its environment, the files made for it): a change
-# reaches a running engine only at its next start. The others act at once (auto_restart, metrics_hz) or concern
-# the downloads (cache_dir, model_repo, model_revision, engine_manifest, hf_token) or the next start's wait
-# (ready_timeout_s).
+# reaches a running engine only at its next start. The others act at once (auto_restart, metrics_hz,
+# desktop_notifications) or concern the downloads (cache_dir, model_repo, model_revision, engine_manifest, hf_token)
+# or the next start's wait (ready_timeout_s).
 RESTART_FIELDS = frozenset({
     "server_engine", "host", "port", "api_key", "slots", "context_length", "kv_type", "cpu_numerics",
     "vram_reserve_mib", "gpu_index", "numa_binding", "model_dir", "engine_dir", "llama_server", "llamacpp_model",

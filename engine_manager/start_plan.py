@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .engines import find_engine
+
 def _hardware(plan: dict[str, Any]) -> dict[str, Any]:
     hw = plan.get("hardware")
     return hw if isinstance(hw, dict) else {}
@@ -16,10 +18,11 @@ def _hardware(plan: dict[str, Any]) -> dict[str, Any]:
 def usable_plan(engine_name: str, plan: dict[str, Any] | None) -> dict[str, Any] | None:
     """The plan on screen (the Placement tab's), if ``engine_name`` should start with it; else None, and the start
     falls back to :func:`default_plan`. Never a refused plan; a real engine only one made for this machine (not
-    for a hypothetical host); the scripted engine may model any host, that is what it is for."""
+    for a hypothetical host); an engine that models the reference host (``Engine.plans_reference_host``: the
+    scripted engine) may model any host, that is what it is for."""
     if not plan or plan.get("refused"):
         return None
-    if engine_name != "sim" and _hardware(plan).get("hypothetical"):
+    if not find_engine(engine_name).plans_reference_host and _hardware(plan).get("hypothetical"):
         return None
     return plan
 
@@ -42,21 +45,23 @@ def plan_host_warning(plan: dict[str, Any] | None, hardware: Any = None) -> str 
 def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple[dict[str, Any] | None, list[str]]:
     """The plan to start ``engine_name`` with when the caller has none, and notes saying what was chosen.
 
-    - the scripted engine: the reference placement (the guides' RTX PRO 6000, 280 GB RAM) on the replica layout of
-      the model — what it models without a GPU;
-    - strata / llama.cpp: the plan saved by the Placement tab or ``dsv41 plan`` for this machine, else a fresh plan
+    - an engine that ``plans_reference_host`` (the scripted engine): the reference placement (the guides' RTX PRO
+      6000, 280 GB RAM) on the replica layout of the model — what it models without a GPU;
+    - one that runs on the CPU alone without a GPU (``cpu_without_gpu``, llama.cpp), on a host without one: none;
+    - else: the plan saved by the Placement tab or ``dsv41 plan`` for this machine, else a fresh plan
       for this machine from the model's headers (the planner refuses a host that cannot hold the model)."""
     notes: list[str] = []
     try:
-        from . import placement
+        from . import placement, plans
     except ImportError:
         notes.append("The placement planner is not available; the engine sizes its expert cache itself.")
         return None, notes
     try:
-        if engine_name == "sim":
+        eng = find_engine(engine_name)
+        if eng.plans_reference_host:
             from .sim.offload import expected_frequencies
 
-            layout = placement.default_sim_layout()
+            layout = plans.default_sim_layout()
             # The scripted engine's routing distribution is the truth of its simulated world, so the plan ranks
             # by it and its predicted hit rate is the expected one for that distribution (labelled simulated).
             pi = expected_frequencies(len(layout.moe_layers), layout.n_experts, layout.n_experts_used)
@@ -70,19 +75,19 @@ def default_plan(engine_name: str, settings: Any, hardware: Any = None) -> tuple
                                                        "distribution." if rate is not None else "."))
             return d, notes
         has_gpu = bool(hardware is not None and getattr(hardware, "has_gpu", False))
-        if engine_name == "llamacpp" and not has_gpu:
+        if eng.cpu_without_gpu and not has_gpu:
             notes.append("No GPU here: llama.cpp runs every layer on the CPU, so there is no placement to plan.")
             return None, notes
-        last = placement.load_last_plan()
+        last = plans.load_last_plan()
         if last and not last.get("refused") and not _hardware(last).get("hypothetical"):
             made = last.get("created_at")
             when = time.strftime(" (made %Y-%m-%d %H:%M)", time.localtime(made)) if isinstance(made, (int, float)) \
                 else ""
             notes.append(f"Using the plan saved by the Placement tab / `dsv41 plan`{when}.")
             return last, notes
-        model = getattr(settings, "llamacpp_model", None) if engine_name == "llamacpp" else None
-        req = placement.PlanRequest(host="this", save=False, model_path=str(model) if model else None)
-        out = placement.make_plan(settings, req, hardware)
+        model = getattr(settings, eng.model_setting, None) if eng.model_setting else None
+        req = plans.PlanRequest(host="this", save=False, model_path=str(model) if model else None)
+        out = plans.make_plan(settings, req, hardware)
         notes.append(f"Planned for this machine from {out.model_source}.")
         return out.plan_dict, notes
     except Exception as exc:  # an unreadable model folder must not hide the engine's own, clearer error

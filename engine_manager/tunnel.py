@@ -1,23 +1,15 @@
 """An SSH forward to an engine on another machine, with the system ``ssh``.
 
 ``Tunnel(host, remote_port).open()`` runs ``ssh -N -L SOCKET:127.0.0.1:RPORT [options] -- host`` as an argv list
-(never a shell), where SOCKET is a Unix socket in a private folder of this user (mode 0700, made fresh for each
-tunnel): nothing listens on TCP, so no other local user can connect to the forward, and none can put a listener of
-their own in its place before ssh binds it (a TCP port picked in advance is visible in ``ps`` and can be taken by
-anyone first; the engine's API key would then go to them). Requests reach the socket through httpx's own Unix-socket
-transport: :func:`transport_for` gives it for a tunnel's URL, whose host (``ssh-tunnel-….invalid``) is a name that
-can never resolve, so a client that forgot the transport fails instead of sending the key anywhere else.
-
-The user's own ``~/.ssh/config``, keys and agent decide how to log in; ``BatchMode=yes`` makes ssh fail instead of
-asking anything (no password prompt, no "trust this host key?" question, which the panel could not answer),
-``ExitOnForwardFailure=yes`` makes a forward that cannot be set up an exit instead of a silent half-working
-tunnel. Nothing secret is on its command line: the engine's API key never goes near ssh.
-
-``open()`` returns once the socket accepts connections (ssh creates it only after the login succeeded), or raises
-:class:`TunnelError` with ssh's refusal in plain words (unknown or changed host key, login refused, host
-unreachable). Afterwards a supervisor thread restarts ssh if it dies (with a back-off; the same socket path, so the
-URL does not change), and ``close()`` ends it (SIGTERM to the ssh process the tunnel started, then SIGKILL) and
-removes its folder.
+(never a shell), SOCKET being a Unix socket in a private folder made fresh for each tunnel (0700): nothing listens on
+TCP, so no other local user can connect to the forward, nor bind its address first and receive the engine's key.
+:func:`transport_for` gives httpx's Unix-socket transport for a tunnel's URL, whose host (``ssh-tunnel-….invalid``)
+never resolves, so a client that forgot the transport fails instead of sending the key anywhere else.
+The user's ``~/.ssh/config``, keys and agent decide the login; ``BatchMode=yes`` makes ssh fail rather than ask
+(a password, an unknown host key), ``ExitOnForwardFailure=yes`` exit rather than half-work. Nothing secret is on its
+command line. ``open()`` returns once the socket accepts connections (ssh creates it after the login), or raises
+:class:`TunnelError` with ssh's refusal in plain words. A supervisor thread restarts a dead ssh (back-off, the same
+socket path, so the URL does not change); ``close()`` ends it (SIGTERM, then SIGKILL) and removes its folder.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """Liveness: an engine that is alive but stuck, or that answers its health check and fails every request.
 
-A process that runs and answers ``/health`` is not necessarily serving: Strata's own watchdog exists because a run
-hard-stalled mid-reply with the GPU still busy (generate.cpp @2291cb3, the serve loop's "no progress for N s during a
-request" line), and a server can keep answering health while each request ends in an error. The
-:class:`Watchdog` is fed successive metric readings (the engine adapter's :class:`~engine_manager.engines.base.Sample`,
-or a Monitor tick) and says:
-
-- ``stalled`` — a request in flight, the process alive, and no progress (no new token, no prompt token read, no
-  request finished) for longer than :attr:`Watchdog.stall_after_s`: the setting, else
-  ``max(min_stall_s, pace_factor × the slowest token gap measured recently)`` (10 s at the guides' speeds), with the
-  engine's CPU time over the stall and the GPU's utilisation and power beside it (so a person sees "GPU 100 %,
-  CPU not moving");
+Answering ``/health`` is not serving: Strata has its own watchdog because a run hard-stalled mid-reply with the GPU
+still busy (generate.cpp @2291cb3, the serve loop's "no progress for N s during a request" line), and a server can
+answer health while every request ends in an error. :class:`Watchdog` is fed successive readings (the adapter's
+:class:`~engine_manager.engines.base.Sample`, or a Monitor tick) and says:
+- ``stalled`` — a request in flight, the process alive, and no progress (no token, no prompt token read, no request
+  finished) for longer than :attr:`Watchdog.stall_after_s` (the setting, else ``max(min_stall_s, pace_factor × the
+  slowest token gap measured recently)``), with the engine's CPU time and the GPU's utilisation and power beside it;
 - ``unavailable`` — the engine answers but its last ``fail_streak`` finished requests all ended in an error;
 - ``ok`` (serving), ``idle`` (nothing in flight), ``not answering`` (the process runs, its metrics do not answer),
   ``down`` (the process is gone: the supervisor's crash handling says why).
-
 Qt-free, no I/O of its own: the readings are given to it.
 """
 

@@ -17,6 +17,7 @@ from supervisor_helpers import drain
 
 from engine_manager import bench
 from engine_manager import supervisor as sv
+from engine_manager.engine_state import READY, STOPPED
 from engine_manager.bench import prompts as P
 from engine_manager.bench import results
 from engine_manager.bench.stats import ratio, summary
@@ -151,7 +152,7 @@ def test_a_run_on_the_scripted_engine_measures_restarts_and_restores(port, tmp_p
     assert any(row["figure"] == "1 user: total" and row["ratio"] == pytest.approx(1.0) for row in cmp["rows"])
     assert "1 user" in results.render(r) and "SIMULATED" in r["verdict"]
     # nothing ran before the bench: nothing runs after it
-    assert sv.Supervisor(load_settings().settings).status(check_health=False).state == sv.STOPPED
+    assert sv.Supervisor(load_settings().settings).status(check_health=False).state == STOPPED
 
 
 def test_cancel_puts_back_the_engine_that_ran_before(port, tmp_path):
@@ -160,7 +161,7 @@ def test_cancel_puts_back_the_engine_that_ran_before(port, tmp_path):
     for _ in before.run("sim", None, watch=False):
         pass
     st0 = before.status()
-    assert st0.state == sv.READY
+    assert st0.state == READY
     stop = CancelToken()
     spec = bench.BenchSpec.make("sim", presets=[], users=(1,), tokens=400, repeats=3, long_prompt_tokens=0)
     gen = bench.run_bench(settings, spec, stop=stop)
@@ -173,7 +174,7 @@ def test_cancel_puts_back_the_engine_that_ran_before(port, tmp_path):
     assert done.kind == "done" and done.cancelled and done.result["cancelled"] is True
     assert any(e.kind == "note" and "started again" in e.text for e in events)
     st = sv.Supervisor(settings).status()
-    assert st.state == sv.READY and st.engine == "sim" and st.pid != st0.pid
+    assert st.state == READY and st.engine == "sim" and st.pid != st0.pid
     assert "--slots 1 " in " ".join(st.argv) + " "            # its own settings again, not the bench's
 
 
@@ -200,7 +201,7 @@ def test_cli_quick_on_the_scripted_engine_reproduces_the_guides_table(port, tmp_
     guides = {1: (63.11, 63.11), 4: (127.58, 31.87), 8: (152.53, 19.0)}
     for u, (total, slowest) in guides.items():
         assert rows[u]["simulated"] is True
-        # the engine's own timings run on the modelled clock: within the issue's ±10%
+        # the engine's own timings run on the modelled clock: within ±10% of the guides' figures
         assert rows[u]["engine_total_tok_s"] == pytest.approx(total, rel=0.10)
         # the client's wall clock: ±10% too, but a loaded 2-core machine may delay the sim's steps, so 20%
         assert rows[u]["total_tok_s"] == pytest.approx(total, rel=0.20)
@@ -230,4 +231,4 @@ def test_cli_ctrl_c_cuts_the_run_keeps_what_was_measured_and_stops_the_engine(po
     saved = [ln for ln in out.splitlines() if ln.startswith("saved: ")]
     r = results.load(saved[0].split()[1])
     assert r["cancelled"] is True and [x["users"] for x in r["table"]] == [1]
-    assert sv.Supervisor(load_settings().settings).status(check_health=False).state == sv.STOPPED
+    assert sv.Supervisor(load_settings().settings).status(check_health=False).state == STOPPED

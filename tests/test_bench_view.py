@@ -9,6 +9,7 @@ import pyqtgraph as pg
 import pytest
 
 from engine_manager import supervisor as sv
+from engine_manager.engine_state import STOPPED
 from engine_manager.settings import load_settings
 
 pytest.importorskip("pytestqt")
@@ -73,7 +74,7 @@ def test_run_shows_progress_table_and_plots(view, qtbot):
     assert view.saved_path
     qtbot.waitUntil(lambda: view.history_a.count() == 1, timeout=10_000)
     assert running and running[-1] is None and any(x is not None for x in running)
-    assert sv.Supervisor(load_settings().settings).status(check_health=False).state == sv.STOPPED
+    assert sv.Supervisor(load_settings().settings).status(check_health=False).state == STOPPED
 
 
 def test_cancel_stops_the_run_and_says_so(view, qtbot):

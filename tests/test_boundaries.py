@@ -1,6 +1,7 @@
 """The import contracts in pyproject.toml ([tool.importlinter]), checked by the real `lint-imports` the way
 scripts/lint (and so CI) runs it: kept on the real tree, and broken on a temporary copy of the tree with one
-forbidden import added: Qt or app/ in engine_manager, one panel importing another, app.workers importing a panel."""
+forbidden import added: Qt or app/ in engine_manager, one panel importing another, app.workers importing a panel,
+a module of engine_manager importing one from a layer above its own (or a new module placed in no layer)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ RULES = {c["id"]: c for c in tomllib.loads((ROOT / "pyproject.toml").read_text()
 CONTRACTS = {cid: c["name"] for cid, c in RULES.items()}
 GUIDANCE = {cid: c["broken_contract_guidance"] for cid, c in RULES.items()}
 QT_FREE, PANELS, BASE, FIXTURES = "core-qt-free", "panels-independent", "app-foundation", "fixtures-not-product"
+LAYERS = "core-layers"
 
 
 def lint_imports(where: Path) -> tuple[int, str]:
@@ -58,8 +60,8 @@ def add_lines(path: Path, *lines: str) -> None:
     path.write_text(text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(lines) + "\n")
 
 
-def test_the_contracts_are_the_four_that_scripts_lint_enforces():
-    assert set(CONTRACTS) == {QT_FREE, PANELS, BASE, FIXTURES}
+def test_the_contracts_are_the_five_that_scripts_lint_enforces():
+    assert set(CONTRACTS) == {QT_FREE, PANELS, BASE, FIXTURES, LAYERS}
     assert set(RULES[QT_FREE]["forbidden_modules"]) >= {"PySide6", "shiboken6", "pyqtgraph", "superqt", "app"}
     assert RULES[QT_FREE]["source_modules"] == ["engine_manager"]
 
@@ -67,8 +69,8 @@ def test_the_contracts_are_the_four_that_scripts_lint_enforces():
 # app modules that are not a panel nor part of one: the entry points, the window that puts the panels together,
 # what every panel builds on, and the window's own furniture (status bar, dialogs, first-run flow)
 SHELL = {"__init__", "__main__", "main", "main_window", "context", "workers", "panel_base", "statusbar", "first_run",
-         "doctor_view",
-         "plot_export", "theme",
+         "doctor_view", "notify", "compact_view",
+         "plot_export", "theme", "pyside_hook",
          "settings_dialog"}
 
 
@@ -83,6 +85,20 @@ def test_every_app_module_is_a_panel_in_the_contract_or_part_of_the_shell():
                           "it is no panel, to SHELL in tests/test_boundaries.py")
     assert not panels & SHELL
     assert panels <= modules, f"the contract names modules that are gone: {sorted(panels - modules)}"
+
+
+def test_every_part_of_a_package_split_across_layers_is_in_a_layer():
+    """The layers contract is exhaustive over engine_manager's own modules, but a package whose parts sit in
+    different layers (the engines, the scripted engine, InferenceKey) is listed part by part: a new part (a new
+    engine adapter) must be placed too."""
+    rule = RULES[LAYERS]
+    placed = {m.strip() for layer in rule["layers"] for m in layer.split(":")}
+    split = set(rule["exhaustive_ignores"]) - {"testing"}       # testing: the fixtures, in no layer
+    parts = {f"{pkg}.{p.stem}" for pkg in split for p in (ROOT / "engine_manager" / pkg).glob("*.py")
+             if p.stem != "__init__"}
+    assert split == {"engines", "sim", "inferencekey"}
+    assert not parts - placed, (f"engine_manager.{sorted(parts - placed)[0]} is in no layer: add it to the "
+                                "core-layers contract in pyproject.toml, in the layer of the highest module it imports")
 
 
 def test_the_real_tree_keeps_every_contract():
@@ -102,8 +118,9 @@ def lazy(statement: str, name: str) -> list[str]:
     return ["", "", "def _boundary_probe():", f"    {statement}", f"    return {name}"]
 
 
-# (what is added, to which file, the contracts it breaks, the import chain the report must name)
-PROBE, PROBED = "engine_manager/_boundary_probe.py", "engine_manager._boundary_probe"
+# (what is added, to which file, the contracts it breaks, the import chain the report must name); the probe module
+# sits in the top layer (cli), so what it imports breaks no layer
+PROBE, PROBED = "engine_manager/cli/_boundary_probe.py", "engine_manager.cli._boundary_probe"
 BREAKS = [
     (["import PySide6"], PROBE, {QT_FREE}, f"{PROBED} -> PySide6"),
     (["from PySide6.QtCore import QObject"], PROBE, {QT_FREE}, f"{PROBED} -> PySide6"),
@@ -135,6 +152,20 @@ BREAKS = [
      "engine_manager.replica -> engine_manager.testing.tinymoe"),
     (lazy("from engine_manager.testing.hub import make_file", "make_file"), "app/download_panel.py", {FIXTURES},
      "app.download_panel -> engine_manager.testing.hub"),
+    # an engine adapter reaching up for the supervisor (the log tail is engine_manager.logtail's)
+    (lazy("from engine_manager.supervisor import read_log_tail", "read_log_tail"), "engine_manager/engines/llamacpp.py",
+     {LAYERS}, "engine_manager.engines.llamacpp -> engine_manager.supervisor"),
+    # the supervisor reaching up for the session that holds it
+    (lazy("from engine_manager.session import EngineSession", "EngineSession"), "engine_manager/supervisor.py",
+     {LAYERS}, "engine_manager.supervisor -> engine_manager.session"),
+    # the bottom layer importing the top one
+    (["from engine_manager.cli import main  # noqa: E402,F401"], "engine_manager/fmt.py", {LAYERS},
+     "engine_manager.fmt -> engine_manager.cli"),
+    # the planner reaching for the engines that start its plans
+    (lazy("from engine_manager.engines.strata import StrataEngine", "StrataEngine"), "engine_manager/placement.py",
+     {LAYERS}, "engine_manager.placement -> engine_manager.engines.strata"),
+    # a new module of engine_manager that nobody placed in a layer (the contract is exhaustive)
+    (["import json  # noqa: F401"], "engine_manager/unplaced_probe.py", {LAYERS}, "- engine_manager.unplaced_probe"),
 ]
 
 

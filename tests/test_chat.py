@@ -18,7 +18,7 @@ from engine_manager.chat import (
     StreamOpened, TimingsInfo, UsageInfo,
 )
 from engine_manager.chat_turn import TurnEnded, TurnStarted, run_turn
-from engine_manager.session import RunningEngine
+from engine_manager.engine_state import RunningEngine
 
 Q = [{"role": "user", "content": "Explain expert offload on one GPU"}]
 
@@ -427,7 +427,7 @@ def test_the_history_and_the_chat_client_do_not_import_each_other():
 # ------------------------------------------------------------------------------------------------ run_turn
 def _turn(store, sim, cid=None, **kw):
     kw.setdefault("user_text", "Explain expert offload on one GPU")
-    return list(run_turn(store, cid, base_url=sim.base_url, api_key=sim.api_key, **kw))
+    return list(run_turn(store, cid, engine=RunningEngine(sim.base_url, sim.api_key), **kw))
 
 
 def test_run_turn_records_the_conversation(shared_sim):
@@ -454,7 +454,7 @@ def test_run_turn_saves_while_streaming(start_sim):
     store = hist.HistoryStore()
     token = CancelToken()
     seen_partial = []
-    for ev in run_turn(store, None, base_url=sim.base_url, api_key=sim.api_key, user_text="Tell me about offload",
+    for ev in run_turn(store, None, engine=RunningEngine(sim.base_url, sim.api_key), user_text="Tell me about offload",
                        options=ChatOptions(max_tokens=400), cancel=token, flush_interval_s=0.2):
         if isinstance(ev, (ContentDelta, ReasoningDelta)):
             m = store.messages(1)[-1]          # read by another connection, as a restarted panel would
@@ -492,13 +492,13 @@ def test_a_refused_request_leaves_the_history_as_it_was(shared_sim, free_port):
     conversation keeps its messages, and a failed regenerate does not drop the answer it would replace."""
     store = hist.HistoryStore()
     for _ in range(2):
-        evs = list(run_turn(store, None, base_url=shared_sim.base_url, api_key="wrong-key-0123456789",
+        evs = list(run_turn(store, None, engine=RunningEngine(shared_sim.base_url, "wrong-key-0123456789"),
                             user_text="hello"))
         assert not any(isinstance(e, TurnStarted) for e in evs)
         ended = evs[-1]
         assert ended.status == hist.STATUS_ERROR and ended.error_kind == "auth" and "401" in ended.error
         assert ended.saved is False and ended.conversation_id is None and ended.assistant_message_id is None
-        evs = list(run_turn(store, None, base_url=f"http://127.0.0.1:{free_port}", api_key="k" * 20,
+        evs = list(run_turn(store, None, engine=RunningEngine(f"http://127.0.0.1:{free_port}", "k" * 20),
                             user_text="hello"))
         assert evs[-1].error_kind == "unreachable" and evs[-1].saved is False
     assert store.list_conversations() == []
@@ -507,7 +507,7 @@ def test_a_refused_request_leaves_the_history_as_it_was(shared_sim, free_port):
     before = [(m.id, m.content, m.status) for m in store.messages(cid)]
     for kw in (dict(user_text="a follow-up"), dict(mode="regenerate"),
                dict(mode="edit", edit_message_id=before[0][0], user_text="changed")):
-        ended = list(run_turn(store, cid, base_url=f"http://127.0.0.1:{free_port}", api_key="k" * 20, **kw))[-1]
+        ended = list(run_turn(store, cid, engine=RunningEngine(f"http://127.0.0.1:{free_port}", "k" * 20), **kw))[-1]
         assert ended.saved is False and ended.conversation_id == cid and ended.error_kind == "unreachable"
         assert [(m.id, m.content, m.status) for m in store.messages(cid)] == before
     assert [c.id for c in store.list_conversations()] == [cid]
@@ -520,7 +520,7 @@ def test_accepted_then_failed_before_a_token_takes_the_question_back():
     store = hist.HistoryStore()
     srv = RawServer(SSE_HEAD, [frame])
     try:
-        evs = list(run_turn(store, None, base_url=srv.url, api_key="k" * 20, user_text="a very long question"))
+        evs = list(run_turn(store, None, engine=RunningEngine(srv.url, "k" * 20), user_text="a very long question"))
     finally:
         srv.stop()
     assert any(isinstance(e, TurnStarted) for e in evs)        # it was accepted (and saved while it streamed) …
@@ -533,7 +533,7 @@ def test_accepted_then_failed_before_a_token_takes_the_question_back():
     store.add_message(cid, "user", "earlier")
     srv = RawServer(SSE_HEAD, [frame])
     try:
-        ended = list(run_turn(store, cid, base_url=srv.url, api_key="k" * 20, user_text="new one"))[-1]
+        ended = list(run_turn(store, cid, engine=RunningEngine(srv.url, "k" * 20), user_text="new one"))[-1]
     finally:
         srv.stop()
     assert ended.saved is False and ended.conversation_id == cid
@@ -546,7 +546,7 @@ def test_interrupted_answer_counts_the_tokens_that_arrived(start_sim):
     sim = start_sim("--sigkill-after-tokens", "40")
     store = hist.HistoryStore()
     deltas = 0
-    for ev in run_turn(store, None, base_url=sim.base_url, api_key=sim.api_key, user_text="Explain expert offload",
+    for ev in run_turn(store, None, engine=RunningEngine(sim.base_url, sim.api_key), user_text="Explain expert offload",
                        options=ChatOptions(max_tokens=400)):
         if isinstance(ev, (ContentDelta, ReasoningDelta)):
             deltas += 1
@@ -569,12 +569,12 @@ def test_regenerate_and_edit_replace_what_followed(shared_sim):
     cid = first.conversation_id
     _turn(store, shared_sim, cid, user_text="second question", options=ChatOptions(max_tokens=20))
     before = store.messages(cid)
-    regen = list(run_turn(store, cid, base_url=shared_sim.base_url, api_key=shared_sim.api_key, mode="regenerate",
+    regen = list(run_turn(store, cid, engine=RunningEngine(shared_sim.base_url, shared_sim.api_key), mode="regenerate",
                           options=ChatOptions(max_tokens=20)))
     after = store.messages(cid)
     assert len(after) == 4 and after[3].id != before[3].id and regen[-1].status == hist.STATUS_COMPLETE
     assert [m.id for m in after[:3]] == [m.id for m in before[:3]]
-    edit = list(run_turn(store, cid, base_url=shared_sim.base_url, api_key=shared_sim.api_key, mode="edit",
+    edit = list(run_turn(store, cid, engine=RunningEngine(shared_sim.base_url, shared_sim.api_key), mode="edit",
                          edit_message_id=before[0].id, user_text=EDITED, options=ChatOptions(max_tokens=400)))
     msgs = store.messages(cid)
     assert [m.role for m in msgs] == ["user", "assistant"] and msgs[0].content == EDITED

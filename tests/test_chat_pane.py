@@ -20,7 +20,7 @@ from app.chat_pane import EMPTY_LIST_HINT, ChatPane, MarkdownRenderer, _theme
 from app.context import AppContext
 from engine_manager import history as hist
 from engine_manager.sim import corpus
-from engine_manager.session import RunningEngine
+from engine_manager.engine_state import RunningEngine
 from engine_manager.settings import load_settings
 
 pytestmark = pytest.mark.gui
@@ -321,7 +321,7 @@ PANEL_SCRIPT = textwrap.dedent("""
     app = QApplication([])
     from engine_manager import history
     from engine_manager.settings import load_settings
-    from engine_manager.session import RunningEngine
+    from engine_manager.engine_state import RunningEngine
     from app.context import AppContext
     from app.chat_pane import ChatPane
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine_manager import placement
-from engine_manager.session import RunningEngine
+from engine_manager import placement, plans
+from engine_manager.engine_state import RunningEngine
 
 
 def test_a_short_expert_cache_turns_the_line_amber_with_figures(app_ctx, shown, qtbot, sim_process, tmp_path):
     from app.checks_view import AMBER, ChecksView
 
-    plan = placement.plan(placement.default_sim_layout(tmp_path / "replica"), placement.reference_hardware(),
+    plan = placement.plan(plans.default_sim_layout(tmp_path / "replica"), placement.reference_hardware(),
                           None, None).to_dict()
     sp = sim_process("--admit-experts", "3000").wait_ready()
     running = RunningEngine(sp.base_url, sp.api_key, engine="sim", simulated=True, pid=sp.proc.pid, plan=plan,

@@ -191,7 +191,9 @@ def test_nothing_listening_tls_mismatch_and_not_an_llm_server(free_port, tmp_pat
 # -- the scripted engine, started by the test (foreign to the panel) -------------------------------------------
 def engine_tick(re, limit: int = 40):
     """The first tick with the engine's figures of a hub reading the resolved connection ``re`` (stopped after)."""
-    hub = build_hub(re.engine, re.base_url, re.api_key, record=False, use_nvml=False, hz=4)
+    from engine_manager.engine_state import RunningEngine
+
+    hub = build_hub(RunningEngine(re.base_url, re.api_key, engine=re.engine), record=False, use_nvml=False, hz=4)
     try:
         return first_engine_tick(hub, limit)
     finally:
@@ -439,7 +441,7 @@ def test_cli_monitor_and_chat_reach_a_saved_connection_by_name(sim_process):
 def test_an_engine_on_another_machine_gets_no_figures_from_this_one(sim_process):
     """An engine reached through SSH or a remote URL runs on another box: this machine's RAM/CPU/GPU say nothing
     about it, so those figures are missing (no source), never this box's."""
-    from engine_manager.session import RunningEngine
+    from engine_manager.engine_state import RunningEngine
     sim = sim_process().wait_ready()
     here = RunningEngine(sim.base_url, sim.api_key, engine="sim", started_by_panel=False)
     away = here.with_(on_this_machine=False)

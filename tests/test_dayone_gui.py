@@ -80,7 +80,7 @@ def test_engine_log_lines_carry_the_time_they_arrived(qtbot):
     from app.context import AppContext
     from app.log_view import LogView, stamp
     from engine_manager.settings import load_settings
-    from engine_manager.supervisor import log_path
+    from engine_manager.logtail import log_path
 
     path = log_path()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ import pytest
 from engine_manager import hardware
 from engine_manager import supervisor as sv
 from engine_manager.exitcodes import ExitCode
+from engine_manager.procs import alive
 from engine_manager.settings import load_settings
 from supervisor_helpers import listening, live_group, wait_until
 from terminal_sigint import popen_interruptible
@@ -219,7 +220,7 @@ def test_stop_force_kills_at_once_and_leaves_nothing(port):
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert "Stopped with SIGKILL." in stop.stdout and "SIGTERM" not in stop.stdout, stop.stdout
     assert wait_until(lambda: nothing_running_in(pgid), timeout=5), [p.pid for p in live_group(pgid)]
-    assert not sv._alive(pid) and not listening(port)
+    assert not alive(pid) and not listening(port)
     assert status()["state"] == "stopped"
 
 
@@ -240,7 +241,7 @@ def test_status_after_an_unattended_crash_explains_it_like_stop(port):
     assert dsv41("start").returncode == 0
     pid = status()["pid"]
     os.kill(pid, signal.SIGKILL)                       # e.g. the OOM killer, while no panel watches
-    assert wait_until(lambda: not sv._alive(pid), timeout=10)
+    assert wait_until(lambda: not alive(pid), timeout=10)
     st = dsv41("status")
     assert st.returncode == 0 and "crashed" in st.stdout
     assert "killed by signal 9" in st.stdout and "ended while no panel was watching" in st.stdout

@@ -18,6 +18,7 @@ from app.engine_panel import EnginePanel
 from app.log_view import LogView
 from app.statusbar import LiveStatusBar
 from engine_manager import supervisor as sv
+from engine_manager.procs import alive
 from engine_manager.settings import load_settings, save_settings
 
 
@@ -156,7 +157,7 @@ def test_force_stop_kills_an_engine_that_ignores_sigterm(qtbot, port):
     qtbot.waitUntil(lambda: panel.badge.text() == "Stopping…" and panel.start_button.text() == "Force stop"
                     and "SIGTERM sent" in panel.phase.text() and "Force stop now" in panel.phase.text(),
                     timeout=10_000)
-    assert sv._alive(pid) and listening(port)
+    assert alive(pid) and listening(port)
     messages = []
     ctx.statusMessage.connect(lambda text, *_: messages.append(text))
     qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)        # Force stop
@@ -289,7 +290,7 @@ def test_starting_another_engine_while_one_runs_says_what_runs_and_where(qtbot, 
     assert panel.start_button.text() == "Stop"
     panel.stop()
     qtbot.waitUntil(lambda: panel.badge.text() == "Stopped" and idle(panel), timeout=30_000)
-    assert wait_until(lambda: not sv._alive(pid), timeout=5) and not listening(port)
+    assert wait_until(lambda: not alive(pid), timeout=5) and not listening(port)
 
 
 def test_port_in_use_fix_points_to_the_settings_dialog(qtbot, port, monkeypatch):

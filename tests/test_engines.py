@@ -105,7 +105,7 @@ def test_strata_launch_follows_the_contract(settings, tmp_path):
     ranks = struct.unpack_from(f"<{43 * 384}i", data, 24 + 12)
     assert ranks[3 * 384 + 17] == 0 and ranks[3 * 384 + 250] == 1 and ranks[4 * 384 + 1] == 2
     assert sum(r >= 0 for r in ranks) == 3 and len(data) == 24 + 12 + 4 * 43 * 384
-    routing = pytest.importorskip("engine_manager.routing")
+    routing = pytest.importorskip("engine_manager.expert_routing")
     prof = routing.read_strp(profile)
     assert [tuple(p) for p in prof.ranked.tolist()] == [(3, 17), (3, 250), (4, 1)]
     # nothing missing: no preflight problem but the model file
@@ -290,9 +290,9 @@ def test_the_probe_says_loading_while_nothing_listens_and_ready_once_the_sim_is(
 
 # ------------------------------------------------------------------------------------------------ Prometheus
 def test_prometheus_pages_are_read_by_prometheus_clients_parser():
-    """engines._prometheus is the one reader (prometheus_client's parser): Strata's page through the strata
+    """engines.prometheus_text is the one reader (prometheus_client's parser): Strata's page through the strata
     adapter, llama-server's through the llama.cpp adapter, the same samples either way."""
-    from engine_manager.engines import _prometheus as P
+    from engine_manager.engines import prometheus_text as P
     from engine_manager.engines import llamacpp
 
     strata_page = (DATA / "strata" / "prometheus.txt").read_text()
@@ -312,7 +312,7 @@ def test_prometheus_pages_are_read_by_prometheus_clients_parser():
 def test_prometheus_label_values_may_hold_braces_commas_and_quotes():
     """What a line regex got wrong: a label value with ``}``, ``,`` or an escaped quote is one label; a broken
     line costs only itself."""
-    from engine_manager.engines import _prometheus as P
+    from engine_manager.engines import prometheus_text as P
 
     page = ('# TYPE x gauge\n'
             'x{model_name="a}b,c",q="say \\"hi\\""} 2\n'
@@ -327,7 +327,8 @@ def test_prometheus_label_values_may_hold_braces_commas_and_quotes():
 # ------------------------------------------------------------------------------------------------ the sim, live
 def test_sim_launch_spec_runs_as_is_and_polls(settings, tmp_path, free_port):
     placement = pytest.importorskip("engine_manager.placement")
-    plan = placement.plan(placement.default_sim_layout(tmp_path / "replica"), placement.reference_hardware(),
+    from engine_manager import plans
+    plan = placement.plan(plans.default_sim_layout(tmp_path / "replica"), placement.reference_hardware(),
                           None, None).to_dict()
     s = settings.model_copy(update={"port": free_port, "slots": 2})
     spec = SIM.build_launch(s, plan, tmp_path / "run")
@@ -394,3 +395,105 @@ def test_sim_launch_spec_runs_as_is_and_polls(settings, tmp_path, free_port):
         assert proc.wait(10) == 0
         reader.join(10)
         proc.stdout.close()
+
+
+# ------------------------------------------------------------------------------------------------ the registry
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _engine_name_compares(tree, names: set[str]) -> list[tuple[int, str]]:
+    """(line, source) of each comparison (``==``, ``!=``, ``in`` …) or ``case`` pattern against a constant in
+    ``names`` — alone or in a tuple, list or set — in a parsed module."""
+    import ast
+
+    def consts(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            for e in node.elts:
+                yield from consts(e)
+
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.MatchValue):
+            operands = [node.value]
+        else:
+            continue
+        if any(c in names for op in operands for c in consts(op)):
+            hits.append((node.lineno, ast.unparse(node)))
+    return hits
+
+
+def test_no_code_outside_the_engines_package_compares_an_engine_name():
+    """An engine's facts are its adapter's traits (engines.base.Engine): code outside engine_manager/engines/ reads
+    them through engines.find_engine / get_engine and never asks ``engine == "llamacpp"``."""
+    import ast
+
+    from engine_manager.engines import registry
+
+    names = set(registry.ALL) | set(registry.ALIASES)
+    # the scan sees what it must: a comparison, a membership test, a case pattern
+    probe = ast.parse('if e == "llamacpp" or e in ("sim", "x") or "vllm" != e:\n    pass\n'
+                      'match e:\n    case "strata":\n        pass\n')
+    assert [ln for ln, _ in _engine_name_compares(probe, names)] == [1, 1, 1, 4]
+    assert _engine_name_compares(ast.parse('e = "sim"\nf(engine="sim")\nif e == "sims":\n    pass'), names) == []
+
+    engines_dir = ROOT / "engine_manager" / "engines"
+    files = [p for top in ("engine_manager", "app") for p in sorted((ROOT / top).rglob("*.py"))
+             if engines_dir not in p.parents]
+    assert len(files) > 50
+    found = [f"{p.relative_to(ROOT)}:{ln}: {src}" for p in files
+             for ln, src in _engine_name_compares(ast.parse(p.read_text(), str(p)), names)]
+    assert found == [], "compare a trait of the engine instead (engines.find_engine(name).…):\n" + "\n".join(found)
+
+
+def test_the_registry_and_the_adapters_agree():
+    """engines.registry lists every adapter module once, each adapter says the name it is listed under and whether
+    it is attach-only, and the tables that other modules keep of engine names read the registry."""
+    from typing import get_args
+
+    from engine_manager.bench.runner import PRESETS
+    from engine_manager.connections import KIND_LABELS
+    from engine_manager.engines import registry
+    from engine_manager.engines.base import Engine, Evidence
+    from engine_manager.settings import EngineName
+
+    modules = {p.stem for p in (ROOT / "engine_manager" / "engines").glob("*.py")
+               if "\nENGINE = " in p.read_text()}
+    assert modules == set(registry.ALL) and len(registry.ALL) == len(set(registry.ALL))
+    assert set(registry.STARTABLE).isdisjoint(registry.ATTACH_ONLY)
+    assert set(get_args(EngineName)) == {"auto", *registry.STARTABLE}
+    assert all(target in registry.STARTABLE for target in registry.ALIASES.values())
+    assert set(registry.ALIASES).isdisjoint(registry.ALL)
+    for name in registry.ALL:
+        eng = get_engine(name)
+        assert isinstance(eng, Engine) and eng.name == name and eng.attach_only == (name in registry.ATTACH_ONLY)
+        assert eng.words and eng.kind_label and KIND_LABELS[name] == eng.kind_label
+        assert (name in registry.STARTABLE) == bool(eng.choice_label)
+        assert set(eng.default_bench_presets) <= set(eng.bench_presets) <= set(PRESETS)
+        assert ("numerics" in eng.bench_presets) == eng.cpu_numerics
+        # every trait the base class declares keeps its type on the adapter
+        for trait, default in vars(Engine).items():
+            if not trait.startswith("_") and isinstance(default, (bool, int, float, str, tuple)):
+                assert isinstance(getattr(eng, trait), type(default)), (name, trait)
+    assert get_engine("mock") is get_engine("sim")
+    with pytest.raises(ValueError):
+        get_engine("unknown")
+    assert registry.find_engine("unknown") is registry.find_engine(None) is registry.UNKNOWN
+    assert registry.UNKNOWN.words == "" and not registry.UNKNOWN.simulated
+
+    # detection asks every adapter but InferenceKey's (told by its URL), the specific before the generic: each
+    # kind's own answers are recognised as that kind
+    assert set(registry.DETECTION_ORDER) == set(registry.ALL) - {"inferencekey"}
+    seen = {"sim": Evidence(service="strata-sim", models=True),
+            "strata": Evidence(service="strata", models=True),
+            "llamacpp": Evidence(props=True, metric_names=frozenset({"llamacpp:tokens_predicted_total"}), models=True),
+            "vllm": Evidence(metric_names=frozenset({"vllm:num_requests_running"}), models=True),
+            "sglang": Evidence(owned_by=frozenset({"sglang"}), models=True),
+            "openai_compat": Evidence(models=True)}
+    for kind, ev in seen.items():
+        first = next(n for n in registry.DETECTION_ORDER if get_engine(n).recognise(ev) is not None)
+        assert first == kind
+    assert all(get_engine(n).recognise(Evidence()) is None for n in registry.ALL)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_manager import layout as L
-from engine_manager.layout import LayoutError, read_layout
+from engine_manager import tensor_layout as L
+from engine_manager.tensor_layout import LayoutError, read_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("fuzz_gguf", ROOT / "benchmarks" / "fuzz_gguf.py")

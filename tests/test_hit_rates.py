@@ -19,7 +19,7 @@ from engine_manager.engines.base import Sample, vram_share
 from engine_manager.engines.strata import parse_strata_log_line, recent_hit_rate, sample_from_metrics
 from engine_manager.metrics import presenter as P
 from engine_manager.metrics.sources import LogSwapSource, sample_values
-from engine_manager.session import RunningEngine
+from engine_manager.engine_state import RunningEngine
 
 # generate.cpp @2291cb3, the serve loop after DONE (printf formats filled in)
 DECODE_LINE = ("strata serve: decode expert cache hit rate: 92.0% (8280 hits / 9000 lookups); 1000 more read by the "

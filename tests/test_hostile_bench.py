@@ -23,6 +23,7 @@ from supervisor_helpers import drain
 
 from engine_manager import bench
 from engine_manager import supervisor as sv
+from engine_manager.engine_state import READY, STOPPED
 from engine_manager.bench import prompts as P
 from engine_manager.bench import results
 from engine_manager.bench.runner import BASELINE, BenchSpec, _combine, _monitor_summary
@@ -301,7 +302,7 @@ def test_a_bad_config_leaves_the_running_engine_alone(port):
     assert r["error"] and "bad" in r["error"]
     assert not any(e.kind == "progress" and e.phase == "start" for e in events)
     st = sv.Supervisor(settings).status()
-    assert st.state == sv.READY and st.pid == st0.pid                  # never stopped
+    assert st.state == READY and st.pid == st0.pid                  # never stopped
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -329,9 +330,9 @@ def test_sigterm_and_sighup_take_the_ctrl_c_path(port, tmp_path, sig):
     assert r["cancelled"] is True and [x["users"] for x in r["table"]] == [1]
     st = sv.Supervisor(settings).status(check_health=False)
     if sig == signal.SIGTERM:
-        assert st.state == sv.READY and st.pid != pid0 and "--slots 1 " in " ".join(st.argv) + " "
+        assert st.state == READY and st.pid != pid0 and "--slots 1 " in " ".join(st.argv) + " "
     else:
-        assert st.state == sv.STOPPED
+        assert st.state == STOPPED
 
 
 def test_a_stalled_engine_is_given_up_on_from_its_pace(port, monkeypatch):
@@ -346,4 +347,4 @@ def test_a_stalled_engine_is_given_up_on_from_its_pace(port, monkeypatch):
     events, r = drain(bench.run_bench(settings, spec, stop=stop))
     assert r["error"] and "sent no token for" in r["error"] and "at 1 user" in r["error"], r["error"]
     assert "looks stuck" in r["error"] and math.isfinite(r["duration_s"])
-    assert sv.Supervisor(settings).status(check_health=False).state == sv.STOPPED
+    assert sv.Supervisor(settings).status(check_health=False).state == STOPPED

@@ -23,6 +23,7 @@ from engine_manager.chat import (
     ChatClient, ChatError, ChatOptions, ContentDelta, StreamDone, TimingsInfo, UsageInfo,
 )
 from engine_manager.chat_turn import TurnEnded, run_turn
+from engine_manager.engine_state import RunningEngine
 from engine_manager.engines._http import SSE_LINE_CAP
 
 Q = [{"role": "user", "content": "hello"}]
@@ -222,7 +223,7 @@ def test_keep_alives_before_the_first_token_count_only_until_the_first_token_dea
 def test_tokens_past_max_tokens_without_an_end_are_cut_off_and_saved_as_such(hostile):
     srv = hostile(SSE_HEAD, forever(delta(content="more ")), pause_s=0.001)
     store = hist.HistoryStore()
-    events = list(run_turn(store, None, base_url=srv.url, api_key=KEY, user_text="count for ever",
+    events = list(run_turn(store, None, engine=RunningEngine(srv.url, KEY), user_text="count for ever",
                            options=ChatOptions(max_tokens=5), read_timeout_s=5.0))
     ended = events[-1]
     assert isinstance(ended, TurnEnded) and ended.error_kind == "overrun" and ended.saved
@@ -254,7 +255,7 @@ def test_a_malformed_chunk_is_a_protocol_error_in_plain_words(hostile, name, bad
     no_python_words(str(err))
     # recorded: the answer so far is kept, marked interrupted with the same words (never "internal")
     store = hist.HistoryStore()
-    ended = list(run_turn(store, None, base_url=srv.url, api_key=KEY, user_text="q",
+    ended = list(run_turn(store, None, engine=RunningEngine(srv.url, KEY), user_text="q",
                           options=ChatOptions(max_tokens=50)))[-1]
     assert ended.error_kind == "protocol" and words in ended.error
     msg = store.message(ended.assistant_message_id)
@@ -278,7 +279,7 @@ def test_a_key_echoed_in_an_error_frame_is_masked_in_the_history_and_its_export(
                                      frame({"error": {"type": "server_error", "message": f"key {KEY} revoked"}}),
                                      b"data: [DONE]\n\n"])
     store = hist.HistoryStore()
-    ended = list(run_turn(store, None, base_url=srv.url, api_key=KEY, user_text="q",
+    ended = list(run_turn(store, None, engine=RunningEngine(srv.url, KEY), user_text="q",
                           options=ChatOptions(max_tokens=50)))[-1]
     assert ended.error_kind == "stream_error" and KEY not in ended.error and "revoked" in ended.error
     cid = ended.conversation_id
@@ -303,7 +304,7 @@ def test_impossible_usage_and_timings_are_missing_and_the_turn_is_complete(hosti
     stats = events[-1].stats
     assert isinstance(events[-1], StreamDone) and stats.completion_tokens == 2 and stats.engine_tok_s is None
     store = hist.HistoryStore()
-    ended = list(run_turn(store, None, base_url=srv.url, api_key=KEY, user_text="q",
+    ended = list(run_turn(store, None, engine=RunningEngine(srv.url, KEY), user_text="q",
                           options=ChatOptions(max_tokens=50)))[-1]
     assert ended.status == hist.STATUS_COMPLETE and ended.error is None
     saved = store.message(ended.assistant_message_id)

@@ -19,7 +19,7 @@ import pytest
 from hostile_servers import BAD_METRICS, ESCAPES, HostileServer
 
 from engine_manager import connections as C
-from engine_manager.engines import _prometheus, get_engine
+from engine_manager.engines import get_engine, prometheus_text
 from engine_manager.engines._http import AnswerTooLarge, AnswerTooSlow, get_capped
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +143,7 @@ def test_negative_and_non_finite_metrics_are_missing():
         assert s.tokens_generated_total is None      # 1e308 + 1e308 overflows: missing, not inf
         assert s.requests_total == 12                # the one sane figure survives
     assert s2.decode_tok_s is None and s2.prefill_tok_s is None
-    summed = _prometheus.summed(BAD_METRICS.decode())
+    summed = prometheus_text.summed(BAD_METRICS.decode())
     assert "vllm:generation_tokens_total" not in summed and summed["vllm:request_success_total"] == 12
     assert all(v == v and abs(v) != float("inf") for v in summed.values())
 
@@ -349,7 +349,7 @@ DEEP = "[" * 100_000 + "]" * 100_000
 def test_deep_nesting_in_any_file_the_panel_reads_is_a_bad_file(tmp_path):
     from engine_manager import paths, settings, uistate
     from engine_manager.atomic import read_json_capped
-    from engine_manager.session import EngineRecord, read_plan_file
+    from engine_manager.engine_state import EngineRecord, read_plan_file
 
     paths.config_dir().mkdir(parents=True, exist_ok=True)
     uistate.state_file().write_text(DEEP)

@@ -20,7 +20,7 @@ from engine_manager.engines._http import METRICS_BODY_CAP, AnswerTooLarge, get_c
 from engine_manager.metrics.hub import MetricsHub
 from engine_manager.metrics.sources import EngineSource, Reading, Source, SourceMissing, spec_for
 from engine_manager.metrics.store import RingStore
-from engine_manager.session import RunningEngine
+from engine_manager.engine_state import RunningEngine
 
 KEY = "sk-hostile-monitor-0123456789"
 OWN_ENGINES = ("strata", "sim", "llamacpp")
@@ -240,13 +240,13 @@ def test_a_one_line_page_of_megabytes_is_not_handed_to_the_prometheus_parser():
     sample could be is left out first; the page's real samples are still read."""
     import tracemalloc
 
-    from engine_manager.engines import _prometheus
+    from engine_manager.engines import prometheus_text
 
     size = 14 * 1024 * 1024
     page = "x" * size + "\nvllm:num_requests_running 3\n"
     tracemalloc.start()
     try:
-        rows = _prometheus.read_samples(page)
+        rows = prometheus_text.read_samples(page)
         _now, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -17,6 +17,7 @@ import pytest
 
 from engine_manager import plans as P
 from engine_manager import supervisor as sv
+from engine_manager.engine_state import STOPPED
 from engine_manager.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,12 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def replica_plan(tmp_path_factory):
     """A real plan of the replica as `dsv41 plan --replica` saves it (its Strata profile in the plans folder), made
     once; each test gets a deep copy (with the profile path moved into that test's plans folder)."""
-    from engine_manager import placement
-
     mp = pytest.MonkeyPatch()
     mp.setenv("DSV41_DATA_DIR", str(tmp_path_factory.mktemp("plan-data")))
     try:
-        out = placement.make_plan(load_settings().settings, placement.PlanRequest(host="reference", save=False))
+        out = P.make_plan(load_settings().settings, P.PlanRequest(host="reference", save=False))
         return out.plan.to_dict()
     finally:
         mp.undo()
@@ -237,7 +236,7 @@ def test_the_cli_refuses_a_hostile_plan_before_anything_starts(good, tmp_path, p
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "--dump-routing" in r.stderr and "dsv41 plan" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "victim.txt").exists()
-    assert sv.Supervisor(load_settings().settings).status(check_health=False).state == sv.STOPPED
+    assert sv.Supervisor(load_settings().settings).status(check_health=False).state == STOPPED
 
 
 def test_dsv41_start_refuses_a_plan_of_a_billion_layers_at_once(good, tmp_path, port):

@@ -40,7 +40,7 @@ def backend_content(**over) -> str:
     import time
 
     from engine_manager.inferencekey.backend import DeepSeekOneGpuBackend
-    from engine_manager.session import RunningEngine
+    from engine_manager.engine_state import RunningEngine
 
     stats = StreamStats(ttft_s=0.41, duration_s=3.1, tok_s=17.5, completion_tokens=42, prompt_tokens=12,
                         engine_tok_s=18.25, engine_prompt_tok_s=250.0, finish_reason="stop",
@@ -292,6 +292,7 @@ def test_the_engine_the_backend_started_is_labelled_so(monkeypatch, free_port):
     from supervisor_helpers import drain, hw, tiny_engine
 
     from engine_manager import supervisor as sv
+    from engine_manager.engine_state import READY
     from engine_manager.settings import load_settings
 
     monkeypatch.setenv("DSV41_PORT", str(free_port))
@@ -300,7 +301,7 @@ def test_the_engine_the_backend_started_is_labelled_so(monkeypatch, free_port):
     sup = sv.Supervisor(settings, hardware=hw(), poll_s=0.05, started_by="inferencekey")
     try:
         _, st = drain(sup.run(tiny_engine(), watch=False))
-        assert st.state == sv.READY and st.started_by == "inferencekey"
+        assert st.state == READY and st.started_by == "inferencekey"
         assert json.loads(sup.state_path.read_text())["started_by"] == "inferencekey"
         # the panel on this machine (another supervisor, another process) reads it and labels it
         other = sv.Supervisor(load_settings().settings, hardware=hw())
@@ -322,7 +323,7 @@ def test_the_engine_the_backend_started_is_labelled_so(monkeypatch, free_port):
 def test_a_state_record_with_a_bad_started_by_is_set_aside():
     from pydantic import ValidationError
 
-    from engine_manager.session import EngineRecord
+    from engine_manager.engine_state import EngineRecord
 
     with pytest.raises(ValidationError):
         EngineRecord.model_validate({"started_by": 5})

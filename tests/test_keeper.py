@@ -14,13 +14,15 @@ from pathlib import Path
 from supervisor_helpers import hw, tiny_engine
 
 from engine_manager import supervisor as sv
+from engine_manager.engine_state import READY
+from engine_manager.launch import KEEPER
 from engine_manager.settings import load_settings
 
 SECRET = "dsv41-" + "k3yk3y" * 5
 
 
 def keeper(tmp_path: Path, *opts: str, cmd: list[str], stdin: bytes | None = b"", env=None):
-    return subprocess.run([sys.executable, "-I", "-S", str(sv.KEEPER), "--log", str(tmp_path / "e.log"),
+    return subprocess.run([sys.executable, "-I", "-S", str(KEEPER), "--log", str(tmp_path / "e.log"),
                            "--exit-file", str(tmp_path / "exit.json"), *opts, "--", *cmd],
                           input=stdin, capture_output=True, timeout=60, env=env)
 
@@ -55,7 +57,7 @@ def test_the_key_is_not_in_the_keepers_environment(tmp_path, monkeypatch, free_p
         for _ in sup.run(EnvKeyEngine(), watch=False):
             pass
         st = sup.status(check_health=False)
-        assert st.state == sv.READY and st.keeper_pid and st.pid
+        assert st.state == READY and st.keeper_pid and st.pid
         environ = Path(f"/proc/{st.keeper_pid}/environ").read_bytes()
         assert key.encode() not in environ and b"DSV41_KEEPER_MASK" not in environ
         assert b"STRATA_API_KEY" not in environ

@@ -1,4 +1,4 @@
-"""engine_manager.layout: split-GGUF headers → per-tensor and per-expert bytes, classification, every error path,
+"""engine_manager.tensor_layout: split-GGUF headers → per-tensor and per-expert bytes, classification, every error path,
 and a fuzz of mutated/truncated headers that must end in clean errors with bounded memory."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import gguf
 import numpy as np
 import pytest
 
-from engine_manager import fmt, gguf_header, layout as L
-from engine_manager.layout import LayoutError, classify, is_lookup_table, read_layout, read_shard_header
+from engine_manager import fmt, gguf_header, tensor_layout as L
+from engine_manager.tensor_layout import LayoutError, classify, is_lookup_table, read_layout, read_shard_header
 from engine_manager.replica import ReplicaSpec, write_replica
 
 GiB, MiB, GB = fmt.GIB, fmt.MIB, fmt.GB

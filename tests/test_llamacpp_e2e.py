@@ -30,7 +30,7 @@ from engine_manager.testing import tinymoe
 from engine_manager.engines import get_engine
 from engine_manager.fmt import MIB
 from engine_manager.engines.llamacpp import RATE_WINDOW_S, PlacementSummary, placement_from_log
-from engine_manager.layout import read_layout
+from engine_manager.tensor_layout import read_layout
 from engine_manager.metrics import sources
 from engine_manager.settings import load_settings
 

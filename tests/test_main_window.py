@@ -185,6 +185,77 @@ def test_the_window_is_painted_before_the_heavy_pages_are_imported(tmp_path):
         in p.stdout, out
 
 
+def test_the_staged_start_builds_what_is_on_screen_first(tmp_path):
+    """The panel's own start: the engine column and the page on screen (here the Log tab, remembered from the
+    last session) are built and painted first, while the chat pane and the other pages still wait; choosing a
+    waiting tab builds it at once; the rest follow one per pass of the event loop, and every built panel is shut
+    down on close."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "staged.py"
+    script.write_text(
+        "import sys\n"
+        "from PySide6.QtCore import QTimer\n"
+        "from PySide6.QtWidgets import QApplication\n"
+        "app = QApplication([sys.argv[0]])\n"
+        "from engine_manager import uistate\n"
+        "uistate.save({'main_tab': 'Log'})\n"
+        "from app.context import AppContext\n"
+        "from app.main_window import MainWindow\n"
+        "from engine_manager.settings import load_settings\n"
+        "win = MainWindow(lambda: AppContext(load_settings()), lazy=True, show_first_run=False)\n"
+        "def first():\n"
+        "    print('first:', sorted(win.pages), win._engine_panel is not None, win._chat_pane is None,\n"
+        "          win.built, flush=True)\n"
+        "    win.show_tab('Placement')\n"
+        "    print('chosen:', sorted(win.pages), type(win.tabs.currentWidget()).__name__, flush=True)\n"
+        "win.firstPageShown.connect(first)\n"
+        "def built():\n"
+        "    print('built:', sorted(win.pages), win._chat_pane is not None, flush=True)\n"
+        "    names = [type(p).__name__ for p in win.panels()]\n"
+        "    print('panels:', names, flush=True)\n"
+        "    win.close(); app.quit()\n"
+        "win.pagesBuilt.connect(lambda: QTimer.singleShot(0, built))\n"
+        "win.show()\n"
+        "QTimer.singleShot(60000, app.quit)\n"
+        "app.exec()\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=90)
+    out = p.stdout + p.stderr
+    assert "first: ['Log'] True True False" in p.stdout, out
+    assert "chosen: ['Log', 'Placement'] PlacementView" in p.stdout, out
+    assert "built: ['Benchmark', 'Downloads', 'Log', 'Monitor', 'Placement'] True" in p.stdout, out
+    assert "panels: ['ChatPane', 'LogView', 'PlacementView'" in p.stdout and "'EnginePanel']" in p.stdout, out
+
+
+def test_cheaper_pyside_check_gives_pyside6s_own_answers():
+    """app.pyside_hook answers "does this module use PySide6?" as PySide6's own check does, for every module
+    loaded (the window's modules included)."""
+    import sys
+
+    import PySide6.QtCore  # noqa: F401
+
+    import app.main_window  # noqa: F401
+    from app import pyside_hook
+
+    feature = sys.modules.get("shibokensupport.feature") or sys.modules.get("PySide6.support.feature")
+    if feature is None:
+        pytest.skip("this PySide6 has no feature module")
+    before = feature._mod_uses_pyside
+    original = getattr(before, "__wrapped__", before)
+    pyside_hook.install()
+    cheap = feature._mod_uses_pyside
+    assert getattr(cheap, "dsv41_cheap", False)
+    assert pyside_hook.install() is False                   # once only
+    checked = [(name, m) for name, m in list(sys.modules.items()) if m is not None]
+    assert len(checked) > 100
+    differ = [name for name, m in checked if bool(original(m)) != cheap(m)]
+    assert differ == []
+    assert cheap(sys.modules["app.main_window"]) is True and cheap(sys.modules["json"]) is False
+
+
 def test_page_attributes_build_a_lazy_window_on_first_use(qtbot):
     from app.context import AppContext
     from app.main_window import MainWindow
@@ -206,7 +277,7 @@ def test_log_view_opens_at_the_start_of_its_lines_and_wraps(qtbot):
     from app.context import AppContext
     from app.log_view import LogView
     from engine_manager.settings import load_settings
-    from engine_manager.supervisor import log_path
+    from engine_manager.logtail import log_path
 
     path = log_path()
     path.parent.mkdir(parents=True, exist_ok=True)

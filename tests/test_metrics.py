@@ -23,6 +23,8 @@ import psutil
 import pytest
 
 from engine_manager import metrics as M
+from engine_manager.engine_state import READY, EngineStatus, RunningEngine
+from engine_manager.numa import binding_bound, binding_cpus
 from engine_manager.engines import get_engine
 from engine_manager.engines.base import LogEvent, Sample
 from engine_manager.plans import PlanError
@@ -402,11 +404,11 @@ def test_sample_mapping_idle_slots_are_zero_only_when_the_engine_listed_its_slot
 
 
 def test_binding_cpus_from_every_shape():
-    assert M.binding_cpus("numactl --cpunodebind=0 --preferred=0 (node 0, CPUs 0-3,8)") == [0, 1, 2, 3, 8]
-    assert M.binding_cpus("none — one NUMA node") is None and M.binding_bound("none — x") is False
-    assert M.binding_cpus({"prefix": ["taskset"], "cpus": [2, 3]}) == [2, 3]
-    assert M.binding_cpus({"prefix": [], "cpus": [2, 3]}) is None
-    assert M.binding_cpus("4-5") == [4, 5] and M.binding_bound(None) is None
+    assert binding_cpus("numactl --cpunodebind=0 --preferred=0 (node 0, CPUs 0-3,8)") == [0, 1, 2, 3, 8]
+    assert binding_cpus("none — one NUMA node") is None and binding_bound("none — x") is False
+    assert binding_cpus({"prefix": ["taskset"], "cpus": [2, 3]}) == [2, 3]
+    assert binding_cpus({"prefix": [], "cpus": [2, 3]}) is None
+    assert binding_cpus("4-5") == [4, 5] and binding_bound(None) is None
 
 
 # -- host collector on real processes -------------------------------------------------------------------------
@@ -493,8 +495,8 @@ def test_collectors_against_a_running_scripted_engine(sim_proc, tmp_path):
     then SIGKILL the engine: its series go missing while the host series and the tick rate go on."""
     trace = tmp_path / "routing.bin"
     proc, base, key, log = sim_proc("--slots", "4", "--initial-hot", "random", "--dump-routing", str(trace))
-    hub = M.build_hub("sim", base, key, pid=proc.pid, binding="none — test", log_path=log, hz=4.0,
-                      argv=["--dump-routing", str(trace)])
+    hub = M.build_hub(RunningEngine(base, key, engine="sim", pid=proc.pid, binding="none — test", log_path=str(log),
+                                    argv=("--dump-routing", str(trace))), hz=4.0)
     assert hub.simulated and hub.recorder is not None
     ticks: list[M.Tick] = []
     with Chats(base, key, 4, max_tokens=30):           # short replies: requests finish while the hub ticks
@@ -530,7 +532,8 @@ def test_collectors_against_a_running_scripted_engine(sim_proc, tmp_path):
     assert t.size == 16 and np.nanmax(d["decode_tok_s"]) == pytest.approx(max(got["decode_tok_s"]), rel=1e-5)
 
     # the engine dies: engine columns go missing (not 0); host columns and the rate go on
-    hub2 = M.build_hub("sim", base, key, pid=proc.pid, log_path=log, hz=4.0, record=False)
+    hub2 = M.build_hub(RunningEngine(base, key, engine="sim", pid=proc.pid, log_path=str(log)), hz=4.0,
+                       record=False)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(5)
     t0 = time.monotonic()
@@ -705,7 +708,7 @@ def test_steady_decode_of_short_chats_on_a_real_scripted_engine(sim_proc):
     guides' 63.11 tok/s. The engine's window rate never reaches the figure (the old card said "below the
     guides"); the steady figure does."""
     proc, base, key, log = sim_proc("--slots", "1")
-    hub = M.build_hub("sim", base, key, hz=4.0, record=False, use_nvml=False)
+    hub = M.build_hub(RunningEngine(base, key, engine="sim"), hz=4.0, record=False, use_nvml=False)
     ticks: list[M.Tick] = []
     with Chats(base, key, 1, max_tokens=40, pause_s=0.6):
         for tick in hub.iter_ticks(max_ticks=24):
@@ -751,7 +754,7 @@ def test_llamacpp_short_burst_and_a_model_the_guides_do_not_cover(tmp_path):
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
-        hub = M.build_hub("llamacpp", base, key, hz=1.0, record=False, use_nvml=False)
+        hub = M.build_hub(RunningEngine(base, key, engine="llamacpp"), hz=1.0, record=False, use_nvml=False)
         timings: list[dict] = []
 
         def ask() -> None:
@@ -942,32 +945,33 @@ def test_hub_for_running_engine_reconciles_the_supervisor_status(tmp_path):
     plan_path.write_text(json.dumps(running))
     trace = tmp_path / "routing.trace"
     shown = {"predicted_hit_rate": 0.5, "model": {"n_layers": 43, "n_experts": 384}}
-    status = sv.EngineStatus(sv.READY, engine="sim", pid=os.getpid(), base_url=url + "/", binding="none — test",
-                             log_path=str(tmp_path / "engine.log"), argv=["sim", "--dump-routing", str(trace)],
-                             plan_path=str(plan_path))
-    info = {"base_url": url, "api_key": "k", "engine": None, "engine_default": "llamacpp", "gpu_index": 0}
-    hub, store, got, loaded = M.hub_for_running_engine(info, 4.0, shown, status=status, use_nvml=False)
+    status = EngineStatus(READY, engine="sim", pid=os.getpid(), base_url=url + "/", binding="none — test",
+                          log_path=str(tmp_path / "engine.log"), argv=["sim", "--dump-routing", str(trace)],
+                          plan_path=str(plan_path))
+    # the panel's guess (llama.cpp) is what the handle says where the status says nothing
+    handle = RunningEngine.from_status(status, url, "k", engine="llamacpp", gpu_index=0)
+    hub, store, got, loaded = M.hub_for_running_engine(handle, 4.0, shown, use_nvml=False)
     try:
         # the status is about this engine: its name, process, log and plan win over the panel's defaults
-        assert got["engine"] == "sim" and got["pid"] == os.getpid() and got["numa_bound"] is False
-        assert got["plan"] == running and hub.predicted_hit_rate == 0.81 and hub.expert_bytes == 1000
-        assert got["label"].startswith("Scripted engine") and hub.simulated and loaded == 0
+        assert got.engine == "sim" and got.pid == os.getpid() and got.numa_bound is False
+        assert got.plan == running and hub.predicted_hit_rate == 0.81 and hub.expert_bytes == 1000
+        assert got.label.startswith("Scripted engine") and hub.simulated and loaded == 0
         routing = [s for s in hub.sources if isinstance(s, M.RoutingSource)]
         assert len(routing) == 1 and routing[0].path == trace and routing[0].counts.shape == (7, 32)
         assert hub.log_source().log_path == tmp_path / "engine.log"
     finally:
         hub.stop()
     # a status about another engine (the supervisor's own is elsewhere) is not used; the shown plan is
-    other = sv.EngineStatus(sv.READY, engine="sim", pid=1, base_url="http://127.0.0.1:9", plan_path=str(plan_path),
-                            argv=["--dump-routing", str(trace)])
+    other = EngineStatus(READY, engine="sim", pid=1, base_url="http://127.0.0.1:9", plan_path=str(plan_path),
+                         argv=["--dump-routing", str(trace)])
     spec = LaunchSpec(engine="sim", argv=[], host="127.0.0.1", port=9, api_key="k", files={"plan": str(plan_path)})
     old = M.RingStore(M.COLUMN_NAMES, hz=4.0)
     old.append(time.time() - 5, {"decode_tok_s": 12.0})
-    hub, store, got, loaded = M.hub_for_running_engine({**info, "spec": spec}, 4.0, shown, status=other,
-                                                       old_store=old, use_nvml=False)
+    handle = RunningEngine.from_status(other, url, "k", engine="llamacpp", spec=spec, gpu_index=0)
+    hub, store, got, loaded = M.hub_for_running_engine(handle, 4.0, shown, old_store=old, use_nvml=False)
     try:
-        assert got["engine"] == "llamacpp" and got.get("pid") is None and got["spec"] is None
-        assert got.get("plan") is None and hub.predicted_hit_rate is None      # llama.cpp's own key is unset
+        assert got.engine == "llamacpp" and got.pid is None and got.spec is None
+        assert got.plan is None and hub.predicted_hit_rate is None      # llama.cpp's own key is unset
         assert not [s for s in hub.sources if isinstance(s, M.RoutingSource)]
         assert loaded == 1 and store.window(columns=["decode_tok_s"])[1]["decode_tok_s"][0] == 12.0
     finally:
@@ -976,10 +980,10 @@ def test_hub_for_running_engine_reconciles_the_supervisor_status(tmp_path):
     spec = LaunchSpec(engine="sim", argv=[], host="127.0.0.1", port=18123, api_key="k",
                       files={"plan": str(plan_path), "routing_trace": str(trace)})
     sup = sv.Supervisor(load_settings().settings)
-    hub, store, got, loaded = M.hub_for_running_engine({**info, "engine": "sim", "spec": spec}, 4.0, None,
-                                                       supervisor=sup, use_nvml=False)
+    handle = RunningEngine.from_status(sup.status(), url, "k", engine="sim", spec=spec, gpu_index=0)
+    hub, store, got, loaded = M.hub_for_running_engine(handle, 4.0, None, use_nvml=False)
     try:
-        assert got["plan"] == running and got["spec"] is spec and hub.predicted_hit_rate == 0.81
+        assert got.plan == running and got.spec is spec and hub.predicted_hit_rate == 0.81
         assert [s.path for s in hub.sources if isinstance(s, M.RoutingSource)] == [trace]
     finally:
         hub.stop()

@@ -19,7 +19,7 @@ from PySide6.QtWidgets import QApplication
 
 from engine_manager import metrics as M
 from engine_manager.engines.base import Sample
-from engine_manager.session import RunningEngine
+from engine_manager.engine_state import RunningEngine
 from engine_manager.settings import load_settings
 from engine_manager.sim.launch import SimProcess
 

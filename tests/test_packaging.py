@@ -133,8 +133,8 @@ def test_bundle_starts_the_sim_and_keeper_through_its_dsv41(as_bundle):
     from engine_manager.engines.sim import sim_argv
     from engine_manager.frozen import module_argv
     assert sim_argv(None, "127.0.0.1", 8000, None)[:3] == [str(as_bundle / "dsv41"), "-m", "engine_manager.sim"]
-    from engine_manager import supervisor
-    assert module_argv("engine_manager.keeper", script=supervisor.KEEPER) == [
+    from engine_manager.launch import KEEPER
+    assert module_argv("engine_manager.keeper", script=KEEPER) == [
         str(as_bundle / "dsv41"), "-m", "engine_manager.keeper"]
 
 

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from engine_manager import fmt, placement as P
-from engine_manager.layout import read_layout
+from engine_manager import fmt, placement as P, plans
+from engine_manager.tensor_layout import read_layout
 from engine_manager.replica import ReplicaSpec, write_replica
-from engine_manager.routing import FrequencyTable, Usage, read_strp
+from engine_manager.expert_routing import FrequencyTable, Usage, read_strp
 from engine_manager.settings import Settings
 
 GiB, MiB, GB = fmt.GIB, fmt.MIB, fmt.GB
@@ -212,12 +212,12 @@ def test_reference_and_hypothetical_hardware():
 
 
 def test_default_sim_layout_generates_once_into_the_data_dir(isolated_dirs):
-    lay = P.default_sim_layout()
+    lay = plans.default_sim_layout()
     assert lay.n_routed_experts == 15_360 and len(lay.shards) == 7
-    d = P.sim_replica_dir()
+    d = plans.sim_replica_dir()
     assert d.parent == isolated_dirs / "data"
     mtimes = [f.stat().st_mtime_ns for f in sorted(d.iterdir())]
-    again = P.default_sim_layout()
+    again = plans.default_sim_layout()
     assert [f.stat().st_mtime_ns for f in sorted(d.iterdir())] == mtimes
     assert again.total_bytes == lay.total_bytes
     from engine_manager.replica import disk_usage_bytes
@@ -233,15 +233,15 @@ def _workstation():
 
 
 def test_make_plan_keeps_hypothetical_plans_out_of_the_last_plan(isolated_dirs):
-    out = P.make_plan(Settings(), P.PlanRequest(host="reference"))
+    out = plans.make_plan(Settings(), plans.PlanRequest(host="reference"))
     assert out.model_source == "replica"
     # the guides' workstation is hypothetical: shown again by the Placement tab, never what `dsv41 start` uses
-    assert out.saved_to == P.other_plan_path() and not out.startable
-    assert P.load_last_plan() is None and P.load_shown_plan()["hot_experts"] == out.plan.n_hot
+    assert out.saved_to == plans.other_plan_path() and not out.startable
+    assert plans.load_last_plan() is None and plans.load_shown_plan()["hot_experts"] == out.plan.n_hot
     assert "not as the plan `dsv41 start` uses" in out.saved_note and "hypothetical" in out.saved_note
     assert read_strp(out.plan_dict["strp_path"]).slots == out.plan.n_hot
     assert out.plan_dict["strp_path"].endswith("other-plan.strp")
-    custom = P.make_plan(Settings(), P.PlanRequest(host="custom", vram_bytes=48 * GiB, ram_bytes=512 * GB,
+    custom = plans.make_plan(Settings(), plans.PlanRequest(host="custom", vram_bytes=48 * GiB, ram_bytes=512 * GB,
                                                    save=False))
     assert custom.plan.n_hot < out.plan.n_hot and custom.saved_to is None
 
@@ -249,24 +249,24 @@ def test_make_plan_keeps_hypothetical_plans_out_of_the_last_plan(isolated_dirs):
 def test_only_a_startable_plan_becomes_the_plan_start_uses(isolated_dirs):
     """M2: the saved last plan is the one supervisor.default_plan starts with; a refused or hypothetical plan made
     afterwards must not replace it (nor its Strata profile)."""
-    from engine_manager.supervisor import default_plan
+    from engine_manager.start_plan import default_plan
     ws = _workstation()
     assert not P.is_hypothetical(ws)
-    good = P.make_plan(Settings(), P.PlanRequest(host="this"), ws)
-    assert good.startable and good.saved_to == P.last_plan_path() and "`dsv41 start` uses" in good.saved_note
-    strp = P.plans_dir() / "last-plan.strp"
+    good = plans.make_plan(Settings(), plans.PlanRequest(host="this"), ws)
+    assert good.startable and good.saved_to == plans.last_plan_path() and "`dsv41 start` uses" in good.saved_note
+    strp = plans.plans_dir() / "last-plan.strp"
     assert good.plan_dict["strp_path"] == str(strp) and read_strp(strp).slots == good.plan.n_hot
     profile = strp.read_bytes()
     d, notes = default_plan("strata", Settings(), ws)
     assert d["created_at"] == good.plan_dict["created_at"] and any("saved" in n for n in notes)
 
-    hyp = P.make_plan(Settings(), P.PlanRequest(host="custom", vram_bytes=48 * GiB, ram_bytes=512 * GB), ws)
-    refused = P.make_plan(Settings(), P.PlanRequest(host="custom", ram_bytes=100 * GB), ws)
+    hyp = plans.make_plan(Settings(), plans.PlanRequest(host="custom", vram_bytes=48 * GiB, ram_bytes=512 * GB), ws)
+    refused = plans.make_plan(Settings(), plans.PlanRequest(host="custom", ram_bytes=100 * GB), ws)
     assert refused.plan.refused and not refused.startable and "refused" in refused.saved_note
-    assert hyp.saved_to == refused.saved_to == P.other_plan_path()
-    assert P.load_last_plan()["created_at"] == good.plan_dict["created_at"]
+    assert hyp.saved_to == refused.saved_to == plans.other_plan_path()
+    assert plans.load_last_plan()["created_at"] == good.plan_dict["created_at"]
     assert strp.read_bytes() == profile                             # the profile the saved plan names is intact
-    assert P.load_shown_plan()["created_at"] == refused.plan_dict["created_at"]   # the tab shows the newest
+    assert plans.load_shown_plan()["created_at"] == refused.plan_dict["created_at"]   # the tab shows the newest
     d, _ = default_plan("strata", Settings(), ws)
     assert d["created_at"] == good.plan_dict["created_at"]
 
@@ -277,12 +277,11 @@ def test_hardware_label_gives_ram_in_both_units(lay):
     assert "206.2 GB (192.0 GiB)" in p.refused
 
 
-def test_the_plan_store_is_its_own_module_and_placement_still_names_it():
-    """The planner (placement) and the plan store (plans) are split; old callers' ``placement.load_last_plan`` etc.
-    reach the one store."""
-    from engine_manager import plans
+def test_the_plan_store_is_its_own_module():
+    """The planner (placement) and the plan store (plans) are split: the store's names live in plans only, and the
+    planner does not forward them."""
     for name in ("load_last_plan", "save_plan", "store_plan", "make_plan", "find_model", "default_sim_layout",
                  "PlanRequest", "last_plan_path"):
-        assert getattr(P, name) is getattr(plans, name)
+        assert callable(getattr(plans, name)) and not hasattr(P, name), name
     with pytest.raises(AttributeError):
         P.no_such_name  # noqa: B018

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from engine_manager import placement as P
-from engine_manager.layout import read_layout
+from engine_manager import plans
+from engine_manager.tensor_layout import read_layout
 from engine_manager.replica import ReplicaSpec, write_replica
-from engine_manager.routing import FrequencyTable
+from engine_manager.expert_routing import FrequencyTable
 from engine_manager.settings import load_settings
 
 pytest.importorskip("pytestqt")
@@ -107,7 +108,7 @@ def test_plan_button_runs_on_a_worker_and_sets_the_plan(view, qtbot):
     assert d["hot_experts"] > 0 and view.ctx.plan is d
     qtbot.waitUntil(lambda: view.plan_button.isEnabled(), timeout=10_000)
     # the guides' workstation is hypothetical: shown again after a restart, never the plan `dsv41 start` uses
-    assert P.load_last_plan() is None and P.load_shown_plan()["hot_experts"] == d["hot_experts"]
+    assert plans.load_last_plan() is None and plans.load_shown_plan()["hot_experts"] == d["hot_experts"]
     assert "not as the plan `dsv41 start` uses" in view.saved_note.text() and view.saved_note.isVisibleTo(view)
 
 
@@ -188,7 +189,7 @@ def test_running_engine_plan_and_trace_are_the_tabs_data_without_a_click(view, l
     """The running engine's plan is shown (not "No plan yet" beside a Monitor that shows its prediction), its
     routing trace is the routing data, the first observed counts switch the heatmap to them, and "Re-plan from
     observed routing" plans with the trace."""
-    from engine_manager import routing
+    from engine_manager import expert_routing
 
     running = P.plan(lay, P.reference_hardware(), None, None).to_dict()
     trace = tmp_path / "routing.trace"
@@ -203,7 +204,7 @@ def test_running_engine_plan_and_trace_are_the_tabs_data_without_a_click(view, l
     assert view.plan is running and "No plan yet" not in view.summary.text()
     assert str(trace) in view.usage_label.text() and "running engine" in view.usage_label.text()
     assert view.replan_observed.isVisibleTo(view)
-    counts, _stats = routing.count_trace(trace.read_bytes(), 43, 384)
+    counts, _stats = expert_routing.count_trace(trace.read_bytes(), 43, 384)
     assert counts.sum() > 0
     view.update_observed(counts)
     assert view.mode.currentData() == "observed"               # no click

@@ -18,7 +18,7 @@ import pytest
 from engine_manager import fmt
 from engine_manager.cli import main
 from engine_manager.replica import ReplicaSpec, write_replica
-from engine_manager.routing import read_strp, write_trace
+from engine_manager.expert_routing import read_strp, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB, GB = fmt.GIB, fmt.GB
@@ -337,15 +337,15 @@ def workstation(monkeypatch):
 
 
 def test_plan_is_saved_as_the_plan_start_uses(model, capsys, tmp_path, workstation):
-    from engine_manager import placement
+    from engine_manager import plans
     from engine_manager.settings import load_settings
-    from engine_manager.supervisor import default_plan
+    from engine_manager.start_plan import default_plan
     rng = np.random.default_rng(3)
     recs = [(int(b), rng.choice(384, 6, replace=False).tolist(), [1 / 6] * 6) for b in range(3, 43) for _ in range(40)]
     trace = write_trace(tmp_path / "trace.bin", recs)
     rc, out, _ = _run(capsys, "--model-dir", str(model), "--usage", str(trace))
     assert rc == 0
-    last = placement.last_plan_path()
+    last = plans.last_plan_path()
     strp = last.with_suffix(".strp")
     assert f"Saved as the plan `dsv41 start` uses: {last}" in out and str(strp) in out
     saved = json.loads(last.read_text())
@@ -364,7 +364,7 @@ def test_plan_is_saved_as_the_plan_start_uses(model, capsys, tmp_path, workstati
     assert read_strp(strp).slots == saved["hot_experts"]
 
     # --no-save: a dry look writes nothing; --json keeps stdout pure JSON (the note goes to stderr)
-    other = placement.other_plan_path()
+    other = plans.other_plan_path()
     before = (last.stat().st_mtime_ns, other.stat().st_mtime_ns)
     rc, out, err = _run(capsys, "--model-dir", str(model), "--no-save", "--json")
     assert rc == 0 and json.loads(out)["hardware"]["hypothetical"] is False

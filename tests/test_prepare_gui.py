@@ -92,7 +92,7 @@ def test_start_with_this_plan_hands_that_plan_to_the_engine_panel(qtbot, qapp, s
     from app.context import AppContext
     from app.placement_view import PlacementView
     from engine_manager import placement
-    from engine_manager.layout import read_layout
+    from engine_manager.tensor_layout import read_layout
 
     _, model = setup
     settings = load_settings().settings
@@ -125,7 +125,7 @@ def test_the_engine_panel_starts_with_the_chosen_plan_and_names_its_host(qtbot, 
     from app.engine_panel import EnginePanel
     from engine_manager import placement
     from engine_manager import supervisor as sv
-    from engine_manager.layout import read_layout
+    from engine_manager.tensor_layout import read_layout
 
     monkeypatch.setenv("DSV41_PORT", str(free_port))
     monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 0.2")

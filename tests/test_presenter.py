@@ -13,7 +13,7 @@ import httpx
 from engine_manager import metrics as M
 from engine_manager.engines.base import Sample
 from engine_manager.metrics import presenter as P
-from engine_manager.session import RunningEngine
+from engine_manager.engine_state import RunningEngine
 
 
 def tick(t: float | None = None, engine: str = "strata", simulated: bool = False, **values) -> M.Tick:

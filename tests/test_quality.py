@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from engine_manager import supervisor as sv
+from engine_manager.engine_state import READY
 from engine_manager.bench import quality as Q
 from engine_manager.bench.sandbox import Limits, SandboxUnavailable, run_python
 from engine_manager.errors import UserError
@@ -187,7 +188,7 @@ def test_the_cli_runs_the_quality_check_end_to_end_and_puts_the_engine_back(port
     for _ in sv.Supervisor(load_settings().settings).run("sim", None, watch=False):
         pass
     before = sv.Supervisor(load_settings().settings).status()
-    assert before.state == sv.READY
+    assert before.state == READY
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text(json.dumps({"question": "Tom has 3 apples and buys 4. How many?", "answer": "#### 7"}) + "\n")
     out = tmp_path / "out"
@@ -211,5 +212,5 @@ def test_the_cli_runs_the_quality_check_end_to_end_and_puts_the_engine_back(port
     csv_rows = (out / f"{doc['id']}.csv").read_text().splitlines()
     assert csv_rows[0].startswith("bench,id,passed") and len(csv_rows) == 1 + 4 + 3 * 4
     after = sv.Supervisor(load_settings().settings).status()
-    assert after.state == sv.READY and after.engine == "sim" and after.pid != before.pid
+    assert after.state == READY and after.engine == "sim" and after.pid != before.pid
     assert "--slots 1 " in " ".join(after.argv) + " "          # its own settings again, not the check's 4 slots

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine_manager import fmt, replica as R
-from engine_manager.layout import read_layout, read_shard_header
+from engine_manager.tensor_layout import read_layout, read_shard_header
 from engine_manager.replica import ReplicaSpec, disk_usage_bytes, write_replica
 
 ROOT = Path(__file__).resolve().parent.parent

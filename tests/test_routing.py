@@ -1,5 +1,5 @@
-"""engine_manager.routing: STRP profiles and --dump-routing traces byte for byte (docs/ENGINE_CONTRACT.md §2), frequency
-tables (merge, decay, files), the coverage curve, and clear errors for malformed files."""
+"""engine_manager.expert_routing: STRP profiles and --dump-routing traces byte for byte (docs/ENGINE_CONTRACT.md
+§2), frequency tables (merge, decay, files), the coverage curve, and clear errors for malformed files."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from engine_manager import routing as R
-from engine_manager.routing import FrequencyTable, RoutingError
+from engine_manager import expert_routing as R
+from engine_manager.expert_routing import FrequencyTable, RoutingError
 
 
 def _manual_strp(ranked, nl, ne, slots) -> bytes:
@@ -294,7 +294,7 @@ def test_format2_vectorised_runs_match_the_walk():
 def _strata_profile_shape(path):
     """Strata's ``profile_shape`` (serve/server.py @2291cb3) as its docstring and code read: (layers, experts) from
     the 24-byte header, None when missing, not STRP, or shorter than ``24 + 4 × n_ranked`` bytes. Written here from
-    that reading, independently of engine_manager.routing."""
+    that reading, independently of engine_manager.expert_routing."""
     try:
         with open(path, "rb") as f:
             head = f.read(24)

@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 import pytest
 
-from engine_manager import placement, routing
+from engine_manager import expert_routing, placement, plans
 from engine_manager.sim import corpus
 from engine_manager.engines import get_engine
 from engine_manager.engines.base import LaunchSpec
@@ -318,17 +318,17 @@ def observed_hit_rate(requests: list[dict]) -> float:
 
 # ------------------------------------------------------------------------------------------------ the planner loop
 def test_trace_round_trips_through_the_planner_and_observed_hit_rate_meets_its_prediction(sim_process, tmp_path):
-    layout = placement.default_sim_layout(tmp_path / "replica")
+    layout = plans.default_sim_layout(tmp_path / "replica")
     trace = tmp_path / "routing.bin"
     sp = sim_process("--slots", "8", "--speed", "40", "--reply-tokens", "200", "--dump-routing", str(trace),
               "--initial-hot", "random").wait_ready()
     _run_users(sp, 8, 200)
     assert sp.stop() == 0                                            # SIGTERM: trace flushed and closed
-    ft = routing.read_trace(trace, layout.n_layers, layout.n_experts)
+    ft = expert_routing.read_trace(trace, layout.n_layers, layout.n_experts)
     counts = ft.counts
     assert counts.shape == (43, 384) and counts[:3].sum() == 0      # dense blocks 0-2 never routed
     assert counts.sum() == 8 * 200 * 40 * 6
-    recs = list(routing.iter_trace(trace.read_bytes()[: 3 * (8 + 8 * 6)]))
+    recs = list(expert_routing.iter_trace(trace.read_bytes()[: 3 * (8 + 8 * 6)]))
     assert [r.layer for r in recs] == [3, 4, 5] and all(len(r.experts) == 6 for r in recs)
     assert all(abs(sum(r.weights) - 1) < 1e-5 for r in recs)
     # the trace's frequencies are the sim's stated distribution
@@ -720,7 +720,7 @@ def test_a_change_of_topic_makes_the_adaptive_tier_swap_experts(sim_process, tmp
     rec = 8 + 8 * 6                                   # int32 layer, int32 k, 6 ids, 6 weights
     counts_a = np.zeros((43, 384))
     counts_b = np.zeros((43, 384))
-    for i, r in enumerate(routing.iter_trace(data)):
+    for i, r in enumerate(expert_routing.iter_trace(data)):
         (counts_a if i * rec < size_a else counts_b)[r.layer, list(r.experts)] += 1
     assert counts_a.sum() == 3 * 300 * 40 * 6 and counts_b.sum() == 4 * 300 * 40 * 6
     top_a = {(l, e) for l in range(3, 43) for e in np.argsort(-counts_a[l])[:40]}

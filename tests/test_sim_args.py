@@ -14,6 +14,8 @@ import pytest
 from supervisor_helpers import drain
 
 from engine_manager import supervisor as sv
+from engine_manager.engine_state import READY
+from engine_manager.supervisor_events import StartFailed
 from engine_manager.engines.sim import ENGINE as SIM
 from engine_manager.errors import EngineSetupError
 from engine_manager.settings import load_settings
@@ -70,6 +72,6 @@ def test_the_supervisor_fails_the_start_in_words(monkeypatch, free_port):
     monkeypatch.setenv("DSV41_SIM_ARGS", "--host=0.0.0.0")
     sup = sv.Supervisor(load_settings().settings)
     events, _ = drain(sup.run("sim", None, watch=False))
-    failed = [e for e in events if isinstance(e, sv.StartFailed)]
+    failed = [e for e in events if isinstance(e, StartFailed)]
     assert failed and "only the panel sets" in failed[0].message
-    assert sup.status(check_health=False).state != sv.READY
+    assert sup.status(check_health=False).state != READY

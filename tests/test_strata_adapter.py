@@ -390,7 +390,7 @@ def test_a_profile_the_engine_refuses_is_a_placement_refusal_not_retried():
     ``strata generate: read_expert_profile: <why>``; another try cannot fix the profile, so it is the placement's
     cause (permanent: the supervisor does not restart) — seen with a saved plan's profile that ranked more pairs
     than slots, which the engine refused at every one of five automatic restarts."""
-    from engine_manager.supervisor import PERMANENT_CAUSES
+    from engine_manager.crash import PERMANENT_CAUSES
 
     eng = get_engine("strata")
     line = "[engine] strata generate: read_expert_profile: the header claims more ranked pairs than slots"

@@ -27,7 +27,8 @@ from strata_support import cuda_lib_dir, make_strata_release, release_python, ru
 from supervisor_helpers import drain
 
 from engine_manager import provision, release_check
-from engine_manager.crash import ExitInfo, classify_exit
+from engine_manager.crash import classify_exit
+from engine_manager.engine_state import ExitInfo
 from engine_manager.engines import get_engine
 from engine_manager.engines.strata import shard_name_problem
 from engine_manager.gguf_split import find_split

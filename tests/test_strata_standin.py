@@ -177,8 +177,8 @@ def test_an_expert_profile_of_another_shape_is_refused(small_model, strata_relea
     """src/core/expert_cache.cpp @2249c24 read_expert_profile(): a STRP file whose n_layers x n_expert differs from the
     model is "read_expert_profile: %s is %ux%u but this model is %lldx%lld - it is a profile for a different artifact",
     printed by generate.cpp as "strata generate: %s", exit 1. The right shape (every block, as this panel's
-    engine_manager.routing.write_strp writes it) is accepted."""
-    from engine_manager.routing import write_strp
+    engine_manager.expert_routing.write_strp writes it) is accepted."""
+    from engine_manager.expert_routing import write_strp
     spec = small_model["spec"]
     good = write_strp(tmp_path / "good.strp", [(spec.n_dense, 3), (spec.n_dense + 1, 5)], spec.n_layers,
                       spec.n_expert, 2)
@@ -462,7 +462,7 @@ def test_expert_profile_save_writes_every_pair_ranked_at_quit(small_model, strat
     """src/core/expert_cache.cpp @2249c24 rank_learned_profile + write_expert_profile (#477, --expert-profile-save):
     at QUIT every (layer, expert) pair is ranked - the VRAM tier's pairs first - and written as STRP version 1 with
     slots = n_ranked = n_layers x n_experts, through PATH.tmp and a rename."""
-    from engine_manager.routing import write_strp
+    from engine_manager.expert_routing import write_strp
     spec = small_model["spec"]
     prior = write_strp(tmp_path / "prior.strp", [(spec.n_dense, 3), (spec.n_dense + 1, 5)], spec.n_layers,
                        spec.n_expert, 2)

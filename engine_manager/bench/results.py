@@ -1,22 +1,15 @@
 """The benchmark's result document, its table beside the guides' figures, saving (JSON + CSV), history, compare.
 
-Schema (``schema`` = ``dsv41-bench``, ``schema_version`` = 1; new fields may be added within a version, none is
-removed or changes meaning without a new version):
-
-- ``id``, ``started_at``, ``finished_at``, ``duration_s`` (Unix seconds / seconds), ``cancelled``, ``error``;
-- ``simulated``: the scripted engine ran (every figure is then SIMULATED: it checks the wiring, not the host);
-- ``engine``: the baseline engine (name, label, model, argv with the key masked), ``model_comparable``: whether
-  the model is the guides' (None: unknown);
-- ``spec``: what was asked (users, tokens, repeats, prompt lengths, configurations); ``token_ratio``;
-- ``settings``: the panel's settings (secrets left out); ``hardware``: the hardware report; ``plan``: a summary;
-- ``configs``: per configuration its settings, engine, ``phases`` (``warmup``, ``users_N`` with median / spread
-  of total, slowest, per-stream tok/s, TTFT, the engine's own total, client CPU, each repeat, the last repeat's
-  token timeline; ``long_prompt``) and ``monitor`` (mean hit rate, PCIe RX MB/s, swaps/s per phase);
-- ``table``: one row per user count: measured total / slowest / per stream, the guides' figures, ratios, verdict;
-- ``long_prompt``: the pause (longest gap between tokens of a decoding stream), prefill tok/s (client, engine);
-- ``ab``: per other configuration, its ratio to the baseline (median, low, high) and the guides' ratio if any;
-- ``client``: the client's own CPU against wall time (the bench must not be what limits the figures);
-- ``verdict``: the result in plain words.
+Schema ``dsv41-bench``, ``schema_version`` 1 (fields may be added within a version; none is removed or changes
+meaning without a new version): ``id``, ``started_at``, ``finished_at``, ``duration_s``, ``cancelled``, ``error``;
+``simulated`` (the scripted engine ran: every figure checks the wiring, not the host); ``engine`` (argv with the key
+masked) and ``model_comparable`` (None: unknown); ``spec``, ``token_ratio``, ``settings`` (no secrets),
+``hardware``, ``plan``; ``configs`` (per configuration its settings, engine, ``phases`` — ``warmup``, ``users_N``
+with median / spread of total, slowest and per-stream tok/s, TTFT, the engine's own total, client CPU, each repeat,
+the last repeat's token timeline, ``long_prompt`` — and ``monitor``: hit rate, PCIe RX, swaps per phase); ``table``
+(per user count: measured total / slowest / per stream, the guides' figures, ratios, verdict); ``long_prompt`` (the
+longest gap between tokens, prefill tok/s); ``ab`` (each other configuration's ratio to the baseline, and the
+guides'); ``client`` (the client's CPU against wall time); ``verdict`` (the result in plain words).
 
 Files: ``<data dir>/bench/<id>.json`` and ``<id>.csv`` (one row per configuration × phase × repeat × stream),
 written atomically, owner-only.
@@ -100,7 +93,7 @@ def assemble(doc: dict[str, Any], settings: Any, hardware: Any) -> dict[str, Any
     except Exception:  # noqa: BLE001
         out["hardware"] = None
     try:
-        from ..session import read_plan_file
+        from ..engine_state import read_plan_file
         plan = read_plan_file(eng.get("plan_path")) if eng.get("plan_path") else None
     except Exception:  # noqa: BLE001
         plan = None

@@ -24,13 +24,14 @@ import httpx
 
 from ..cancel import Cancelled, CancelToken
 from ..chat import ChatClient, ChatOptions
+from ..engines import find_engine
 from ..engines._http import bearer_headers
 from ..errors import UserError
 from ..eventbase import Event
-from ..events import Crashed, StartFailed
-from ..events import Progress as EngineProgress
+from ..supervisor_events import Crashed, StartFailed
+from ..supervisor_events import Progress as EngineProgress
 from ..metrics.guides import GUIDE_TABLE, GUIDE_UNBOUND_1_USER, is_guide_model
-from ..session import RunningEngine
+from ..engine_state import READY, RunningEngine
 from . import prompts as P
 from .stats import measured, summary
 from .streams import StreamRecord, Streams, decode_figures
@@ -140,7 +141,7 @@ class BenchSpec:
     @classmethod
     def make(cls, engine: str = "sim", quick: bool = False, presets: list[str] | None = None, **kw) -> "BenchSpec":
         if presets is None:
-            presets = ["numerics"] if engine in ("sim", "strata") else []
+            presets = list(find_engine(engine).default_bench_presets)
         configs = [BenchConfig(**c.to_dict()) for p in presets for c in PRESETS[p]]
         baseline = BenchConfig(**BASELINE.to_dict())
         for p in presets:
@@ -207,7 +208,6 @@ class EngineControl:
     def __init__(self, settings: Any, hardware: Any = None, supervisor_factory: Callable[..., Any] | None = None,
                  on_engine_event: Callable[[Any], None] | None = None):
         from .. import supervisor as sv
-        self.sv = sv
         self.on_engine_event = on_engine_event    # every supervisor event (the GUI hands them to its EngineSession)
         self.settings = settings
         self.hardware = hardware
@@ -220,8 +220,9 @@ class EngineControl:
         sup = self.factory(self.settings)
         st = sup.status(check_health=False)
         if st.external:
+            from ..procs import describe_owner
             raise UserError(f"Port {self.settings.port} is used by a program the panel did not start "
-                            f"({self.sv.describe_owner(st.external)}). Stop it, or set another port in Settings, "
+                            f"({describe_owner(st.external)}). Stop it, or set another port in Settings, "
                             "then run the benchmark again.")
         if st.running:
             self.prior = {"engine": st.engine, "plan": st.plan(), "settings": self.settings}
@@ -254,7 +255,7 @@ class EngineControl:
                 case EngineProgress(phase=phase) if phase:
                     yield BenchNote(f"engine: {phase}")
         st = st or sup.status(check_health=False)
-        if st is None or st.state != self.sv.READY:
+        if st is None or st.state != READY:
             raise UserError(f"The {engine} engine did not start for the benchmark: "
                             f"{failure or (st.message if st else 'no status')}. Look at the engine's log "
                             "(`dsv41 logs`), fix the setting it names, then run the benchmark again.")
@@ -330,8 +331,8 @@ class _Clock:
 
 
 def _engine_extra(engine: str) -> dict[str, Any]:
-    # a real engine stops at its end-of-sequence token; the bench wants exactly max_tokens tokens
-    return {} if engine == "sim" else {"ignore_eos": True}
+    # an engine that stops at its end-of-sequence token is told not to: the bench wants exactly max_tokens tokens
+    return {"ignore_eos": True} if find_engine(engine).stops_at_eos else {}
 
 
 class BenchRun:
@@ -432,14 +433,9 @@ class BenchRun:
         upd: dict[str, Any] = {"slots": min(8, max(1, slots)),
                                "context_length": max(need, kv_total // max(1, slots))}
         upd.update(cfg.settings)
-        sim_args = str(getattr(self.settings, "sim_args", "") or "")
-        if s.engine == "sim":
-            extra = [f"--reply-tokens {SIM_REPLY_TOKENS}"]
-            if upd.get("numa_binding") == "off":
-                extra.append("--numa unbound")
-            if cfg.expert_cache is not None:
-                extra.append(f"--expert-cache {self._expert_cache(cfg)}")
-            upd["sim_args"] = " ".join([sim_args] + extra).strip()
+        upd.update(find_engine(s.engine).bench_settings(
+            self.settings, reply_tokens=SIM_REPLY_TOKENS, numa_off=upd.get("numa_binding") == "off",
+            expert_cache=(lambda: self._expert_cache(cfg)) if cfg.expert_cache is not None else None))
         cls = type(self.settings)
         unknown = [k for k in upd if k not in getattr(cls, "model_fields", upd)]
         if unknown:
@@ -461,10 +457,12 @@ class BenchRun:
 
     def _plan_for(self, cfg: BenchConfig, settings: Any) -> dict[str, Any] | None:
         plan = dict(self.plan) if self.plan else None
-        if self.spec.engine == "llamacpp" and cfg.cpu_layers is not None:
-            from ..engines.llamacpp import resolve_model
-            from ..layout import read_layout
-            model = resolve_model(settings, plan)
+        eng = find_engine(self.spec.engine)
+        if eng.places_layers and cfg.cpu_layers is not None:
+            from ..tensor_layout import read_layout
+            model = eng.model_path(settings, plan)
+            if model is None:
+                raise UserError(f"The configuration {cfg.name!r} moves MoE layers, but no model file is known.")
             moe = list(read_layout(model).moe_layers)
             layers = {"half": moe[: len(moe) // 2], "all": moe, "none": []}.get(cfg.cpu_layers, cfg.cpu_layers) \
                 if isinstance(cfg.cpu_layers, str) else list(cfg.cpu_layers)
@@ -477,7 +475,7 @@ class BenchRun:
         return plan
 
     def _long_decode_tokens(self) -> int:
-        return 4096 if self.spec.engine == "sim" else 16384
+        return find_engine(self.spec.engine).bench_long_decode_tokens
 
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> Generator[BenchEvent, None, dict[str, Any]]:
@@ -603,9 +601,7 @@ class BenchRun:
         ticks: list[tuple[str, dict[str, float | None]]] = []
         try:
             from ..metrics import build_hub
-            hub = build_hub(eng.engine, eng.base_url, eng.api_key, spec=eng.spec, pid=eng.pid, binding=eng.binding,
-                            log_path=eng.log_path, gpu_index=eng.gpu_index, hz=self.spec.hub_hz, plan=plan,
-                            record=False, use_nvml=not eng.simulated)
+            hub = build_hub(eng, hz=self.spec.hub_hz, plan=plan, record=False, use_nvml=not eng.simulated)
 
             def listen(tick) -> None:
                 if self.phase_label:

@@ -1,24 +1,18 @@
 """Run untrusted generated code (a HumanEval completion and its tests) in a sandbox, and say whether it passed.
 
-The code runs in a separate process that this module starts as ``python -I -S sandbox.py`` (this file, run as a
-script: it imports nothing but the standard library then). That process:
-
-- enters fresh namespaces: network (no interface is up, not even loopback: every connect fails), mount and PID
-  (``unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)``; a user namespace first when not run as root). Where the
-  OS refuses them the run is refused with the reason, never run without them (:class:`SandboxUnavailable`);
-- forks the program's process, PID 1 of the new PID namespace: when it dies, the kernel kills every process left
-  in the namespace (a sample that forks and ``setsid()``s cannot outlive it);
-- remounts every filesystem read-only in its mount namespace, except its own throw-away folder (bound onto itself
-  read-write), so a write anywhere else fails with EROFS;
-- sets the limits: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``), file size (``RLIMIT_FSIZE``), no
-  core files, processes (``RLIMIT_NPROC``: run as root, it drops to the ``nobody`` user first, since the kernel
-  does not hold root to that limit); its parent's death kills it (``PR_SET_PDEATHSIG``);
-- runs the program with a fresh interpreter (``python -I -S -B``), an empty environment but ``PATH``, its folder
-  as the working directory, ``HOME`` and ``TMPDIR``.
-
-The caller (:func:`run_python`) kills the whole process group on a wall-clock timeout, reads at most
-``Limits.output_bytes`` of what it printed, and removes the folder. A sample passes only when it exits 0 within
-its limits.
+:func:`run_python` starts this file as ``python -I -S sandbox.py`` (it imports only the standard library then),
+which:
+- enters fresh network (no interface up, not even loopback), mount and PID namespaces (a user namespace first when
+  not root); where the OS refuses them the run is refused with the reason (:class:`SandboxUnavailable`), never run
+  without them;
+- forks the program as PID 1 of the new PID namespace, so nothing it starts (``setsid()`` included) outlives it;
+- remounts every filesystem read-only except its own throw-away folder (writes elsewhere fail with EROFS);
+- sets CPU, address-space, file-size and process limits and no core files (as root it first drops to ``nobody``:
+  the kernel does not hold root to ``RLIMIT_NPROC``); its parent's death kills it (``PR_SET_PDEATHSIG``);
+- runs the program with ``python -I -S -B`` in its folder, with an empty environment but ``PATH``, ``HOME`` and
+  ``TMPDIR``.
+The caller kills the whole process group on a wall-clock timeout, reads at most ``Limits.output_bytes`` of output
+and removes the folder. A sample passes only when it exits 0 within its limits.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from ..cancel import CancelToken
+from ..engines import ENGINE_NAMES
 from ..errors import UserError
 from ..exitcodes import ExitCode
 
@@ -32,7 +33,7 @@ def register(sub) -> None:
                        description="Measure decode tok/s at 1, 4 and 8 concurrent users, the pause a ~64K-token "
                                    "prompt causes, and the effect of settings (A/B), beside the guides' figures. "
                                    "The engine is restarted for each configuration and put back as it was.")
-    p.add_argument("--engine", choices=("sim", "llamacpp", "strata"), default=None,
+    p.add_argument("--engine", choices=ENGINE_NAMES, default=None,
                    help="engine to measure (default: the server_engine setting)")
     p.add_argument("--quick", action="store_true", help="shorter phases (64 tokens per stream): under 3 min on sim")
     p.add_argument("--json", action="store_true", help="print the result document as JSON (progress on stderr)")

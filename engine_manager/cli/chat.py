@@ -103,7 +103,7 @@ def register(sub) -> None:
 # ------------------------------------------------------------------------------------------------ engine address
 def engine_address(settings, url: str | None = None) -> EngineTarget:
     """The engine to talk to (:func:`engine_manager.chat.engine_target`): ``.running()`` is its
-    :class:`~engine_manager.session.RunningEngine`, ``.where`` says where the address came from. Raises
+    :class:`~engine_manager.engine_state.RunningEngine`, ``.where`` says where the address came from. Raises
     :class:`ChatError` when the port is held by a program the panel did not start, or its engine is not ready."""
     return engine_target(settings, url)
 
@@ -313,9 +313,10 @@ def run(args, ctx) -> int:
         if attached is None:
             return rc
         running, where = attached, f"connection {args.connection}"
-        if running.engine == "inferencekey":
-            from ..inferencekey.endpoint import NO_STREAMING
-            print(f"note: {NO_STREAMING}", file=sys.stderr)
+        from ..engines import find_engine
+        note = find_engine(running.engine).chat_note         # InferenceKey: answered whole, not streamed
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     else:
         try:
             target = engine_address(settings, args.url)

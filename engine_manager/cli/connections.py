@@ -1,17 +1,15 @@
 """``dsv41 connections [list|add|test|remove]``: engines the panel did not start, saved by name.
 
-- ``add NAME URL [--ssh HOST] [--api-key-file FILE | --api-key-stdin] [--replace] [--no-test]``: test it, then
-  save it. An engine that cannot be reached now (not running, the network) is saved all the same and said so
-  (exit 0); one that answers and says no (a refused key, not an LLM server) is not saved (exit 1: fix it, or save
-  it as it is with ``--no-test``). The key is never an argument (a command line is visible to every user of the
-  machine in ``ps``): it is read from a regular file, from standard input, or asked for without echo on a
-  terminal;
-- ``list [--json]``: the saved connections (name, URL, SSH host, where the key is kept), each with the one
-  record of its last test (by this CLI or the window): when, what answered, or why not and when it was last seen;
+- ``add NAME URL [--ssh HOST] [--api-key-file FILE | --api-key-stdin] [--replace] [--no-test]``: test it, then save
+  it. One that cannot be reached now is saved all the same and said so (exit 0); one that answers and says no (a
+  refused key, not an LLM server) is not saved (exit 1: fix it, or save it as it is with ``--no-test``). The key is
+  never an argument (``ps`` shows every command line): it is read from a regular file, from standard input, or
+  asked for without echo on a terminal;
+- ``list [--json]``: the saved connections (name, URL, SSH host, where the key is kept), each with the one record of
+  its last test (by this CLI or the window): when, what answered, or why not and when it was last seen;
 - ``test NAME [--json]``: reach it (through its SSH forward) and say in plain words what answers and what is
   missing; exit 1 when it is not a usable LLM server;
 - ``remove NAME``: forget it and its key.
-
 Then ``dsv41 monitor --connection NAME`` and ``dsv41 chat --connection NAME`` work on it. ``--json`` output never
 holds a key.
 """
@@ -28,7 +26,7 @@ from ..atomic import LinkRefused, NotARegularFile, read_bytes_nofollow
 from ..errors import UserError
 from ..exitcodes import ExitCode
 from ..fmt import terminal_safe
-from ..session import RunningEngine
+from ..engine_state import RunningEngine
 
 
 def _say(text: str = "", file=None) -> None:

@@ -160,9 +160,17 @@ def build_bundle(settings: Any) -> tuple[bytes, list[str]]:
     return buf.getvalue(), notes
 
 
-def run(args, ctx) -> int:
+def write_bundle(settings: Any, out: Path) -> tuple[int, list[str]]:
+    """Collect the bundle (:func:`build_bundle`) and write it to ``out`` atomically, mode 0600: its size in bytes
+    and the README's notes. Raises OSError when it cannot be written. Help ▸ Save a diagnostic bundle… runs it."""
     from ..atomic import atomic_write_bytes
 
+    data, notes = build_bundle(settings)
+    atomic_write_bytes(Path(out), data)
+    return len(data), notes
+
+
+def run(args, ctx) -> int:
     out = Path(args.out).expanduser()
     if out.is_dir():
         print(f"dsv41 diagnose: {out} is a folder; give a file name (e.g. {out / 'dsv41-diagnose.zip'}).",
@@ -172,13 +180,12 @@ def run(args, ctx) -> int:
         print(f"dsv41 diagnose: the folder {out.parent} does not exist; create it or choose another --out.",
               file=sys.stderr)
         return ExitCode.FAIL
-    data, notes = build_bundle(ctx.settings)
     try:
-        atomic_write_bytes(out, data)
+        size, notes = write_bundle(ctx.settings, out)
     except OSError as exc:
         print(f"dsv41 diagnose: cannot write {out} ({exc.strerror or exc}); choose another --out.", file=sys.stderr)
         return ExitCode.FAIL
-    print(f"wrote {out} ({len(data) / 1024:.0f} KiB, mode 0600; keys masked)")
+    print(f"wrote {out} ({size / 1024:.0f} KiB, mode 0600; keys masked)")
     for n in notes:
         print(f"  {n}")
     return ExitCode.OK

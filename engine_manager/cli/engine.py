@@ -10,7 +10,7 @@
   ``tools/iq_pack.py`` (once; the panel records its completion and redoes an unfinished or changed pack).
 - ``dsv41 stop [--force]``: SIGTERM to the engine's process group, grace period, SIGKILL (``--force``: at once).
 - ``dsv41 status [--json]``: state, engine, pid, port, base_url, binding, uptime, last failure; for llama.cpp
-  also where llama-server put each buffer, read from its log.
+  also where llama-server put each buffer, read from its log; the GPU warnings (``gpu_warnings.status_report``).
 - ``dsv41 logs [-f] [-n N]``: the engine log (rotated, secrets masked); ``-f`` follows it.
 - ``dsv41 binding [--json]``: the NUMA binding the engine would get here, each strategy probed.
 """
@@ -23,7 +23,12 @@ import time
 
 from .. import fmt, hardware
 from .. import supervisor as sv
-from ..engines import ENGINE_NAMES
+from ..engine_state import READY, STOPPED, EngineStatus
+from ..logtail import LogTail, read_log_tail
+from ..start_plan import plan_host_warning
+from ..supervisor_events import (Attached, Crashed, Event, GaveUp, LogLines, Note, Progress, Ready, Restarting,
+                                 StartFailed, StateChanged, Stopped, Stopping)
+from ..engines import ALIASES, ENGINE_NAMES, canonical, find_engine
 from ..numa import choose_binding
 from ..errors import UserError
 from ..exitcodes import ExitCode
@@ -43,7 +48,7 @@ def register(sub) -> None:
                                    "re-attaches to it; another engine running is refused (stop it first). Exit 0 "
                                    "ready (or already running), 1 failed (or another engine runs), 3 placement "
                                    "refused, 130 interrupted (the engine is then stopped).")
-    p.add_argument("--engine", choices=ENGINE_NAMES + ("mock",),
+    p.add_argument("--engine", choices=ENGINE_NAMES + tuple(ALIASES),
                    help="which engine (default: the engine setting; auto = strata with a GPU, else sim)")
     p.add_argument("--dry-run", action="store_true",
                    help="print every command that would run (binding probes, engine command, environment with "
@@ -121,22 +126,22 @@ class Printer:
             self._progress_shown = False
         print(text, file=self.out, flush=True)
 
-    def __call__(self, ev: sv.Event) -> None:
+    def __call__(self, ev: Event) -> None:
         if self.json:
-            if isinstance(ev, sv.LogLines) and not self.show_log:
+            if isinstance(ev, LogLines) and not self.show_log:
                 return
             print(json.dumps(ev.to_dict(), default=str), file=self.out, flush=True)
             return
         match ev:
-            case sv.Progress(phase=phase) if phase.startswith("preparing"):
+            case Progress(phase=phase) if phase.startswith("preparing"):
                 eta = f", about {_fmt_s(ev.eta_s)} left" if ev.eta_s else ""
                 frac = f" ({ev.fraction:.0%})" if ev.fraction is not None else ""
                 self._line(f"{phase}{frac}{eta}")
-            case sv.LogLines(lines=lines):
+            case LogLines(lines=lines):
                 if self.show_log:
                     for ln in lines:
                         self._line(f"  | {ln}")
-            case sv.Progress():
+            case Progress():
                 eta = f", about {_fmt_s(ev.eta_s)} left" if ev.eta_s else ""
                 text = (f"waiting for the engine: {_fmt_s(ev.elapsed_s)} of {_fmt_s(ev.timeout_s)} — "
                         f"{ev.phase}{eta}")
@@ -147,38 +152,38 @@ class Printer:
                 elif time.monotonic() - self._last_progress >= 5.0:
                     self._last_progress = time.monotonic()
                     self._line(text)
-            case sv.Note(text=text, level=level):
+            case Note(text=text, level=level):
                 self._line(("warning: " if level == "warning" else "") + text)
-            case sv.StateChanged(state=state, message=message):
+            case StateChanged(state=state, message=message):
                 if state in ("ready", "stopped", "crashed"):
                     return                     # the ready / stopped / crashed event that follows says it better
                 self._line(f"[{state}] {message}" if message else f"[{state}]")
-            case sv.Ready():
+            case Ready():
                 self._line(f"ready: {ev.base_url} "
                            f"({'re-attached' if ev.attached else f'after {_fmt_s(ev.elapsed_s)}'})"
                            f"{' — simulated' if ev.simulated else ''}")
-            case sv.Crashed():
+            case Crashed():
                 self._line(f"CRASHED: {ev.title}")
                 self._line(f"  what to do: {ev.fix}")   # (for an unknown cause the fix carries the last lines)
                 if ev.will_restart:
                     self._line(f"  restarting in {ev.restart_in_s:.1f} s (crash {ev.crashes_in_window})")
-            case sv.Restarting():
+            case Restarting():
                 pass
-            case sv.GaveUp(message=message):
+            case GaveUp(message=message):
                 self._line(f"gave up: {message}")
-            case sv.StartFailed():
+            case StartFailed():
                 self._line(f"error: {ev.message}")
                 self._line(f"  what to do: {ev.fix}")
                 for ln in ev.log_tail:
                     self._line(f"  | {ln}")
-            case sv.Stopping():
+            case Stopping():
                 if time.monotonic() - self._last_progress >= 1.0:
                     self._last_progress = time.monotonic()
                     self._line(f"stopping: {ev.signal_name} sent {_fmt_s(ev.elapsed_s)} ago, {ev.remaining} "
                                f"process(es) left ("
                                + ("the whole process group" if "server" in ev.signal_name else "SIGKILL")
                                + f" after {_fmt_s(ev.grace_s)})")
-            case sv.Stopped(message=message) | sv.Attached(message=message):
+            case Stopped(message=message) | Attached(message=message):
                 self._line(message)
 
 
@@ -190,9 +195,9 @@ def _probe(settings):
 
 def _choose_engine(args, settings, hw, say) -> str:
     if args.engine:
-        return {"mock": "sim"}.get(args.engine, args.engine)
+        return canonical(args.engine)
     name = resolve_engine(settings, hw.has_gpu)
-    if name == "sim" and not hw.has_gpu:
+    if find_engine(name).simulated and not hw.has_gpu:
         say(f"No NVIDIA GPU here ({hw.gpu_error}), so the engine is the scripted engine (simulated), with the "
             "replica layout of DeepSeek-V4.1-Flash; every figure it reports is simulated. Choose another engine "
             "with --engine or DSV41_SERVER_ENGINE.")
@@ -215,7 +220,7 @@ def run_start(args, ctx) -> int:
         except PlanFileError as exc:
             print(f"dsv41 start: {exc}", file=sys.stderr)
             return ExitCode.USAGE
-        warning = sv.plan_host_warning(plan, hw)
+        warning = plan_host_warning(plan, hw)
         if warning:
             say(f"warning: {warning}")
     sup = sv.Supervisor(settings, hardware=hw, started_by="cli")
@@ -228,7 +233,7 @@ def run_start(args, ctx) -> int:
         return ExitCode.REFUSED if dr.refused else ExitCode.OK
     printer = Printer(json_lines=args.json, show_log=args.foreground)
     result = None
-    failed: sv.StartFailed | None = None
+    failed: StartFailed | None = None
     gave_up = False
     gen = sup.run(engine, plan, watch=args.foreground)
     try:
@@ -240,9 +245,9 @@ def run_start(args, ctx) -> int:
                 break
             printer(ev)
             match ev:
-                case sv.StartFailed():
+                case StartFailed():
                     failed = ev
-                case sv.GaveUp():
+                case GaveUp():
                     gave_up = True
     except KeyboardInterrupt:
         gen.close()
@@ -253,12 +258,12 @@ def run_start(args, ctx) -> int:
     if failed is not None:
         return ExitCode.REFUSED if failed.cause == "placement_refused" else ExitCode.FAIL
     st = result or sup.status(check_health=False)
-    if st.state == sv.READY:
+    if st.state == READY:
         if not args.foreground:
             say(f"The engine runs in the background (pid {st.pid}, {st.base_url}). `dsv41 status` shows it, "
                 "`dsv41 logs -f` follows its log, `dsv41 stop` stops it.")
         return ExitCode.OK
-    if st.state == sv.STOPPED and args.foreground and not gave_up:
+    if st.state == STOPPED and args.foreground and not gave_up:
         return ExitCode.OK
     return ExitCode.FAIL
 
@@ -317,7 +322,7 @@ def run_stop(args, ctx) -> int:
     printer = Printer()
     external = False
     for ev in sup.stop(force=args.force):
-        if isinstance(ev, sv.Note) and ev.cause == "external_engine":
+        if isinstance(ev, Note) and ev.cause == "external_engine":
             external = True
         printer(ev)
     return ExitCode.FAIL if external else ExitCode.OK
@@ -337,10 +342,14 @@ def run_status(args, ctx) -> int:
     build = engine_build(st.engine, ctx.settings)
     from ..checks import checks_for_status
     report = checks_for_status(st, ctx.settings, placed)      # planned vs measured, while the engine is ready
+    from ..gpu_warnings import status_report
+    gpu = status_report()                                    # heat, power, slowdowns (no GPU: a note, no warning)
     if args.json:
         d = st.to_dict()
         d["engine_build"] = build
         d["checks"] = [c.to_dict() for c in report.checks] if report else []
+        d["warnings"] = [w.to_dict() for w in gpu.warnings]
+        d["warnings_note"] = gpu.note
         if placed is not None:
             d["llamacpp_placement"] = {**placed.to_dict(), "text": placed.text(),
                                        "has_placement": placed.has_placement}
@@ -379,13 +388,15 @@ def run_status(args, ctx) -> int:
         print(f"Planned vs measured: {summary(report.checks)}")
         for c in report.checks:
             print(f"  {c.line()}")
+    for w in gpu.warnings:
+        print(f"warning: {w.line()}")
     return ExitCode.OK
 
 
-def _llamacpp_placement(st: sv.EngineStatus, sup: sv.Supervisor):
+def _llamacpp_placement(st: EngineStatus, sup: sv.Supervisor):
     """What llama-server's own log says about where it put each buffer: for a llama.cpp engine that runs (or
     crashed: where it had put things may explain why), else None. A stopped engine's log is history."""
-    if st.engine != "llamacpp" or st.state == sv.STOPPED:
+    if not find_engine(st.engine).placement_in_log or st.state == STOPPED:
         return None
     from ..engines.llamacpp import placement_from_log
 
@@ -403,8 +414,8 @@ def run_logs(args, ctx) -> int:
         if not args.follow:
             return ExitCode.OK
     # following: start at the end *before* printing the tail, so a line written meanwhile is not lost
-    tail = sv.LogTail(path, None) if args.follow else None
-    lines = sv.read_log_tail(path)
+    tail = LogTail(path, None) if args.follow else None
+    lines = read_log_tail(path)
     if args.lines > 0:
         lines = lines[-args.lines:]
     for ln in lines:

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .. import metrics as M
+from ..engines import ENGINE_NAMES
 from ..metrics import presenter
 from ..metrics.record import _fmt, fmt_t, iso
-from ..session import RunningEngine
+from ..engine_state import RunningEngine
 
 
 def register(sub) -> None:
@@ -37,7 +38,7 @@ def register(sub) -> None:
     p.add_argument("--url", help="the engine's base URL (default: the running engine, else the settings' address)")
     p.add_argument("--connection", metavar="NAME",
                    help="watch a saved connection (`dsv41 connections list`) instead of the panel's engine")
-    p.add_argument("--engine", choices=("strata", "llamacpp", "sim"),
+    p.add_argument("--engine", choices=ENGINE_NAMES,
                    help="which adapter reads it (default: the running engine's, else the settings')")
     p.set_defaults(func=run)
 

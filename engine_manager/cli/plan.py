@@ -3,7 +3,7 @@
 Exit 0 with a plan, 3 when the host is refused, 1 when there is no model to plan (or its headers are unreadable),
 2 for bad arguments or an unreadable usage file.
 
-The plan is saved as the Placement tab saves it (``placement.store_plan``): a plan for this machine that is not
+The plan is saved as the Placement tab saves it (``plans.store_plan``): a plan for this machine that is not
 refused becomes ``<data dir>/plans/last-plan.json`` (+ ``last-plan.strp``), the plan ``dsv41 start`` uses; a refused
 or hypothetical one (``--vram-gib``/``--ram-gib``) goes to ``plans/other-plan.json`` and never replaces it.
 ``--no-save`` is a dry look: nothing is written but ``--out``/``--strp``. The output says where it went.
@@ -19,10 +19,10 @@ import json
 import re
 import sys
 
-from .. import fmt, placement
+from .. import fmt, placement, plans
 from .. import hardware as hw
-from ..layout import KIND_LABELS, LayoutError, read_layout
-from ..routing import RoutingError, load_usage
+from ..tensor_layout import KIND_LABELS, LayoutError, read_layout
+from ..expert_routing import RoutingError, load_usage
 
 from ..exitcodes import ExitCode
 
@@ -79,8 +79,8 @@ def _layout(args, settings):
     if args.model_dir:
         return read_layout(args.model_dir), None
     if args.replica:
-        return placement.default_sim_layout(), "the header-faithful replica (sparse files, no weights)"
-    first = placement.find_model(settings)
+        return plans.default_sim_layout(), "the header-faithful replica (sparse files, no weights)"
+    first = plans.find_model(settings)
     if first is None:
         return None, None
     return read_layout(first), None
@@ -123,10 +123,10 @@ def run(args, ctx) -> int:
         print(f"dsv41 plan: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     try:
-        stored = placement.store_plan(p, save=not args.no_save, strp_path=args.strp, source=what)
+        stored = plans.store_plan(p, save=not args.no_save, strp_path=args.strp, source=what)
         d = stored.plan_dict
         if args.out:
-            placement.save_plan(d, args.out)
+            plans.save_plan(d, args.out)
     except OSError as exc:
         print(f"dsv41 plan: could not write the plan: {exc}", file=sys.stderr)
         return ExitCode.FAIL

@@ -59,7 +59,7 @@ def _key_words(args: argparse.Namespace, settings) -> str:
 
 
 def run(args, ctx) -> int:
-    from ..supervisor import describe_owner, port_free, port_owner, suggest_port
+    from ..procs import describe_owner, port_free, port_owner, suggest_port
 
     s = ctx.settings
     if args.host is None:

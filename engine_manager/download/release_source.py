@@ -1,20 +1,15 @@
 """An engine release the user names: a folder they already have, or an archive at a URL they give.
 
-Both end the same way: the release folder is checked the way ``dsv41 doctor`` checks one
+Both end the same way: the folder is checked as ``dsv41 doctor`` checks one
 (:func:`engine_manager.release_check.check_release`), and only a folder with no failed check becomes the
-``engine_dir`` setting (the caller saves it: the CLI through ``save_settings``, the panel through its settings
-model).
+``engine_dir`` setting (the caller saves it). A URL is fetched in two steps, so nothing unverified is unpacked or run:
 
-A URL is fetched in two steps, so that nothing unverified is ever unpacked or run:
-
-1. :func:`fetch_release` downloads the archive into ``<cache_dir>/engine/.downloads/`` and hashes it as it arrives.
-   With a sha256 given beforehand (the release page's, or ``--sha256``) a mismatch refuses the file and deletes it.
-   Without one, the archive is kept *pending* beside a small record (URL, sha256, size) and the sha256 of what
-   arrived is shown, for the user to compare with the release page.
-2. :func:`install_release` takes the sha256 the user confirmed (or the one given before), hashes the archive again
-   (it must still be the file that was shown), unpacks it safely (:func:`.release.safe_unpack`: no absolute paths,
-   no ``..``, no links out of the folder, capped sizes) into ``<cache_dir>/engine/<asset name>``, records how it was
-   verified in the folder's ``.dsv41-release.json``, and checks the folder.
+1. :func:`fetch_release` downloads the archive into ``<cache_dir>/engine/.downloads/``, hashing it as it arrives. A
+   sha256 given beforehand (the release page's, or ``--sha256``) refuses and deletes a mismatch; without one the
+   archive is kept *pending* beside a record (URL, sha256, size) and its sha256 shown for the user to compare.
+2. :func:`install_release` takes the confirmed sha256, hashes the archive again (still the file shown), unpacks it
+   safely (:func:`.release.safe_unpack`: no absolute paths, no ``..``, no links out, capped sizes) into
+   ``<cache_dir>/engine/<asset name>``, records how it was verified in ``.dsv41-release.json``, and checks it.
 
 Never imports Qt.
 """

@@ -2,19 +2,16 @@
 
 Every engine the panel drives answers ``GET /health`` without a key (Strata's ``serve/server.py`` ``do_GET``,
 llama-server, the scripted engine). What an answer means:
-
-* no connection (refused, reset) → **loading**: an engine opens its port only once it is far enough to answer
-  (Strata's eager mode after the engine printed READY; llama-server at once, with 503 while it loads);
-* a timeout → loading (a host busy loading tens of GB answers late);
+* no connection (refused, reset) or a timeout → **loading**: an engine opens its port only once it can answer
+  (Strata after READY; llama-server at once, with 503 while it loads), and a host busy loading answers late;
 * HTTP 503 → loading (llama-server: ``{"error": {"message": "Loading model"}}``);
-* HTTP 200 → ready, where ``needs_loaded`` asks more: a JSON object whose ``loaded`` is ``true`` (Strata's
-  ``loaded: false`` is a lazy server, or one whose engine died: up, but **never ready**), and, with
-  ``expect_service``, whose ``service`` names the engine (else another program holds the port);
+* HTTP 200 → ready, where ``needs_loaded`` also asks for a JSON ``loaded: true`` (Strata's ``loaded: false`` is a
+  lazy server or one whose engine died: up, **never ready**) and ``expect_service`` for a ``service`` naming the
+  engine (else another program holds the port);
 * anything else → **failed**, with the port named: most often another server answers there.
-
-Callers: the engine adapters' ``readiness`` (:mod:`.strata`, :mod:`.llamacpp`, :mod:`.sim`), the scripted engine's
-launcher (:class:`engine_manager.sim.launch.SimProcess.wait_ready`); the supervisor and ``dsv41`` CLI use it
-through the adapters or directly with :func:`probe_health`.
+Callers: the adapters' ``readiness`` (:mod:`.strata`, :mod:`.llamacpp`, :mod:`.sim`), the scripted engine's launcher
+(:class:`engine_manager.sim.launch.SimProcess.wait_ready`); the supervisor and the ``dsv41`` CLI use it through the
+adapters or directly with :func:`probe_health`.
 """
 
 from __future__ import annotations

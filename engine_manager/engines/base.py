@@ -14,7 +14,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 ReadyState = Literal["loading", "ready", "failed"]
 
@@ -135,6 +135,20 @@ class LogPattern:
     hint: FailureHint
 
 
+@dataclass(frozen=True)
+class Evidence:
+    """What a server showed :func:`engine_manager.connections.detect`, for :meth:`Engine.recognise`."""
+
+    service: str | None = None                         # /api/health's ``service``, as the server wrote it
+    metric_names: frozenset[str] = frozenset()         # the series on /metrics (Prometheus text); empty: none
+    owned_by: frozenset[str] = frozenset()             # /v1/models' ``owned_by`` values, lower case
+    props: bool = False                                # /props answered with llama-server's fields
+    models: bool = False                               # /v1/models answered a model list
+
+    def has_prefix(self, prefix: str) -> bool:
+        return any(n.startswith(prefix) for n in self.metric_names)
+
+
 class Engine(ABC):
     """One engine kind. Stateless: every method takes what it needs."""
 
@@ -150,6 +164,93 @@ class Engine(ABC):
     #: seconds the supervisor waits past its ready timeout: an engine given that timeout as a deadline of its own
     #: (Strata's STRATA_ENGINE_READY_S) then reports its own words before the panel gives up
     ready_margin_s: float = 0.0
+
+    # -- what it is, in words (the registry, engines.registry, lists the names) ------------------------------------
+    #: attached to, never started by the panel (engines.registry.ATTACH_ONLY lists the same names)
+    attach_only: bool = False
+    #: how a sentence names it (events.engine_words); "" → its name
+    words: str = ""
+    #: its kind in the connections list (connections.KIND_LABELS)
+    kind_label: str = ""
+    #: its line in the engine chooser (the engine panel, startable engines only)
+    choice_label: str = ""
+
+    # -- starting it (start_plan, the InferenceKey backend) --------------------------------------------------------
+    #: it models the guides' reference host: its default plan is the reference placement on the replica layout
+    #: (start_plan.default_plan), and a plan made for a hypothetical host suits it (start_plan.usable_plan)
+    plans_reference_host: bool = False
+    #: without a GPU it runs every layer on the CPU, so there is no placement to plan
+    cpu_without_gpu: bool = False
+    #: the setting naming its model file, when it has its own (llama.cpp's ``llamacpp_model``); None: the plan's
+    model_setting: str | None = None
+    #: a failing ``driver`` verdict of the doctor stops its start on a GPU host (a CUDA build needing a recent driver)
+    needs_recent_driver: bool = False
+    #: what must be downloaded before it starts (download.download_model / download_engine): "model", "engine"
+    downloads: tuple[str, ...] = ()
+
+    # -- its figures (engine_manager.metrics) ----------------------------------------------------------------------
+    #: seconds over which the engine's own live decode rate is taken; 0: the adapter rates the engine's token
+    #: counters over the poll interval (metrics.steady.SteadyTracker, the Monitor's tok/s tip)
+    live_rate_window_s: float = 2.0
+    #: ``Sample.prefill_tok_s`` is a live rate at every poll (0 when idle); else only while a prompt is read, and the
+    #: last request's otherwise (metrics.hub.prefill_is_live)
+    prefill_rate_live: bool = False
+    #: it places whole MoE layers (GPU or RAM), not experts: its hit rate is its placement's — live, never a past
+    #: request's — and the bench's ``cpu_layers`` configurations apply
+    places_layers: bool = False
+    #: the plan's key holding this engine's predicted hit rate (metrics.predicted_hit_rate)
+    plan_hit_rate_key: str = "predicted_hit_rate"
+    #: the sample's ``extra`` key with the decode rate of the replies finished since the previous poll, for an
+    #: engine that lists no finished requests (metrics.steady.last_reply); None: it lists them
+    reply_rate_extra: str | None = None
+    #: its own log says where it put each buffer (engines.llamacpp.placement_from_log)
+    placement_in_log: bool = False
+
+    # -- chatting with it ------------------------------------------------------------------------------------------
+    #: it answers a health route (the chat asks it for the model's name)
+    answers_health: bool = True
+    #: a line the chat shows about its answers; "" none
+    chat_note: str = ""
+
+    # -- benchmarking it (engine_manager.bench) --------------------------------------------------------------------
+    #: the bench's A/B presets (bench.PRESETS) that apply to it
+    bench_presets: tuple[str, ...] = ("numa",)
+    #: the presets the bench runs when none is chosen
+    default_bench_presets: tuple[str, ...] = ()
+    #: it has the ``--cpu-numerics`` setting and honours ``strata_reproducible`` (the quality run's determinism)
+    cpu_numerics: bool = False
+    #: a reply ends at the model's end-of-sequence token, so the bench sends ``ignore_eos`` for exact lengths
+    stops_at_eos: bool = True
+    #: tokens each stream decodes while the bench's long prompt arrives
+    bench_long_decode_tokens: int = 16384
+
+    def launch_hit_rate(self, spec: LaunchSpec) -> float | None:
+        """The hit rate its launch fixes whatever the plan predicts (a build that cannot use the GPU: 0), or None."""
+        return None
+
+    def model_path(self, settings: Any, plan: dict[str, Any] | None) -> Path | None:
+        """The model file it runs: the plan's, or None when the plan names none."""
+        f = ((plan or {}).get("model") or {}).get("file")
+        return Path(str(f)) if f else None
+
+    def bench_settings(self, settings: Any, *, reply_tokens: int, numa_off: bool,
+                       expert_cache: Callable[[], int] | None) -> dict[str, Any]:
+        """Settings that carry the bench's own knobs for one configuration (reply length, NUMA off, an expert
+        cache size) when the engine takes them as flags; {} when its settings alone say it."""
+        return {}
+
+    def started_by_hand(self, argv: list[str]) -> bool:
+        """Whether ``argv`` (a process's command line) is this engine run in the foreground by hand with a
+        command of this panel that gives it the settings' key (``dsv41 sim``)."""
+        return False
+
+    def chat_base(self, url: str) -> str:
+        """The URL the chat appends ``/v1/chat/completions`` to, for a server at ``url``."""
+        return url
+
+    def recognise(self, ev: Evidence) -> tuple[list[str], list[str]] | None:
+        """(what was found, what is missing), in words, when ``ev`` shows a server of this kind; else None."""
+        return None
 
     @abstractmethod
     def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .base import LaunchSpec, Readiness, Sample
+from ..inferencekey.endpoint import NO_STREAMING, endpoint_ref
+from .base import Evidence, LaunchSpec, Readiness, Sample
 from .openai_compat import OpenAICompatEngine
 
 NOTE = ("an InferenceKey endpoint reports no load figures (its data plane has no metrics route); the worker's own "
@@ -25,6 +26,17 @@ class InferenceKeyEngine(OpenAICompatEngine):
     name = "inferencekey"
     label = "InferenceKey endpoint (attached)"
     health_paths = ()
+    words = "an InferenceKey endpoint"
+    kind_label = "InferenceKey endpoint"
+    answers_health = False                   # its model: the workload's slug
+    chat_note = NO_STREAMING
+
+    def chat_base(self, url: str) -> str:
+        """…/endpoint/<project>/<workload>: the chat appends /v1/chat/completions to it."""
+        return getattr(endpoint_ref(url), "chat_base", url)
+
+    def recognise(self, ev: Evidence) -> tuple[list[str], list[str]] | None:
+        return None                          # told by its URL (inferencekey.endpoint.detect_endpoint), not its answers
 
     def readiness(self, client: Any, spec: LaunchSpec) -> Readiness:
         return Readiness("ready", "an InferenceKey endpoint has no health route: a chat says whether it answers")

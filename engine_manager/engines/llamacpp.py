@@ -31,11 +31,12 @@ from ..errors import EngineSetupError
 from ..figures import measured_int
 from ..gguf_split import FIRST_SHARD_GLOB, first_shard_name
 from ..settings import new_api_key
-from . import _prometheus as _prom
+from . import prometheus_text as _prom
 from ._http import (
     METRICS_BODY_CAP, SMALL_BODY_CAP, bearer_headers, deadline_of, get_capped, json_body, probe_health)
 from .base import (
     Engine,
+    Evidence,
     FailureHint,
     LaunchSpec,
     LogEvent,
@@ -430,7 +431,7 @@ def placement_from_log(path: Path | str | None = None) -> PlacementSummary:
     """Where llama-server put each buffer, folded from the engine log (default: the supervisor's
     ``engine.log``, its tail and the newest rotated file): the lines since the latest start only, so an earlier
     run's buffers never mix in. Empty (``has_placement`` False) when the log has none (yet)."""
-    from ..supervisor import read_log_tail
+    from ..logtail import read_log_tail
 
     lines = read_log_tail(Path(path) if path else None)
     starts = [i for i, ln in enumerate(lines) if _START_LINE.match(ln)]
@@ -441,7 +442,7 @@ def placement_from_log(path: Path | str | None = None) -> PlacementSummary:
 def parse_prometheus(text: str) -> dict[str, float]:
     """``name value`` pairs of a Prometheus text page, each labelled series under its own key
     (``name{label="v"}``): llama-server's exposition is flat (``llamacpp:name value``, one labelled counter for
-    speculative decoding). The one parser: :mod:`._prometheus` (prometheus_client's)."""
+    speculative decoding). The one parser: :mod:`.prometheus_text` (prometheus_client's)."""
     return _prom.by_series(text)
 
 
@@ -497,6 +498,34 @@ class LlamaCppEngine(Engine):
     label = "llama.cpp (llama-server)"
     simulated = False
     failure_patterns = FAILURE_PATTERNS
+    words = "llama.cpp"
+    kind_label = label
+    choice_label = "llama.cpp (stock llama-server)"
+    cpu_without_gpu = True                   # a build without a GPU backend, or -ngl 0: every layer in RAM
+    model_setting = "llamacpp_model"
+    live_rate_window_s = 0.0                 # sample_from_llama rates /slots' token counts over the poll interval
+    prefill_rate_live = True                 # … and the prompt tokens the same way
+    places_layers = True                     # -ot per MoE layer (llamacpp_cpu_layers)
+    plan_hit_rate_key = "llamacpp_predicted_hit_rate"
+    reply_rate_extra = "avg_decode_tok_s"    # predicted_tokens_seconds, reset on every scrape of /metrics
+    placement_in_log = True
+    bench_presets = ("numa", "placement")
+
+    def launch_hit_rate(self, spec: LaunchSpec) -> float | None:
+        placed = load_placement(spec)
+        return 0.0 if placed is not None and placed.gpu_backend is False else None
+
+    def model_path(self, settings: Any, plan: dict[str, Any] | None) -> Path | None:
+        return resolve_model(settings, plan)
+
+    def recognise(self, ev: Evidence) -> tuple[list[str], list[str]] | None:
+        metrics = ev.has_prefix("llamacpp:")
+        if not (ev.props or metrics):
+            return None
+        found = (["llama-server's /props"] if ev.props else []) + (
+            ["llama.cpp metrics (llamacpp:*) on /metrics"] if metrics else [])
+        missing = [] if metrics else ["llama-server's /metrics (start it with --metrics): token rates are missing"]
+        return found, missing
 
     # ---- launch ----
     def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
@@ -523,7 +552,7 @@ class LlamaCppEngine(Engine):
         moe_layers = [int(x) for x in model_info.get("moe_layers") or []]
         if not moe_layers:              # no plan: the model's own headers say which layers are MoE
             try:
-                from ..layout import read_layout
+                from ..tensor_layout import read_layout
                 moe_layers = list(read_layout(model).moe_layers)
             except Exception:
                 moe_layers = []

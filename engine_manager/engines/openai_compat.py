@@ -6,8 +6,8 @@ connection (:mod:`engine_manager.connections`). A plain OpenAI server says nothi
 is missing (``None``), and the monitor shows it so. The Prometheus-speaking subclasses map their documented
 ``/metrics`` names (:attr:`METRICS`) onto the common :class:`~.base.Sample`: requests running / waiting, KV-cache
 usage, prompt / generation token counters → rates between two scrapes, TTFT and end-to-end latency histograms →
-p50/p90/p99 over the requests that finished between two scrapes (:mod:`.prom`), per-GPU figures where the server
-labels them.
+p50/p90/p99 over the requests that finished between two scrapes (:mod:`.prometheus_text`), per-GPU figures where the
+server labels them.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EngineSetupError
-from . import prom
+from . import prometheus_text as prom
 from ._http import METRICS_BODY_CAP, SMALL_BODY_CAP, bearer_headers, deadline_of, get_capped
-from .base import Engine, LaunchSpec, Readiness, Sample
+from .base import Engine, Evidence, LaunchSpec, Readiness, Sample
 
 #: latency percentiles are taken over the requests that finished since a baseline scrape at most this old
 PERCENTILE_WINDOW_S = 60.0
@@ -67,8 +67,16 @@ class OpenAICompatEngine(Engine):
     label = "OpenAI-compatible server (attached)"
     simulated = False
     attach_only = True
+    words = "an OpenAI-compatible server"
+    kind_label = "OpenAI-compatible server"
     METRICS: MetricNames | None = None
     health_paths: tuple[str, ...] = ("/v1/models",)
+
+    def recognise(self, ev: Evidence) -> tuple[list[str], list[str]] | None:
+        if not ev.models:
+            return None
+        return [], ["load figures: a plain OpenAI-compatible server reports none (users, tok/s, KV cache show as "
+                    "missing)"]
 
     def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
         raise EngineSetupError(

@@ -3,32 +3,25 @@ server speaking Strata's endpoints, with a modelled offload. Everything it repor
 says so wherever a user can see it.
 
 Launch: ``<this python> -m engine_manager.sim --plan <workdir>/plan.json --host H --port N --api-key-file
-<workdir>/sim-api-key --dump-routing <workdir>/routing.trace --dump-routing-max-mb 64`` plus the settings it models
-(slots, context, KV type, CPU numerics, VRAM reserve, default max_tokens). Extra sim
-flags (fault switches, ``--speed``, ``--skew`` ...) can come from ``DSV41_SIM_ARGS`` in the environment, which the
-process inherits. Its endpoints, fields, nulls and log lines are Strata's (``tests/test_sim_conformance.py`` diffs
-them against ``tests/data/strata``), so the panel reads it through the Strata adapter's own code:
-:meth:`SimEngine.poll` *is* ``StrataEngine.poll`` (both call ``strata.poll_metrics``). As in Strata, expert swaps
-are not on HTTP: the metrics hub counts them from the engine log (``adapt: ... swapped N experts`` lines). Its only
-extra is the documented ``"simulated": true`` marker (and ``service`` ``strata-sim``), which the labels use.
-
-The routing trace feeds the Placement heatmap's observed routing (the monitor's ``RoutingSource``). It costs
-~2 KB per generated token, so it is capped: the sim moves it to ``routing.trace.1`` at start and whenever it
-reaches 64 MB (at most ~128 MB on disk); the monitor keeps counting across the move.
-
-The key goes in a 0600 file (``--api-key-file``), as for llama.cpp: a command line is readable by every local user
-(``ps``, ``/proc/PID/cmdline``), and the keeper's command line carries the engine's after ``--``.
+<workdir>/sim-api-key --dump-routing <workdir>/routing.trace --dump-routing-max-mb 64`` plus the settings it models;
+extra flags (faults, ``--speed``, ``--skew`` ...) come from ``DSV41_SIM_ARGS``. The key is in a 0600 file, never on
+a command line (``ps``; the keeper's command line repeats the engine's). Its endpoints, fields, nulls and log lines
+are Strata's (``tests/test_sim_conformance.py`` diffs them against ``tests/data/strata``), so :meth:`SimEngine.poll`
+is Strata's code (``strata.poll_metrics``) and swaps are counted from the log (``adapt: ... swapped N experts``); its
+only extra is ``"simulated": true`` (``service`` ``strata-sim``). The routing trace feeds the Placement heatmap; it
+is capped: moved to ``routing.trace.1`` at start and at 64 MB (the monitor counts across the move; its size per
+token: benchmarks/results/design_figures.md).
 """
 
 from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..atomic import atomic_write_bytes, atomic_write_json
 from ..errors import EngineSetupError, PlacementRefused
-from .base import Engine, FailureHint, LaunchSpec, LogEvent, Readiness, Sample
+from .base import Engine, Evidence, FailureHint, LaunchSpec, LogEvent, Readiness, Sample
 from .strata import (
     FAILURE_PATTERNS,
     check_readiness,
@@ -117,6 +110,37 @@ class SimEngine(Engine):
     label = LABEL
     simulated = True
     failure_patterns = FAILURE_PATTERNS
+    words = "the scripted engine (simulated)"
+    kind_label = "scripted engine (simulated)"
+    choice_label = "Scripted engine (simulated)"
+    plans_reference_host = True
+    bench_presets = ("numerics", "numa", "hotset")
+    default_bench_presets = ("numerics",)
+    cpu_numerics = True
+    stops_at_eos = False                     # a scripted reply has the length asked (--reply-tokens caps it)
+    bench_long_decode_tokens = 4096
+
+    def bench_settings(self, settings: Any, *, reply_tokens: int, numa_off: bool,
+                       expert_cache: Callable[[], int] | None) -> dict[str, Any]:
+        """The knobs of its modelled world are flags, added to the ``sim_args`` setting."""
+        extra = [f"--reply-tokens {reply_tokens}"]
+        if numa_off:
+            extra.append("--numa unbound")
+        if expert_cache is not None:
+            extra.append(f"--expert-cache {expert_cache()}")
+        return {"sim_args": " ".join([str(getattr(settings, "sim_args", "") or "")] + extra).strip()}
+
+    def started_by_hand(self, argv: list[str]) -> bool:
+        """``python -m engine_manager.sim …``, ``dsv41 sim …`` or ``python -m engine_manager sim …``."""
+        if any(a == "engine_manager.sim" or a.endswith("/engine_manager/sim/__main__.py") for a in argv):
+            return True
+        return any((a == "engine_manager" or a.rsplit("/", 1)[-1] == "dsv41") and argv[i + 1] == "sim"
+                   for i, a in enumerate(argv[:-1]))
+
+    def recognise(self, ev: Evidence) -> tuple[list[str], list[str]] | None:
+        if not ev.service or ev.service.lower() != "strata-sim":
+            return None
+        return ["the scripted engine's /api/health (service strata-sim): its figures are simulated"], []
 
     def build_launch(self, settings: Any, plan: dict[str, Any] | None, workdir: Path) -> LaunchSpec:
         if plan and plan.get("refused"):

@@ -1,35 +1,18 @@
 """The deepseek-one-gpu / Strata engine behind the panel's interface (docs/ENGINE_CONTRACT.md §2).
 
-Launch (as Strata's setup/launcher start it; Niko1221/Strata ``serve/server.py`` ``main()``, ``StrataEngine``,
+Launch, as Strata's setup/launcher start it (Niko1221/Strata ``serve/server.py`` ``main()``, ``StrataEngine``,
 ``engine_args``, ``child_env``): ``<python> <release>/serve/server.py --engine strata --config <run
-dir>/strata-config.json --host 127.0.0.1 --port N --gpu G`` (``--engine`` defaults to ``mock``: without it the
-server answers every chat with a canned greeting) with the key in the environment as ``STRATA_API_KEY``. The config:
-``exe`` (the native engine binary), ``args`` (``--pack PACK --native SHARD1`` first, then what the plan decides:
-``--expert-profile``, ``--expert-cache``, ``--vram-reserve-mib``, ``--max-context``, ``--kv``, ``--cpu-numerics
-gpu`` only when set — ``--batch`` comes from ``parallel``), ``cwd``, ``tokenizer`` (``PACK/tokenizer``),
-``model_name``, ``log`` (the native engine's stderr; the keeper follows it into the panel's log), ``lib_dirs`` where
-the release has them, ``parallel``. The pack is made once by the release's ``tools/iq_pack.py``
-(:mod:`engine_manager.provision`, :meth:`prepare`).
-
-The key: the contract names ``--api-key KEY``, but a command line is readable by every local user (``ps``), and the
-keeper's command line repeats the engine's. Strata's ``serve/server.py`` takes the same key from the environment:
-its ``--api-key`` defaults to ``$STRATA_API_KEY`` (Niko1221/Strata, ``serve/server.py`` ``main()``; an empty value
-there is refused, so it is only set when there is a key). The environment of a process is readable only by its
-owner and root. The key never goes into the config file either. The engine lives in ``settings.engine_dir`` (an
-unpacked release), else ``<cache_dir>/engine/<version>``.
-
-Readiness: in normal (eager) mode the server opens its port only after the engine printed READY, so *connection
-refused = still loading*; ``/health`` 200 with ``loaded`` true = ready.
-
-Metrics: ``/metrics`` JSON (``live``, ``requests[]``, ``engine``, ``hardware``, ``totals``) or Prometheus text
-(``strata:*``, ``vllm:*``) map onto :class:`~engine_manager.engines.base.Sample` by Strata's real fields
-(:func:`sample_from_metrics`; every field and its source: ``tests/data/strata/SOURCES.md``). Strata reports no
-swaps on HTTP and prints none per swap (its adaptive tier is silent), so ``swaps_*`` stay missing for a real
-Strata; it reports the expert-cache hit rate only when a request finishes, so there is no live hit rate.
-
-Log lines (:func:`parse_strata_log_line`) are matched in the engine's real stderr formats (generate.cpp) and the
-server's output; the scripted engine's phase and swap lines too. There is no real Strata on the build machines:
-the adapter is tested against fixtures transcribed from Strata's code (``tests/data/strata/``).
+dir>/strata-config.json --host 127.0.0.1 --port N --gpu G`` (``--engine`` defaults to ``mock``: canned replies).
+The config (``exe``, ``args``: ``--pack PACK --native SHARD1`` then the plan's flags, ``cwd``, ``tokenizer``,
+``model_name``, ``log``, ``lib_dirs``, ``parallel``) is in docs/ARCHITECTURE.md "The strata engine"; the pack is made
+by the release's ``tools/iq_pack.py`` (:mod:`engine_manager.provision`). The key is ``$STRATA_API_KEY`` (the default
+of ``serve/server.py`` ``main()``'s ``--api-key``), never on a command line (``ps``) nor in the config file.
+The release: ``settings.engine_dir``, else ``<cache_dir>/engine/<version>``. Readiness: the port opens only after
+READY (refused = loading); ``/health`` 200 with ``loaded`` true = ready. Metrics (:func:`sample_from_metrics`) and
+log lines (:func:`parse_strata_log_line`) follow Strata's real fields and stderr formats (each one's source:
+``tests/data/strata/SOURCES.md``): no swaps on HTTP nor per swap in the log, so ``swaps_*`` stay missing, and no live
+hit rate (only per finished request). No real Strata runs on the build machines: the adapter is tested against
+fixtures transcribed from Strata's code (``tests/data/strata/``).
 """
 
 from __future__ import annotations
@@ -46,13 +29,13 @@ from ..atomic import atomic_write_bytes, atomic_write_json
 from ..errors import PlacementRefused
 from ..figures import measured
 from ..fmt import MB
-from ..plans import check_strata_args
-from . import _prometheus as _prom
+from . import prometheus_text as _prom
 from ._http import (  # noqa: F401 - NOT_STRATA: re-exported
     METRICS_BODY_CAP, NOT_STRATA, SMALL_BODY_CAP, AnswerTooLarge, bearer_headers, deadline_of, get_capped, json_body,
     probe_health)
 from .base import (
     Engine,
+    Evidence,
     FailureHint,
     LaunchSpec,
     LogEvent,
@@ -579,7 +562,7 @@ STRATA_JSON_CAP = 4 * MB
 
 def parse_prometheus(text: str) -> dict[str, float]:
     """``{name: value}`` of a Prometheus text page (labels dropped, values summed over label sets; the one parser:
-    :mod:`._prometheus`). A family whose samples are one-per-state (``strata:live_state``, ``strata:live_slots``)
+    :mod:`.prometheus_text`). A family whose samples are one-per-state (``strata:live_state``, ``strata:live_slots``)
     is better read with :func:`parse_prometheus_labelled`."""
     return _prom.summed(text)
 
@@ -729,6 +712,20 @@ class StrataEngine(Engine):
     # the server gets the panel's ready timeout as STRATA_ENGINE_READY_S; the panel waits this much longer, so that
     # the server's "did not report READY within N s" (server.py @2291cb3 StrataEngine.__init__) is what the user reads
     ready_margin_s = 60.0
+    words = "Strata"
+    kind_label = "Strata"
+    choice_label = label
+    needs_recent_driver = True               # a CUDA build for sm_120 (doctor.verdicts' "driver")
+    downloads = ("model", "engine")          # the GGUF shards and the engine release (download.download_*)
+    bench_presets = ("numerics", "numa", "hotset")
+    default_bench_presets = ("numerics",)
+    cpu_numerics = True
+
+    def recognise(self, ev: Evidence) -> tuple[list[str], list[str]] | None:
+        s = ev.service
+        if not s or "strata" not in s.lower():
+            return None
+        return [f"Strata's /api/health (service {s if len(s) <= 80 else s[:79] + '…'})"], []
 
     # -- where things are --------------------------------------------------------------------------------------
     def engine_dir(self, settings: Any) -> Path:
@@ -772,9 +769,9 @@ class StrataEngine(Engine):
             where: str | Path | None = Path(settings.model_dir).expanduser()
         elif planned:
             where = planned
-        else:                                   # the download cache (placement.find_model)
+        else:                                   # the download cache (plans.find_model)
             try:
-                from ..placement import find_model
+                from ..plans import find_model
 
                 where = find_model(settings)
             except Exception:  # noqa: BLE001 - no model found is said by preflight
@@ -880,6 +877,8 @@ class StrataEngine(Engine):
         plan = plan or {}
         # only the planner's own flags reach the engine: a hand-made plan's --dump-routing / --expert-profile-save
         # would make the engine overwrite the file it names (plans.check_strata_args says which, in words)
+        from ..plans import check_strata_args   # plans reads GGUF headers (numpy): imported when a launch needs it
+
         args: list[str] = check_strata_args(plan.get("strata_args"))
         profile = plan.get("strp_path")
         if profile and Path(profile).exists():

@@ -17,12 +17,14 @@ Where each name comes from (vLLM's own documentation):
 
 from __future__ import annotations
 
+from .base import Evidence
 from .openai_compat import MetricNames, OpenAICompatEngine
 
 
 class VllmEngine(OpenAICompatEngine):
     name = "vllm"
     label = "vLLM (attached)"
+    words = kind_label = "vLLM"
     health_paths = ("/health", "/v1/models")
     METRICS = MetricNames(
         running="vllm:num_requests_running",
@@ -36,6 +38,14 @@ class VllmEngine(OpenAICompatEngine):
         e2e="vllm:e2e_request_latency_seconds",
         per_gpu_labels=("engine",),
     )
+
+    def recognise(self, ev: Evidence) -> tuple[list[str], list[str]] | None:
+        if ev.has_prefix("vllm:"):
+            return ["vLLM metrics (vllm:*) on /metrics"], []
+        if "vllm" in ev.owned_by:
+            return (["vLLM's model list (owned_by vllm)"],
+                    ["vLLM's /metrics: load, token rates and latencies are missing"])
+        return None
 
 
 ENGINE = VllmEngine()

@@ -1,23 +1,18 @@
 """Package, publish and deploy the InferenceKey backend with the SDK's own functions.
 
-- :func:`package` — the artifact, made by ``package_backend`` (inferencekey/backend/packaging.py): the *contents* of
-  the source folder go to the archive's root, ``requirements.txt`` and ``manifest.json`` beside them, and the worker
-  puts that root on PYTHONPATH (``_collect_code_members``). The source folder staged here holds ``engine_manager/``
-  (the Qt-free core, without its test fixtures ``engine_manager/testing`` and without caches) and
-  ``resources/manifests/`` (the pinned model and engine manifests the core reads: ``paths.resources_dir`` finds them
-  beside the package). No Qt (the core never imports it: the import contract in pyproject.toml), no weights, no
-  binary: a staged file with a binary suffix refuses the build.
+- :func:`package` — ``package_backend`` (inferencekey/backend/packaging.py): the source folder's *contents* go to the
+  archive's root, which the worker puts on PYTHONPATH (``_collect_code_members``). Staged: ``engine_manager/``
+  (without ``engine_manager/testing`` and caches) and ``resources/manifests/`` (``paths.resources_dir`` finds them
+  beside the package). No Qt, no weights, no binary: a staged file with a binary suffix refuses the build.
 - :func:`publish` — ``publish_custom_backend`` (inferencekey/publish.py: multipart POST to
-  ``{base}/api/tenants/{tenant}/custom-backends``, ``Authorization: Bearer <token>``, 401/403/400 raised as
-  ``AuthError``/``PermissionDenied``/``ValidationError``), its errors said in plain words.
+  ``{base}/api/tenants/{tenant}/custom-backends``; 401/403/400 as ``AuthError``/``PermissionDenied``/
+  ``ValidationError``), its errors said in plain words.
 - :func:`workload_spec` / :func:`deploy` — the ``WorkloadSpec`` naming the published backend by its slug
   (docs/.../guides/custom-backends.mdx "Use it in a workload"; examples/chronos2-forecast-private-amd-gfx120x/main.py:
-  ``backend`` = the custom backend's name, ``worker_id`` pins the private worker, ``ExecutionPolicy.FIXED`` with one
-  replica), ``ManagementClient.ensure`` and ``wait_until_ready`` (inferencekey/clients.py).
-
-Tokens: the control token (``ik_sdk_…``) comes from ``INFERENCEKEY_SDK_TOKEN`` (the SDK's own variable,
-``ManagementClient.from_env``) or the OS keyring, never from a command line; it is never printed, and a server's
-answer that echoes it is masked.
+  ``backend``, ``worker_id``, ``ExecutionPolicy.FIXED``, one replica), ``ManagementClient.ensure`` and
+  ``wait_until_ready`` (inferencekey/clients.py).
+The control token (``ik_sdk_…``) comes from ``INFERENCEKEY_SDK_TOKEN`` (``ManagementClient.from_env``) or the OS
+keyring, never from a command line; it is never printed, and a server's answer that echoes it is masked.
 """
 
 from __future__ import annotations

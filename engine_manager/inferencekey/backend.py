@@ -1,34 +1,18 @@
 """``DeepSeekOneGpuBackend``: DeepSeek-V4.1-Flash on one GPU as an InferenceKey custom backend.
 
-The SDK's contract (inferencekey/backend/base.py ``CustomBackend``): the runtime makes the class with no arguments,
-calls :meth:`~DeepSeekOneGpuBackend.setup` once (``GET /healthz`` answers 503 until it returns; a raising
-``setup()`` makes ``python -m inferencekey.backend.serve`` exit 1: serve.py ``serve`` and ``main``), then
-:meth:`~DeepSeekOneGpuBackend.process` per ``POST /process`` on the runtime's threads (``ThreadingHTTPServer``);
-``InvalidInput`` is a 400, any other exception a 500 for that job while the server stays up (serve.py
-``_handle_process``).
-
-``setup()`` is the panel's own path, step by step, each step a plain line on stdout (the worker's log):
-
-1. the settings: every class attribute named like a setting of :class:`engine_manager.settings.Settings` is that
-   setting's default here, and ``DSV41_<NAME>`` in the worker's environment wins (custom backends do not receive
-   the workload's config): :func:`backend_settings` hands both to :func:`engine_manager.settings.load_settings`, so
-   names, ranges and messages are those of ``dsv41 settings``;
-2. the machine (:func:`engine_manager.doctor.verdicts`): GPU, driver, RAM, disk;
-3. a first plan from the model's headers (the shards when present, else the header-faithful replica: the same
-   sizes), so that a host below the minimum layout is refused with the numbers *before* 264.5 GB are downloaded;
-4. the downloads, the engine release and the shards at once (``DSV41_MODEL_DIR`` / ``DSV41_ENGINE_DIR`` skip them);
-5. the plan from this worker's VRAM and RAM (:func:`engine_manager.plans.make_plan`);
-6. the start through :class:`engine_manager.session.EngineSession` — the supervisor probes the NUMA binding
-   (numactl --preferred → CPU-only → taskset, saying which), starts the engine behind its keeper on a loopback port
-   with a generated key, waits for health, and restarts it after a crash.
-
-The engine lives and dies with the backend. The SDK's runtime has no teardown hook (serve.py
-``_run_until_signalled`` only closes its HTTP server on SIGTERM/SIGINT, then ``main`` returns), so: ``atexit``
-stops the engine when the runtime exits; a SIGTERM/SIGINT during ``setup()`` ends the process through the same
-path; a ``setup()`` that fails half-way stops what it started; and :mod:`engine_manager.inferencekey.watchdog`, a
-process in a session of its own holding the read end of a pipe only this process writes to, stops the engine when
-this process is gone for any reason, SIGKILL included (the engine's keeper does not: it is built to outlive the
-panel that started it).
+The SDK's contract (inferencekey/backend/base.py ``CustomBackend``; serve.py ``serve``, ``main``,
+``_handle_process``): the runtime makes the class with no arguments, calls :meth:`~DeepSeekOneGpuBackend.setup` once
+(``GET /healthz`` is 503 until it returns; a raising ``setup()`` exits 1), then :meth:`~DeepSeekOneGpuBackend.process`
+per ``POST /process`` on its threads (``InvalidInput`` is a 400, any other exception a 500; the server stays up).
+``setup()`` is the panel's own path, each step a plain line on stdout: the settings (class attributes named like a
+setting of :class:`engine_manager.settings.Settings` are its defaults, ``DSV41_<NAME>`` wins: :func:`backend_settings`);
+the machine (:func:`engine_manager.doctor.verdicts`); a first plan from the headers, so a host below the minimum is
+refused before 264.5 GB are downloaded; the downloads (``DSV41_MODEL_DIR`` / ``DSV41_ENGINE_DIR`` skip them); the plan
+from this worker's VRAM and RAM; the start through :class:`engine_manager.session.EngineSession`.
+The engine lives and dies with the backend (the runtime has no teardown hook: serve.py ``_run_until_signalled``):
+``atexit``, a SIGTERM/SIGINT during ``setup()``, a ``setup()`` that fails half-way, and
+:mod:`engine_manager.inferencekey.watchdog` (a process that stops the engine once this one is gone, SIGKILL
+included; the keeper would outlive it) all stop it.
 """
 
 from __future__ import annotations
@@ -47,6 +31,7 @@ from inferencekey.backend import BackendContext, CustomBackend, InvalidInput, Jo
 
 from .. import __version__, paths
 from ..atomic import atomic_write_json, ensure_private_dir
+from ..engines import find_engine
 from ..errors import PlacementRefused, UserError
 from ..settings import LoadedSettings, Settings, SettingsError, field_allowed, field_env, load_settings
 from . import SLUG, TASK_TYPE
@@ -178,18 +163,19 @@ class DeepSeekOneGpuBackend(CustomBackend):
             log(f"  {v.status:4} {v.title}: {v.figure}" + (f" — {v.advice}" if v.status == "fail" and v.advice
                                                             else ""))
         engine = self.engine_name = resolve_engine(settings, hw.has_gpu)
-        if engine == "sim":
+        eng = find_engine(engine)
+        if eng.simulated:
             log("engine: the scripted engine (SIMULATED: every figure it reports is simulated)"
                 + ("" if hw.has_gpu else f"; no NVIDIA GPU here ({hw.gpu_error})"))
         else:
             log(f"engine: {engine}")
-        if engine == "strata" and hw.has_gpu:
+        if eng.needs_recent_driver and hw.has_gpu:
             bad = [v for v in doctor.verdicts(hw, settings) if v.id == "driver" and v.status == "fail"]
             if bad:
-                raise UserError(f"The NVIDIA driver is too old for the Strata engine ({bad[0].figure}). "
+                raise UserError(f"The NVIDIA driver is too old for the {eng.words} engine ({bad[0].figure}). "
                                 f"{bad[0].advice}")
 
-        if engine != "sim":
+        if not eng.simulated:                  # a simulated engine reads no model and has no release
             self._plan(settings, hw, engine, before_download=True)
             self._download(settings, engine)
         plan = self._plan(settings, hw, engine, before_download=False)
@@ -202,12 +188,14 @@ class DeepSeekOneGpuBackend(CustomBackend):
         from .. import plans
         from ..start_plan import default_plan
 
-        if engine == "sim" or (engine == "llamacpp" and not hw.has_gpu):
+        eng = find_engine(engine)
+        if eng.plans_reference_host or (eng.cpu_without_gpu and not hw.has_gpu):
             plan, notes = default_plan(engine, settings, hw)
             for n in notes:
                 log(n)
             return plan
-        model = str(settings.llamacpp_model) if engine == "llamacpp" and settings.llamacpp_model else None
+        own = getattr(settings, eng.model_setting, None) if eng.model_setting else None
+        model = str(own) if own else None
         out = plans.make_plan(settings, plans.PlanRequest(host="this", save=False, model_path=model), hw)
         p = out.plan_dict
         where = "the model's headers (the replica: shards not downloaded yet)" if out.model_source == "replica" \
@@ -239,9 +227,9 @@ class DeepSeekOneGpuBackend(CustomBackend):
         jobs: list[tuple[str, Callable[[], Any]]] = []
         if settings.model_dir:
             log(f"model: DSV41_MODEL_DIR={settings.model_dir} (no download)")
-        elif engine == "strata":
+        elif "model" in find_engine(engine).downloads:
             jobs.append(("model", lambda: download_model(settings)))
-        if engine == "strata":
+        if "engine" in find_engine(engine).downloads:
             if settings.engine_dir:
                 log(f"engine release: DSV41_ENGINE_DIR={settings.engine_dir} (no download)")
             else:
@@ -301,7 +289,7 @@ class DeepSeekOneGpuBackend(CustomBackend):
             + (", SIMULATED" if running.simulated else "") + f"), {settings.slots} slot(s)")
 
     def _run_engine(self, sup: Any, engine: str, plan: dict[str, Any] | None, printer: Any) -> None:
-        from ..events import GaveUp, Ready, StartFailed
+        from ..supervisor_events import GaveUp, Ready, StartFailed
 
         try:
             for ev in sup.run(engine, plan, watch=True):

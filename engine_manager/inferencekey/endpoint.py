@@ -1,24 +1,17 @@
 """An InferenceKey endpoint as a saved connection: the URL's shape, the key, detection, and the backend's JSON answer
 unwrapped (no Qt, no SDK import: the chat and ``dsv41 connections`` use it without the ``inferencekey`` package).
 
-What the platform documents (inferencekey/inferencekey-sdk):
-
-- the data plane's address is ``{base}/endpoint/{project}/{workload}/v1/{path}``: core/src/pipelines/data.rs@595efc4
-  ``build_endpoint_url``, and docs/src/content/docs/en/reference/wire-format.mdx (Data plane) — its routes are
-  ``POST /chat/completions`` and ``POST /embeddings``, nothing else (no model list, no health, no metrics);
-- its key is an ``ik_live_`` data-plane key; an ``ik_sdk_`` control token there is a 403 ``wrong_credential_type``
-  (wire-format.mdx, "Wrong-token errors"; inferencekey/clients.py ``DataClient.endpoint``);
-- the SDK's own client sends ``model`` = the workload's slug ("default" when it has none) and reads the answer as
-  ``choices[0].message.content`` (data.rs ``build_chat_body``, ``resolve_model``, ``parse_chat_result``).
-
-What the SDK does **not** fix is how the endpoint turns a custom backend's ``Result(output=...)`` into that content:
-inferencekey/backend/base.py@d6a89a0 ``Job`` says the worker "reads ``output`` in a future task", and ``Result`` that
-``output`` "is not OpenAI-compatible". This module takes the content to be the backend's output as JSON (what
-:class:`engine_manager.inferencekey.backend.DeepSeekOneGpuBackend` returns: ``{text, reasoning, finish_reason, usage,
-timings}``), also inside ``{"output": ...}`` (``Result.to_wire``). Content that is not that — plain text (the SDK's
-convention for text jobs is ``output.text`` alone), JSON of another shape, too large — is shown as it came, and the
-chat says in plain words that it is not the backend's result (:func:`unwrap`).
-
+What the platform documents (inferencekey/inferencekey-sdk): the data plane is
+``{base}/endpoint/{project}/{workload}/v1/{path}`` (core/src/pipelines/data.rs@595efc4 ``build_endpoint_url``;
+docs/src/content/docs/en/reference/wire-format.mdx, "Data plane"), with ``POST /chat/completions`` and ``POST
+/embeddings`` only (no model list, health or metrics); its key is an ``ik_live_`` key, an ``ik_sdk_`` token there a
+403 ``wrong_credential_type`` (wire-format.mdx "Wrong-token errors"; inferencekey/clients.py
+``DataClient.endpoint``); the SDK's client sends ``model`` = the workload's slug ("default" without one) and reads
+``choices[0].message.content`` (data.rs ``build_chat_body``, ``resolve_model``, ``parse_chat_result``). It does not
+fix how a custom backend's ``Result(output=...)`` becomes that content (inferencekey/backend/base.py@d6a89a0 ``Job``,
+``Result``): :func:`unwrap` takes it to be the backend's output as JSON (``{text, reasoning, finish_reason, usage,
+timings}`` from :class:`engine_manager.inferencekey.backend.DeepSeekOneGpuBackend`), also inside ``{"output": ...}``
+(``Result.to_wire``); anything else is shown as it came, said in plain words not to be the backend's result.
 A custom backend answers a job whole (``process(job)`` returns once), so the endpoint is asked without streaming.
 """
 

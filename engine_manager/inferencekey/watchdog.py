@@ -44,9 +44,9 @@ def stop_if_ours(backend_pid: int) -> bool:
     Returns True when it stopped one."""
     from .. import paths
     from ..atomic import read_bytes_nofollow
-    from ..session import EngineRecord
+    from ..engine_state import STATE_FILE, EngineRecord
     from ..settings import load_settings
-    from ..supervisor import STATE_FILE, Supervisor
+    from ..supervisor import Supervisor
 
     try:
         rec = EngineRecord.from_json(read_bytes_nofollow(paths.data_dir() / STATE_FILE, 1 << 20))

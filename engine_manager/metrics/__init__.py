@@ -8,29 +8,21 @@
 - :mod:`.steady` — the steady decode rate (no ramp-up, no prompt reads; whole lone replies) the card judges;
 - :mod:`.guides` — the guides' published figures and the comparison card's logic.
 
-:func:`build_hub` wires a hub for one running engine (a :class:`~engine_manager.session.RunningEngine`);
-:func:`hub_for_running_engine` is the Monitor's way in: the hub for the engine that is ready, with the plan it
-runs with, and its store filled with the run recorded so far. The handle comes from
-``RunningEngine.from_status(status, base_url, api_key, ...)`` (the supervisor's status reconciled with the engine
-that is ready). Signatures::
-
-    build_hub(running, *, hz=1.0, plan=None, record=True, store=None, use_nvml=True, recorder=None,
-              extra_sources=None) -> MetricsHub
-    hub_for_running_engine(running, hz, plan=None, *, old_store=None, recorder=None, use_nvml=True)
-        -> (MetricsHub, RingStore, RunningEngine, rows_loaded)
+:func:`build_hub` wires a hub for one running engine (a :class:`~engine_manager.engine_state.RunningEngine`, from
+``RunningEngine.from_status(status, base_url, api_key, ...)``); :func:`hub_for_running_engine` is the Monitor's way
+in: the hub for the engine that is ready, with the plan it runs with, and its store filled with the run recorded so
+far, returned as ``(MetricsHub, RingStore, RunningEngine, rows_loaded)``.
 """
 
 from __future__ import annotations
 
-import re
 import time
-from pathlib import Path
 from typing import Any, Mapping
 
-from ..engines import get_engine
-from ..engines.base import Engine, LaunchSpec
-from ..hardware import parse_cpulist
-from ..session import RunningEngine
+from ..engines import find_engine, get_engine
+from ..engine_state import RunningEngine
+from ..engines.base import LaunchSpec
+from ..numa import binding_bound, binding_cpus
 from .columns import ALL_COLUMNS, BY_NAME, COLUMN_NAMES, MAX_SLOTS, SLOT_COLUMNS, Column
 from .guides import Comparison, compare, guide_figures, is_guide_model, judge
 from .hub import MetricsHub, Tick, derive, prefill_is_live
@@ -65,8 +57,8 @@ __all__ = [
     "metrics_runs_dir", "open_run", "read_recording", "prune_runs", "EngineSource", "HostSource",
     "LogSwapSource", "NvmlSource", "Reading", "RoutingSource", "trace_path_from_argv", "Source", "spec_for",
     "RingStore", "peak_reduce", "build_hub",
-    "binding_cpus", "binding_bound", "predicted_hit_rate", "plan_expert_bytes", "clamp_hz",
-    "hub_for_running_engine", "supervisor_status",
+    "predicted_hit_rate", "plan_expert_bytes", "clamp_hz",
+    "hub_for_running_engine",
 ]
 
 
@@ -77,71 +69,18 @@ def clamp_hz(hz: float | None) -> float:
     return min(10.0, max(0.25, float(hz)))
 
 
-def binding_cpus(binding: Any) -> list[int] | None:
-    """The CPU list of a binding, however it is given: a ``numa.Binding`` (``.cpus``), its dict, a cpulist
-    string ``"0-7,16"``, a list of ints; None when unknown or unbound."""
-    if binding is None:
-        return None
-    if isinstance(binding, Mapping):
-        cpus = binding.get("cpus")
-        if binding.get("prefix") == []:
-            return None
-    elif isinstance(binding, str):
-        # a cpulist ("0-7,16") or the supervisor's one-line summary ("numactl … (node 0, CPUs 0-7)")
-        if binding.strip().lower().startswith("none"):
-            return None
-        m = re.search(r"CPUs ([\d,\-]+)", binding)
-        text = m.group(1) if m else binding
-        try:
-            return parse_cpulist(text) or None
-        except ValueError:
-            return None
-    elif isinstance(binding, (list, tuple)):
-        cpus = list(binding)
-    else:
-        if getattr(binding, "prefix", None) == []:
-            return None
-        cpus = getattr(binding, "cpus", None)
-    if isinstance(cpus, str):
-        try:
-            return parse_cpulist(cpus) or None
-        except ValueError:
-            return None
-    try:
-        return [int(c) for c in cpus] if cpus else None
-    except (TypeError, ValueError):
-        return None
-
-
-def binding_bound(binding: Any) -> bool | None:
-    """True when the engine runs behind a binding prefix, False when explicitly unbound, None when unknown."""
-    if binding is None:
-        return None
-    if isinstance(binding, str):
-        return not binding.strip().lower().startswith("none")
-    if isinstance(binding, Mapping):
-        if "prefix" in binding:
-            return bool(binding["prefix"])
-        return None
-    prefix = getattr(binding, "prefix", None)
-    if prefix is not None:
-        return bool(prefix)
-    return None
-
-
 def predicted_hit_rate(plan: Mapping[str, Any] | None, engine: str, spec: LaunchSpec | None = None) -> float | None:
-    """The planner's predicted hit rate for this engine (llama.cpp places whole layers, so it has its own);
-    None = unknown (the plan says so until the engine has seen traffic). A llama.cpp build without a GPU backend
-    (its launch ``spec`` records what the build can do) keeps every layer in RAM whatever the plan asked: 0."""
-    if engine == "llamacpp" and spec is not None:
-        from ..engines.llamacpp import load_placement
-        placed = load_placement(spec)
-        if placed is not None and placed.gpu_backend is False:
-            return 0.0
+    """The planner's predicted hit rate for this engine (under its ``Engine.plan_hit_rate_key``: llama.cpp places
+    whole layers, so it has its own); None = unknown (the plan says so until the engine has seen traffic). A launch
+    that fixes the rate whatever the plan asked (``Engine.launch_hit_rate``: a llama.cpp build without a GPU backend
+    keeps every layer in RAM) gives that."""
+    eng = find_engine(engine)
+    fixed = eng.launch_hit_rate(spec) if spec is not None else None
+    if fixed is not None:
+        return fixed
     if not plan:
         return None
-    key = "llamacpp_predicted_hit_rate" if engine == "llamacpp" else "predicted_hit_rate"
-    v = plan.get(key)
+    v = plan.get(eng.plan_hit_rate_key)
     try:
         return None if v is None else float(v)
     except (TypeError, ValueError):
@@ -166,31 +105,19 @@ def plan_shape(plan: Mapping[str, Any] | None) -> tuple[int, int]:
         return 43, 384
 
 
-def build_hub(running: RunningEngine | str | Engine, base_url: str | None = None, api_key: str | None = None, *,
-              spec: LaunchSpec | None = None, pid: int | None = None, binding: Any = None,
-              log_path: str | Path | None = None, gpu_index: int = 0, hz: float = 1.0,
-              plan: Mapping[str, Any] | None = None, record: bool = True, store: RingStore | None = None,
-              use_nvml: bool = True, argv: list[str] | None = None, recorder: Recorder | None = None,
-              extra_sources: list[Source] | None = None) -> MetricsHub:
+def build_hub(running: RunningEngine, *, hz: float = 1.0, plan: Mapping[str, Any] | None = None,
+              record: bool = True, store: RingStore | None = None, use_nvml: bool = True,
+              recorder: Recorder | None = None, extra_sources: list[Source] | None = None) -> MetricsHub:
     """A hub for one running engine: the engine's adapter, NVML (when there is a GPU), the host and the engine
     process tree (its pid; CPU split by its binding), and swaps from its log. With ``record``, a recording
     starts (or, for the same pid after a panel restart, continues) under ``runs_dir()/metrics``; ``recorder``
     hands over an open one (the previous hub's, after a rate change).
 
     ``running`` is the :class:`RunningEngine` (its spec, pid, binding, log, argv, gpu and plan are used; ``plan``
-    overrides its plan when given). An engine reached by URL alone may also be given as
-    ``build_hub(engine_name, base_url, api_key, spec=, pid=, binding=, log_path=, argv=, gpu_index=)``."""
-    given = running if isinstance(running, Engine) else None
-    if not isinstance(running, RunningEngine):
-        if base_url is None or api_key is None:
-            raise TypeError("build_hub: give a RunningEngine, or an engine with its base_url and api_key")
-        name = str(getattr(running, "name", running))
-        running = RunningEngine(base_url, api_key, engine=name, pid=pid, spec=spec, binding=binding,
-                                log_path=str(log_path) if log_path else None,
-                                argv=tuple(argv) if argv is not None else None, gpu_index=gpu_index)
+    overrides its plan when given); an engine reached by URL alone is ``RunningEngine(base_url, api_key, ...)``."""
     if plan is None:
         plan = running.plan
-    eng = given or get_engine(running.engine)
+    eng = get_engine(running.engine)
     hz = clamp_hz(hz)
     period = 1.0 / hz
     base_url, api_key, pid, binding = running.base_url, running.api_key, running.pid, running.binding
@@ -241,30 +168,9 @@ def build_hub(running: RunningEngine | str | Engine, base_url: str | None = None
 
 
 # -- the monitor's hub for the engine that is ready -------------------------------------------------------------
-def supervisor_status(supervisor: Any) -> Any:
-    """What the supervisor says runs now (its ``status()``: I/O, so off the GUI thread); None when it cannot say."""
-    if supervisor is None:
-        return None
-    try:
-        return supervisor.status()
-    except Exception:  # the monitor then works from the URL and key alone
-        return None
-
-
-def _running_from_info(info: Mapping[str, Any], status: Any) -> RunningEngine:
-    """A loose dict (``base_url``, ``api_key``, ``engine``/``engine_default``, ``pid``, ``binding``, ``log_path``,
-    ``spec``, ``argv``, ``gpu_index``), as front ends passed before :class:`RunningEngine`, made into one."""
-    return RunningEngine.from_status(status, info["base_url"], info["api_key"],
-                                     engine=info.get("engine") or info.get("engine_default"), spec=info.get("spec"),
-                                     gpu_index=int(info.get("gpu_index") or 0), pid=info.get("pid"),
-                                     binding=info.get("binding"), log_path=info.get("log_path"),
-                                     argv=info.get("argv"))
-
-
-def hub_for_running_engine(running: RunningEngine | Mapping[str, Any], hz: float,
-                           plan: Mapping[str, Any] | None = None, *, supervisor: Any = None, status: Any = None,
+def hub_for_running_engine(running: RunningEngine, hz: float, plan: Mapping[str, Any] | None = None, *,
                            old_store: RingStore | None = None, recorder: Recorder | None = None,
-                           use_nvml: bool = True) -> tuple[MetricsHub, RingStore, Any, int]:
+                           use_nvml: bool = True) -> tuple[MetricsHub, RingStore, RunningEngine, int]:
     """The Monitor's hub for the engine that just became ready (``running``, from
     ``RunningEngine.from_status``): the plan it runs with (read from its ``plan_path`` when the handle has none
     yet), else ``plan`` (the one shown); its store filled with the run so far — the recording of the same engine
@@ -272,16 +178,9 @@ def hub_for_running_engine(running: RunningEngine | Mapping[str, Any], hz: float
     :meth:`engine_manager.session.EngineSession.carries_plots` decides when to hand one over).
 
     Returns ``(hub, store, running, rows_loaded)``; ``running`` with its plan read. Blocking (I/O): call it off
-    the GUI thread. A dict ``running`` (the loose form before issue 17) is reconciled with ``status`` (else the
-    ``supervisor``'s) first, and a dict comes back (its keys plus ``engine``, ``pid``, ``binding``, ``log_path``,
-    ``spec``, ``argv``, ``numa_bound``, ``label`` and, when known, ``plan``)."""
+    the GUI thread."""
     import numpy as np
 
-    legacy = None
-    if not isinstance(running, RunningEngine):
-        legacy = dict(running)
-        legacy.pop("supervisor", None)
-        running = _running_from_info(legacy, status if status is not None else supervisor_status(supervisor))
     running = running.with_plan()
     use_plan = running.plan if running.plan is not None else plan
     hz = clamp_hz(hz)
@@ -298,11 +197,4 @@ def hub_for_running_engine(running: RunningEngine | Mapping[str, Any], hz: float
         t, d = old_store.window()
         store.extend(t, np.column_stack([d[c] for c in COLUMN_NAMES]))
         loaded = int(t.shape[0])
-    if legacy is not None:
-        legacy.update(engine=running.engine, pid=running.pid, binding=running.binding, log_path=running.log_path,
-                      spec=running.spec, argv=list(running.argv) if running.argv is not None else None,
-                      numa_bound=running.numa_bound, label=running.label)
-        if running.plan is not None:
-            legacy["plan"] = running.plan
-        return hub, store, legacy, loaded
     return hub, store, running, loaded

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence, TypeGuard
 
+from ..engines import find_engine
 from ..engines.base import Sample, vram_share
 from ..figures import measured
 from .columns import COLUMN_NAMES
@@ -120,10 +121,10 @@ def derive(values: dict[str, float | None], simulated: bool, expert_bytes: int |
 
 
 def prefill_is_live(engine: str, state: str | None) -> bool:
-    """Whether ``prefill_tok_s`` is a live rate: llama.cpp's adapter counts prompt tokens over the poll interval
-    (live, 0 when idle); Strata and the scripted engine report a live rate only while a prompt is being read,
-    else the last request's."""
-    return engine == "llamacpp" or state == "reading"
+    """Whether ``prefill_tok_s`` is a live rate: always for an adapter that counts prompt tokens over the poll
+    interval (``Engine.prefill_rate_live``: llama.cpp's, 0 when idle); else only while a prompt is being read
+    (Strata and the scripted engine report the last request's otherwise)."""
+    return find_engine(engine).prefill_rate_live or state == "reading"
 
 
 def _last_error(r: "_Runner") -> str:
@@ -197,9 +198,9 @@ class MetricsHub:
         self.expert_bytes = expert_bytes
         self.rolling_s = rolling_s
         self._roll: deque[tuple[float, float, float]] = deque()   # (t, hit_rate, weight)
-        # the steady decode rate the guides card judges (llama.cpp's adapter rates tokens over the poll interval,
-        # Strata and the scripted engine over a 2-s window)
-        self.steady = SteadyTracker(engine_window_s=0.0 if engine == "llamacpp" else 2.0)
+        # the steady decode rate the guides card judges, over the engine's own window (Engine.live_rate_window_s:
+        # 0 = the adapter rates tokens over the poll interval, llama.cpp's)
+        self.steady = SteadyTracker(engine_window_s=find_engine(engine).live_rate_window_s)
         self._listeners: list[Listener] = []
         self._stop = threading.Event()
         self._cond = threading.Condition()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .columns import MAX_SLOTS, SLOT_COLUMNS
+from ..engines import find_engine
 from ..fmt import GIB
 from .hub import Tick
 
@@ -84,7 +85,8 @@ def state_text(tick: Tick) -> str:
 
 
 def decode_tip(tick: Tick, last_reply: float | None) -> str:
-    per = f"{1.0 / tick.hz:g} s poll interval" if tick.engine == "llamacpp" else "last 2 s (the engine's window)"
+    window = find_engine(tick.engine).live_rate_window_s        # 0: the adapter rates over the poll interval
+    per = f"{1.0 / tick.hz:g} s poll interval" if window <= 0 else f"last {window:g} s (the engine's window)"
     tip = (f"Tokens generated per second over the {per}, all slots together. A reply shorter than that is "
            "averaged with the idle time around it, so a short burst reads lower than the chat's own figure.")
     if last_reply is not None:
@@ -240,8 +242,10 @@ def hit_card(tick: Tick, missing_why: str = "") -> CardText:
         engine_hr = v.get("hit_rate") if v.get("hit_rate") is not None else hx.get("hit_rate_last")
     scope = hit_scope(tick)
     admission = scope == "admission"
-    # llama.cpp's figure is its placement's (the share of MoE layers on the GPU): live, never "last"
-    stale = tick.engine != "llamacpp" and vs is not None and (scope is not None or v.get("slots_busy") == 0)
+    # a layer-placing engine's figure is its placement's (llama.cpp: the share of MoE layers on the GPU): live,
+    # never "last"
+    stale = not find_engine(tick.engine).places_layers and vs is not None and (scope is not None
+                                                                                or v.get("slots_busy") == 0)
     value = pct(vs)
     if stale and vs is not None:
         value = f"{SCOPE_WORDS.get(scope or 'request', 'last')} {value}"

@@ -592,7 +592,7 @@ def trace_path_from_argv(argv: list[str] | None) -> str | None:
 
 class RoutingSource(Source):
     """Counts (layer, expert) picks from the engine's ``--dump-routing`` trace as it grows, with
-    :func:`engine_manager.routing.count_trace` on the new complete records. Its reading carries no series; the
+    :func:`engine_manager.expert_routing.count_trace` on the new complete records. Its reading carries no series; the
     cumulative counts (n_layers × n_experts) ride in ``notes['routing_counts']`` when new records arrived.
 
     The file stays open between reads, as the log tail does: when the trace is moved aside (the scripted engine
@@ -629,7 +629,7 @@ class RoutingSource(Source):
 
     def _count(self, limit: int) -> int:
         """Count what the open file has past the last read (at most ``limit`` bytes); the bytes read."""
-        from .. import routing
+        from ..expert_routing import count_trace
 
         if self._f is None:
             return 0
@@ -637,7 +637,7 @@ class RoutingSource(Source):
         if not data:
             return 0
         buf = self._pending + data
-        counts, stats = routing.count_trace(buf, self.n_layers, self.n_experts, self.path)
+        counts, stats = count_trace(buf, self.n_layers, self.n_experts, self.path)
         keep = stats.dropped_tail_bytes
         self._pending = buf[len(buf) - keep:] if keep else b""
         self.counts += counts

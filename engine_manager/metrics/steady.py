@@ -1,22 +1,16 @@
 """The steady-state decode rate: the figure the guides' comparison judges, and the newest reply's own rate.
 
-The engine's live decode rate (``decode_tok_s``) is a window average — Strata and the scripted engine count the
-tokens of the last 2 s, llama.cpp's adapter each running request's tokens since its first token (at most the last
-120 s; ``engines/llamacpp.py`` says why a per-poll delta is not used). While users start or finish,
-that window holds idle time or a prompt being read, so it reads low (a 1.5-s reply at 63 tok/s never shows more
-than ~45 tok/s at 1 Hz). Comparing it with the guides' figures would call every short chat "below the guides".
-
-:class:`SteadyTracker` keeps only what is steady:
-
-- **intervals**: two consecutive ticks with the same users decoding (the same count, no request arrived or
-  finished — ``requests_total`` and the queue unchanged, the same llama.cpp tasks in the same slots — every busy
-  slot decoding, none reading a prompt). Their rate is the engine's token counter difference over the interval;
-  without a live counter, the engine's window rate once the same users have decoded for the whole window.
-- **whole replies of a lone user**: when a request finishes while at most one was ever active since the engine
-  was last idle (or since the previous reply finished), its own decode rate — the engine's timing of that reply
-  (``requests[].decode_tok_s``; llama.cpp's per-scrape ``predicted_tokens_seconds``) — is a clean 1-user figure,
-  however short the reply.
-
+The engine's live ``decode_tok_s`` is a window average (Strata and the scripted engine: the last 2 s; llama.cpp's
+adapter: each running request's tokens since its first, at most 120 s, ``engines/llamacpp.py`` says why), so while
+users start or finish it holds idle time or a prompt read and reads low; judged against the guides, every short chat
+would be "below the guides" (an example: benchmarks/results/design_figures.md). :class:`SteadyTracker` keeps only:
+- **intervals**: two consecutive ticks with the same users decoding (same count, no request arrived or finished —
+  ``requests_total`` and the queue unchanged, the same llama.cpp tasks in the same slots — every busy slot decoding):
+  the token counter's difference over the interval, or without one the window rate once the same users have decoded
+  for the whole window;
+- **whole replies of a lone user**: a request finishing while at most one was active since the engine was last idle
+  (or the previous reply finished) gives its own rate (``requests[].decode_tok_s``; llama.cpp's per-scrape
+  ``predicted_tokens_seconds``): a clean 1-user figure, however short.
 :meth:`SteadyTracker.snapshot` gives the figure at the current number of users once there is enough of it
 (:attr:`min_s` seconds of steady intervals, or one whole reply), else how much has been measured so far. Qt-free.
 """
@@ -28,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..engines import find_engine
 from .columns import SLOT_COLUMNS
 
 
@@ -102,15 +97,17 @@ def last_reply(sample: Any, engine: str) -> tuple[Any, float | None]:
 
     Strata and the scripted engine list finished requests (``requests[]``): the adapter keeps the newest one's
     ``decode_tok_s``/``hit_rate``/``finish``, which identify it. llama.cpp resets ``predicted_tokens_seconds``
-    on every scrape, so a positive value means replies finished since the previous poll, at that rate."""
+    on every scrape, so a positive value (under its ``Engine.reply_rate_extra``) means replies finished since the
+    previous poll, at that rate."""
     if sample is None:
         return None, None
     extra = getattr(sample, "extra", None) or {}
     rate = _num(extra.get("last_decode_tok_s"))
     if rate is not None:
         return (rate, extra.get("last_hit_rate"), extra.get("last_finish"), extra.get("last_pcie_share")), rate
-    if engine == "llamacpp":
-        avg = _num(extra.get("avg_decode_tok_s"))
+    key = find_engine(engine).reply_rate_extra
+    if key is not None:
+        avg = _num(extra.get(key))
         if avg is not None and avg > 0:
             return ("scrape", getattr(sample, "t", None)), avg
     return None, None

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = args.dir or args.replica
         if args.replica:
             try:
-                from .. import replica  # written by the planner's issue
+                from .. import replica  # engine_manager/replica.py, absent from a tree without the planner
             except ImportError:
                 print("hub: engine_manager.replica is not available in this tree", file=sys.stderr)
                 return 2

@@ -1,19 +1,97 @@
-"""Prometheus text (read by :mod:`._prometheus`, on ``prometheus_client``'s own parser) and the arithmetic the
-attach-only adapters (vLLM, SGLang) need on it: sums over label sets, per-label breakdowns, counter rates and
-histogram percentiles between two scrapes.
+"""Prometheus text pages (Strata's ``/metrics`` as text, llama-server's, vLLM's and SGLang's ``/metrics``): the one
+reader, on prometheus_client's own parser (``prometheus_client.parser.text_string_to_metric_families``), and the
+arithmetic the attach-only adapters (vLLM, SGLang) need between two scrapes.
 
-Percentiles follow Prometheus' ``histogram_quantile``: the cumulative bucket counts of the *later* scrape minus
-those of the *earlier* one (only the requests that finished in between), then linear interpolation inside the
-bucket the rank falls in; a rank in the ``+Inf`` bucket gives the highest finite bound. No request finished in
-between → ``None`` (missing), never 0. A counter that went down (the server restarted) gives no rate for that
-interval.
+:func:`read_samples` gives every sample as ``(name, labels, value)`` under the name the page wrote (llama-server's
+``llamacpp:n_tokens_max`` counter keeps its name without ``_total``); NaN and ±Inf are dropped (missing, never a
+value). A page the parser refuses is read line by line, so one bad line costs that line, not the page.
+
+:class:`Scrape` holds one reading: sums over label sets, per-label breakdowns, counter rates (:func:`rate`: none
+across a counter that went down, i.e. a restart) and histogram percentiles (:func:`percentiles`, Prometheus'
+``histogram_quantile`` on the later scrape's buckets minus the earlier one's, linear inside the bucket; a rank in
+``+Inf`` gives the highest finite bound; no request finished in between → ``None``, never 0).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _parse(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    written: set[str] | None = None
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = s.name
+            # the parser renames a counter's sample that lacks "_total" to "<name>_total" (the OpenMetrics form);
+            # llama-server writes such counters (llamacpp:n_tokens_max): keep the name the page wrote
+            if family.type == "counter" and name == family.name + "_total":
+                if written is None:
+                    written = {ln.split("{", 1)[0].split()[0] for ln in text.splitlines()
+                               if ln.strip() and not ln.lstrip().startswith("#")}
+                if name not in written and family.name in written:
+                    name = family.name
+            yield name, dict(s.labels), float(s.value)
+
+
+LINE_CAP = 64 * 1024     # no sample line is this long (names and label values are short): one that is, is no sample
+
+
+def read_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of the page as ``(name, labels, value)``, NaN and ±Inf dropped. A line past ``LINE_CAP`` is
+    left out before parsing (the parser takes ~8 times a line's size in memory: a 14 MB one-line answer cost the
+    panel 110 MB)."""
+    if any(len(line) > LINE_CAP for line in text.split("\n")):
+        text = "\n".join(line for line in text.split("\n") if len(line) <= LINE_CAP)
+    try:
+        rows = list(_parse(text))
+    except ValueError:                # a malformed line: read the page line by line, keep what parses
+        rows = []
+        for line in text.splitlines():
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            try:
+                rows += list(_parse(line + "\n"))
+            except ValueError:
+                continue
+    return [(n, lab, v) for n, lab, v in rows if math.isfinite(v)]
+
+
+def summed(text: str) -> dict[str, float]:
+    """``{name: value}``, labels dropped and values summed over label sets; a name whose sum is past what a float
+    holds (1e308 + 1e308) is left out (missing), so one absurd series costs that figure, not the page."""
+    out: dict[str, float] = {}
+    for name, _labels, v in read_samples(text):
+        out[name] = out.get(name, 0.0) + v
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def labelled(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """``{name: [(labels, value), ...]}`` for every sample."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for name, labels, v in read_samples(text):
+        out.setdefault(name, []).append((labels, v))
+    return out
+
+
+def series_key(name: str, labels: dict[str, str]) -> str:
+    """``name{a="x",b="y"}`` (labels sorted), or ``name`` without labels: one key per series."""
+    if not labels:
+        return name
+    inner = ",".join('{}="{}"'.format(k, v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n"))
+                     for k, v in sorted(labels.items()))
+    return f"{name}{{{inner}}}"
+
+
+def by_series(text: str) -> dict[str, float]:
+    """``{series_key: value}``: each labelled series on its own (the last one wins if a page repeats it)."""
+    return {series_key(n, lab): v for n, lab, v in read_samples(text)}
+
+
+# -- two scrapes: rates and percentiles --------------------------------------------------------------------------------
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -73,10 +151,7 @@ class Scrape:
 
 
 def parse(text: str, t: float) -> Scrape:
-    """A ``/metrics`` page as a :class:`Scrape`, read by the project's one Prometheus reader
-    (:func:`._prometheus.read_samples`, on prometheus_client's parser; a bad line costs that line only)."""
-    from ._prometheus import read_samples
-
+    """A ``/metrics`` page as a :class:`Scrape`, read by :func:`read_samples` (a bad line costs that line only)."""
     out: dict[str, list[tuple[Labels, float]]] = {}
     for name, labels, value in read_samples(text):
         out.setdefault(name, []).append((tuple(sorted(labels.items())), float(value)))
@@ -153,3 +228,7 @@ def percentiles(cur: Scrape, base: Scrape | None, name: str) -> Percentiles:
     d = delta_buckets(cur.buckets(name), base.buckets(name) if base is not None else None)
     n = d[-1][1] if d else None
     return Percentiles(quantile(0.5, d), quantile(0.9, d), quantile(0.99, d), n)
+
+
+__all__ = ["LINE_CAP", "Labels", "Percentiles", "Scrape", "by_series", "delta_buckets", "labelled", "parse",
+           "percentiles", "quantile", "rate", "read_samples", "series_key", "summed"]

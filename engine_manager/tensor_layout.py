@@ -8,7 +8,7 @@ metadata (hyperparameters, the tokenizer); the others usually carry only the ``s
 The GGUF header itself is read by :mod:`engine_manager.gguf_header` (a generic reader; its docstring says why it is
 hand-written and what it measured), and the split's files are found by :mod:`engine_manager.gguf_split`. This module
 is what the headers mean for a DeepSeek-style MoE model: classification, per-expert bytes, the planner's
-hyperparameters. ``python -m engine_manager.layout PATH`` prints a model's layout; the comparison with
+hyperparameters. ``python -m engine_manager.tensor_layout PATH`` prints a model's layout; the comparison with
 ``gguf.GGUFReader`` is ``benchmarks/gguf_reader_compare.py``.
 
 Errors are :class:`LayoutError` naming the file and the problem (missing shard, shards of different splits or
@@ -45,7 +45,7 @@ from .gguf_header import (  # noqa: F401 - re-exported: the reader's names, as t
     MAX_STRINGS,
     MAX_STRINGS_TOTAL,
     MAX_TENSORS,
-    QUANT,
+    quant_sizes,
     SMALL_ARRAY,
     SUPPORTED_VERSIONS,
     T_ARRAY,
@@ -364,7 +364,7 @@ def build_layout(headers: list[ShardHeader]) -> ModelLayout:
                                   "The download is incomplete; resume it (dsv41 download)")
             end_max = max(end_max, end)
             kind, layer, part = classify(name_)
-            tensors.append(TensorInfo(name_, gtype, QUANT[gtype][2], shape, nbytes, no, off, kind, layer, part,
+            tensors.append(TensorInfo(name_, gtype, quant_sizes()[gtype][2], shape, nbytes, no, off, kind, layer, part,
                                       kind == "embeddings_output" and _lookup_name(name_)))
             shard_bytes += nbytes
         shards.append(ShardInfo(h.path, no, count, h.file_size, h.header_bytes, h.data_offset, h.n_tensors, h.n_kv,
@@ -449,7 +449,7 @@ def _expert_layers(path: Path, tensors: list[TensorInfo]) -> list[ExpertLayer]:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m engine_manager.layout",
+    ap = argparse.ArgumentParser(prog="python -m engine_manager.tensor_layout",
                                  description="Print a model's layout from its GGUF headers.")
     ap.add_argument("path", help="model folder or any shard")
     a = ap.parse_args(argv)

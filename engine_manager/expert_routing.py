@@ -3,23 +3,16 @@ merge and decay, and the coverage curve (expected hit rate against hot-set size)
 
 Formats (docs/ENGINE_CONTRACT.md §2, little-endian):
 
-- **STRP profile**: ``b"STRP"``, five uint32 (version = 1, n_layers, n_experts, slots, n_ranked), n_ranked pairs of
-  uint16 (layer, expert) in rank order (most useful first), then n_layers × n_experts int32 ranks (−1 = unranked).
-  ``n_layers`` counts every block of the model (dense ones too: their rows stay −1) and ``layer`` is the block
-  index, as Strata's own ``tools/make_profile.py`` writes it. A profile is a *ranking*: it carries no frequencies,
-  so it can order a hot set but never predict a hit rate.
-- **routing trace**: records of int32 layer, int32 k, k int32 expert ids, k float32 weights. A record cut short at
-  the end of the file (the engine stopped mid-write) is dropped with a note; anything else malformed is an error.
-  **Format 2** traces carry *tag records*: the same record shape with a negative layer (the first record is −2).
-  They are stepped over — never a reason to refuse the trace — and counted in the notes (``TraceStats.tags``).
-  The shape is the one Strata's own reader walks (Niko1221/Strata ``tools/make_profile.py`` ``read_trace`` @42bf2ff:
-  every record ``8 + 8k`` bytes, only ``0 <= layer < n_layers`` counted); the writer of tag records itself was not
-  among the stored Strata files (tests/data/strata/SOURCES.md).
-- **frequency table** (this panel's own file): JSON ``{"format": "dsv41-routing-frequencies", "version": 1,
-  "n_layers", "n_experts", "tokens", "sources", "counts": [[...], ...]}`` — what the monitor saves from observed
-  routing, and what ``dsv41 plan --usage`` reads besides traces and profiles.
-
-Errors are :class:`RoutingError` naming the file, the offset or record, and the problem.
+- **STRP profile**: ``b"STRP"``, five uint32 (version = 1, n_layers, n_experts, slots, n_ranked), n_ranked uint16
+  (layer, expert) pairs, most useful first, then n_layers × n_experts int32 ranks (−1 = unranked); ``n_layers``
+  counts every block, dense ones too, as Strata's ``tools/make_profile.py`` writes it. A ranking without
+  frequencies: it orders a hot set but never predicts a hit rate.
+- **routing trace**: records of int32 layer, int32 k, k int32 expert ids, k float32 weights, walked as Strata's
+  reader walks them (Niko1221/Strata ``tools/make_profile.py`` ``read_trace`` @42bf2ff). A record cut short at the
+  end is dropped with a note; format 2's tag records (a negative layer) are stepped over and counted
+  (``TraceStats.tags``); anything else malformed is a :class:`RoutingError` naming the file, offset and problem.
+- **frequency table** (this panel's own): JSON ``{"format": "dsv41-routing-frequencies", "version": 1, "n_layers",
+  "n_experts", "tokens", "sources", "counts"}``: what the monitor saves and ``dsv41 plan --usage`` reads.
 """
 
 from __future__ import annotations

@@ -1,38 +1,32 @@
-"""The supervisor's states and events (typed, frozen), and how its messages name the engines.
+"""The supervisor's events (typed, frozen), and how its messages name the engines.
 
 Every long supervisor operation is a generator yielding these: the CLI prints them, the GUI re-emits them as
 signals, tests assert on them. Structured fields (``StartFailed.suggested_port``, ``Note.cause``) carry what a
-front end acts on, so no front end parses prose. This module never imports Qt.
+front end acts on, so no front end parses prose. The states they name are :mod:`engine_manager.engine_state`'s.
+This module never imports Qt.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+from .engines import TraitTable, find_engine
 from .engines.base import FailureHint, LogEvent
 from .eventbase import Event
 
-# -- states ------------------------------------------------------------------------------------------------
-
-STOPPED, STARTING, READY, STOPPING, CRASHED, RESTARTING = (
-    "stopped", "starting", "ready", "stopping", "crashed", "restarting")
-STATES = (STOPPED, STARTING, READY, STOPPING, CRASHED, RESTARTING)
-RUNNING_STATES = (STARTING, READY, STOPPING, RESTARTING)
-
-#: how the messages name each engine
-ENGINE_WORDS = {"sim": "the scripted engine (simulated)", "strata": "Strata", "llamacpp": "llama.cpp"}
+#: how the messages name each engine (``Engine.words``)
+ENGINE_WORDS = TraitTable("words")
 
 
 def engine_words(name: str | None, capital: bool = False) -> str:
-    w = ENGINE_WORDS.get(name or "", name or "an engine")
+    w = find_engine(name).words or name or "an engine"
     return w[:1].upper() + w[1:] if capital else w
-
 
 
 def running_conflict(rec: Any, wanted: str) -> tuple[str, str]:
     """(message, fix) for a start of ``wanted`` while the engine in the state file ``rec`` (an
-    :class:`engine_manager.session.EngineRecord` of another engine) runs."""
+    :class:`engine_manager.engine_state.EngineRecord` of another engine) runs."""
     running = engine_words(rec.engine, True)
     where = f"on port {rec.port}" + (f" ({rec.base_url})" if rec.base_url else "")
     msg = (f"{running} is already running {where}, pid {rec.pid} (started by this panel or `dsv41 start`), "
@@ -113,6 +107,16 @@ class Crashed(Event):
 
     def hint(self) -> FailureHint:
         return FailureHint(self.cause, self.title, self.fix)
+
+    @classmethod
+    def recorded(cls, d: dict[str, Any]) -> "Crashed | None":
+        """The crash a state file recorded (its ``to_dict()``), shown again with no restart pending; None when the
+        record does not fit."""
+        try:
+            crash = cls(**{k: v for k, v in d.items() if k != "kind"})
+        except TypeError:
+            return None
+        return replace(crash, will_restart=False, restart_in_s=None)
 
 
 @dataclass(frozen=True)
