@@ -1,10 +1,10 @@
 """The engine controls of the control column: pick the engine, one click to start or stop it, watch it get ready.
 
-Everything here renders what ``engine_manager.supervisor`` says and forwards clicks to it; the supervisor's
-generators run on worker threads (``app.workers.TaskOwner``). The panel drives the window's
-:class:`~engine_manager.session.EngineSession` (``ctx.session``; its supervisor is ``ctx.supervisor``): every event
-goes to ``session.feed``, which keeps the ready engine (``ctx.running``, ``ctx.engineRunning``) and whose log lines
-the context re-emits as ``ctx.engineLog``. The panel emits ``ctx.engineStateChanged`` whenever its badge changes.
+Everything here renders what ``engine_manager.supervisor`` says; clicks go to the window's
+:class:`~engine_manager.session.EngineSession` (``ctx.session``), whose generators run on worker threads
+(``app.workers.TaskOwner``, ``feed=False``): every event goes to ``session.feed`` on the GUI thread, which keeps the
+ready engine (``ctx.running``, ``ctx.engineRunning``) and whose log lines the context re-emits as ``ctx.engineLog``.
+The panel emits ``ctx.engineStateChanged`` whenever its badge changes.
 On start-up it re-attaches to an engine a previous panel (or ``dsv41 start``) left running. Under llama.cpp it
 also shows where llama-server put each buffer, as its log says (folded by ``engines.llamacpp.PlacementSummary``).
 
@@ -443,8 +443,8 @@ class EnginePanel(Panel, QWidget):
         warning = plan_host_warning(chosen, self.ctx.hardware) if chosen is not None else None
         if warning:
             self._add_note(warning[0].upper() + warning[1:], "warning")
-        self.tasks.start("run", self.sup.run, engine, plan, on_event=self._on_event, on_done=self._run_done,
-                         on_error=self._on_error, on_finished=self._run_finished)
+        self.tasks.start("run", self.session.start, engine, plan, feed=False, on_event=self._on_event,
+                         on_done=self._run_done, on_error=self._on_error, on_finished=self._run_finished)
 
     def ask_restart(self, text: str, action: str) -> bool:
         """Ask whether to restart the running engine now (a dialog; tests replace this method)."""
@@ -508,18 +508,18 @@ class EnginePanel(Panel, QWidget):
         if not self.is_running() and self._state not in (CRASHED,):
             return
         self._stop_started = time.monotonic()
-        self.tasks.start("stop", self.sup.stop, on_event=self._on_event, on_error=self._on_error,
+        self.tasks.start("stop", self.session.stop, feed=False, on_event=self._on_event, on_error=self._on_error,
                          on_finished=self._stop_finished)
 
     def force_stop(self) -> None:
         if self.tasks.running("stop"):
-            self.sup.request_force()
+            self.session.request_force()
             return
         if not self.is_running():
             return
         self._stop_started = time.monotonic()
-        self.tasks.start("stop", self.sup.stop, True, on_event=self._on_event, on_error=self._on_error,
-                         on_finished=self._stop_finished)
+        self.tasks.start("stop", self.session.stop, True, feed=False, on_event=self._on_event,
+                         on_error=self._on_error, on_finished=self._stop_finished)
 
     def reattach(self) -> None:
         """Find an engine a previous panel or `dsv41 start` left running (pid + start time + health must match)
@@ -531,7 +531,7 @@ class EnginePanel(Panel, QWidget):
         if self._state == STOPPED and self.sup.state_path.exists():
             # an engine was left running (or its record was): say so for the seconds the check takes, not "Stopped"
             self._render_state("reattaching", "re-attaching to the running engine…")
-        self.tasks.start("run", self.sup.watch, on_event=self._on_event, on_done=self._run_done,
+        self.tasks.start("run", self.session.watch, feed=False, on_event=self._on_event, on_done=self._run_done,
                          on_error=self._on_error, on_finished=self._run_finished)
 
     def dry_run(self) -> None:
@@ -540,7 +540,7 @@ class EnginePanel(Panel, QWidget):
         self.dry_button.setEnabled(False)
         self.ctx.statusMessage.emit("Preparing the dry run (probing the binding)…", 3000)
         engine = self.resolved_engine()
-        self.tasks.start("dry", self.sup.dry_run, engine, usable_plan(engine, self.ctx.plan),
+        self.tasks.start("dry", self.session.dry_run, engine, usable_plan(engine, self.ctx.plan),
                          on_done=self._show_dry_run, on_error=self._on_error,
                          on_finished=lambda: self.dry_button.setEnabled(True))
 
@@ -608,7 +608,7 @@ class EnginePanel(Panel, QWidget):
                 self._emitted_state = ev.state
                 self.ctx.engineStateChanged.emit(ev)
                 if find_engine(ev.engine).placement_in_log:   # its loading lines went by before this panel watched
-                    self.tasks.start("placement", placement_from_log, self.sup.log_path,
+                    self.tasks.start("placement", placement_from_log, self.session.log_path,
                                      on_done=self._placement_read,
                                      on_error=lambda _exc: None)  # an unreadable log: the box just stays empty
             case Note():
@@ -749,7 +749,7 @@ class EnginePanel(Panel, QWidget):
         self._refresh_details()
 
     def _refresh_details(self) -> None:
-        st = self.sup.snapshot()
+        st = self.session.snapshot()
         own = getattr(self.ctx, "own", None)
         self.copy_key_button.setVisible(st is not None and bool(st.ready_at) and own is not None
                                         and bool(own.api_key) and self._state == READY)
@@ -854,7 +854,7 @@ class EnginePanel(Panel, QWidget):
         """While idle, notice an engine started by `dsv41 start` (then attach) or a foreign one on the port."""
         if self.tasks.running("status") or self.is_running() or self.tasks.running("stop") or self.tasks.shut_down:
             return
-        self.tasks.start("status", self.sup.status, on_done=self._polled)
+        self.tasks.start("status", self.session.status, on_done=self._polled)
 
     def _polled(self, st: EngineStatus) -> None:
         if self.is_running() or self.tasks.shut_down:
@@ -896,7 +896,7 @@ class EnginePanel(Panel, QWidget):
             return True
         choice = self.ask_close_choice(win)
         if choice == "leave":
-            self.sup.detach()
+            self.session.detach()
             return True
         if choice == "stop":
             self._close_after_stop = win
@@ -916,5 +916,5 @@ class EnginePanel(Panel, QWidget):
         self.connections.shutdown()
         self.checks.shutdown()
         if self.tasks.running("run") and self._state not in (STOPPING,):
-            self.sup.detach()                         # stop watching; the engine keeps running
+            self.session.detach()                     # stop watching; the engine keeps running
         self.tasks.shutdown(wait_ms)                  # later callbacks are dropped; the workers are asked to end

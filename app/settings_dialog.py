@@ -19,12 +19,13 @@ from engine_manager.settings import (
 
 GROUPS = {
     "Engine": ["server_engine", "host", "port", "api_key", "slots", "context_length", "kv_type", "cpu_numerics",
-               "vram_reserve_mib", "gpu_index", "numa_binding", "auto_restart", "ready_timeout_s"],
+               "vram_reserve_mib", "gpu_index", "numa_binding", "auto_restart", "desktop_notifications",
+               "ready_timeout_s"],
     "Model and files": ["model_dir", "cache_dir", "model_repo", "model_revision", "engine_dir", "llama_server",
                         "llamacpp_model", "engine_manifest", "hf_token"],
     "llama.cpp": ["llamacpp_log_verbosity", "llamacpp_load_mode"],
     "Scripted engine": ["sim_args"],
-    "Chat and monitor": ["default_max_tokens", "metrics_hz", "desktop_notifications"],
+    "Chat and monitor": ["default_max_tokens", "metrics_hz"],
 }
 
 

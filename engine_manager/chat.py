@@ -746,12 +746,12 @@ def _handle(st, base_url: str, api_key: str | None, *, simulated: bool = False, 
 
 
 def engine_status(settings):
-    """``Supervisor(settings).status()``: the engine the panel started (from its state file, pid and start time
+    """``EngineSession(settings).status()``: the engine the panel started (from its state file, pid and start time
     verified), or what else holds the settings' port. Raises :class:`ChatError` ``unknown`` when it cannot be read:
     not knowing who holds the port is a reason to send nothing (fail closed), never a reason to send anyway."""
     try:
-        from .supervisor import Supervisor
-        return Supervisor(settings).status()
+        from .session import EngineSession
+        return EngineSession(settings).status()
     except Exception as exc:  # noqa: BLE001 - any failure to read it means: unknown, so nothing is sent
         raise ChatError(
             "unknown",

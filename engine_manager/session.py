@@ -1,9 +1,11 @@
 """The engine as one session, for every front end: :class:`EngineSession`.
 
-It owns the panel's :class:`~engine_manager.supervisor.Supervisor`, keeps the
+It owns a :class:`~engine_manager.supervisor.Supervisor` and is the one door to it: every front end (the panel,
+the CLI, the bench, chat, the InferenceKey backend and watchdog) starts, stops and watches the engine through its
+methods (:meth:`EngineSession.start`, :meth:`~EngineSession.stop`, :meth:`~EngineSession.watch`,
+:meth:`~EngineSession.status` …), never a Supervisor of its own. It keeps the
 :class:`~engine_manager.engine_state.RunningEngine` that is ready from the supervisor's events, tells its listeners
-(the GUI's ``AppContext`` re-emits them as signals) and holds the rule for carrying the plots across a restart
-(:meth:`EngineSession.carries_plots`).
+(the GUI's ``AppContext`` re-emits them as signals) and holds the rule for carrying the plots across a restart.
 
 The values it hands around — the states, ``RunningEngine`` (the one handle every front end takes instead of loose
 ``(base_url, api_key)`` pairs), ``EngineRecord``, ``EngineStatus`` — live in :mod:`engine_manager.engine_state`; how
@@ -14,17 +16,19 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Generator, Iterator
 
 from .engine_state import CRASHED, STOPPED, RunningEngine
 
 
 class EngineSession:
-    """The engine as the panel sees it: owns the :class:`~engine_manager.supervisor.Supervisor` (the panel's one),
-    keeps the :class:`RunningEngine` that is ready (``running``; None when none is), and tells its listeners.
+    """The engine as a front end sees it: owns the :class:`~engine_manager.supervisor.Supervisor` (made on first
+    use with the options given here: ``hardware``, ``started_by``, ``grace_s``, ``auto_restart`` …), keeps the
+    :class:`RunningEngine` that is ready (``running``; None when none is), and tells its listeners.
 
-    Whoever runs the supervisor's generators (the engine panel, through ``app.workers``) hands every event to
-    :meth:`feed` on one thread; listeners are called on that thread: ``on_event(ev)`` for every event and
+    Its generators (:meth:`start`, :meth:`watch`, :meth:`stop`) hand every event to :meth:`feed` as it passes;
+    the engine panel runs them on ``app.workers`` threads with ``feed=False`` and feeds each event on the GUI
+    thread. Listeners are called on the thread that feeds: ``on_event(ev)`` for every event and
     ``on_running(running_or_None)`` when the ready engine changes. ``AppContext`` subscribes and re-emits them as
     Qt signals; the session itself never imports Qt.
 
@@ -52,6 +56,59 @@ class EngineSession:
 
             self._supervisor = Supervisor(self._settings, hardware=self._hardware, **self._kwargs)
         return self._supervisor
+
+    @property
+    def log_path(self) -> Any:
+        """The engine log's path (:attr:`Supervisor.log_path <engine_manager.supervisor.Supervisor.log_path>`)."""
+        return self.supervisor.log_path
+
+    # -- the one door: what front ends call instead of a Supervisor of their own ------------------------------
+    def start(self, engine: Any = None, plan: dict[str, Any] | None = None, *, watch: bool = True,
+              feed: bool = True) -> Generator[Any, None, Any]:
+        """Start ``engine`` with ``plan`` (:meth:`Supervisor.run <engine_manager.supervisor.Supervisor.run>`): its
+        events, each handed to :meth:`feed` first (so :attr:`running` stays right); returns its final status.
+        ``feed=False``: the caller feeds them itself, on its own thread (the panel, on the GUI's)."""
+        return (yield from self._fed(self.supervisor.run(engine, plan, watch=watch), feed))
+
+    def watch(self, *, feed: bool = True) -> Generator[Any, None, Any]:
+        """Re-attach to the engine started earlier and supervise it (``Supervisor.watch``), fed like :meth:`start`."""
+        return (yield from self._fed(self.supervisor.watch(), feed))
+
+    def stop(self, force: bool = False, *, feed: bool = True) -> Generator[Any, None, Any]:
+        """Stop the engine (``Supervisor.stop``; ``force``: SIGKILL at once), fed like :meth:`start`."""
+        return (yield from self._fed(self.supervisor.stop(force), feed))
+
+    def status(self, check_health: bool = True) -> Any:
+        """What runs now (``Supervisor.status``: the state file, pid and start time verified, the port's owner)."""
+        return self.supervisor.status(check_health=check_health)
+
+    def dry_run(self, engine: Any = None, plan: dict[str, Any] | None = None) -> Any:
+        """Every command a start would run, run nothing (``Supervisor.dry_run``)."""
+        return self.supervisor.dry_run(engine, plan)
+
+    def request_force(self) -> None:
+        """During a stop (any thread): SIGKILL now (``Supervisor.request_force``)."""
+        self.supervisor.request_force()
+
+    def detach(self) -> None:
+        """Stop watching, leave the engine running (any thread; ``Supervisor.detach``)."""
+        self.supervisor.detach()
+
+    def _fed(self, events: Iterator[Any], feed: bool) -> Generator[Any, None, Any]:
+        if not feed:
+            return (yield from events)
+        try:
+            while True:
+                try:
+                    ev = next(events)
+                except StopIteration as end:
+                    return end.value
+                self.feed(ev)
+                yield ev
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()
 
     def snapshot(self) -> Any:
         """The supervisor's in-memory status of its own engine (no I/O); None when it has none or is not made."""

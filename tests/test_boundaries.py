@@ -1,10 +1,12 @@
 """The import contracts in pyproject.toml ([tool.importlinter]), checked by the real `lint-imports` the way
 scripts/lint (and so CI) runs it: kept on the real tree, and broken on a temporary copy of the tree with one
 forbidden import added: Qt or app/ in engine_manager, one panel importing another, app.workers importing a panel,
-a module of engine_manager importing one from a layer above its own (or a new module placed in no layer)."""
+a module of engine_manager importing one from a layer above its own (or a new module placed in no layer). And the
+engine's one door: only engine_manager.session.EngineSession makes a Supervisor or runs its generators."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -185,3 +187,48 @@ def test_one_forbidden_import_breaks_its_contract_and_ci_says_what_to_do(tree, l
     assert chain in flat, out
     for cid in broken:                                     # each broken contract's guidance: what to do instead
         assert " ".join(GUIDANCE[cid].split()) in flat, out
+
+
+# -- the engine's one door -----------------------------------------------------------------------------------------
+# engine_manager.session.EngineSession makes the Supervisor (supervisor.py defines it); every front end goes through
+# the session: its start/watch/stop feed each event to it, so its ``running`` stays right
+DOOR = {"engine_manager/session.py", "engine_manager/supervisor.py"}
+GENERATORS = {"run", "watch", "stop"}
+
+
+def second_doors(source: str) -> list[int]:
+    """The lines of ``source`` that make a Supervisor (``Supervisor(…)``, ``sv.Supervisor(…)``), import the class
+    by name (an alias would hide the call) or reach for a supervisor's generator (``x.supervisor.run``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        match node:
+            case ast.Call(func=ast.Name(id="Supervisor") | ast.Attribute(attr="Supervisor")):
+                lines.append(node.lineno)
+            case ast.ImportFrom(names=names) if any(a.name == "Supervisor" for a in names):
+                lines.append(node.lineno)
+            case ast.Attribute(value=ast.Attribute(attr="supervisor"), attr=attr) if attr in GENERATORS:
+                lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_the_door_check_finds_a_second_door():
+    sample = ("from engine_manager import supervisor as sv\n"          # 1: the module: fine
+              "from engine_manager.supervisor import Supervisor as S\n"  # 2: the class by name
+              "def status(settings, ctx) -> 'sv.Supervisor':\n"        # 3: an annotation: fine
+              "    st = sv.Supervisor(settings).status()\n"             # 4: a second supervisor
+              "    crash = ctx.supervisor.last_failure\n"               # 5: reading it: fine
+              "    tasks.start('run', ctx.supervisor.run)\n"            # 6: its generator, past the session
+              "    return S(settings), ctx.session.start('sim')\n")     # 7: the session's: fine
+    assert second_doors(sample) == [2, 4, 6]
+
+
+def test_only_the_session_makes_a_supervisor_or_runs_its_generators():
+    found = []
+    for pkg in ("engine_manager", "app"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel not in DOOR:
+                found += [f"{rel}:{line}" for line in second_doors(path.read_text())]
+    assert not found, ("a Supervisor made or driven outside engine_manager/session.py: "
+                       + ", ".join(found) + ". Go through an EngineSession (engine_manager.session): "
+                       "EngineSession(settings, hardware=…, started_by=…) and its start/watch/stop/status/dry_run.")

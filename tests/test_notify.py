@@ -77,6 +77,9 @@ def test_the_setting_is_off_by_default_and_listed():
     cp = subprocess.run([sys.executable, "-m", "engine_manager", "settings", "list"], capture_output=True, text=True,
                         timeout=60, cwd=str(ROOT))
     assert cp.returncode == 0 and "DSV41_DESKTOP_NOTIFICATIONS" in cp.stdout and "Desktop notifications" in cp.stdout
+    from app.settings_dialog import GROUPS                      # and File ▸ Settings… has its check box
+
+    assert "desktop_notifications" in GROUPS["Engine"]
 
 
 @pytest.mark.gui

@@ -876,17 +876,20 @@ def test_engine_session_keeps_the_running_handle_and_tells_listeners(port):
     seen: list = []
     running: list = []
     session.subscribe(on_event=seen.append, on_running=running.append)
-    for ev in session.supervisor.run(sim_engine(), watch=False):
-        session.feed(ev)
+    # the session's own start feeds every event it passes on (the one door: no caller touches the supervisor)
+    evs, final = drain(session.start(sim_engine(), watch=False))
     r = session.running
-    st = session.supervisor.status(check_health=False)
+    st = session.status(check_health=False)
     assert isinstance(r, RunningEngine) and running == [r] and any(isinstance(e, Ready) for e in seen)
+    assert seen == evs and final.state == "ready" == st.state
     assert r.base_url == f"http://127.0.0.1:{port}" and r.pid == st.pid and r.started_by_panel and r.simulated
-    assert r.log_path == str(session.supervisor.log_path) and r.spec is not None and r.api_key not in repr(r)
+    assert r.log_path == str(session.log_path) and r.spec is not None and r.api_key not in repr(r)
     # the plan is named, read off the GUI thread only (with_plan / the hub)
     assert r.plan is None and (r.plan_path is None or r.with_plan().plan == st.plan())
     pgid = st.pgid
-    for ev in session.supervisor.stop():
+    quiet = list(session.stop(feed=False))                # the caller feeds (the panel, on the GUI thread)
+    assert quiet and session.running is r and running == [r]
+    for ev in quiet:
         session.feed(ev)
     assert session.running is None and running == [r, None]
     assert_gone(pgid, port)

@@ -294,11 +294,11 @@ def _model_file(settings: Any, engine: str, plan: dict[str, Any] | None) -> dict
 class QualityRun:
     def __init__(self, settings: Any, spec: QualitySpec, *, plan: dict[str, Any] | None = None,
                  hardware: Any = None, stop: CancelToken | None = None,
-                 supervisor_factory: Callable[..., Any] | None = None,
+                 session_factory: Callable[..., Any] | None = None,
                  on_engine_event: Callable[[Any], None] | None = None):
         self.settings, self.spec, self.plan, self.hardware = settings, spec, plan, hardware
         self.stop = stop or CancelToken()
-        self.control = EngineControl(settings, hardware, supervisor_factory, on_engine_event)
+        self.control = EngineControl(settings, hardware, session_factory, on_engine_event)
         self.t0 = time.monotonic()
         self.total = 1.0
         self.done = 0.0

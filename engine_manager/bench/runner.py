@@ -1,4 +1,4 @@
-"""The benchmark run: for each configuration, (re)start the engine through the supervisor, warm it up, measure
+"""The benchmark run: for each configuration, (re)start the engine through an engine session, warm it up, measure
 decode at 1/4/8 concurrent streams (repeats), the long-prompt experiment, then restore the engine as it was.
 
 :func:`run_bench` is a generator of typed events (:class:`BenchProgress`, :class:`BenchPhase`, :class:`BenchDone`)
@@ -200,25 +200,26 @@ BenchEvent = BenchProgress | BenchPhase | BenchNote | BenchDone
 
 # ------------------------------------------------------------------------------------------------ engine control
 class EngineControl:
-    """Start the engine for each configuration through the supervisor; put back what ran before.
+    """Start the engine for each configuration through an engine session; put back what ran before.
 
-    ``supervisor_factory(settings)`` makes a :class:`engine_manager.supervisor.Supervisor`; only its public API is
-    used (``status``, ``run(engine, plan, watch=False)``, ``stop``)."""
+    ``session_factory(settings)`` makes a :class:`engine_manager.session.EngineSession` (by default one that never
+    restarts a crashed engine); only its ``status``, ``start(engine, plan, watch=False)``, ``stop`` and ``close``
+    are used."""
 
-    def __init__(self, settings: Any, hardware: Any = None, supervisor_factory: Callable[..., Any] | None = None,
+    def __init__(self, settings: Any, hardware: Any = None, session_factory: Callable[..., Any] | None = None,
                  on_engine_event: Callable[[Any], None] | None = None):
-        from .. import supervisor as sv
+        from ..session import EngineSession
         self.on_engine_event = on_engine_event    # every supervisor event (the GUI hands them to its EngineSession)
         self.settings = settings
         self.hardware = hardware
-        self.factory = supervisor_factory or (lambda s: sv.Supervisor(s, hardware=hardware, auto_restart=False))
-        self.current: Any = None          # the supervisor of the engine the bench started
+        self.factory = session_factory or (lambda s: EngineSession(s, hardware=hardware, auto_restart=False))
+        self.current: Any = None          # the session of the engine the bench started
         self.prior: dict[str, Any] | None = None
 
     def take_over(self) -> Iterator[BenchEvent]:
         """Note what runs now; stop it (it is started again by :meth:`restore`)."""
-        sup = self.factory(self.settings)
-        st = sup.status(check_health=False)
+        session = self.factory(self.settings)
+        st = session.status(check_health=False)
         if st.external:
             from ..procs import describe_owner
             raise UserError(f"Port {self.settings.port} is used by a program the panel did not start "
@@ -228,17 +229,17 @@ class EngineControl:
             self.prior = {"engine": st.engine, "plan": st.plan(), "settings": self.settings}
             yield BenchNote(f"Stopping the running {st.engine} engine for the benchmark; it is started again "
                             "with its own settings when the benchmark ends.")
-            yield from self._drain(sup.stop(), self.on_engine_event)
-        sup.close()
+            yield from self._drain(session.stop(), self.on_engine_event)
+        session.close()
 
     def start(self, settings: Any, engine: str, plan: dict[str, Any] | None
               ) -> Generator[BenchEvent, None, RunningEngine]:
         """Start ``engine`` with ``settings``; returns a :class:`RunningEngine` when it is ready."""
         self.stop_current_sync()
-        sup = self.factory(settings)
-        self.current = sup
+        session = self.factory(settings)
+        self.current = session
         failure = None
-        gen = sup.run(engine, plan, watch=False)
+        gen = session.start(engine, plan, watch=False)
         while True:
             try:
                 ev = next(gen)
@@ -254,7 +255,7 @@ class EngineControl:
                     failure = f"{title}. {fix}".strip()
                 case EngineProgress(phase=phase) if phase:
                     yield BenchNote(f"engine: {phase}")
-        st = st or sup.status(check_health=False)
+        st = st or session.status(check_health=False)
         if st is None or st.state != READY:
             raise UserError(f"The {engine} engine did not start for the benchmark: "
                             f"{failure or (st.message if st else 'no status')}. Look at the engine's log "
@@ -275,12 +276,12 @@ class EngineControl:
         self.stop_current_sync()
         if self.prior:
             yield BenchNote(f"Starting the {self.prior['engine']} engine again as it was before the benchmark.")
-            sup = self.factory(self.prior["settings"])
+            session = self.factory(self.prior["settings"])
             try:
-                yield from self._drain(sup.run(self.prior["engine"], self.prior["plan"], watch=False),
+                yield from self._drain(session.start(self.prior["engine"], self.prior["plan"], watch=False),
                                        self.on_engine_event)
             finally:
-                sup.close()
+                session.close()
 
     def restore_quietly(self) -> None:
         """:meth:`restore` without yielding, for a run being closed from outside or failing (a closing generator
@@ -339,7 +340,7 @@ class BenchRun:
     """One benchmark (use :func:`run_bench`)."""
 
     def __init__(self, settings: Any, spec: BenchSpec, *, plan: dict[str, Any] | None = None, hardware: Any = None,
-                 stop: CancelToken | None = None, supervisor_factory: Callable[..., Any] | None = None,
+                 stop: CancelToken | None = None, session_factory: Callable[..., Any] | None = None,
                  on_token: Callable[[str, int, float], None] | None = None,
                  on_engine_event: Callable[[Any], None] | None = None):
         self.settings = settings
@@ -347,7 +348,7 @@ class BenchRun:
         self.plan = plan
         self.hardware = hardware
         self.stop = stop or CancelToken()
-        self.control = EngineControl(settings, hardware, supervisor_factory, on_engine_event)
+        self.control = EngineControl(settings, hardware, session_factory, on_engine_event)
         self.on_token = on_token
         self.ratio = P.TokenRatio()
         self.pace_gap_s: float | None = None            # the warm-up's median time between tokens (one stream)

@@ -95,10 +95,10 @@ def metrics_last_hour(now: float | None = None) -> tuple[str | None, str]:
 def build_bundle(settings: Any) -> tuple[bytes, list[str]]:
     """The zip's bytes and the README's notes (what could not be collected)."""
     from .. import doctor, hardware
-    from .. import supervisor as sv
     from ..checks import checks_for_status
     from ..logtail import read_log_tail
     from ..plans import load_last_plan
+    from ..session import EngineSession
 
     secrets = [settings.api_key, getattr(settings, "hf_token", "") or ""]
     files: dict[str, str] = {}
@@ -117,8 +117,8 @@ def build_bundle(settings: Any) -> tuple[bytes, list[str]]:
     report = attempt("doctor", lambda: hardware.probe(settings.cache_path))
     if report is not None:
         put_json("doctor.json", attempt("doctor", lambda: doctor.report_dict(report, settings)))
-    sup = sv.Supervisor(settings)
-    st = attempt("status", sup.status)
+    session = EngineSession(settings)
+    st = attempt("status", session.status)
     if st is not None:
         put_json("status.json", st.to_dict())
     plan = (st.plan() if st is not None and st.running else None) or attempt("plan", load_last_plan)
@@ -132,7 +132,7 @@ def build_bundle(settings: Any) -> tuple[bytes, list[str]]:
         put_json("checks.json", checks.to_dict())
     else:
         notes.append("checks: none (no engine is ready)")
-    log_path = Path(st.log_path) if st is not None and st.log_path else sup.log_path
+    log_path = Path(st.log_path) if st is not None and st.log_path else session.log_path
     lines = attempt("engine log", lambda: read_log_tail(log_path)) or []
     if lines:
         files["engine-log-tail.txt"] = mask("\n".join(lines[-LOG_LINES:]), secrets) + "\n"

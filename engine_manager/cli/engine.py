@@ -22,9 +22,9 @@ import sys
 import time
 
 from .. import fmt, hardware
-from .. import supervisor as sv
 from ..engine_state import READY, STOPPED, EngineStatus
 from ..logtail import LogTail, read_log_tail
+from ..session import EngineSession
 from ..start_plan import plan_host_warning
 from ..supervisor_events import (Attached, Crashed, Event, GaveUp, LogLines, Note, Progress, Ready, Restarting,
                                  StartFailed, StateChanged, Stopped, Stopping)
@@ -223,9 +223,9 @@ def run_start(args, ctx) -> int:
         warning = plan_host_warning(plan, hw)
         if warning:
             say(f"warning: {warning}")
-    sup = sv.Supervisor(settings, hardware=hw, started_by="cli")
+    session = EngineSession(settings, hardware=hw, started_by="cli")
     if args.dry_run:
-        dr = sup.dry_run(engine, plan)
+        dr = session.dry_run(engine, plan)
         if args.json:
             print(json.dumps(dr.to_dict(), indent=2, default=str))
         else:
@@ -235,7 +235,7 @@ def run_start(args, ctx) -> int:
     result = None
     failed: StartFailed | None = None
     gave_up = False
-    gen = sup.run(engine, plan, watch=args.foreground)
+    gen = session.start(engine, plan, watch=args.foreground)
     try:
         while True:
             try:
@@ -252,12 +252,12 @@ def run_start(args, ctx) -> int:
     except KeyboardInterrupt:
         gen.close()
         say("\ninterrupted: stopping the engine…")
-        for ev in sup.stop():
+        for ev in session.stop():
             printer(ev)
         return ExitCode.INTERRUPTED
     if failed is not None:
         return ExitCode.REFUSED if failed.cause == "placement_refused" else ExitCode.FAIL
-    st = result or sup.status(check_health=False)
+    st = result or session.status(check_health=False)
     if st.state == READY:
         if not args.foreground:
             say(f"The engine runs in the background (pid {st.pid}, {st.base_url}). `dsv41 status` shows it, "
@@ -318,10 +318,10 @@ def run_prepare(args, ctx) -> int:
 
 def run_stop(args, ctx) -> int:
     # an unrelated bad setting must not block stopping: Context.settings_for_stop
-    sup = sv.Supervisor(getattr(ctx, "settings_for_stop", None) or ctx.settings, grace_s=args.grace)
+    session = EngineSession(getattr(ctx, "settings_for_stop", None) or ctx.settings, grace_s=args.grace)
     printer = Printer()
     external = False
-    for ev in sup.stop(force=args.force):
+    for ev in session.stop(force=args.force):
         if isinstance(ev, Note) and ev.cause == "external_engine":
             external = True
         printer(ev)
@@ -336,9 +336,9 @@ def engine_build(name: str | None, settings) -> str | None:
 
 
 def run_status(args, ctx) -> int:
-    sup = sv.Supervisor(ctx.settings)
-    st = sup.status()
-    placed = _llamacpp_placement(st, sup)
+    session = EngineSession(ctx.settings)
+    st = session.status()
+    placed = _llamacpp_placement(st, session)
     build = engine_build(st.engine, ctx.settings)
     from ..checks import checks_for_status
     report = checks_for_status(st, ctx.settings, placed)      # planned vs measured, while the engine is ready
@@ -393,19 +393,19 @@ def run_status(args, ctx) -> int:
     return ExitCode.OK
 
 
-def _llamacpp_placement(st: EngineStatus, sup: sv.Supervisor):
+def _llamacpp_placement(st: EngineStatus, session: EngineSession):
     """What llama-server's own log says about where it put each buffer: for a llama.cpp engine that runs (or
     crashed: where it had put things may explain why), else None. A stopped engine's log is history."""
     if not find_engine(st.engine).placement_in_log or st.state == STOPPED:
         return None
     from ..engines.llamacpp import placement_from_log
 
-    return placement_from_log(st.log_path or sup.log_path)
+    return placement_from_log(st.log_path or session.log_path)
 
 
 def run_logs(args, ctx) -> int:
-    sup = sv.Supervisor(ctx.settings)
-    path = sup.log_path
+    session = EngineSession(ctx.settings)
+    path = session.log_path
     if args.path:
         print(path)
         return ExitCode.OK
@@ -422,7 +422,7 @@ def run_logs(args, ctx) -> int:
         print(ln)
     if tail is None:
         # why the last run ended, classified from its own lines (cause and fix, the engine's words quoted)
-        lf = sup.status(check_health=False).last_failure
+        lf = session.status(check_health=False).last_failure
         if lf:
             print(f"\nlast failure:  {lf.get('title')}")
             print(f"what to do:    {lf.get('fix')}")

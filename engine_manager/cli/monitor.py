@@ -45,12 +45,10 @@ def register(sub) -> None:
 
 def _engine_status(settings) -> Any:
     try:
-        from ..supervisor import Supervisor
-    except ImportError:
-        return None
-    try:
-        st = Supervisor(settings).status()
-    except Exception:
+        from ..session import EngineSession
+
+        st = EngineSession(settings).status()
+    except Exception:  # (an ImportError too: no status to show)
         return None
     return st if getattr(st, "base_url", None) and getattr(st, "state", None) in ("ready", "starting") else None
 

@@ -276,8 +276,7 @@ class DeepSeekOneGpuBackend(CustomBackend):
         self.session = EngineSession(settings, hardware=hw, started_by="inferencekey")
         self._slots = threading.BoundedSemaphore(settings.slots)
         printer = Printer(out=_LogWriter())
-        sup = self.session.supervisor
-        self._thread = threading.Thread(target=self._run_engine, args=(sup, engine, plan, printer),
+        self._thread = threading.Thread(target=self._run_engine, args=(engine, plan, printer),
                                         name="dsv41-engine", daemon=True)
         self._thread.start()
         with self._cond:
@@ -288,11 +287,12 @@ class DeepSeekOneGpuBackend(CustomBackend):
         log(f"engine ready at {running.base_url} ({running.label}"
             + (", SIMULATED" if running.simulated else "") + f"), {settings.slots} slot(s)")
 
-    def _run_engine(self, sup: Any, engine: str, plan: dict[str, Any] | None, printer: Any) -> None:
+    def _run_engine(self, engine: str, plan: dict[str, Any] | None, printer: Any) -> None:
         from ..supervisor_events import GaveUp, Ready, StartFailed
 
         try:
-            for ev in sup.run(engine, plan, watch=True):
+            # fed here, under the condition (feed=False): a waiter sees running and _started_here set together
+            for ev in self.session.start(engine, plan, watch=True, feed=False):
                 printer(ev)
                 with self._cond:
                     self.session.feed(ev)
@@ -334,21 +334,20 @@ class DeepSeekOneGpuBackend(CustomBackend):
             self._shut = True
         session = self.session
         if session is not None:
-            sup = session.supervisor
             try:
                 if self._started_here or not self._thread_done:
                     log("stopping the engine this backend started…")
                     from ..cli.engine import Printer
 
                     printer = Printer(out=_LogWriter())
-                    for ev in sup.stop():
+                    for ev in session.stop(feed=False):
                         printer(ev)
                 else:
-                    sup.detach()
+                    session.detach()
             except Exception as exc:  # at exit: say it; the watchdog still stops the engine
                 log(f"could not stop the engine: {exc}")
             if self._thread is not None:
-                self._thread.join(timeout=sup.grace_s + 30)
+                self._thread.join(timeout=session.supervisor.grace_s + 30)
             session.close()
         if self._watch_w is not None:
             try:

@@ -6,7 +6,7 @@ The backend (:mod:`engine_manager.inferencekey.backend`) starts this in a sessio
 a pipe (``--fd``) whose write end only the backend holds. The kernel closes that end when the backend ends —
 ``exit``, an exception, SIGTERM, SIGKILL, the OOM killer — and the read here returns end-of-file. Then, if the
 state file still names a live engine that this backend started (``supervisor_pid`` = ``--backend-pid``), it is
-stopped the way ``dsv41 stop`` stops it (:meth:`engine_manager.supervisor.Supervisor.stop`: SIGTERM to its group,
+stopped the way ``dsv41 stop`` stops it (:meth:`engine_manager.session.EngineSession.stop`: SIGTERM to its group,
 the grace period, SIGKILL). An engine someone else started, or one already stopped, is left alone.
 
 Why not the engine's keeper: the keeper (:mod:`engine_manager.keeper`) is built to outlive whoever started the
@@ -45,8 +45,8 @@ def stop_if_ours(backend_pid: int) -> bool:
     from .. import paths
     from ..atomic import read_bytes_nofollow
     from ..engine_state import STATE_FILE, EngineRecord
+    from ..session import EngineSession
     from ..settings import load_settings
-    from ..supervisor import Supervisor
 
     try:
         rec = EngineRecord.from_json(read_bytes_nofollow(paths.data_dir() / STATE_FILE, 1 << 20))
@@ -57,14 +57,14 @@ def stop_if_ours(backend_pid: int) -> bool:
     folder = paths.data_dir() / "inferencekey"
     loaded = load_settings(path=folder / "backend-settings.json", generate_key=False, lenient=True)
     _say(f"the backend (pid {backend_pid}) is gone: stopping the engine it started (pid {rec.pid})")
-    sup = Supervisor(loaded.settings)
+    session = EngineSession(loaded.settings)
     try:
-        for ev in sup.stop():
+        for ev in session.stop():
             msg = getattr(ev, "message", None)
             if ev.kind in ("stopped", "note") and msg:
                 _say(msg)
     finally:
-        sup.close()
+        session.close()
     return True
 
 
