@@ -58,6 +58,7 @@ from .inferencekey import endpoint as ik_endpoint
 from .inferencekey.endpoint import endpoint_ref
 from .tunnel import transport_for
 from .fmt import MB
+from .tls import verify as tls_verify
 
 if TYPE_CHECKING:
     from .engine_state import RunningEngine
@@ -200,7 +201,8 @@ def _engine_answers(base_url: str, timeout_s: float = 1.0, tries: int = 2) -> bo
     accepts connections for a process that is being killed until its listening socket is finally closed.)"""
     for i in range(tries):
         try:
-            with httpx.Client(trust_env=False, timeout=timeout_s, transport=transport_for(base_url)) as c:
+            with httpx.Client(trust_env=False, timeout=timeout_s, verify=tls_verify(),
+                              transport=transport_for(base_url)) as c:
                 get_capped(c, base_url.rstrip("/") + "/health", deadline_s=timeout_s)
             return True
         except (AnswerTooLarge, AnswerTooSlow):
@@ -401,7 +403,7 @@ class ChatClient:
         self._secrets = [api_key] if api_key else []
         self.first_token_s = max(read_timeout_s, first_token_deadline_s)
         self._http = httpx.Client(
-            base_url=self.base_url, headers=bearer_headers(api_key), trust_env=False,
+            base_url=self.base_url, headers=bearer_headers(api_key), trust_env=False, verify=tls_verify(),
             timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=5.0),
             limits=httpx.Limits(max_keepalive_connections=0),
             # an SSH forward's URL is reached only through its Unix socket (engine_manager.tunnel)

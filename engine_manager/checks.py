@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from .fmt import GIB, MIB
+from .tls import verify as tls_verify
 
 #: a binding must hold at least this share of the engine's resident memory on its node to count as applied
 NUMA_MIN_SHARE = 0.9
@@ -522,7 +523,7 @@ def read_metrics_facts(base_url: str, api_key: str, timeout_s: float = 5.0) -> d
 
     from .engines._http import METRICS_BODY_CAP, bearer_headers, get_capped, json_body
 
-    with httpx.Client(timeout=timeout_s) as client:
+    with httpx.Client(timeout=timeout_s, verify=tls_verify()) as client:
         r = get_capped(client, base_url.rstrip("/") + "/metrics",
                        headers={**bearer_headers(api_key), "Accept": "application/json"}, cap=METRICS_BODY_CAP,
                        deadline_s=timeout_s)

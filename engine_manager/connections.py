@@ -40,6 +40,7 @@ from .engines.registry import DETECTION_ORDER
 from .errors import UserError
 from .fmt import MB
 from .engine_state import RunningEngine, why_invalid
+from .tls import verify as tls_verify
 
 SCHEMA = 1
 KEYRING_SERVICE = "dsv41-panel"
@@ -686,7 +687,8 @@ def detect(base_url: str, api_key: str | None, *, timeout_s: float = DETECT_TIME
     too_large: dict[str, str] = {}
     end = time.monotonic() + deadline_s
     with httpx.Client(timeout=httpx.Timeout(timeout_s), headers=bearer_headers(api_key), trust_env=False,
-                      verify=verify, follow_redirects=False, transport=transport_for(url, verify=verify)) as client:
+                      verify=tls_verify(verify), follow_redirects=False,
+                      transport=transport_for(url, verify=verify)) as client:
         def get(path: str, cap: int = SMALL_BODY_CAP) -> httpx.Response | None:
             rest = end - time.monotonic()
             if rest <= 0:
@@ -1037,7 +1039,7 @@ class OverviewPoller:
         ident = (running.engine, running.base_url, running.pid)
         try:
             eng = get_engine(running.engine)
-            with httpx.Client(timeout=httpx.Timeout(self.timeout_s), trust_env=False,
+            with httpx.Client(timeout=httpx.Timeout(self.timeout_s), trust_env=False, verify=tls_verify(),
                               transport=transport_for(running.base_url)) as client:
                 s = eng.poll(client, spec_for(eng, running.base_url, running.api_key), self._previous(name, ident))
         except Exception as exc:  # noqa: BLE001 - a failing engine is a line of the overview, never a crash
@@ -1112,7 +1114,7 @@ class OverviewPoller:
             kind, url, simulated = known
             eng = get_engine(kind)
             ident = (kind, url)
-            with httpx.Client(timeout=httpx.Timeout(self.timeout_s), trust_env=False,
+            with httpx.Client(timeout=httpx.Timeout(self.timeout_s), trust_env=False, verify=tls_verify(),
                               transport=transport_for(url)) as client:
                 s = eng.poll(client, spec_for(eng, url, key or ""), self._previous(conn.name, ident))
         except TunnelError as exc:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UserError
+from .tls import verify as tls_verify
 
 CONNECT_TIMEOUT_S = 10          # ssh's own ConnectTimeout: an unreachable host fails in this long, not minutes
 OPEN_TIMEOUT_S = 30.0
@@ -171,7 +172,7 @@ def transport_for(url: Any, *, verify: Any = True, limits: Any = None) -> Any:
     path = t.socket_path if t is not None else None
     if path is None:
         return _closed_transport_class()()
-    kw: dict[str, Any] = {"uds": path, "verify": verify}
+    kw: dict[str, Any] = {"uds": path, "verify": tls_verify(verify)}
     if limits is not None:
         kw["limits"] = limits
     return httpx.HTTPTransport(**kw)

@@ -39,6 +39,7 @@ from ..errors import UserError
 from .runner import BenchDone, BenchEvent, BenchNote, BenchProgress, EngineControl
 from .sandbox import Limits, SandboxUnavailable, run_python
 from .stats import finite_json
+from ..tls import verify as tls_verify
 
 SCHEMA = "dsv41-quality"
 SCHEMA_VERSION = 1
@@ -427,7 +428,7 @@ class QualityRun:
         from ..engines._http import bearer_headers, get_capped, json_body
         try:
             with httpx.Client(base_url=eng.base_url, headers=bearer_headers(eng.api_key), trust_env=False,
-                              timeout=5.0) as c:
+                              timeout=5.0, verify=tls_verify()) as c:
                 data = json_body(get_capped(c, "/v1/models", deadline_s=5.0)).get("data") or []
             return str(data[0].get("id"))[:200] if data else None
         except Exception:  # noqa: BLE001 - the name is for the report only

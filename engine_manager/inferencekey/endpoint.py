@@ -23,6 +23,7 @@ import re
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
+from ..tls import verify as tls_verify
 
 if TYPE_CHECKING:
     from ..connections import Detection
@@ -110,7 +111,7 @@ def detect_endpoint(url: str, api_key: str | None, *, timeout_s: float, deadline
     probe = ref.v1 + "/models"
     try:
         with httpx.Client(timeout=httpx.Timeout(timeout_s), headers=bearer_headers(api_key), trust_env=False,
-                          verify=verify, follow_redirects=False,
+                          verify=tls_verify(verify), follow_redirects=False,
                           transport=transport_for(probe, verify=verify)) as client:
             r = get_capped(client, probe, deadline_s=deadline_s)
     except AnswerTooLarge:

@@ -23,6 +23,7 @@ from ..engines._http import AnswerTooLarge, AnswerTooSlow, SMALL_BODY_CAP, beare
 from ..figures import measured
 from ..engines.base import Engine, LaunchSpec, LogEvent, Sample
 from .columns import ENGINE_COLUMNS, HOST_COLUMNS, LOG_COLUMNS, MAX_SLOTS, NVML_COLUMNS
+from ..tls import verify as tls_verify
 
 
 @dataclass
@@ -121,7 +122,7 @@ class EngineSource(Source):
         from ..tunnel import transport_for      # an SSH forward's URL: reached only through its Unix socket
 
         self.client = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers, trust_env=False,
-                                   transport=transport_for(spec.base_url))
+                                   verify=tls_verify(), transport=transport_for(spec.base_url))
         self.previous: Sample | None = None
         self.model: str | None = None
         self._model_tries = 0
