@@ -1,5 +1,6 @@
 """The Benchmark tab: run ``engine_manager.bench`` on a worker and show its progress, the table beside
-the guides' figures, per-user bars and per-stream token timelines (the long-prompt pause), history and compare.
+the guides' figures, per-user bars and per-stream token timelines (the long-prompt pause), history and compare;
+the Quality page (:mod:`app.bench_quality`) runs and shows ``dsv41 bench --preset quality``.
 
 Everything measured or decided lives in :mod:`engine_manager.bench`; this module renders its events and result.
 """
@@ -33,6 +34,7 @@ from engine_manager.engines import find_engine
 from engine_manager.errors import UserError
 
 from . import workers
+from .bench_quality import QualitySection
 from .panel_base import Panel
 
 COLUMNS = ("users", "total tok/s", "spread", "slowest tok/s", "per stream", "first token s", "engine's total",
@@ -182,6 +184,8 @@ class BenchView(Panel, QWidget):
         self.pages = QTabWidget()
         self.pages.addTab(result_page, "Result")
         self.pages.addTab(hist, "History and compare")
+        self.quality = QualitySection(self)      # dsv41 bench --preset quality, on this tab's tasks
+        self.pages.addTab(self.quality, "Quality")
 
         lay = QVBoxLayout(self)
         lay.addLayout(top)
@@ -194,6 +198,7 @@ class BenchView(Panel, QWidget):
         ctx.settingsChanged.connect(lambda _l: self._show_engine())
         self._show_engine()
         self.refresh_history()
+        self.quality.load_last()
 
     # -- state ---------------------------------------------------------------------------------------------
     def engine_name(self) -> str:
@@ -226,9 +231,13 @@ class BenchView(Panel, QWidget):
     def run_bench(self) -> None:
         if self.running():
             return
+        if self.quality.running():
+            self.phase_label.setText("The quality check is running: wait for it to end or cancel it first.")
+            return
         self._token = CancelToken()                 # the task's, and what the bench watches
         self.result = None
         self.run_button.setEnabled(False)
+        self.quality.run_button.setEnabled(False)      # one run at a time takes the engine over
         self.cancel_button.setEnabled(True)
         self.progress.setValue(0)
         self.progress.setFormat("starting…")
@@ -281,6 +290,7 @@ class BenchView(Panel, QWidget):
     def _on_finished(self) -> None:
         self.ctx.lock_engine(None)
         self.run_button.setEnabled(True)
+        self.quality.run_button.setEnabled(not self.quality.running())
         self.cancel_button.setEnabled(False)
         if self.result is not None:
             self.progress.setValue(1000)

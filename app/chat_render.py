@@ -199,10 +199,9 @@ class ConversationDoc:
         stats = StreamStats.from_dict(m.stats) if m.stats else None
         if stats and (stats.tokens or stats.ttft_s is not None):
             bits.append(html.escape(stats.summary()))
-        if stats and stats.finish_reason == "length":
-            mt = (m.options or {}).get("max_tokens")
-            bits.append(f'<span style="color:{t["warn"]}">cut at max tokens{f" ({mt})" if mt else ""}: raise it '
-                        f'in Options for a longer answer</span>')
+        note = stats.end_note((m.options or {}).get("max_tokens"), gui=True) if stats else None
+        if note:           # why it ended early: the count, the engine's context, the InferenceKey time limit
+            bits.append(f'<span style="color:{t["warn"]}">{html.escape(note)}</span>')
         status = ""
         if m.status == hist.STATUS_STOPPED:
             status = f'<span style="color:{t["warn"]}">■ Stopped by you</span>'

@@ -36,6 +36,7 @@ class AppContext(QObject):
     ownEngineChanged = Signal(object)       # the panel's own engine (RunningEngine) when ready, None when it stops
     watchChanged = Signal(object)           # the watched connection's name, None for the panel's own engine
     sampleArrived = Signal(object)          # engine_manager.engines.base.Sample
+    livenessReported = Signal(object)       # engine_manager.watchdog.Liveness of the watched engine, per sample
     statusMessage = Signal(str, int)        # text, timeout ms
     requestStart = Signal()                 # any panel may ask the engine panel to start the engine
     requestRestart = Signal()               # … or to stop it and start it again (a setting that needs a restart)

@@ -50,6 +50,7 @@ from engine_manager.supervisor_events import (Attached, Crashed, Event, GaveUp, 
                                               Restarting, StartFailed, StateChanged, Stopped, Stopping)
 from engine_manager.engines import ENGINE_NAMES, find_engine, get_engine
 from engine_manager.engines.llamacpp import PlacementSummary, placement_from_log
+from engine_manager.liveness_line import LivenessLine, StallEpisode
 from engine_manager.release_check import engine_release_facts
 from engine_manager.settings import resolve_engine
 
@@ -186,6 +187,10 @@ class EnginePanel(Panel, QWidget):
         ctx.watchChanged.connect(lambda _name: self._render_state(self._state, ""))
         ctx.engineLockChanged.connect(lambda _why: self._render_state(self._state, ""))
         ctx.ownEngineChanged.connect(lambda _r: self._refresh_details())      # "Copy API key" follows it
+        self.stall_episode = StallEpisode()
+        self._stall_restart_note: str | None = None     # said once the engine restarted after a stall is ready
+        ctx.livenessReported.connect(self.show_liveness)
+        ctx.engineRunning.connect(self._watched_changed)
         self.poll_timer = QTimer(self)
         self.poll_timer.setInterval(POLL_MS)
         self.poll_timer.timeout.connect(self._poll_status)
@@ -255,6 +260,22 @@ class EnginePanel(Panel, QWidget):
         self.phase.setWordWrap(True)
         self.phase.hide()
         lay.addWidget(self.phase)
+
+        # the watchdog's verdict (engine_manager.liveness_line): stalled / unavailable, with Restart for its own engine
+        self.liveness_box = QFrame()
+        self.liveness_box.setObjectName("livenessBox")
+        self.liveness_box.setFrameShape(QFrame.Shape.StyledPanel)
+        live_lay = QVBoxLayout(self.liveness_box)
+        live_lay.setContentsMargins(8, 6, 8, 6)
+        self.liveness_label = _text_label("livenessLine", Qt.TextFormat.PlainText)
+        live_lay.addWidget(self.liveness_label)
+        self.liveness_restart = QPushButton("Restart")
+        self.liveness_restart.setObjectName("livenessRestart")
+        self.liveness_restart.setToolTip("Stop the engine, then start it again with the settings as they are now")
+        self.liveness_restart.clicked.connect(self.restart_stalled)
+        live_lay.addWidget(self.liveness_restart, 0, Qt.AlignmentFlag.AlignLeft)
+        self.liveness_box.hide()
+        lay.addWidget(self.liveness_box)
 
         self.banner = CrashBanner()
         self.banner.log_button.clicked.connect(lambda: self.ctx.requestTab.emit("Log"))
@@ -614,6 +635,52 @@ class EnginePanel(Panel, QWidget):
             case Note():
                 self._add_note(ev.text, ev.level)
 
+    # -- the watchdog's verdict ---------------------------------------------------------------------------------------
+    def _restartable(self) -> bool:
+        """The watched engine is the panel's own (the session's, which Start/Stop act on — not an attached
+        connection) and nothing else holds it (the benchmark)."""
+        own = getattr(self.ctx, "own", None)
+        return own is not None and getattr(self.ctx, "running", None) is own and self._watch_refusal() is None
+
+    def show_liveness(self, live: Any) -> None:
+        """The watchdog's verdict on the watched engine (``ctx.livenessReported``): an amber "Engine stalled: …" or
+        red "Engine unavailable: …" line with Restart for the panel's own engine; a stall of its own engine is
+        restarted automatically once per episode while "Restart after a crash" is on; hidden once it moves."""
+        line = self.stall_episode.judge(live, own=self._restartable(), auto_restart=self.auto_restart.isChecked())
+        if line is None:
+            if getattr(live, "state", None) in ("ok", "idle"):
+                self.liveness_box.hide()
+            return
+        self._draw_liveness(line)
+        if line.restart_now:
+            self._stall_restart_note = f"Restarted automatically after a stall: {getattr(live, 'detail', '')}."
+            self.ctx.statusMessage.emit("The engine stalled: restarting it (“Restart after a crash” is on)…", 15000)
+            self.restart()
+
+    def _draw_liveness(self, line: LivenessLine) -> None:
+        bg, fg = ("#fde2e1", "#7d0d14") if line.severe else ("#fff4e5", "#6b4100")
+        self.liveness_box.setStyleSheet(f"QFrame#livenessBox {{ background: {bg}; border: 1px solid {fg}; "
+                                        f"border-radius: 4px; }} QLabel {{ color: {fg}; font-weight: bold; }}")
+        self.liveness_label.setText(line.text)
+        self.liveness_restart.setVisible(line.offer_restart)
+        self.liveness_box.show()
+
+    def restart_stalled(self) -> None:
+        """The line's Restart: the panel's own engine, through the session (:meth:`restart`)."""
+        if not self._restartable():
+            return
+        self.liveness_box.hide()
+        self.restart()
+
+    def _watched_changed(self, running: Any) -> None:
+        # another engine (or a restarted one) is watched: the old verdict is not about it; the watchdog starts over
+        if running is None and self._stall_restart_note is not None:
+            return                      # the automatic restart's stop: its line stays until the engine is back
+        self.liveness_box.hide()
+        if running is not None and self._stall_restart_note is not None:
+            note, self._stall_restart_note = self._stall_restart_note, None
+            self._add_note(note, "warning")
+
     def _placement_read(self, summary: PlacementSummary) -> None:
         # the file holds every line the live events brought since the attach, and those before it
         if summary.has_placement and summary.events >= self.placement.events:
@@ -685,6 +752,9 @@ class EnginePanel(Panel, QWidget):
             self._state = STOPPED
         if self._state in (STOPPED, CRASHED):
             self._clear_ready()
+            if not self._restart_after_stop:            # an automatic stall restart that did not start again
+                self._stall_restart_note = None
+                self.liveness_box.hide()
         self._render_state(self._state, "")
         if self._refused_cause == "engine_running" and not self.tasks.shut_down:
             QTimer.singleShot(0, self.reattach)     # show (and offer to stop) the engine that runs

@@ -2,8 +2,9 @@
 planned-vs-measured check failed — each said once (:class:`engine_manager.desktop_notices.NoticeFilter` decides).
 
 :class:`Notifier` listens to the window's :class:`~app.context.AppContext`: ``engineStateChanged`` (the crash; its
-cause from the supervisor's ``last_failure``), ``sampleArrived`` (the watchdog's stall), ``checksReported`` (the
-engine column's checks). It sends through ``send(title, body)``: given (tests), else chosen at the first notice —
+cause from the supervisor's ``last_failure``), ``sampleArrived`` (the watchdog's stall; each verdict is also
+re-emitted as ``ctx.livenessReported``, the engine panel's stalled line), ``checksReported`` (the engine column's
+checks). It sends through ``send(title, body)``: given (tests), else chosen at the first notice —
 ``QSystemTrayIcon.showMessage`` when the desktop has a tray, else ``notify-send`` (an argument list, off the GUI
 thread) when it is installed, else nothing.
 """
@@ -79,7 +80,7 @@ class Notifier(QObject):
         self._send = send
         self._chosen = send is not None
         ctx.engineStateChanged.connect(self._on_state)
-        ctx.sampleArrived.connect(lambda s: self._say(self.filter.sample(s)))
+        ctx.sampleArrived.connect(self._on_sample)
         ctx.checksReported.connect(self._on_checks)
         ctx.engineRunning.connect(lambda _r: self.filter.new_watched())
         ctx.ownEngineChanged.connect(lambda _r: self.filter.new_own())
@@ -97,6 +98,13 @@ class Notifier(QObject):
             except Exception:  # noqa: BLE001 - no supervisor to ask: a crash without its cause
                 cause = None
         self._say(self.filter.state(state, str(getattr(ev, "message", "") or ""), cause))
+
+    def _on_sample(self, sample: Any) -> None:
+        # the window's one watchdog (the filter's) judges the sample; its verdict goes to the engine panel too
+        notice = self.filter.sample(sample)
+        if self.filter.watchdog.last is not None:
+            self.ctx.livenessReported.emit(self.filter.watchdog.last)
+        self._say(notice)
 
     def _on_checks(self, report: Any) -> None:
         if report is not None:

@@ -156,6 +156,27 @@ class StreamStats:
             parts.append(f"first token {self.ttft_s:.2f} s")
         return " · ".join(parts)
 
+    def end_note(self, max_tokens: int | None, *, gui: bool = False) -> str | None:
+        """Why an answer that ended by itself ended early, in words (None: it simply finished). ``gui`` names the
+        window's Options instead of ``--max-tokens``. "length": the count decides — an engine also says it when its
+        context is full (Strata's fit_max_tokens shortens max_tokens to the room left), and Strata when a reply
+        repeats one token 256 times in a row or its thinking loops (serve/server.py@2291cb3 Service.run).
+        "time_limit": the InferenceKey backend answered before the worker's limit per request
+        (engine_manager.inferencekey.backend REQUEST_LIMIT_S)."""
+        if self.finish_reason == "time_limit":
+            return ("answered before the InferenceKey worker's time limit per request: ask for fewer tokens"
+                    + (" in Options" if gui else " (--max-tokens)"))
+        if self.finish_reason != "length":
+            return None
+        limit = (f"max tokens ({max_tokens})" if max_tokens else "max tokens") if gui else \
+            (f"--max-tokens {max_tokens}" if max_tokens else "--max-tokens")
+        if not max_tokens or self.tokens >= max_tokens:
+            return (f"cut at {limit}: raise it in Options for a longer answer" if gui else
+                    f"stopped at {limit}: raise it for a longer answer")
+        return (f"the engine ended the answer at {self.tokens} tokens, before {limit}, saying \"length\": its "
+                f"context was full, or (Strata) the reply repeated one token 256 times in a row or its thinking "
+                f"looped; the engine's log says which")
+
 
 @dataclass(frozen=True, slots=True)
 class StreamDone:

@@ -117,6 +117,14 @@ def test_a_run_on_the_scripted_engine_measures_restarts_and_restores(port, tmp_p
     assert not r["cancelled"] and r["error"] is None
     assert "api_key" not in r["settings"] and settings.api_key not in json.dumps(r)
     assert r["model_comparable"] is True
+    # the engine measured: its own version string, its build, its launch argv (the key masked), per configuration
+    from engine_manager.sim.model import VERSION
+    assert r["engine_version"] == VERSION and r["engine_build"] == f"Strata {VERSION} (simulated)"
+    assert r["engine_args"] and any("engine_manager.sim" in a for a in r["engine_args"])
+    assert "--cpu-numerics" in r["configs"][1]["engine"]["engine_args"]
+    for c in r["configs"]:
+        assert {"engine_version", "engine_build", "engine_args"} <= set(c["engine"])
+        assert settings.api_key not in json.dumps(c["engine"]["engine_args"])
     rows = {x["users"]: x for x in r["table"]}
     assert set(rows) == {1, 2}
     one = rows[1]

@@ -454,7 +454,7 @@ def test_the_registry_and_the_adapters_agree():
     it is attach-only, and the tables that other modules keep of engine names read the registry."""
     from typing import get_args
 
-    from engine_manager.bench.runner import PRESETS
+    from engine_manager.bench.config import PRESETS
     from engine_manager.connections import KIND_LABELS
     from engine_manager.engines import registry
     from engine_manager.engines.base import Engine, Evidence

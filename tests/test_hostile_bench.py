@@ -26,7 +26,8 @@ from engine_manager import supervisor as sv
 from engine_manager.engine_state import READY, STOPPED
 from engine_manager.bench import prompts as P
 from engine_manager.bench import results
-from engine_manager.bench.runner import BASELINE, BenchSpec, _combine, _monitor_summary
+from engine_manager.bench.config import BASELINE
+from engine_manager.bench.runner import BenchSpec, _combine, _monitor_summary
 from engine_manager.bench.stats import finite_json, measured, measured_int
 from engine_manager.bench.streams import StreamRecord, Streams, decode_figures
 from engine_manager.cancel import CancelToken

@@ -351,6 +351,22 @@ def test_dsv41_chat_escapes_terminal_control_from_the_server(hostile):
     assert "\x1b" in hist.HistoryStore().messages(1)[1].content       # saved as the engine sent it
 
 
+def test_an_answer_cut_by_the_inferencekey_time_limit_says_so_in_the_cli_and_the_pane(hostile):
+    """finish_reason "time_limit" (the InferenceKey backend answered before the worker's limit per request): the CLI
+    and the chat pane's footer give the same reason (StreamStats.end_note), each with its own way to ask for less."""
+    from engine_manager.chat_events import StreamStats
+
+    srv = hostile(SSE_HEAD, lambda: [delta(content="partial "), delta(content="answer"),
+                                     last("time_limit", prompt_tokens=4, completion_tokens=2, total_tokens=6)])
+    r = dsv41_chat(srv.url, "--max-tokens", "50", "q")
+    assert r.returncode == 0, r.stderr
+    assert "time limit per request: ask for fewer tokens (--max-tokens)" in r.stderr
+    saved = hist.HistoryStore().messages(1)[1]
+    pane = StreamStats.from_dict(saved.stats).end_note(50, gui=True)
+    assert pane == "answered before the InferenceKey worker's time limit per request: ask for fewer tokens in Options"
+    assert StreamStats(completion_tokens=9, finish_reason="stop").end_note(50) is None
+
+
 @pytest.mark.parametrize("completion,words,not_words", [
     (3, "ended the answer at 3 tokens, before --max-tokens 50", "stopped at --max-tokens"),
     (50, "stopped at --max-tokens 50", "before --max-tokens"),

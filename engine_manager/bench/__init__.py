@@ -13,17 +13,13 @@ Qt-free; the CLI (``dsv41 bench``), the Benchmark tab (``app/bench_view.py``) an
 """
 
 from .results import SCHEMA, SCHEMA_VERSION, bench_dir, compare, findings, history, load, save
+from .config import BASELINE, PRESET_WORDS, PRESETS, BenchConfig, parse_config
 from .runner import (
-    BASELINE,
-    PRESET_WORDS,
-    PRESETS,
-    BenchConfig,
     BenchDone,
     BenchNote,
     BenchPhase,
     BenchProgress,
     BenchSpec,
-    parse_config,
     run_and_save,
     run_bench,
 )

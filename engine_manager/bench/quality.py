@@ -225,11 +225,13 @@ def first_divergence(a: Sequence[str], b: Sequence[str]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _tokens(client: ChatClient, messages: list[dict[str, str]], opts: ChatOptions) -> tuple[list[str], str | None]:
-    """One answer as its streamed pieces (a piece is a token for Strata, llama-server and the scripted engine)."""
+def _tokens(client: ChatClient, messages: list[dict[str, str]], opts: ChatOptions,
+            cancel: CancelToken | None = None) -> tuple[list[str], str | None]:
+    """One answer as its streamed pieces (a piece is a token for Strata, llama-server and the scripted engine);
+    ``cancel`` cuts the stream (its socket is shut down)."""
     out: list[str] = []
     try:
-        for ev in client.stream(messages, opts):
+        for ev in client.stream(messages, opts, cancel):
             if isinstance(ev, (ContentDelta, ReasoningDelta)):
                 out.append(ev.text)
     except ChatError as exc:
@@ -237,18 +239,19 @@ def _tokens(client: ChatClient, messages: list[dict[str, str]], opts: ChatOption
     return out, None
 
 
-def determinism_row(client: ChatClient, prompts: Sequence[str], users: int, opts: ChatOptions) -> dict[str, Any]:
+def determinism_row(client: ChatClient, prompts: Sequence[str], users: int, opts: ChatOptions,
+                    cancel: CancelToken | None = None) -> dict[str, Any]:
     """Each prompt alone (one after another), then all of them in batches of ``users`` concurrent requests: how
     many answers are token-identical, and where the others first differ."""
     msgs = [[{"role": "user", "content": p}] for p in prompts]
-    alone = [_tokens(client, m, opts) for m in msgs]
+    alone = [_tokens(client, m, opts, cancel) for m in msgs]
     batched: list[tuple[list[str], str | None]] = []
     with ThreadPoolExecutor(max_workers=max(1, users)) as pool:
         for i in range(0, len(msgs), users):
             group = msgs[i:i + users]
             if len(group) < users:          # a batch is always N requests: the last one is filled up again
                 group = group + msgs[: users - len(group)]
-            got = list(pool.map(lambda m: _tokens(client, m, opts), group))
+            got = list(pool.map(lambda m: _tokens(client, m, opts, cancel), group))
             batched.extend(got[: len(msgs) - i])
     items = []
     for i, ((a, ea), (b, eb)) in enumerate(zip(alone, batched)):
@@ -437,7 +440,7 @@ class QualityRun:
     def _ask(self, client: ChatClient, text: str) -> tuple[str, str | None, int | None]:
         opts = ChatOptions(max_tokens=self.spec.max_tokens, temperature=0.0, seed=self.spec.seed)
         try:
-            content, _reasoning, stats = client.complete([{"role": "user", "content": text}], opts)
+            content, _reasoning, stats = client.complete([{"role": "user", "content": text}], opts, self.stop)
             return content, None, stats.completion_tokens
         except ChatError as exc:
             return "", exc.message, None
@@ -450,6 +453,7 @@ class QualityRun:
             p = probs[tid]
             prompt = HUMANEVAL_ASK.format(prompt=p["prompt"])
             answer, err, toks = self._ask(client, prompt)
+            self._check()                     # a cancel cut the answer: it is not scored
             res = {"passed": False, "status": "no answer", "output": ""}
             if err is None:
                 try:
@@ -470,6 +474,7 @@ class QualityRun:
             prompt = (f"{it['question']}\n\nSolve the problem step by step, then give the final number on the last "
                       "line as 'Answer: <number>'.")
             answer, err, toks = self._ask(client, prompt)
+            self._check()
             got = gsm8k_extract(answer) if err is None else None
             doc["items"].append({"bench": "gsm8k", "id": it["id"], "prompt": prompt,
                                  "answer": answer[:ANSWER_KEEP_CHARS], "expected": it["expected"], "got": got,
@@ -497,7 +502,8 @@ class QualityRun:
         if find_engine(s.engine).stops_at_eos:
             extra["ignore_eos"] = True        # the same length alone and batched
         opts = ChatOptions(max_tokens=s.determinism_tokens, temperature=0.0, seed=s.seed, extra=extra)
-        row = determinism_row(client, prompts, s.determinism_users, opts)
+        row = determinism_row(client, prompts, s.determinism_users, opts, self.stop)
+        self._check()
         row.update(mode=mode, label=label, settings=numerics, reproducible=reproducible,
                    simulated=bool(doc.get("simulated")))
         doc["determinism"].append(row)

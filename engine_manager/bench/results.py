@@ -3,7 +3,9 @@
 Schema ``dsv41-bench``, ``schema_version`` 1 (fields may be added within a version; none is removed or changes
 meaning without a new version): ``id``, ``started_at``, ``finished_at``, ``duration_s``, ``cancelled``, ``error``;
 ``simulated`` (the scripted engine ran: every figure checks the wiring, not the host); ``engine`` (argv with the key
-masked) and ``model_comparable`` (None: unknown); ``spec``, ``token_ratio``, ``settings`` (no secrets),
+masked) and ``model_comparable`` (None: unknown); ``engine_version``, ``engine_build``, ``engine_args`` (the
+baseline engine's, :func:`engine_manager.bench.runner.engine_facts`; each configuration's under its ``engine``;
+None: unknown); ``spec``, ``token_ratio``, ``settings`` (no secrets),
 ``hardware``, ``plan``; ``configs`` (per configuration its settings, engine, ``phases`` — ``warmup``, ``users_N``
 with median / spread of total, slowest and per-stream tok/s, TTFT, the engine's own total, client CPU, each repeat,
 the last repeat's token timeline, ``long_prompt`` — and ``monitor``: hit rate, PCIe RX, swaps per phase); ``table``
@@ -29,6 +31,7 @@ from .. import paths
 from ..atomic import atomic_write_text, read_bytes_nofollow
 from ..errors import UserError
 from ..metrics.guides import AS_PUBLISHED, GUIDE_HOST, GUIDE_MODEL, GUIDE_TABLE, is_guide_model
+from .config import BenchConfig, guide_effect
 from .stats import finite_json, measured
 
 SCHEMA = "dsv41-bench"
@@ -84,6 +87,8 @@ def assemble(doc: dict[str, Any], settings: Any, hardware: Any) -> dict[str, Any
     eng = dict(base.get("engine") or {})
     simulated = bool(eng.get("simulated"))
     out["engine"] = eng
+    for key in ("engine_version", "engine_build", "engine_args"):
+        out[key] = eng.get(key)
     out["simulated"] = simulated
     comparable = is_guide_model(eng.get("model"))
     out["model_comparable"] = comparable
@@ -127,7 +132,6 @@ def assemble(doc: dict[str, Any], settings: Any, hardware: Any) -> dict[str, Any
         "prefill_tok_s_engine": lp.get("prefill_tok_s_engine"),
         "guide_pause_s": 4.048 if comparable is not False else None, "simulated": simulated}
     # A/B
-    from .runner import BenchConfig, guide_effect
     from .stats import ratio
     ab = []
     for c in configs[1:]:

@@ -25,20 +25,18 @@ import httpx
 from ..cancel import Cancelled, CancelToken
 from ..chat import ChatClient, ChatOptions
 from ..engines import find_engine
-from ..engines._http import bearer_headers
+from ..engines._http import SMALL_BODY_CAP, bearer_headers, get_capped, json_body
 from ..errors import UserError
 from ..eventbase import Event
 from ..supervisor_events import Crashed, StartFailed
 from ..supervisor_events import Progress as EngineProgress
-from ..metrics.guides import GUIDE_TABLE, GUIDE_UNBOUND_1_USER, is_guide_model
+from ..metrics.guides import GUIDE_TABLE, is_guide_model
 from ..engine_state import READY, RunningEngine
 from . import prompts as P
+from .config import BASELINE, PRESET_BASELINE, PRESETS, BenchConfig
 from .stats import measured, summary
 from .streams import StreamRecord, Streams, decode_figures
 
-# The guides' figure for each preset's effect on one user (docs/ENGINE_CONTRACT.md §1): --cpu-numerics gpu costs 25.7%,
-# no NUMA binding ~53 instead of 63.11 tok/s.
-GUIDE_EFFECT = {"cpu_numerics=gpu": 1 - 0.257, "numa_binding=off": GUIDE_UNBOUND_1_USER / GUIDE_TABLE[1][0]}
 SIM_REPLY_TOKENS = 8192
 # A stalled engine is given up on from its own measured pace, not after a phase's whole limit (900 s): no token on
 # any stream for STALL_GAPS times the gap between tokens it showed in the warm-up (× the users sharing a step), or
@@ -48,77 +46,6 @@ STALL_MIN_S = 30.0
 STALL_GAPS = 50.0
 PREFILL_FACTOR = 4.0
 WARMUP_STALL_S = 120.0             # before the pace is known: the warm-up's requests
-
-
-# ------------------------------------------------------------------------------------------------ configuration
-@dataclass
-class BenchConfig:
-    name: str
-    label: str = ""
-    settings: dict[str, Any] = field(default_factory=dict)     # Settings field → value
-    expert_cache: int | str | None = None                      # hot-set size in experts, or "half"
-    cpu_layers: list[int] | str | None = None                  # llama.cpp: "half" | "all" | "none" | layers
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BenchConfig":
-        return cls(**{k: d[k] for k in ("name", "label", "settings", "expert_cache", "cpu_layers") if k in d})
-
-    def effect_key(self) -> str | None:
-        for k, v in self.settings.items():
-            key = f"{k}={v}"
-            if key in GUIDE_EFFECT:
-                return key
-        return None
-
-
-BASELINE = BenchConfig("baseline", "baseline (your settings)")
-
-# What the baseline sets for each preset (its A side); the preset's configuration is the B side
-PRESET_BASELINE: dict[str, dict[str, Any]] = {"numerics": {"cpu_numerics": "fork"}, "numa": {"numa_binding": "auto"},
-                                              "hotset": {}, "placement": {}}
-# The guides' three settings, plus llama.cpp's placement
-PRESETS: dict[str, list[BenchConfig]] = {
-    "numerics": [BenchConfig("numerics_gpu", "--cpu-numerics gpu", {"cpu_numerics": "gpu"})],
-    "numa": [BenchConfig("numa_off", "NUMA binding off", {"numa_binding": "off"})],
-    "hotset": [BenchConfig("hotset_half", "hot set halved", expert_cache="half")],
-    "placement": [BenchConfig("half_in_ram", "half the MoE layers' experts in RAM", cpu_layers="half")],
-}
-PRESET_WORDS = {"numerics": "CPU numerics: fork vs gpu (the guides: gpu costs 25.7% at 1 user)",
-                "numa": "NUMA binding: auto vs off (the guides: ~53 → 63 tok/s at 1 user)",
-                "hotset": "Hot set: the plan's vs half of it (the guides: ~9 in 10 picks on the GPU)",
-                "placement": "llama.cpp: all experts on the GPU vs half of the MoE layers in RAM"}
-
-
-def parse_config(text: str) -> BenchConfig:
-    """``NAME:key=value,key=value`` (keys: Settings fields, ``expert_cache``, ``cpu_layers``) — the CLI's
-    ``--config``. Plain-words :class:`UserError` on a bad one."""
-    name, _, rest = text.partition(":")
-    name = name.strip()
-    if not name or not rest:
-        raise UserError(f"bad --config {text!r}: write NAME:key=value[,key=value], e.g. gpu_num:cpu_numerics=gpu")
-    cfg = BenchConfig(name, name)
-    for part in rest.split(","):
-        k, eq, v = part.partition("=")
-        k, v = k.strip(), v.strip()
-        if not eq or not k:
-            raise UserError(f"bad --config {text!r}: {part!r} is not key=value")
-        if k == "expert_cache":
-            cfg.expert_cache = v if v == "half" else _int(v, text)
-        elif k == "cpu_layers":
-            cfg.cpu_layers = v if v in ("half", "all", "none") else [_int(x, text) for x in v.split("+") if x]
-        else:
-            cfg.settings[k] = _int(v, text) if v.isdigit() else v
-    return cfg
-
-
-def _int(v: str, text: str) -> int:
-    try:
-        return int(v)
-    except ValueError:
-        raise UserError(f"bad --config {text!r}: {v!r} is not a whole number") from None
 
 
 @dataclass
@@ -525,7 +452,8 @@ class BenchRun:
         eng = yield from self.control.start(settings, s.engine, plan)
         self._advance(f"{cfg.name}:start")
         out["engine"] = {**eng.to_dict(), "model": self._model_name(eng),
-                         "llamacpp_cpu_layers": (plan or {}).get("llamacpp_cpu_layers")}
+                         "llamacpp_cpu_layers": (plan or {}).get("llamacpp_cpu_layers"),
+                         **engine_facts(eng, settings)}
         with self._measuring(eng, plan, out) as client:
             self.phase_label = "warmup"
             yield self._progress(cfg.name, "warmup", "Warming up (not counted) and measuring how the engine counts "
@@ -740,6 +668,49 @@ class BenchRun:
         }
 
 
+def _json_at(client: httpx.Client, url: str, api_key: str, cap: int) -> dict[str, Any]:
+    try:
+        r = get_capped(client, url, headers={**bearer_headers(api_key), "Accept": "application/json"}, cap=cap,
+                       deadline_s=5.0)
+        doc = json_body(r) if r.status_code == 200 else None
+    except Exception:  # noqa: BLE001 - an engine without this endpoint: the fact stays unknown
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _text(v: Any) -> str | None:
+    return v.strip() if isinstance(v, str) and v.strip() else None
+
+
+def engine_facts(eng: RunningEngine, settings: Any) -> dict[str, Any]:
+    """What the result records of the engine measured, each None when unknown (never guessed):
+
+    - ``engine_version``: what the engine says of itself — Strata's JSON ``/metrics`` ``engine.version`` (the
+      version its server reads from engine/BUILD.json; the scripted engine's own, e.g. ``sim-2``), else
+      llama-server's ``/props`` ``build_info`` (the build its ``--version`` prints);
+    - ``engine_build``: the release the panel started — :func:`engine_manager.release_check.engine_release_facts`
+      (Strata's engine/BUILD.json: version, CUDA, architectures), else ``/props`` ``build_info``;
+    - ``engine_args``: the launch argv with the key masked (``LaunchSpec.masked_argv``; else the status's argv,
+      masked there)."""
+    from ..engines.strata import STRATA_JSON_CAP
+    from ..release_check import engine_release_facts
+
+    with httpx.Client(trust_env=False, follow_redirects=False) as client:
+        metrics = _json_at(client, eng.base_url + "/metrics", eng.api_key, STRATA_JSON_CAP)
+        props = _json_at(client, eng.base_url + "/props", eng.api_key, SMALL_BODY_CAP)
+    found = metrics.get("engine")
+    reported: dict[str, Any] = found if isinstance(found, dict) else {}
+    build_info = _text(props.get("build_info"))
+    spec = eng.spec
+    if spec is not None and hasattr(spec, "masked_argv"):
+        args: list[str] | None = spec.masked_argv()
+    else:
+        args = list(eng.argv) if eng.argv is not None else None
+    return {"engine_version": _text(reported.get("version")) or build_info,
+            "engine_build": _text(engine_release_facts(eng.engine, settings)) or build_info,
+            "engine_args": args}
+
+
 def _settings_words(settings: Any) -> dict[str, Any]:
     return {k: getattr(settings, k) for k in ("numa_binding", "cpu_numerics", "slots", "vram_reserve_mib",
                                               "context_length", "kv_type", "sim_args") if hasattr(settings, k)}
@@ -813,11 +784,6 @@ def run_and_save(settings: Any, spec: BenchSpec, folder: Any = None, **kw
     except OSError as exc:
         result["saved"] = {"error": f"{exc}"}
     return result
-
-
-def guide_effect(cfg: BenchConfig) -> float | None:
-    key = cfg.effect_key()
-    return GUIDE_EFFECT.get(key) if key else None
 
 
 def is_guides_model(name: str | None) -> bool | None:

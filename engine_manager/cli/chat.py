@@ -147,19 +147,6 @@ def _interactive(args) -> bool:
             and sys.stdout is not None and sys.stdout.isatty())
 
 
-def _length_words(stats, max_tokens: int) -> str:
-    """Why an answer that ended with finish_reason "length" ended. The count decides: an engine also says "length"
-    when the context is full (Strata's fit_max_tokens shortens max_tokens to the room left), and Strata when a reply
-    repeats one token 256 times in a row (repeat_stop_tokens) or its thinking repeats whole passages
-    (reasoning_loop_recovery "stop"): serve/server.py@2291cb3 Service.run."""
-    n = stats.tokens
-    if n >= max_tokens:
-        return f"stopped at --max-tokens {max_tokens}: raise it for a longer answer"
-    return (f"the engine ended the answer at {n} tokens, before --max-tokens {max_tokens}, saying \"length\": its "
-            f"context was full, or (Strata) the reply repeated one token 256 times in a row or its thinking looped; "
-            f"the engine's log says which")
-
-
 class _Session:
     """What ``dsv41 chat`` talks to and how it prints: one or more turns (one, or a conversation at a terminal)."""
 
@@ -240,10 +227,9 @@ class _Session:
                 print(f"  Nothing was saved in the history; {again} once that is fixed.", file=err)
         elif ended.status == hist.STATUS_COMPLETE:
             line = stats.summary()
-            if stats.finish_reason == "length" and self.options.max_tokens:
-                line += " · " + _length_words(stats, self.options.max_tokens)
-            elif stats.finish_reason == "time_limit":       # engine_manager.inferencekey.backend REQUEST_LIMIT_S
-                line += " · answered before the InferenceKey worker's time limit per request: ask for fewer tokens"
+            note = stats.end_note(self.options.max_tokens)
+            if note:
+                line += " · " + note
             where = (f"conversation {conv}" if interactive else
                      f"saved as conversation {conv}; continue with --conversation {conv}")
             print(f"[{line} · {where}]", file=err)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..tls import verify as tls_verify
 
 if TYPE_CHECKING:
-    from ..connections import Detection
+    from ..detection import Detection
 
 KIND = "inferencekey"
 KEY_PREFIX = "ik_live_"
@@ -92,7 +92,7 @@ def detect_endpoint(url: str, api_key: str | None, *, timeout_s: float, deadline
     (404 included) is an endpoint that answers; nothing is generated (no GPU time)."""
     import httpx
 
-    from ..connections import Detection, _transport_problem
+    from ..detection import Detection, transport_problem
     from ..engines._http import AnswerTooLarge, AnswerTooSlow, bearer_headers, error_message, get_capped
     from ..tunnel import transport_for
 
@@ -117,7 +117,7 @@ def detect_endpoint(url: str, api_key: str | None, *, timeout_s: float, deadline
     except AnswerTooLarge:
         r = None
     except (httpx.HTTPError, OSError, AnswerTooSlow) as exc:
-        det.problem, det.message = _transport_problem(exc, ref.v1, timeout_s, deadline_s)
+        det.problem, det.message = transport_problem(exc, ref.v1, timeout_s, deadline_s)
         return det.masked(secrets)
     if r is not None and r.status_code in (401, 403):
         said = error_message(r)[:300]
