@@ -119,6 +119,13 @@ def item_text(x: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+
+def _wrapped(text: str) -> QLabel:
+    """A caption that wraps (an unwrapped one set the Benchmark tab's, and so the window's, minimum width)."""
+    label = QLabel(text)
+    label.setWordWrap(True)
+    return label
+
 class QualitySection(QWidget):
     """The page. ``run()`` starts a check with the options shown on ``view.tasks`` (key ``quality``); ``cancel()``
     cancels its token (the run stops and puts the engine back as it was). ``finished`` carries the result."""
@@ -165,22 +172,23 @@ class QualitySection(QWidget):
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.setEnabled(False)
         self.cancel_button.clicked.connect(self.cancel)
+        # three rows, so the tab (and the window) still fits a 1280×800 screen beside the engine column and chat
         grid = QGridLayout()
         grid.addWidget(QLabel("Mode:"), 0, 0)
-        grid.addWidget(self.mode, 0, 1)
+        grid.addWidget(self.mode, 0, 1, 1, 2)
+        grid.addWidget(self.run_button, 0, 3)
         row = QHBoxLayout()
         for label, w in (("Items per benchmark:", self.subset), ("Seed:", self.seed), ("Batch:", self.batch)):
             row.addWidget(QLabel(label))
             row.addWidget(w)
         row.addStretch(1)
-        grid.addLayout(row, 0, 2)
-        grid.addWidget(self.run_button, 0, 3)
-        grid.addWidget(QLabel("GSM8K file:"), 1, 0)
+        grid.addLayout(row, 1, 0, 1, 4)
+        grid.addWidget(QLabel("GSM8K file:"), 2, 0)
         file_row = QHBoxLayout()
         file_row.addWidget(self.gsm8k, 1)
         file_row.addWidget(self.browse)
-        grid.addLayout(file_row, 1, 1, 1, 2)
-        grid.addWidget(self.cancel_button, 1, 3)
+        grid.addLayout(file_row, 2, 1, 1, 2)
+        grid.addWidget(self.cancel_button, 2, 3)
         grid.setColumnStretch(2, 1)
 
         self.progress = QProgressBar()
@@ -207,7 +215,7 @@ class QualitySection(QWidget):
         self.items.horizontalHeader().setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
         self.items.setWordWrap(False)
         self.items.cellDoubleClicked.connect(lambda r, _c: self.open_item(r))
-        self.items_label = QLabel("Items that failed (double-click one to read it whole):")
+        self.items_label = _wrapped("Items that failed (double-click one to read it whole):")
         self.open_button = QPushButton("Open item…")
         self.open_button.setEnabled(False)
         self.open_button.clicked.connect(lambda: self.open_item(self.items.currentRow()))
@@ -217,9 +225,9 @@ class QualitySection(QWidget):
         left = QWidget()
         ll = QVBoxLayout(left)
         ll.setContentsMargins(0, 0, 0, 0)
-        ll.addWidget(QLabel("Scores beside the guides' figures (their fixed-seed subsets) and DeepSeek's API:"))
+        ll.addWidget(_wrapped("Scores beside the guides' figures (their fixed-seed subsets) and DeepSeek's API:"))
         ll.addWidget(self.scores)
-        ll.addWidget(QLabel("Determinism: the same prompts alone, then in a batch, temperature 0:"))
+        ll.addWidget(_wrapped("Determinism: the same prompts alone, then in a batch, temperature 0:"))
         ll.addWidget(self.determinism)
         ll.addWidget(self.notes, 1, Qt.AlignmentFlag.AlignTop)
         right = QWidget()
@@ -245,12 +253,15 @@ class QualitySection(QWidget):
         self._fill_scores({})
 
     def _table(self, columns: tuple[str, ...], name: str) -> QTableWidget:
+        # a table scrolls rather than widening the window (the tab's width is the window's minimum at 1280×800)
+
         t = QTableWidget(0, len(columns))
         t.setObjectName(name)
         t.setHorizontalHeaderLabels(columns)
         t.verticalHeader().setVisible(False)
         t.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         t.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        t.setMinimumWidth(200)
         return t
 
     def _browse(self) -> None:
