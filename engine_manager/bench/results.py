@@ -1,21 +1,17 @@
 """The benchmark's result document, its table beside the guides' figures, saving (JSON + CSV), history, compare.
 
-Schema ``dsv41-bench``, ``schema_version`` 1 (fields may be added within a version; none is removed or changes
-meaning without a new version): ``id``, ``started_at``, ``finished_at``, ``duration_s``, ``cancelled``, ``error``;
-``simulated`` (the scripted engine ran: every figure checks the wiring, not the host); ``engine`` (argv with the key
-masked) and ``model_comparable`` (None: unknown); ``engine_version``, ``engine_build``, ``engine_args`` (the
-baseline engine's, :func:`engine_manager.bench.runner.engine_facts`; each configuration's under its ``engine``;
-None: unknown); ``spec``, ``token_ratio``, ``settings`` (no secrets),
-``hardware``, ``plan``; ``configs`` (per configuration its settings, engine, ``phases`` — ``warmup``, ``users_N``
-with median / spread of total, slowest and per-stream tok/s, TTFT, the engine's own total, client CPU, each repeat,
-the last repeat's token timeline, ``long_prompt`` — and ``monitor``: hit rate, PCIe RX, swaps per phase); ``table``
-(per user count: measured total / slowest / per stream, the guides' figures, ratios, verdict); ``long_prompt`` (the
-longest gap between tokens, prefill tok/s); ``ab`` (each other configuration's ratio to the baseline, and the
-guides'); ``client`` (the client's CPU against wall time); ``verdict`` (the result in plain words).
-
-Files: ``<data dir>/bench/<id>.json`` and ``<id>.csv`` (one row per configuration × phase × repeat × stream),
-written atomically, owner-only.
-"""
+Schema ``dsv41-bench``, ``schema_version`` 1 (fields may be added within a version; none is removed or changes meaning
+without a new version): ``id``, ``started_at``, ``finished_at``, ``duration_s``, ``cancelled``, ``error``;
+``simulated`` (the scripted engine ran: every figure checks the wiring, not the host); ``engine`` (argv, key masked),
+``model_comparable``, ``engine_version`` / ``engine_build`` / ``engine_args`` (``runner.engine_facts``; None:
+unknown); ``spec``, ``token_ratio``, ``settings`` (no secrets), ``hardware``, ``plan``; ``configs`` (per configuration
+its settings, engine, ``phases`` — ``warmup``, ``users_N`` with median / spread of total, slowest and per-stream
+tok/s, TTFT, the engine's own total, client CPU, each repeat, the last repeat's token timeline, ``long_prompt`` — and
+``monitor``: hit rate, PCIe RX, swaps per phase); ``table`` (per user count: measured total / slowest / per stream,
+the guides' figures, ratios, verdict); ``long_prompt`` (longest gap between tokens, prefill tok/s); ``ab`` (each other
+configuration's ratio to the baseline, and the guides'); ``client`` (the client's CPU against wall time); ``verdict``
+(in plain words). Files: ``<data dir>/bench/<id>.json`` and ``<id>.csv`` (one row per configuration × phase × repeat ×
+stream), written atomically, owner-only."""
 
 from __future__ import annotations
 
