@@ -653,8 +653,15 @@ class MonitorView(Panel, QWidget):
             self.plots["slots"].show_columns(presenter.slot_columns(total))
         for key, text in presenter.cards(tick).items():
             self.cards[key].show(text)
-        if tick.predicted_hit_rate is not None:        # else the note says why the prediction is unknown
-            self.plots["hit"].set_note(presenter.hit_difference_line(tick))
+        gone = presenter.plot_notes(tick, {k: p.curves for k, p in self.plots.items()})
+        for key, p in self.plots.items():
+            if key in gone:
+                p.set_note(gone[key])
+            elif key == "hit":
+                if tick.predicted_hit_rate is not None:    # else the note says why the prediction is unknown
+                    p.set_note(presenter.hit_difference_line(tick))
+            elif p.note.toPlainText().startswith(presenter.NOT_EXPORTED.capitalize()):
+                p.set_note("")                            # an engine that exports it after all
         if abs(tick.t - getattr(self, "_compared_at", -1e18)) >= self.COMPARE_EVERY_S - 0.01:
             self._compared_at = tick.t
             self._update_compare(tick)

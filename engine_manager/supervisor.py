@@ -666,6 +666,9 @@ class Supervisor:
                     if req is not None:           # never mark it ready over a stop that came meanwhile
                         return (yield from self._stopped_by_request(h, req))
                     h.ready_at = time.time()
+                    batch = h.drain()            # the lines written up to readiness come before "ready"
+                    if batch is not None:
+                        yield batch
                     self._write_state_file(h, READY)
                     yield from _emit(self._set_state(READY, f"ready after {h.ready_at - h.started_at:.1f} s "
                                                             f"at {h.spec.base_url}"))

@@ -27,10 +27,12 @@ MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 # -- a loopback server speaking vLLM's / SGLang's documented /metrics and the OpenAI API -------------------------
 class FixtureServer(LoopbackServer):
     """``flavour`` vllm | sglang | openai. ``/metrics`` answers the fixture's first scrape until :meth:`advance`,
-    then the second; everything but ``/health`` needs ``Authorization: Bearer KEY``; chat streams ``answer``."""
+    then the second, without the metrics named in ``drop`` (a server that does not export them); everything but
+    ``/health`` needs ``Authorization: Bearer KEY``; chat streams ``answer``."""
 
-    def __init__(self, flavour: str, key: str, answer: str = "Attached and answering."):
+    def __init__(self, flavour: str, key: str, answer: str = "Attached and answering.", drop: tuple[str, ...] = ()):
         self.flavour, self.key, self.answer = flavour, key, answer
+        self.drop = drop
         self.phase = 1
         self.paths: list[str] = []
         srv = self
@@ -55,6 +57,8 @@ class FixtureServer(LoopbackServer):
                         {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": owner}]}).encode())
                 elif self.path == "/metrics" and srv.flavour != "openai":
                     text = (DATA / srv.flavour / f"metrics-{srv.phase}.txt").read_bytes()
+                    text = b"\n".join(ln for ln in text.split(b"\n")
+                                      if not any(name.encode() in ln.split(b"{")[0].split() for name in srv.drop))
                     self._send(200, "text/plain; version=0.0.4", text)
                 else:
                     self._send(404, "application/json", b'{"detail": "Not Found"}')
@@ -81,8 +85,8 @@ def fixture_server():
     given); every one is stopped at the end of the test."""
     started: list[FixtureServer] = []
 
-    def start(flavour: str, key: str | None = None) -> FixtureServer:
-        s = FixtureServer(flavour, key or "fx-" + secrets.token_urlsafe(16))
+    def start(flavour: str, key: str | None = None, drop: tuple[str, ...] = ()) -> FixtureServer:
+        s = FixtureServer(flavour, key or "fx-" + secrets.token_urlsafe(16), drop=drop)
         started.append(s)
         return s
 

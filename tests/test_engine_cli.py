@@ -125,9 +125,9 @@ def test_foreground_prints_the_log_and_stops_on_ctrl_c(port):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
-        for line in p.stdout:
+        for line in p.stdout:               # until both the engine's READY line and the CLI's "ready:" are shown
             lines.append(line)
-            if line.startswith("ready:"):
+            if any(ln.startswith("ready:") for ln in lines) and any("| READY" in ln for ln in lines):
                 break
         assert any("| READY" in ln for ln in lines), "".join(lines)
         pid = status()["pid"]

@@ -166,7 +166,9 @@ def test_metrics_idle_solo_and_batched_match_stratas_shape(sim_process):
         assert_conforms("metrics_generating_solo.json", solo)
 
         streams += [Stream(sp), Stream(sp)]
-        batch = wait_metrics(sp, lambda m: sum(s["state"] == "decoding" for s in m["live"]["slots"]) == 3)
+        # a slot decodes from the end of its prompt; its rate exists from its first token on
+        batch = wait_metrics(sp, lambda m: sum(s["state"] == "decoding" and s["generated"] > 0
+                                               for s in m["live"]["slots"]) == 3)
         busy = [s for s in batch["live"]["slots"] if s["state"] != "idle"]
         assert batch["live"]["running"] == 3 and batch["live"]["outside_slots"] == 0
         assert all(s["tok_s"] is not None and "hit_rate" not in s for s in busy)

@@ -152,28 +152,33 @@ def test_start_with_a_saved_plan_provisions_once_runs_strata_and_stops_clean(env
 
 # (a plan carrying an unknown flag no longer reaches the engine: `start --plan` refuses any flag the planner never
 # writes, exit 2 — so the engine's own refusal is shown with the fork's flag)
-@pytest.mark.parametrize("how", ["cpu-numerics"])
-def test_an_engine_that_refuses_an_argument_fails_the_start_with_its_own_words(env, replica, tmp_path, how):
-    """generate.cpp's option loop: "unknown argument: X", exit 2, before READY; Strata's server then exits too.
-    ``--cpu-numerics`` is the fork's flag, which plain Strata refuses (docs/ENGINE_CONTRACT.md §2): the panel passes it
-    only for cpu_numerics=gpu, and the refusal must say so."""
+def test_an_engine_that_refuses_an_argument_is_asked_before_the_start_and_its_words_shown(env, replica, tmp_path):
+    """generate.cpp @2291cb3's option loop: "unknown argument: X", exit 2; ``--help`` after every argument it takes
+    prints its usage and exits 0. ``--cpu-numerics`` is the fork's flag, which plain Strata refuses: the panel passes
+    it only for cpu_numerics=gpu, asks the binary with the same arguments and ``--help`` first, and refuses the start
+    with the engine's own words and the fix — no server, no engine is started."""
     plan_file = tmp_path / "plan.json"
-    plan = make_plan(env, replica, plan_file)
-    if how == "plan-flag":
-        plan["strata_args"] = list(plan.get("strata_args") or []) + ["--no-such-flag"]
-        plan_file.write_text(json.dumps(plan))
-        flag = "--no-such-flag"
-    else:
-        env = {**env, "DSV41_CPU_NUMERICS": "gpu"}
-        flag = "--cpu-numerics"
+    make_plan(env, replica, plan_file)
+    record = tmp_path / "engine-record.jsonl"
+    env = {**env, "DSV41_CPU_NUMERICS": "gpu", "STRATA_STANDIN_RECORD": str(record)}
     cp = dsv41(env, "start", "--engine", "strata", "--plan", str(plan_file))
     out = cp.stdout + cp.stderr
     assert cp.returncode == 1, out
-    assert f"unknown argument: {flag}" in out
+    assert 'answered "unknown argument: --cpu-numerics"' in out and "asked before the start" in out, out
+    assert "dsv41 settings set cpu_numerics fork" in out
     st = json.loads(dsv41(env, "status", "--json").stdout)
     assert st["state"] != "ready"
-    assert f"unknown argument: {flag}" in json.dumps(st.get("last_failure"))
-    assert f"[engine] unknown argument: {flag}" in dsv41(env, "logs", "-n", "0").stdout
+    assert "unknown argument: --cpu-numerics" in json.dumps(st.get("last_failure"))
+    assert "unknown argument: --cpu-numerics" in dsv41(env, "logs", "-n", "0").stdout
+    events = [json.loads(ln)["event"] for ln in record.read_text().splitlines()]
+    assert events == ["help"], events                    # asked once; never started
+    # with the fork's default, the same question passes and the engine starts
+    env["DSV41_CPU_NUMERICS"] = "fork"
+    cp = dsv41(env, "start", "--engine", "strata", "--plan", str(plan_file))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert dsv41(env, "stop").returncode == 0
+    events = [json.loads(ln)["event"] for ln in record.read_text().splitlines()]
+    assert events[:3] == ["help", "help", "start"], events
 
 
 def test_a_plan_file_that_is_not_a_plan_is_a_usage_error(tmp_path):

@@ -99,6 +99,11 @@ class Sample:
         return asdict(self)
 
 
+#: the figures an adapter may export (Engine.exports): every Sample reading, and what an engine's log may report
+FIGURES: tuple[str, ...] = (*(f for f in Sample.__dataclass_fields__ if f not in ("t", "engine", "simulated", "extra")),
+                            "log_swaps", "log_hits")
+
+
 def vram_share(hit_rate: float | None, pcie_share: float | None) -> float | None:
     """The share of all routed expert picks served from VRAM. Strata's ``hit_rate`` is hits / lookups and its
     lookups leave out the experts read over PCIe (generate.cpp @2291cb3, the serve loop's DONE: ``[offloaded]``
@@ -205,6 +210,10 @@ class Engine(ABC):
     reply_rate_extra: str | None = None
     #: its own log says where it put each buffer (engines.llamacpp.placement_from_log)
     placement_in_log: bool = False
+    #: the :class:`Sample` figures its adapter fills, and ``"log_swaps"`` / ``"log_hits"`` when its log reports
+    #: expert swaps / a decode hit rate; None: it may fill any. A Monitor plot or card drawing only others says "not
+    #: exported by this engine" (metrics.hub.not_exported), never a flat 0 or an empty plot
+    exports: frozenset[str] | None = None
 
     # -- chatting with it ------------------------------------------------------------------------------------------
     #: it answers a health route (the chat asks it for the model's name)
@@ -223,6 +232,17 @@ class Engine(ABC):
     stops_at_eos: bool = True
     #: tokens each stream decodes while the bench's long prompt arrives
     bench_long_decode_tokens: int = 16384
+
+    def unexported(self, sample: Sample | None) -> dict[str, str]:
+        """Figure (a :class:`Sample` field, ``log_swaps`` or ``log_hits``) → why this engine does not export it: its
+        adapter never fills it (:attr:`exports`), or the metric it is read from is absent from this answer (the
+        adapter lists those in ``sample.extra["absent"]``: field → metric name)."""
+        who = self.kind_label or self.words or self.label or self.name
+        out = {f: f"{who} has no such figure" for f in FIGURES if self.exports is not None and f not in self.exports}
+        absent = sample.extra.get("absent") if sample is not None else None
+        if isinstance(absent, dict):
+            out.update({str(f): f"{name} is not on its /metrics" for f, name in absent.items()})
+        return out
 
     def launch_hit_rate(self, spec: LaunchSpec) -> float | None:
         """The hit rate its launch fixes whatever the plan predicts (a build that cannot use the GPU: 0), or None."""

@@ -509,6 +509,9 @@ class LlamaCppEngine(Engine):
     plan_hit_rate_key = "llamacpp_predicted_hit_rate"
     reply_rate_extra = "avg_decode_tok_s"    # predicted_tokens_seconds, reset on every scrape of /metrics
     placement_in_log = True
+    # /metrics, /slots and the placement from its log: no expert swaps, no PCIe share, no memory figures
+    exports = frozenset({"state", "decode_tok_s", "decode_tok_s_per_slot", "hit_rate", "prefill_tok_s", "queued",
+                         "slots_busy", "slots_total", "tokens_generated_total"})
     bench_presets = ("numa", "placement")
 
     def launch_hit_rate(self, spec: LaunchSpec) -> float | None:

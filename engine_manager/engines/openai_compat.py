@@ -60,6 +60,11 @@ class _PromState:
         return "<prom state>"
 
 
+#: what a server with documented Prometheus metrics (vLLM, SGLang) fills: load and token rates, no expert figures
+PROM_FIGURES = frozenset({"state", "decode_tok_s", "prefill_tok_s", "slots_busy", "queued", "requests_total",
+                          "tokens_generated_total"})
+
+
 class OpenAICompatEngine(Engine):
     """A server that speaks the OpenAI API and nothing else the panel knows. Attach only."""
 
@@ -71,6 +76,7 @@ class OpenAICompatEngine(Engine):
     kind_label = "OpenAI-compatible server"
     METRICS: MetricNames | None = None
     health_paths: tuple[str, ...] = ("/v1/models",)
+    exports: frozenset[str] | None = frozenset()      # a plain OpenAI server: no load figures at all
 
     def recognise(self, ev: Evidence) -> tuple[list[str], list[str]] | None:
         if not ev.models:
@@ -152,6 +158,14 @@ class OpenAICompatEngine(Engine):
                         and prom.delta_buckets(cur.buckets(hist), base.buckets(hist)) is None):
                     next_base = cur       # the server restarted (counts went down): measure from this scrape on
         extra["prom_state"] = _PromState(cur, next_base)
+        # the figures whose metric this server leaves out of its /metrics: "not exported", not "not yet"
+        absent = {f: name for f, name in (("slots_busy", m.running), ("queued", m.waiting),
+                                          ("decode_tok_s", m.generation_tokens),
+                                          ("tokens_generated_total", m.generation_tokens),
+                                          ("prefill_tok_s", m.prompt_tokens), ("requests_total", m.requests))
+                  if name and name not in cur.samples}
+        if absent:
+            extra["absent"] = absent
         extra["per_gpu"] = self._per_gpu(cur) or None
         state = None if running is None else ("generating" if running > 0 else "idle")
         return Sample(

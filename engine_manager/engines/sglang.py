@@ -15,7 +15,7 @@ metric list of its observability page (mintlify.com/sgl-project/sglang/observabi
 from __future__ import annotations
 
 from .base import Evidence
-from .openai_compat import MetricNames, OpenAICompatEngine
+from .openai_compat import PROM_FIGURES, MetricNames, OpenAICompatEngine
 
 
 class SglangEngine(OpenAICompatEngine):
@@ -23,6 +23,7 @@ class SglangEngine(OpenAICompatEngine):
     label = "SGLang (attached)"
     words = kind_label = "SGLang"
     health_paths = ("/health", "/v1/models")
+    exports = PROM_FIGURES
     METRICS = MetricNames(
         running="sglang:num_running_reqs",
         waiting="sglang:num_queue_reqs",

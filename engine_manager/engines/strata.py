@@ -720,6 +720,12 @@ class StrataEngine(Engine):
     bench_presets = ("numerics", "numa", "hotset")
     default_bench_presets = ("numerics",)
     cpu_numerics = True
+    # its /metrics has no swap counter (serve/server.py @2291cb3 Service.metrics): swaps come from its log's
+    # cumulative "exchanged with the VRAM tier" count, the decode hit rate from its log's per-request line
+    exports = frozenset({"state", "decode_tok_s", "decode_tok_s_per_slot", "hit_rate", "pcie_share", "pcie_rx_mb_s",
+                         "pcie_tx_mb_s", "prefill_tok_s", "queued", "ram_total_bytes", "ram_used_bytes",
+                         "requests_total", "slots_busy", "slots_total", "tokens_generated_total", "vram_total_bytes",
+                         "vram_used_bytes", "log_swaps", "log_hits"})
 
     def recognise(self, ev: Evidence) -> tuple[list[str], list[str]] | None:
         s = ev.service
@@ -842,6 +848,8 @@ class StrataEngine(Engine):
         if not Path(data.get("exe", "")).is_file():
             problems.append(f"The engine binary {data.get('exe')} is missing from the release folder: download "
                             "the engine release again.")
+        else:
+            problems += refused_arguments(data, edir)
         args = [str(a) for a in data.get("args") or []]
         native = args[args.index("--native") + 1] if "--native" in args[:-1] else None
         pack = args[args.index("--pack") + 1] if "--pack" in args[:-1] else None
@@ -981,3 +989,56 @@ class StrataEngine(Engine):
 
 
 ENGINE = StrataEngine()
+
+HELP_TIMEOUT_S = 15.0
+HELP_CAP = 1 << 20                   # bytes of its answer read (the usage text of generate.cpp @2291cb3: ~25 KB)
+_UNKNOWN = re.compile(r"^unknown argument: (.{1,200})$", re.M)
+_USAGE_OPTION = re.compile(r"(?:^|\s)(--[a-z][a-z0-9-]*)", re.M)
+
+
+def engine_argv(config: dict[str, Any]) -> list[str]:
+    """What Strata's server runs for ``config`` (serve/server.py @2291cb3: ``StrataEngine.__init__`` runs
+    ``[exe, "--serve", *args]``; ``engine_args`` adds ``--batch N`` for ``"parallel": N`` unless the args set it)."""
+    args = [str(a) for a in config.get("args") or []]
+    par = config.get("parallel")
+    if isinstance(par, int) and not isinstance(par, bool) and par >= 2 and not {"--batch", "--slots"} & set(args):
+        args += ["--batch", str(par)]
+    return [str(config.get("exe")), "--serve", *args]
+
+
+def refused_arguments(config: dict[str, Any], release: Path | None) -> list[str]:
+    """The engine binary's own verdict on the arguments the server will give it, before anything starts: the same
+    arguments then ``--help`` run only its option loop (generate.cpp @2291cb3 ``main()``: an argument it does not
+    know is "unknown argument: X" and exit 2; ``--help`` prints the usage and exits 0 once every argument before it
+    was taken; a second ``--help`` covers a last flag that would take the first as its value). The refusal quotes
+    the engine and counts the options of its usage text. An answer that is neither (a missing CUDA library, no
+    answer in time) gives no verdict here: the start says what it is."""
+    import os
+    import subprocess
+
+    argv = engine_argv(config) + ["--help", "--help"]
+    libs = [str(d) for d in config.get("lib_dirs") or [] if isinstance(d, str)]
+    env = dict(os.environ)
+    if libs:                              # as serve/server.py child_env puts them, first
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+    try:
+        p = subprocess.run(argv, capture_output=True, timeout=HELP_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL,
+                           cwd=str(release) if release is not None and release.is_dir() else None)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    said = (p.stderr[:HELP_CAP] + b"\n" + p.stdout[:HELP_CAP]).decode("utf-8", "replace")
+    m = _UNKNOWN.search(said)
+    if p.returncode != 2 or m is None:
+        return []
+    arg = m.group(1).strip()
+    n = len(set(_USAGE_OPTION.findall(said)))
+    build, _why = _release.build_info(release) if release is not None else (None, None)
+    version = f", version {build.version}" if build is not None and build.version else ""
+    if arg == "--cpu-numerics":
+        fix = ("--cpu-numerics is the deepseek-one-gpu fork's setting: set CPU numerics back to fork (`dsv41 "
+               "settings set cpu_numerics fork`, or Settings) or install the deepseek-one-gpu release.")
+    else:
+        fix = ("The plan or a setting asks for it: re-plan (Placement tab, `dsv41 plan`), or install a release that "
+               "has it (`dsv41 download engine --from DIR` or `--url URL`).")
+    return [f"This Strata engine ({config.get('exe')}{version}) does not accept {arg}: asked before the start, it "
+            f"answered \"unknown argument: {arg}\" (its own usage lists {n} options). {fix}"]

@@ -18,7 +18,7 @@ Where each name comes from (vLLM's own documentation):
 from __future__ import annotations
 
 from .base import Evidence
-from .openai_compat import MetricNames, OpenAICompatEngine
+from .openai_compat import PROM_FIGURES, MetricNames, OpenAICompatEngine
 
 
 class VllmEngine(OpenAICompatEngine):
@@ -26,6 +26,7 @@ class VllmEngine(OpenAICompatEngine):
     label = "vLLM (attached)"
     words = kind_label = "vLLM"
     health_paths = ("/health", "/v1/models")
+    exports = PROM_FIGURES
     METRICS = MetricNames(
         running="vllm:num_requests_running",
         waiting="vllm:num_requests_waiting",

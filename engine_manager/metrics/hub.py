@@ -22,7 +22,7 @@ from ..engines.base import Sample, vram_share
 from ..figures import measured
 from .columns import COLUMN_NAMES
 from .record import Recorder
-from .sources import LogSwapSource, Reading, Source, SourceMissing
+from .sources import LogSwapSource, Reading, Source, SourceMissing, unexported_columns
 from .steady import SteadyTracker, last_reply, slot_tasks
 from .store import RingStore
 
@@ -120,6 +120,34 @@ def derive(values: dict[str, float | None], simulated: bool, expert_bytes: int |
     return origin
 
 
+#: the raw columns each effective one is made of (derive)
+EFFECTIVE_INPUTS: dict[str, tuple[str, ...]] = {
+    "vram_used_bytes": ("engine_vram_used_bytes", "nvml_vram_used_bytes"),
+    "vram_total_bytes": ("engine_vram_total_bytes", "nvml_vram_total_bytes"),
+    "pcie_rx_mb_s": ("engine_pcie_rx_mb_s", "nvml_pcie_rx_mb_s"),
+    "pcie_tx_mb_s": ("engine_pcie_tx_mb_s", "nvml_pcie_tx_mb_s"),
+    "swaps_per_s": ("engine_swaps_per_s", "log_swaps_per_s"),
+    "swap_mb_s": ("engine_swap_mb_s", "log_swap_mb_s"),
+    "pcie_share": ("log_pcie_share", "engine_pcie_share"),
+    "vram_share": ("log_vram_share", "hit_rate", "hit_rate_last"),
+    "hit_rate_rolling": ("log_vram_share", "hit_rate", "hit_rate_last"),
+    "prefill_live_tok_s": ("prefill_tok_s",),
+}
+
+
+def not_exported(values: dict[str, float | None], unexported: dict[str, str]) -> dict[str, str]:
+    """Column → why it is missing because the engine does not export it (not "not yet", not "did not answer"):
+    missing now, and every column it is made of is one the engine has no way to report."""
+    out: dict[str, str] = {}
+    for col, v in values.items():
+        if v is not None:
+            continue
+        inputs = EFFECTIVE_INPUTS.get(col, (col,))
+        if all(i in unexported for i in inputs):
+            out[col] = unexported[inputs[0]]
+    return out
+
+
 def prefill_is_live(engine: str, state: str | None) -> bool:
     """Whether ``prefill_tok_s`` is a live rate: always for an adapter that counts prompt tokens over the poll
     interval (``Engine.prefill_rate_live``: llama.cpp's, 0 when idle); else only while a prompt is being read
@@ -201,6 +229,8 @@ class MetricsHub:
         # the steady decode rate the guides card judges, over the engine's own window (Engine.live_rate_window_s:
         # 0 = the adapter rates tokens over the poll interval, llama.cpp's)
         self.steady = SteadyTracker(engine_window_s=find_engine(engine).live_rate_window_s)
+        # what the engine cannot report, from its class until its first answer says more (metrics absent)
+        self._unexported: dict[str, str] = unexported_columns(find_engine(engine), None)
         self._listeners: list[Listener] = []
         self._stop = threading.Event()
         self._cond = threading.Condition()
@@ -299,6 +329,11 @@ class MetricsHub:
             if isinstance(res.payload, Sample):
                 sample = res.payload
                 simulated = simulated or bool(res.notes.get("simulated"))
+        if "unexported" in notes:
+            self._unexported = notes.pop("unexported") or {}
+        for c in self._unexported:               # a figure the engine has no way to report is no reading ("0 swaps")
+            if c in values:
+                values[c] = None
         origin = derive(values, simulated, self.expert_bytes)
         values["hit_rate_rolling"] = self._rolling(t, values)
         state = sample.state if sample is not None else None
@@ -310,6 +345,7 @@ class MetricsHub:
         # what the prefill plot draws: the rate only while it is live — the last request's rate between prompts
         # is not a reading of now (the card says "last …" for it), so it is a gap here, not a flat line
         values["prefill_live_tok_s"] = values.get("prefill_tok_s") if notes["prefill_live"] else None
+        notes["not_exported"] = not_exported(values, self._unexported)
         if values["prefill_live_tok_s"] is not None and "prefill_tok_s" in origin:
             origin["prefill_live_tok_s"] = origin["prefill_tok_s"]
         tick = Tick(seq=k, t=t, values=values, engine=self.engine, simulated=simulated, sample=sample,

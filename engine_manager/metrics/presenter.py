@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,6 +186,33 @@ def cards(tick: Tick) -> dict[str, CardText]:
     out["engine"] = CardText(fmt_value(None if rss is None else rss / GIB, "{:.2f}", "GiB"),
                              f"CPU {fmt_value(ecpu, '{:.0f}', '%')} of a core",
                              False, why("host") or str(tick.notes.get("engine_process", "")))
+    gone = tick.notes.get("not_exported") or {}
+    for key, col in CARD_COLUMNS.items():
+        if col in gone:
+            out[key] = CardText(DASH, NOT_EXPORTED, False, not_exported_tip(gone[col]))
+    return out
+
+
+NOT_EXPORTED = "not exported by this engine"
+#: the figure each card shows first (cards): a card whose figure the engine does not export says so
+CARD_COLUMNS = {"decode": "decode_tok_s", "prefill": "prefill_tok_s", "hit": "vram_share", "swaps": "swaps_per_s",
+                "pcie": "pcie_rx_mb_s", "vram": "vram_used_bytes"}
+
+
+def not_exported_tip(why: str) -> str:
+    return f"Not exported by this engine ({why}): no figure is shown rather than a 0 or an empty line."
+
+
+def plot_notes(tick: Tick, plots: Mapping[str, Iterable[str]]) -> dict[str, str]:
+    """Plot key → a line saying the engine exports none of its series (with why), for each such plot of
+    ``plots`` (key → the columns it draws); a plot with one series it does export gets none."""
+    gone = tick.notes.get("not_exported") or {}
+    out: dict[str, str] = {}
+    for key, cols in plots.items():
+        cols = list(cols)
+        if cols and all(c in gone for c in cols):
+            whys = list(dict.fromkeys(gone[c] for c in cols))
+            out[key] = f"{NOT_EXPORTED.capitalize()}: {'; '.join(whys[:2])}."
     return out
 
 
@@ -352,6 +379,7 @@ def text_line(tick: Tick) -> str:
             return DASH
         return fmt.format(x * scale) + unit
 
+    gone = tick.notes.get("not_exported") or {}
     # prefill while no prompt is being read is the last request's, not a live rate: say so
     prefill = "last prefill" if tick.notes.get("prefill_live") is False else "prefill"
     users = f"users {f('slots_busy', '{:.0f}')}"
@@ -366,9 +394,11 @@ def text_line(tick: Tick) -> str:
         f"{prefill} {f('prefill_tok_s', '{:.0f}', unit=' tok/s')}" + (f" ({prompt_progress(tick)})"
                                                                         if prompt_progress(tick) else ""),
         users,
+        "in VRAM not exported" if "vram_share" in gone else
         f"in VRAM {f('vram_share', '{:.1f}', 100, '%')} (1 min {f('hit_rate_rolling', '{:.1f}', 100, '%')}, "
         f"planner {'—' if tick.predicted_hit_rate is None else f'{tick.predicted_hit_rate * 100:.1f}%'}, "
         f"PCIe {f('pcie_share', '{:.1f}', 100, '%')}, engine hit {f('hit_rate', '{:.1f}', 100, '%')})",
+        "swaps not exported" if "swaps_per_s" in gone else
         f"swaps {f('swaps_per_s', '{:.2f}', unit='/s')} {f('swap_mb_s', '{:.0f}', unit=' MB/s')}",
         f"PCIe rx {f('pcie_rx_mb_s', '{:.0f}', unit=' MB/s')}",
         f"VRAM {gib_pair(v.get('vram_used_bytes'), v.get('vram_total_bytes'))}",

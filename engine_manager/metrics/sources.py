@@ -58,6 +58,26 @@ def _rate(v: object) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0 else None
 
 
+#: the columns each figure an adapter may export (engines.base.FIGURES) fills
+FIGURE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "decode_tok_s": ("decode_tok_s",), "prefill_tok_s": ("prefill_tok_s",),
+    "decode_tok_s_per_slot": tuple(f"slot{i}_tok_s" for i in range(MAX_SLOTS)),
+    "hit_rate": ("hit_rate", "hit_rate_last"), "pcie_share": ("engine_pcie_share",),
+    "swaps_per_s": ("engine_swaps_per_s",), "swaps_total": ("swaps_total",), "swap_mb_s": ("engine_swap_mb_s",),
+    "pcie_rx_mb_s": ("engine_pcie_rx_mb_s",), "pcie_tx_mb_s": ("engine_pcie_tx_mb_s",),
+    "vram_used_bytes": ("engine_vram_used_bytes",), "vram_total_bytes": ("engine_vram_total_bytes",),
+    "ram_used_bytes": ("engine_ram_used_bytes",), "ram_total_bytes": ("engine_ram_total_bytes",),
+    "slots_busy": ("slots_busy",), "slots_total": ("slots_total",), "queued": ("queued",),
+    "requests_total": ("requests_total",), "tokens_generated_total": ("tokens_generated_total",),
+    "log_swaps": ("log_swaps_per_s", "log_swap_mb_s"), "log_hits": ("log_hit_rate", "log_pcie_share", "log_vram_share"),
+}
+
+
+def unexported_columns(engine: Engine, s: Sample | None) -> dict[str, str]:
+    """Column → why ``engine`` does not export it (:meth:`Engine.unexported`, figure by figure)."""
+    return {c: why for fig, why in engine.unexported(s).items() for c in FIGURE_COLUMNS.get(fig, ())}
+
+
 def sample_values(s: Sample) -> dict[str, float | None]:
     """Map the adapters' common :class:`Sample` onto the engine columns (``None`` stays missing)."""
     v: dict[str, float | None] = {
@@ -136,7 +156,8 @@ class EngineSource(Source):
         if self.model is None and self._model_tries < self.MODEL_TRIES:
             self._model_tries += 1
             self.model = served_model(self.client, self.spec)
-        notes = {"simulated": bool(s.simulated or self.spec.simulated or self.engine.simulated), "state": s.state}
+        notes = {"simulated": bool(s.simulated or self.spec.simulated or self.engine.simulated), "state": s.state,
+                 "unexported": unexported_columns(self.engine, s)}
         if self.model:
             notes["model"] = self.model
         return Reading(sample_values(s), payload=s, notes=notes)
