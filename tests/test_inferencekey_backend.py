@@ -223,3 +223,68 @@ def test_a_host_below_the_minimum_fails_setup_with_the_numbers(backends):
     assert "setup() failed" in out and "cannot hold the model's minimum layout" in out
     assert "RAM cannot hold the minimum layout" in out and "GB short" in out and "missing" in out
     assert not (paths.data_dir() / "engine-state.json").exists() or not alive(engine_record().get("pid"))
+
+
+@pytest.mark.llamacpp
+@pytest.mark.timeout(400)
+def test_serves_on_stock_llamacpp_with_the_tiny_moe_and_dies_with_it(backends, tmp_path):
+    """The same backend on a real llama-server (the ``[llamacpp]`` extra) serving the tiny MoE GGUF: setup() plans
+    and starts it, /process answers a prompt and chat messages with the engine's own token counts, tools are refused,
+    a killed engine is one 500 and then a good answer, and SIGTERM to the runtime stops the engine."""
+    from conftest import require_or_skip
+
+    from engine_manager import llamacpp_bin
+    from engine_manager.testing.tinymoe import write_tinymoe
+
+    try:
+        llamacpp_bin.find_llama_server()
+    except llamacpp_bin.LlamaServerNotFound as exc:
+        require_or_skip(f"llama-server is not installed: {exc}")
+    model = write_tinymoe(tmp_path / "tinymoe")
+    b = backends(DSV41_SERVER_ENGINE="llamacpp", DSV41_LLAMACPP_MODEL=str(model), DSV41_SLOTS="2",
+                 DSV41_CONTEXT_LENGTH="4096", DSV41_DEFAULT_MAX_TOKENS="24")
+    seen = b.wait_up(300)
+    assert seen[-1] == 200, seen
+    log = b.text()
+    assert "engine: llamacpp" in log and "SIMULATED" not in log, log
+    assert engine_record()["engine"] == "llamacpp"
+
+    r = b.job("prompt", prompt="Say something.")
+    assert r.status_code == 200, r.text
+    out = r.json()["output"]
+    assert isinstance(out["text"], str) and out["finish_reason"] in ("stop", "length")
+    assert 0 < out["usage"]["completion_tokens"] <= 24 and out["usage"]["prompt_tokens"] > 0
+    assert out["simulated"] is False and out["timings"]["engine_tok_s"] > 0
+
+    r = b.job("chat", messages=[{"role": "user", "content": "Hello there"}], max_tokens=8)
+    assert r.status_code == 200, r.text
+    assert 0 < r.json()["output"]["usage"]["completion_tokens"] <= 8
+    r = b.job("tools", prompt="call it", tools=[{"type": "function", "function": {"name": "f"}}])
+    assert r.status_code == 400 and "tools" in r.json()["error"]
+
+    # the engine killed mid-job: that job is a 500, the engine is restarted, the next job is answered
+    first_engine = engine_record()["pid"]
+    box: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: box.update(r=b.job("long", prompt="Go on and on", max_tokens=3500)))
+    t.start()
+    end = time.monotonic() + 60                  # until the engine is busy with it (its /slots says so)
+    key, base = engine_key(), f"http://127.0.0.1:{engine_record()['port']}"
+    with httpx.Client(trust_env=False, headers={"Authorization": f"Bearer {key}"}, timeout=10) as eng:
+        while time.monotonic() < end and t.is_alive():
+            try:
+                if any(s.get("is_processing") for s in eng.get(f"{base}/slots").json()):
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.02)
+    os.kill(first_engine, signal.SIGKILL)
+    t.join(120)
+    assert box["r"].status_code == 500 and "engine_died" in box["r"].text, box["r"].text
+    r = b.job("after", prompt="Are you back?", max_tokens=8)
+    assert r.status_code == 200, r.text + b.text()
+    second_engine = engine_record()["pid"]
+    assert second_engine != first_engine and alive(second_engine)
+
+    os.killpg(b.proc.pid, signal.SIGTERM)           # the runtime's clean shutdown: the engine goes with it
+    assert b.proc.wait(60) == 0, b.text()
+    assert wait_gone(second_engine), b.text()

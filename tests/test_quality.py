@@ -214,3 +214,46 @@ def test_the_cli_runs_the_quality_check_end_to_end_and_puts_the_engine_back(port
     after = sv.Supervisor(load_settings().settings).status()
     assert after.state == READY and after.engine == "sim" and after.pid != before.pid
     assert "--slots 1 " in " ".join(after.argv) + " "          # its own settings again, not the check's 4 slots
+
+
+@pytest.mark.llamacpp
+@pytest.mark.timeout(600)
+def test_the_cli_runs_the_quality_check_on_stock_llamacpp_with_the_tiny_moe(monkeypatch, free_port, tmp_path):
+    """The same pipeline on a real llama-server serving the tiny MoE GGUF: HumanEval answers run in the sandbox and
+    are scored, GSM8K by its final number, the determinism table (alone vs batched) is measured; the scores are
+    marked as not comparable with the guides' (a model of a few MB), and nothing is left running."""
+    from conftest import require_or_skip
+
+    from engine_manager import llamacpp_bin
+    from engine_manager.testing.tinymoe import write_tinymoe
+
+    try:
+        llamacpp_bin.find_llama_server()
+    except llamacpp_bin.LlamaServerNotFound as exc:
+        require_or_skip(f"llama-server is not installed: {exc}")
+    _sandbox_or_skip()
+    model = write_tinymoe(tmp_path / "tinymoe")
+    monkeypatch.setenv("DSV41_PORT", str(free_port))
+    env = {**os.environ, "DSV41_LLAMACPP_MODEL": str(model), "DSV41_CONTEXT_LENGTH": "4096"}
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "Tom has 3 apples and buys 4. How many?", "answer": "#### 7"}) + "\n")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "engine_manager", "bench", "--preset", "quality", "--quick",
+                               "--engine", "llamacpp", "--json", "--gsm8k", str(gsm), "--out", str(tmp_path / "out")],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=540)
+    finally:
+        for _ in sv.Supervisor(load_settings().settings).stop(force=True):
+            pass
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["error"] is None and doc["simulated"] is False and doc["engine"]["engine"] == "llamacpp"
+    assert doc["comparable"] is False and doc["verdict"].startswith("Not the guides' model (")
+    assert doc["model_file"]["sha256"] and doc["model_file"]["file"] == str(model)
+    he = [x for x in doc["items"] if x["bench"] == "humaneval"]
+    assert len(he) == 3 and all(x["status"] in ("failed", "passed") for x in he), he    # each ran, none errored
+    gs = [x for x in doc["items"] if x["bench"] == "gsm8k"]
+    assert len(gs) == 1 and gs[0]["expected"] == "7"
+    assert doc["scores"]["humaneval"]["items"] == 3 and 0.0 <= doc["scores"]["humaneval"]["score"] <= 1.0
+    rows = doc["determinism"]
+    assert [r["mode"] for r in rows] == ["engine"] and rows[0]["prompts"] > 0 and not rows[0]["simulated"]
+    assert sv.Supervisor(load_settings().settings).status().state != READY       # nothing left running

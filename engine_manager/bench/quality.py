@@ -382,6 +382,7 @@ class QualityRun:
             doc["engine_settings"] = _settings_words(eng_settings)
             from ..engine_state import read_plan_file
             doc["model_file"] = _model_file(eng_settings, s.engine, self.plan or read_plan_file(eng.plan_path))
+            doc["comparable"] = comparable(doc)
             with ChatClient.for_engine(eng, read_timeout_s=600.0) as client:
                 if he and "problems" in he:
                     doc["tasks"]["humaneval"] = he["ids"]
@@ -532,6 +533,22 @@ def scores(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+GUIDE_MODEL_BYTES = 264.5e9          # the guides' DeepSeek-V4.1-Flash Q2_K, all seven shards
+#: a first shard at least this big can be the guides' model (its seven shards are ~38 GB each); a smaller one is not
+GUIDE_SHARD_MIN_BYTES = 20e9
+
+
+def comparable(doc: dict[str, Any]) -> bool | None:
+    """Whether the run's scores can stand beside the guides' (a real engine on a model the size of theirs); None
+    when the model file is not known."""
+    if doc.get("simulated"):
+        return False
+    size = (doc.get("model_file") or {}).get("bytes")
+    if not isinstance(size, int):
+        return None
+    return size >= GUIDE_SHARD_MIN_BYTES
+
+
 def headline(doc: dict[str, Any]) -> str:
     if doc.get("error"):
         return f"The quality check stopped: {doc['error']}"
@@ -539,6 +556,13 @@ def headline(doc: dict[str, Any]) -> str:
         return "Cancelled; the items answered so far are kept."
     sim = ("SIMULATED — the scripted engine's canned answers score nothing; this checks the pipeline, not a model. "
            if doc.get("simulated") else "")
+    if not sim and doc.get("comparable") is False:
+        mf = doc.get("model_file") or {}
+        b = mf.get("bytes")
+        size = "" if not isinstance(b, int) else f", {b / 1e9:.1f} GB" if b >= 1e9 else f", {b / 1e6:.1f} MB"
+        sim = (f"Not the guides' model ({Path(str(mf.get('file'))).name}{size}; theirs is DeepSeek-V4.1-Flash at "
+               f"{GUIDE_MODEL_BYTES / 1e9:.1f} GB): its scores say nothing beside the guides' figures; this checks the "
+               "pipeline. ")
     parts = []
     for b, name in (("humaneval", "HumanEval pass@1"), ("gsm8k", "GSM8K")):
         sc = (doc.get("scores") or {}).get(b) or {}
