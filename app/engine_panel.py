@@ -830,7 +830,8 @@ class EnginePanel(Panel, QWidget):
             return
         parts = [f"<b>{html.escape(st.label or st.engine or '')}</b>"
                  + (f" · {html.escape(st.started_by_words)}" if st.started_by_words else "")]
-        up = f" · up {fmt_s(time.time() - st.started_at)}" if st.started_at and self._state == READY else ""
+        # to the minute: a label that changed every second relaid and repainted the whole column each second
+        up = f" · up {fmt.uptime(time.time() - st.started_at)}" if st.started_at and self._state == READY else ""
         parts.append(f"pid {st.pid or '?'} · port {st.port}{up}")
         if st.ready_at:
             parts.append(f"<code>{html.escape(st.base_url or '')}</code>")
@@ -839,7 +840,9 @@ class EnginePanel(Panel, QWidget):
         if st.binding_note and "one NUMA node" in st.binding_note:
             parts.append("<i>one NUMA node here: binding cannot change speed</i>")
         self.details.setToolTip(st.binding_note or "")
-        self.details.setText("<br>".join(parts))
+        text = "<br>".join(parts)
+        if self.details.text() != text:
+            self.details.setText(text)
         self.details.show()
 
     # -- the API key, on request ------------------------------------------------------------------------------------

@@ -40,6 +40,14 @@ def duration(s: float | None) -> str:
     return f"{h} h {m:02d} min"
 
 
+def uptime(s: float) -> str:
+    """How long something has run, to the minute: ``under a minute``, ``3 min``, ``2 h 05 min``."""
+    m = int(max(0.0, float(s)) // 60)
+    if m < 1:
+        return "under a minute"
+    return f"{m} min" if m < 60 else f"{m // 60} h {m % 60:02d} min"
+
+
 def clock(s: float | None) -> str:
     """An ETA as ``mm:ss`` or ``h:mm:ss``; ``--:--`` when unknown."""
     if s is None:
