@@ -50,8 +50,13 @@ def test_vllm_exports_no_expert_figures_and_a_left_out_metric_is_named(fixture_s
     assert "queued" not in gone and tick.values["queued"] is not None
     assert tick.values["decode_tok_s"] is not None and "decode_tok_s" not in gone
     notes = presenter.plot_notes(tick, PLOTS)
-    assert set(notes) == {"hit"}, notes          # pcie_rx_mb_s would come from the driver where there is one
+    # the swaps plot's PCIe line would come from the driver where there is one: not here (no NVML), so nothing
+    # of that plot can be drawn either; the throughput plot has its figures
+    assert set(notes) == {"hit", "swaps"}, notes
     assert notes["hit"].startswith("Not exported by this engine: vLLM has no such figure")
+    with_pcie = M.Tick(seq=tick.seq, t=tick.t, values={**tick.values, "pcie_rx_mb_s": 12.0}, engine="vllm",
+                       notes=tick.notes)
+    assert set(presenter.plot_notes(with_pcie, PLOTS)) == {"hit"}      # a figure drawn: no note over it
     cards = presenter.cards(tick)
     assert cards["hit"].value == "—" and cards["hit"].detail == "not exported by this engine"
     assert cards["swaps"].detail == "not exported by this engine"

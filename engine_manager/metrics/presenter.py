@@ -117,7 +117,7 @@ def cards(tick: Tick) -> dict[str, CardText]:
     dec, pre = v.get("decode_tok_s"), v.get("prefill_tok_s")
     busy, total = v.get("slots_busy"), v.get("slots_total")
     slots = (f"{busy:.0f}/{total:.0f} slots busy" if busy is not None and total is not None
-             else f"{busy:.0f} slots busy" if busy is not None else "")
+             else f"{busy:.0f} slot{'' if busy == 1 else 's'} busy" if busy is not None else "")
     q = v.get("queued")
     if q:
         slots += f" · {q:.0f} queued"
@@ -204,14 +204,15 @@ def not_exported_tip(why: str) -> str:
 
 
 def plot_notes(tick: Tick, plots: Mapping[str, Iterable[str]]) -> dict[str, str]:
-    """Plot key → a line saying the engine exports none of its series (with why), for each such plot of
-    ``plots`` (key → the columns it draws); a plot with one series it does export gets none."""
+    """Plot key → a line saying the engine does not export what the plot draws (with why), for each plot of
+    ``plots`` (key → the columns it draws) with no figure now and at least one series the engine does not export
+    (the others missing for their own reasons, e.g. no GPU); a plot with a figure gets none."""
     gone = tick.notes.get("not_exported") or {}
     out: dict[str, str] = {}
     for key, cols in plots.items():
         cols = list(cols)
-        if cols and all(c in gone for c in cols):
-            whys = list(dict.fromkeys(gone[c] for c in cols))
+        if any(c in gone for c in cols) and all(c in gone or tick.values.get(c) is None for c in cols):
+            whys = list(dict.fromkeys(gone[c] for c in cols if c in gone))
             out[key] = f"{NOT_EXPORTED.capitalize()}: {'; '.join(whys[:2])}."
     return out
 
