@@ -26,6 +26,62 @@ import psutil
 
 from .supervisor_events import Stopping
 
+@dataclass(frozen=True)
+class Capped:
+    """What :func:`run_capped` got: the exit status (None: killed at its deadline or its cap), at most ``cap`` bytes
+    of each stream, whether either was cut, and the program's pid (reaped: gone once this is returned)."""
+    returncode: int | None
+    stdout: bytes
+    stderr: bytes
+    cut: bool
+    pid: int = 0
+
+
+def run_capped(argv: list[str], *, timeout: float, cap: int, env: dict[str, str] | None = None,
+               cwd: str | None = None) -> Capped:
+    """Run ``argv`` (no stdin) and read its output with a cap: a program that writes without end is killed once it
+    wrote ``cap`` bytes on either stream, and any is killed at ``timeout`` (``subprocess.run`` would hold all of
+    its output in memory until then). Raises ``OSError`` when it cannot be started."""
+    import selectors
+
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                         cwd=cwd, start_new_session=True)
+    bufs = {"out": bytearray(), "err": bytearray()}
+    cut = False
+    end = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        assert p.stdout is not None and p.stderr is not None
+        sel.register(p.stdout, selectors.EVENT_READ, "out")
+        sel.register(p.stderr, selectors.EVENT_READ, "err")
+        while sel.get_map() and not cut:
+            left = end - time.monotonic()
+            if left <= 0:
+                cut = True
+                break
+            for key, _ in sel.select(min(left, 0.5)):
+                chunk = os.read(key.fileobj.fileno(), 65536)   # type: ignore[union-attr]
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = bufs[key.data]
+                buf += chunk[:max(0, cap - len(buf))]
+                if len(buf) >= cap:
+                    cut = True
+    if cut:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        rc = p.wait(5.0)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        rc = p.wait()
+    p.stdout.close()
+    p.stderr.close()
+    return Capped(None if cut else rc, bytes(bufs["out"]), bytes(bufs["err"]), cut, p.pid)
+
+
 def ctime_of(pid: int) -> float | None:
     try:
         return psutil.Process(pid).create_time()

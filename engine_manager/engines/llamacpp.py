@@ -804,12 +804,15 @@ def _is_option(arg: str) -> bool:
 def accepted_options(binary: str, env: dict[str, str] | None = None) -> frozenset[str] | None:
     """Every option ``binary --help`` lists (short and long forms, as printed), or None when its help could not be
     read or does not look like llama-server's (fewer than ``_MIN_OPTIONS`` options)."""
+    from ..procs import run_capped
+
     try:
-        p = subprocess.run([binary, "--help"], capture_output=True, timeout=HELP_TIMEOUT_S,
-                           env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+        p = run_capped([binary, "--help"], timeout=HELP_TIMEOUT_S, cap=HELP_CAP, env={**os.environ, **(env or {})})
     except (OSError, subprocess.SubprocessError):
         return None
-    text = (p.stdout[:HELP_CAP] + b"\n" + p.stderr[:HELP_CAP]).decode("utf-8", "replace")
+    if p.cut:                          # no end in time, or more than any usage text: not llama-server's help
+        return None
+    text = (p.stdout + b"\n" + p.stderr).decode("utf-8", "replace")
     found = frozenset(m.group(1) for line in text.splitlines() for m in _OPTION.finditer(line))
     return found if len(found) >= _MIN_OPTIONS else None
 

@@ -1016,17 +1016,19 @@ def refused_arguments(config: dict[str, Any], release: Path | None) -> list[str]
     import os
     import subprocess
 
+    from ..procs import run_capped
+
     argv = engine_argv(config) + ["--help", "--help"]
     libs = [str(d) for d in config.get("lib_dirs") or [] if isinstance(d, str)]
     env = dict(os.environ)
     if libs:                              # as serve/server.py child_env puts them, first
         env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
     try:
-        p = subprocess.run(argv, capture_output=True, timeout=HELP_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL,
-                           cwd=str(release) if release is not None and release.is_dir() else None)
+        p = run_capped(argv, timeout=HELP_TIMEOUT_S, cap=HELP_CAP, env=env,
+                       cwd=str(release) if release is not None and release.is_dir() else None)
     except (OSError, subprocess.SubprocessError):
         return []
-    said = (p.stderr[:HELP_CAP] + b"\n" + p.stdout[:HELP_CAP]).decode("utf-8", "replace")
+    said = (p.stderr + b"\n" + p.stdout).decode("utf-8", "replace")
     m = _UNKNOWN.search(said)
     if p.returncode != 2 or m is None:
         return []
