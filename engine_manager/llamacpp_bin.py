@@ -156,10 +156,12 @@ def version(binary: LlamaServerBinary, timeout: float = 20.0) -> str | None:
     """``llama-server --version`` first line (e.g. ``version: 1 (abc123)``), or None."""
     env = dict(os.environ)
     env.update(launch_env(binary))
+    from .procs import run_capped
+
     try:
-        r = subprocess.run([str(binary.path), "--version"], env=env, capture_output=True, text=True,
-                           timeout=timeout)
+        r = run_capped([str(binary.path), "--version"], env=env, timeout=timeout, cap=1 << 20)
     except (OSError, subprocess.SubprocessError):
         return None
-    lines = [ln.strip() for ln in (r.stdout + "\n" + r.stderr).splitlines() if ln.strip().startswith("version")]
+    text = (r.stdout + b"\n" + r.stderr).decode("utf-8", "replace")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("version")]
     return lines[0] if lines else None

@@ -216,15 +216,19 @@ def python_imports(python: Path, modules: tuple[str, ...] = SERVER_NEEDS, timeou
                    ) -> tuple[bool, str]:
     """(ok, what it said): runs ``python -c`` importing ``modules`` (no shell, a bounded answer)."""
     code = "import " + ", ".join(modules)
+    from .procs import run_capped
+
     try:
-        cp = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=timeout_s,
-                            stdin=subprocess.DEVNULL, env={k: v for k, v in os.environ.items()
-                                                           if k not in ("PYTHONPATH", "PYTHONHOME")})
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        cp = run_capped([str(python), "-c", code], timeout=timeout_s, cap=1 << 20,
+                        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")})
+    except (OSError, subprocess.SubprocessError) as exc:
         return False, f"{python} could not be run ({exc})"
     if cp.returncode == 0:
         return True, ""
-    said = [ln.strip() for ln in (cp.stderr or cp.stdout or "").splitlines() if ln.strip()]
+    if cp.cut:
+        return False, f"{python} did not answer within {timeout_s:g} s (or wrote more than 1 MB)"
+    out = (cp.stderr or cp.stdout).decode("utf-8", "replace")
+    said = [ln.strip() for ln in out.splitlines() if ln.strip()]
     return False, (said[-1] if said else f"exit code {cp.returncode}")[:300]
 
 

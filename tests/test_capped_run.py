@@ -66,3 +66,16 @@ def test_usage_questions_give_no_verdict_on_an_endless_or_hanging_binary(tmp_pat
     out = refused_arguments({"exe": str(exe), "args": ["--no-such-flag", "1"]}, None)
     assert len(out) == 1 and 'answered "unknown argument: --no-such-flag"' in out[0]
     assert refused_arguments({"exe": str(exe), "args": []}, None) == []
+
+
+def test_a_release_python_that_never_answers_is_said_so(tmp_path):
+    """``dsv41 doctor``'s question to the release's own Python (does it import the server's needs?)."""
+    from engine_manager.release_check import python_imports
+
+    for body in (ENDLESS, FOREVER):
+        ok, said = python_imports(script(tmp_path, f"python-{len(body)}", body), timeout_s=2.0)
+        assert not ok and "did not answer within 2 s (or wrote more than 1 MB)" in said, said
+    ok, said = python_imports(Path(sys.executable), modules=("json",))
+    assert ok and said == ""
+    ok, said = python_imports(Path(sys.executable), modules=("no_such_module_here",))
+    assert not ok and "No module named 'no_such_module_here'" in said

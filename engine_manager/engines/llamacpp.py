@@ -162,11 +162,13 @@ def _gpu_backend(path: str, mtime: float) -> bool | None:
         return True
     if "libggml-cpu" in libs and "libggml-base" in libs:
         return False        # the pip build: CPU backend only
-    try:        # a static build: ask it
-        r = subprocess.run([path, "--list-devices"], capture_output=True, text=True, timeout=30)
+    from ..procs import run_capped
+
+    try:        # a static build: ask it (its answer capped, as every question to a binary)
+        r = run_capped([path, "--list-devices"], timeout=30, cap=HELP_CAP)
     except (OSError, subprocess.SubprocessError):
         return None
-    text = r.stdout + r.stderr
+    text = (r.stdout + r.stderr).decode("utf-8", "replace")
     return bool(re.search(r"^\s*(CUDA|ROCm|Vulkan|SYCL|MUSA)\d", text, re.M)) if text else None
 
 
