@@ -127,7 +127,14 @@ def build_dry_run(eng: Engine, plan: dict[str, Any] | None, settings: Any, bindi
                   "output to the size-rotated log and records how it ended; the engine command follows `--`"))
     steps.append((f"wait until ready (up to {ready_timeout_s:.0f} s)",
                   ["curl", "-s", f"{spec.base_url}{spec.health_path}"], "connection refused = still loading"))
-    steps.append((f"stop: SIGTERM to the group, {grace_s:.0f} s grace, then SIGKILL",
-                  f"kill -TERM -<pgid>; sleep {grace_s:.0f}; kill -KILL -<pgid>", ""))
+    if eng.stop_leader_grace_s > 0:        # a server that ends its own engine first (Strata: QUIT, then signals)
+        steps.append((f"stop: SIGTERM to the engine's top process alone, up to {eng.stop_leader_grace_s:.0f} s for "
+                      f"it to end its children in its own order; then SIGTERM to the group, {grace_s:.0f} s grace, "
+                      "then SIGKILL",
+                      f"kill -TERM <pid>; sleep {eng.stop_leader_grace_s:.0f}; kill -TERM -<pgid>; "
+                      f"sleep {grace_s:.0f}; kill -KILL -<pgid>", ""))
+    else:
+        steps.append((f"stop: SIGTERM to the group, {grace_s:.0f} s grace, then SIGKILL",
+                      f"kill -TERM -<pgid>; sleep {grace_s:.0f}; kill -KILL -<pgid>", ""))
     return DryRun(eng.name, spec.label or eng.label, spec.simulated, steps, spec.masked_env(),
                   dict(spec.files), b, notes, refused)

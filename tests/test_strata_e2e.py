@@ -181,6 +181,23 @@ def test_an_engine_that_refuses_an_argument_is_asked_before_the_start_and_its_wo
     assert events[:3] == ["help", "help", "start"], events
 
 
+def test_the_dry_run_shows_the_engines_refusal_and_the_quit_first_stop_and_starts_nothing(env, replica, tmp_path):
+    """`dsv41 start --dry-run`: the binary's own refusal of an argument as a warning (it was asked, nothing was
+    started), and the stop as Strata's server does it — SIGTERM to the server alone, its own budget, then the
+    group."""
+    plan_file = tmp_path / "plan.json"
+    make_plan(env, replica, plan_file)
+    record = tmp_path / "engine-record.jsonl"
+    env = {**env, "DSV41_CPU_NUMERICS": "gpu", "STRATA_STANDIN_RECORD": str(record)}
+    cp = dsv41(env, "start", "--engine", "strata", "--plan", str(plan_file), "--dry-run")
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert "# WARNING: This Strata engine" in cp.stdout and 'answered "unknown argument: --cpu-numerics"' in cp.stdout
+    assert "stop: SIGTERM to the engine's top process alone, up to 70 s" in cp.stdout
+    assert "kill -TERM <pid>; sleep 70; kill -TERM -<pgid>" in cp.stdout
+    assert [json.loads(ln)["event"] for ln in record.read_text().splitlines()] == ["help"]
+    assert json.loads(dsv41(env, "status", "--json").stdout)["state"] == "stopped"
+
+
 def test_a_plan_file_that_is_not_a_plan_is_a_usage_error(tmp_path):
     bad = tmp_path / "plan.json"
     bad.write_text('{"hello": 1}')
