@@ -645,6 +645,8 @@ class MonitorView(Panel, QWidget):
             p.hover(None)
 
     # -- cards ------------------------------------------------------------------------------------------------
+    _not_exported_noted: set[str] = set()     # the plots whose note says "not exported" now
+
     def update_cards(self, tick: M.Tick) -> None:
         """The cards for one tick, as :func:`engine_manager.metrics.presenter.cards` words them."""
         total = presenter.slots_total(tick)
@@ -660,8 +662,9 @@ class MonitorView(Panel, QWidget):
             elif key == "hit":
                 if tick.predicted_hit_rate is not None:    # else the note says why the prediction is unknown
                     p.set_note(presenter.hit_difference_line(tick))
-            elif p.note.toPlainText().startswith(presenter.NOT_EXPORTED.capitalize()):
+            elif key in self._not_exported_noted:
                 p.set_note("")                            # an engine that exports it after all
+        self._not_exported_noted = set(gone)
         if abs(tick.t - getattr(self, "_compared_at", -1e18)) >= self.COMPARE_EVERY_S - 0.01:
             self._compared_at = tick.t
             self._update_compare(tick)

@@ -22,7 +22,7 @@ from .. import nvml
 from ..engines._http import AnswerTooLarge, AnswerTooSlow, SMALL_BODY_CAP, bearer_headers, get_capped, json_body
 from ..figures import measured
 from ..engines.base import Engine, LaunchSpec, LogEvent, Sample
-from .columns import ENGINE_COLUMNS, HOST_COLUMNS, LOG_COLUMNS, MAX_SLOTS, NVML_COLUMNS
+from .columns import ENGINE_COLUMNS, HOST_COLUMNS, LOG_COLUMNS, MAX_SLOTS, NVML_COLUMNS, SLOT_COLUMNS
 from ..tls import verify as tls_verify
 
 
@@ -58,17 +58,22 @@ def _rate(v: object) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0 else None
 
 
+#: the engine column each plain :class:`Sample` figure fills (one home for sample_values and FIGURE_COLUMNS)
+FIELD_COLUMN: dict[str, str] = {
+    "decode_tok_s": "decode_tok_s", "prefill_tok_s": "prefill_tok_s", "hit_rate": "hit_rate",
+    "pcie_share": "engine_pcie_share", "swaps_per_s": "engine_swaps_per_s", "swaps_total": "swaps_total",
+    "swap_mb_s": "engine_swap_mb_s", "pcie_rx_mb_s": "engine_pcie_rx_mb_s", "pcie_tx_mb_s": "engine_pcie_tx_mb_s",
+    "vram_used_bytes": "engine_vram_used_bytes", "vram_total_bytes": "engine_vram_total_bytes",
+    "ram_used_bytes": "engine_ram_used_bytes", "ram_total_bytes": "engine_ram_total_bytes",
+    "slots_busy": "slots_busy", "slots_total": "slots_total", "queued": "queued",
+    "requests_total": "requests_total", "tokens_generated_total": "tokens_generated_total",
+}
+
 #: the columns each figure an adapter may export (engines.base.FIGURES) fills
 FIGURE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "decode_tok_s": ("decode_tok_s",), "prefill_tok_s": ("prefill_tok_s",),
-    "decode_tok_s_per_slot": tuple(f"slot{i}_tok_s" for i in range(MAX_SLOTS)),
-    "hit_rate": ("hit_rate", "hit_rate_last"), "pcie_share": ("engine_pcie_share",),
-    "swaps_per_s": ("engine_swaps_per_s",), "swaps_total": ("swaps_total",), "swap_mb_s": ("engine_swap_mb_s",),
-    "pcie_rx_mb_s": ("engine_pcie_rx_mb_s",), "pcie_tx_mb_s": ("engine_pcie_tx_mb_s",),
-    "vram_used_bytes": ("engine_vram_used_bytes",), "vram_total_bytes": ("engine_vram_total_bytes",),
-    "ram_used_bytes": ("engine_ram_used_bytes",), "ram_total_bytes": ("engine_ram_total_bytes",),
-    "slots_busy": ("slots_busy",), "slots_total": ("slots_total",), "queued": ("queued",),
-    "requests_total": ("requests_total",), "tokens_generated_total": ("tokens_generated_total",),
+    **{f: (c,) for f, c in FIELD_COLUMN.items()},
+    "hit_rate": ("hit_rate", "hit_rate_last"),        # the newest finished request's rides in extra
+    "decode_tok_s_per_slot": SLOT_COLUMNS,
     "log_swaps": ("log_swaps_per_s", "log_swap_mb_s"), "log_hits": ("log_hit_rate", "log_pcie_share", "log_vram_share"),
 }
 
@@ -80,32 +85,14 @@ def unexported_columns(engine: Engine, s: Sample | None) -> dict[str, str]:
 
 def sample_values(s: Sample) -> dict[str, float | None]:
     """Map the adapters' common :class:`Sample` onto the engine columns (``None`` stays missing)."""
-    v: dict[str, float | None] = {
-        "decode_tok_s": s.decode_tok_s,
-        "prefill_tok_s": s.prefill_tok_s,
-        "hit_rate": s.hit_rate,
-        # Strata reports a hit rate only when a request finishes (requests[].hit_rate): while requests run back to
-        # back, hit_rate is missing and this is the figure there is
-        "hit_rate_last": _rate(s.extra.get("hit_rate_last")) if isinstance(s.extra, dict) else None,
-        "engine_pcie_share": _rate(s.pcie_share),
-        "engine_swaps_per_s": s.swaps_per_s,
-        "swaps_total": s.swaps_total,
-        "engine_swap_mb_s": s.swap_mb_s,
-        "engine_pcie_rx_mb_s": s.pcie_rx_mb_s,
-        "engine_pcie_tx_mb_s": s.pcie_tx_mb_s,
-        "engine_vram_used_bytes": s.vram_used_bytes,
-        "engine_vram_total_bytes": s.vram_total_bytes,
-        "engine_ram_used_bytes": s.ram_used_bytes,
-        "engine_ram_total_bytes": s.ram_total_bytes,
-        "slots_busy": s.slots_busy,
-        "slots_total": s.slots_total,
-        "queued": s.queued,
-        "requests_total": s.requests_total,
-        "tokens_generated_total": s.tokens_generated_total,
-    }
+    v: dict[str, float | None] = {c: getattr(s, f) for f, c in FIELD_COLUMN.items()}
+    v["engine_pcie_share"] = _rate(s.pcie_share)
+    # Strata reports a hit rate only when a request finishes (requests[].hit_rate): while requests run back to
+    # back, hit_rate is missing and this is the figure there is
+    v["hit_rate_last"] = _rate(s.extra.get("hit_rate_last")) if isinstance(s.extra, dict) else None
     per_slot = s.decode_tok_s_per_slot
-    for i in range(MAX_SLOTS):
-        v[f"slot{i}_tok_s"] = None
+    for c in SLOT_COLUMNS:
+        v[c] = None
     if per_slot is not None:
         # the engine listed its decoding slots: a slot it has but did not list is idle — a measured 0
         if s.slots_total:
