@@ -21,9 +21,10 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from .errors import UserError
 
@@ -236,6 +237,7 @@ class _Buf:
         replica's two 160k-string arrays: a plain loop per string 0.31 s. Shard 1 whole (5.3 MB header), old against
         new interleaved, median of 30: whole-buffer numpy passes over one growing buffer holding the header 12.1 ms
         and 3,509 page faults per parse; this 3.7 ms and 150."""
+        import numpy as np  # imported on first use: a start that reads no header skips its ~60 ms
         if count < 256:
             for i in range(count):
                 n = self.u64(f"length of {what} (item {i})")
@@ -302,13 +304,17 @@ class _Buf:
             view.release()
 
 
-_SHIFT = [np.uint64(k) for k in range(65)]
+@functools.cache
+def _shifts() -> list:
+    import numpy as np
+    return [np.uint64(k) for k in range(65)]
 
 
 def _after(w: np.ndarray, k: int) -> np.ndarray:
     """Bit p of the result = bit p + k of ``w`` (a little-endian bit set in uint64 words; zeros shifted in)."""
-    r = w >> _SHIFT[k]
-    r[:-1] |= w[1:] << _SHIFT[64 - k]
+    shift = _shifts()
+    r = w >> shift[k]
+    r[:-1] |= w[1:] << shift[64 - k]
     return r
 
 
@@ -320,6 +326,7 @@ def _candidates(buf: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, np
     text: a candidate is a position whose bytes +1…+7 are zero and +8 is not, and its length is its first byte.
     The tests run on bits packed into 64-bit words (an eighth of the bytes' memory), so a chunk costs one compare
     and one pack over its bytes, then work per candidate: a nonzero, two gathers, a compare."""
+    import numpy as np
     if limit <= 0:
         empty = np.zeros(0, np.int64)
         return empty, empty, empty
@@ -367,6 +374,7 @@ def _read_value(b: _Buf, vtype: int, key: str, depth: int = 0) -> Any:
                                           "the file", "The file is incomplete or damaged; download it again")
             if count <= SMALL_ARRAY:
                 b.need(count * size, key)
+                import numpy as np
                 vals = np.frombuffer(b.data, dtype=_NP[itype], count=count, offset=b.pos).tolist()
                 b.pos += count * size
                 return [bool(v) for v in vals] if itype == T_BOOL else vals

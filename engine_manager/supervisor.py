@@ -22,9 +22,10 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 from . import paths
 from .atomic import ensure_private_dir
@@ -149,6 +150,7 @@ class Supervisor:
         """One client for health checks: loopback only (no proxies from the environment), no TLS context to
         build, no kept-alive sockets (so nothing lingers after an engine is gone)."""
         if self._http is None:
+            import httpx        # on first use: ~70 ms of imports a panel start that checks no engine yet skips
             self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0), trust_env=False, verify=False,
                                       limits=httpx.Limits(max_keepalive_connections=0))
         return self._http

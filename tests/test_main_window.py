@@ -185,6 +185,27 @@ def test_the_window_is_painted_before_the_heavy_pages_are_imported(tmp_path):
         in p.stdout, out
 
 
+def test_the_engine_column_imports_no_http_client_numpy_or_metrics_parser():
+    """The engine column is part of the staged start's first step: its imports (the engine panel, the supervisor,
+    the engines, the context) leave httpx (~70 ms), numpy (~60 ms, the GGUF header reader's) and prometheus_client
+    (~40 ms) to the first use that needs them."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import app.engine_panel, app.context, engine_manager.supervisor, engine_manager.session\n"
+            "print('loaded', sorted(m for m in ('httpx', 'numpy', 'prometheus_client') if m in sys.modules))\n"
+            "from engine_manager import gguf_header\n"
+            "from engine_manager.engines import prometheus_text\n"
+            "print('parsed', prometheus_text.by_series('a_b 1\\n'), len(gguf_header._shifts()))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "loaded []" in p.stdout, p.stdout
+    # imported on first use, and then they work
+    assert "parsed {'a_b': 1.0} 65" in p.stdout, p.stdout
+
+
 def test_the_staged_start_builds_what_is_on_screen_first(tmp_path):
     """The panel's own start: the engine column and the page on screen (here the Log tab, remembered from the
     last session) are built and painted first, while the chat pane and the other pages still wait; choosing a
