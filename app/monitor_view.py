@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QButtonGroup,
@@ -60,6 +60,49 @@ from .workers import TaskOwner
 
 WINDOWS: tuple[tuple[str, float | None], ...] = (("1 min", 60.0), ("10 min", 600.0), ("1 h", 3600.0), ("All", None))
 RATES = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class _LayoutBarrier(QWidget):
+    """Holds ``inner`` (the cards) without a layout of its own, at the height ``inner`` asks for. A label's new
+    text asks its parents for a new layout, and Qt passes that request up to the window: every card's new value
+    re-laid out the Monitor, the tabs, the splitter and the main window once a second, ~7 layouts for a size
+    that had not changed. Here the request stops: the cards are laid out again inside, and the page only when
+    their height really changes."""
+
+    def __init__(self, inner: QWidget, parent=None):
+        super().__init__(parent)
+        self.inner = inner
+        inner.setParent(self)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
+        self._fit()
+
+    def _wanted(self) -> int:
+        inner = self.inner
+        if inner.hasHeightForWidth() and self.width() > 0:
+            return max(0, inner.heightForWidth(self.width()))
+        return max(0, inner.sizeHint().height())
+
+    def _fit(self) -> None:
+        h = self._wanted()
+        if h != self.height() or self.minimumHeight() != h:
+            self.setFixedHeight(h)              # a real change of height: the page is laid out again
+        self.inner.setGeometry(0, 0, self.width(), self.height())
+
+    def minimumSizeHint(self):  # noqa: N802 - Qt's name
+        return QSize(self.inner.minimumSizeHint().width(), self.height())
+
+    def sizeHint(self):  # noqa: N802 - Qt's name
+        return QSize(self.inner.sizeHint().width(), self.height())
+
+    def event(self, ev) -> bool:
+        if ev.type() == QEvent.Type.LayoutRequest:        # inner asks: only its own height matters here
+            self._fit()
+            return True
+        return super().event(ev)
+
+    def resizeEvent(self, ev) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(ev)
+        self._fit()
 
 
 class MonitorView(Panel, QWidget):
@@ -194,7 +237,8 @@ class MonitorView(Panel, QWidget):
         top_box = QWidget()
         top_box.setLayout(top)
         top_box.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
-        root.addWidget(top_box)
+        self.top_holder = _LayoutBarrier(top_box)
+        root.addWidget(self.top_holder)
 
         self.glw = pg.GraphicsLayoutWidget()
         self.glw.setBackground("w")
