@@ -3,11 +3,13 @@ status bar, the overview strip with N saved connections) watching the scripted e
 users stream chats, measured from outside with psutil after a settle.
 
     xvfb-run -a -s "-screen 0 1600x1000x24" .venv/bin/python benchmarks/panel_cpu.py [--seconds 30] [--settle 25]
-        [--users 4] [--connections 3] [--profile FILE]
+        [--users 4] [--connections 3] [--profile FILE] [--off PART[,PART]]
 
 ``benchmarks/gui_load.py`` part 2 measures the Monitor page and the overview strip alone, in its own process; this
 is the window a user runs. ``--profile FILE`` also records a py-spy profile (raw, per thread) over the measured
-seconds. Its own config/data folders are temporary; the engine is stopped at the end.
+seconds. ``--off`` runs the window with parts of its per-tick work switched off (``benchmarks/panel_parts.py``):
+run it beside a plain run to weigh a part. Besides the whole process, the GUI thread's own share is printed.
+Its own config/data folders are temporary; the engine is stopped at the end.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=3)
     ap.add_argument("--port", type=int, default=18791)
     ap.add_argument("--profile")
+    ap.add_argument("--off", default="", help="parts switched off, comma-separated (benchmarks/panel_parts.py)")
     a = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="panel-cpu-"))
     env = {**os.environ, "DSV41_CONFIG_DIR": str(home / "config"), "DSV41_DATA_DIR": str(home / "data"),
@@ -73,8 +76,9 @@ def main() -> int:
 
         for i in range(a.users):
             threading.Thread(target=chat, args=(i,), daemon=True).start()
-        app = subprocess.Popen([py, "-m", "app"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+        argv = [py, "-m", "app"] if not a.off else [py, str(ROOT / "benchmarks" / "panel_parts.py")]
+        app = subprocess.Popen(argv, env={**env, "PYTHONPATH": str(ROOT), "DSV41_BENCH_OFF": a.off}, cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(a.settle)
         p = psutil.Process(app.pid)
         spy = None
@@ -82,14 +86,18 @@ def main() -> int:
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(app.pid), "--threads", "--nonblocking", "-r",
                                     "100", "-d", str(int(a.seconds)), "-f", "raw", "-o", a.profile],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        gui0 = {t.id: t.user_time + t.system_time for t in p.threads()}
         before, t0 = p.cpu_times(), time.monotonic()
         time.sleep(a.seconds)
         after, dt = p.cpu_times(), time.monotonic() - t0
+        gui1 = {t.id: t.user_time + t.system_time for t in p.threads()}
+        gui = 100.0 * (gui1.get(app.pid, 0.0) - gui0.get(app.pid, 0.0)) / dt     # the main thread's id is the pid
         if spy is not None:
             spy.wait(60)
         pct = 100.0 * ((after.user - before.user) + (after.system - before.system)) / dt
         print(f"whole panel (python -m app) at 1 Hz, {a.users} users streaming, {a.connections} saved connection(s) "
-              f"in the overview: {pct:.2f}% of one core over {dt:.0f} s (goal ≤ 2%); {p.num_threads()} threads; "
+              f"in the overview{', with ' + a.off + ' off' if a.off else ''}: {pct:.2f}% of one core over {dt:.0f} s "
+              f"(goal ≤ 2%; GUI thread {gui:.2f}%); {p.num_threads()} threads; "
               f"load average {os.getloadavg()[0]:.2f}")
     finally:
         stop.set()
