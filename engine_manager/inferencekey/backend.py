@@ -416,23 +416,37 @@ class DeepSeekOneGpuBackend(CustomBackend):
                 content: list[str] = []
                 reasoning: list[str] = []
                 stats = None
-                client = ChatClient.for_engine(running)
                 try:
-                    for ev in client.stream(messages, ChatOptions(max_tokens=send_tokens, extra=extra), cancel):
-                        if isinstance(ev, ContentDelta):
-                            content.append(ev.text)
-                        elif isinstance(ev, ReasoningDelta):
-                            reasoning.append(ev.text)
-                        elif isinstance(ev, StreamDone):
-                            stats = ev.stats
-                except ChatError as exc:
-                    if exc.kind == "bad_request":
-                        raise InvalidInput(str(exc)) from None
-                    raise RuntimeError(f"The engine failed on this request ({exc.kind}): {exc} The engine is "
-                                       "restarted when it crashed; send the request again.") from None
+                    for attempt in (1, 2):
+                        client = ChatClient.for_engine(running)
+                        try:
+                            for ev in client.stream(messages, ChatOptions(max_tokens=send_tokens, extra=extra),
+                                                    cancel):
+                                if isinstance(ev, ContentDelta):
+                                    content.append(ev.text)
+                                elif isinstance(ev, ReasoningDelta):
+                                    reasoning.append(ev.text)
+                                elif isinstance(ev, StreamDone):
+                                    stats = ev.stats
+                            break
+                        except ChatError as exc:
+                            if exc.kind == "bad_request":
+                                raise InvalidInput(str(exc)) from None
+                            # nothing reached the engine: it died just before. Its supervisor looks a few times a
+                            # second, so it may not have said so yet; once it has, the request goes once more to
+                            # the engine it restarts
+                            again = self._restarted_after(running, deadline) \
+                                if exc.kind == "unreachable" and attempt == 1 and not content and not reasoning \
+                                else None
+                            if again is None:
+                                raise RuntimeError(f"The engine failed on this request ({exc.kind}): {exc} The "
+                                                   "engine is restarted when it crashed; send the request again.") \
+                                    from None
+                            running = again
+                        finally:
+                            client.close()
                 finally:
                     timer.cancel()
-                    client.close()
             finally:
                 with self._cond:
                     self._active -= 1
@@ -480,6 +494,23 @@ class DeepSeekOneGpuBackend(CustomBackend):
             raise InvalidInput(f"max_tokens must be an integer from 1 to {MAX_TOKENS_LIMIT}, not {mt!r}.")
         extra = {k: v for k, v in inp.items() if k not in _NOT_PASSED and k not in _TOOL_KEYS}
         return messages, mt, extra
+
+    NOTICE_S = 5.0      # how long an engine that does not answer may still be "running" to its supervisor
+
+    def _restarted_after(self, running: Any, deadline: float) -> Any:
+        """``running`` did not answer: the engine its supervisor restarts in its place, once the supervisor has
+        noticed (within :attr:`NOTICE_S`) and the new one is ready (within ``deadline``); None if the supervisor
+        still holds ``running`` as the engine, or nothing is ready in time."""
+        assert self.session is not None
+        with self._cond:
+            self._cond.wait_for(lambda: self.session.running is not running or self._thread_done or self._shut,
+                                timeout=max(0.0, min(self.NOTICE_S, deadline - time.monotonic())))
+            if self.session.running is running:
+                return None
+        try:
+            return self._wait_running(deadline)
+        except RuntimeError:
+            return None
 
     def _wait_running(self, deadline: float) -> Any:
         """The engine that is ready; waits while it restarts after a crash (up to ``deadline``)."""
