@@ -388,7 +388,7 @@ class DeepSeekOneGpuBackend(CustomBackend):
     # ================================================================================== process
     def process(self, job: Job) -> Result:
         from ..cancel import CancelToken
-        from ..chat import ChatClient, ChatError, ChatOptions, ContentDelta, ReasoningDelta, StreamDone
+        from ..chat import ChatClient, ChatError, ChatOptions
 
         t0 = time.monotonic()
         deadline = t0 + self.REQUEST_LIMIT_S - self.LIMIT_MARGIN_S
@@ -413,31 +413,21 @@ class DeepSeekOneGpuBackend(CustomBackend):
                 timer = threading.Timer(max(0.0, deadline - time.monotonic()), cancel.cancel)
                 timer.daemon = True
                 timer.start()
-                content: list[str] = []
-                reasoning: list[str] = []
-                stats = None
                 try:
                     for attempt in (1, 2):
                         client = ChatClient.for_engine(running)
                         try:
-                            for ev in client.stream(messages, ChatOptions(max_tokens=send_tokens, extra=extra),
-                                                    cancel):
-                                if isinstance(ev, ContentDelta):
-                                    content.append(ev.text)
-                                elif isinstance(ev, ReasoningDelta):
-                                    reasoning.append(ev.text)
-                                elif isinstance(ev, StreamDone):
-                                    stats = ev.stats
+                            text, thought, stats = client.complete(
+                                messages, ChatOptions(max_tokens=send_tokens, extra=extra), cancel)
                             break
                         except ChatError as exc:
                             if exc.kind == "bad_request":
                                 raise InvalidInput(str(exc)) from None
-                            # nothing reached the engine: it died just before. Its supervisor looks a few times a
-                            # second, so it may not have said so yet; once it has, the request goes once more to
-                            # the engine it restarts
+                            # "unreachable" (no connection): nothing reached the engine, it died just before. Its
+                            # supervisor looks a few times a second, so it may not have said so yet; once it has,
+                            # the request goes once more to the engine it restarts
                             again = self._restarted_after(running, deadline) \
-                                if exc.kind == "unreachable" and attempt == 1 and not content and not reasoning \
-                                else None
+                                if exc.kind == "unreachable" and attempt == 1 else None
                             if again is None:
                                 raise RuntimeError(f"The engine failed on this request ({exc.kind}): {exc} The "
                                                    "engine is restarted when it crashed; send the request again.") \
@@ -452,9 +442,7 @@ class DeepSeekOneGpuBackend(CustomBackend):
                     self._active -= 1
         finally:
             self._slots.release()
-        assert stats is not None
         self._learn(stats, active)
-        text, thought = "".join(content), "".join(reasoning)
         if stats.cancelled:
             return self._time_limit_result(text, thought, stats, max_tokens, t0,
                                            "the answer was still going when the limit came")
