@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QPointF, Qt
-from PySide6.QtGui import QFont, QFontMetricsF
+from PySide6.QtCore import QPointF, QRectF, Qt
+from PySide6.QtGui import QFont, QFontMetricsF, QPainterPath
 from PySide6.QtWidgets import QGraphicsItem
 
 from engine_manager import metrics as M
@@ -138,6 +138,95 @@ def isolated(y: np.ndarray) -> np.ndarray:
 
 
 
+class SeriesCurve(pg.GraphicsObject):
+    """One series of a Monitor plot: a polyline through the finite points (a missing value breaks it), with the
+    path and the bounding box made once per ``setData`` and only drawn on a paint.
+
+    Written by hand in place of ``pg.PlotDataItem``: that item's per-curve Python — ``setData`` 175 µs a curve, 19
+    curves a second, and ``PlotCurveItem.boundingRect`` worked out again from the data and the pixel size after
+    every change (pixelVectors, dataBounds) — was ~40 % of the whole window's CPU at 1 Hz, the largest part left
+    (``benchmarks/panel_cpu.py --off plots``, ``benchmarks/results/panel_cpu.md``). What it adds over this
+    (log/FFT transforms, decimation, averaging: the "Plot Options" menu) is off on the Monitor's plots, whose y
+    ranges the view sets; the path itself is pyqtgraph's (``arrayToQPath``). It implements what a PlotItem and a
+    ViewBox ask of a data item: ``name``, ``getData``, ``dataBounds``, ``implements('plotData')``."""
+
+    def __init__(self, pen, name: str = ""):
+        super().__init__()
+        self._pen = pen
+        self._name = name
+        self._x: np.ndarray = np.empty(0)
+        self._y: np.ndarray = np.empty(0)
+        self._path = QPainterPath()
+        self._bounds: tuple[float, float, float, float] | None = None    # x0, x1, y0, y1 of the finite points
+        self._rect: QRectF | None = None
+
+    def implements(self, interface=None):        # pyqtgraph's interface check (PlotItem.addItem, ViewBox)
+        ints = ["plotData"]
+        return ints if interface is None else interface in ints
+
+    def name(self) -> str:
+        return self._name
+
+    def getData(self) -> tuple[np.ndarray, np.ndarray]:  # noqa: N802 - pyqtgraph naming
+        return self._x, self._y
+
+    def setData(self, x, y) -> None:  # noqa: N802 - pyqtgraph naming
+        x = np.asarray(x, dtype=np.float64)
+        y = np.asarray(y, dtype=np.float64)
+        if x.shape != y.shape or x.ndim != 1:
+            raise ValueError(f"x and y differ: {x.shape} and {y.shape}")
+        self.prepareGeometryChange()
+        self._x, self._y = x, y
+        finite = np.isfinite(x) & np.isfinite(y)
+        if finite.any():
+            fx, fy = x[finite], y[finite]
+            self._bounds = (float(fx.min()), float(fx.max()), float(fy.min()), float(fy.max()))
+            self._path = pg.arrayToQPath(x, y, connect="finite")
+        else:
+            self._bounds = None
+            self._path = QPainterPath()
+        self._rect = None
+        self.informViewBoundsChanged()
+        self.update()
+
+    def clear(self) -> None:
+        self.setData([], [])
+
+    def dataBounds(self, ax: int, frac: float = 1.0, orthoRange=None):  # noqa: N802 - pyqtgraph naming
+        if self._bounds is None:
+            return None, None
+        return (self._bounds[0], self._bounds[1]) if ax == 0 else (self._bounds[2], self._bounds[3])
+
+    def boundingRect(self) -> QRectF:  # noqa: N802 - Qt naming
+        if self._rect is None:
+            if self._bounds is None:
+                self._rect = QRectF()
+            else:
+                x0, x1, y0, y1 = self._bounds
+                # half the pen's width beyond the points, in data units: what Qt repaints when the curve moves
+                px = py = 0.0
+                view = self.scene().views()[0] if self.scene() is not None and self.scene().views() else None
+                if view is not None:
+                    t = self.deviceTransform(view.viewportTransform())
+                    if t.m11() and t.m22():
+                        pad = max(1.0, self._pen.widthF()) * 0.7072 + 1.0
+                        px, py = pad / abs(t.m11()), pad / abs(t.m22())
+                self._rect = QRectF(x0 - px, y0 - py, (x1 - x0) + 2 * px, (y1 - y0) + 2 * py)
+        return self._rect
+
+    def viewTransformChanged(self) -> None:  # noqa: N802 - pyqtgraph naming: the pixel padding changes
+        super().viewTransformChanged()
+        self.prepareGeometryChange()
+        self._rect = None
+
+    def paint(self, p, *args) -> None:
+        if self._bounds is None:
+            return
+        p.setRenderHint(p.RenderHint.Antialiasing, False)
+        p.setPen(self._pen)
+        p.drawPath(self._path)
+
+
 class _TitleItem(pg.LabelItem):
     """A plot's title row. Unlike a plain LabelItem it does not pin its minimum width to its text's (that kept
     the plots from narrowing with the window, so they ran off its edge): the text is wrapped to the width by
@@ -174,7 +263,10 @@ class MonitorPlot:
         # no clipToView/auto-downsampling: the store hands each curve only the visible range, already reduced to
         # min/max per two pixels (MonitorView._draw_one); pyqtgraph's own pass over the same points was ~30 % of
         # the GUI thread's work at 1 Hz (cProfile of benchmarks/gui_load.py part 2)
-        it.setMenuEnabled(True)
+        # the view's menu (View All, axis ranges, mouse mode, and the export entries below) stays; pyqtgraph's
+        # "Plot Options" (log/FFT transforms, decimation, averaging) acts on PlotDataItems, which these curves are
+        # not (SeriesCurve), and would fight the y ranges this plot sets
+        it.setMenuEnabled(enableMenu=False, enableViewBoxMenu=True)
         from .plot_export import add_export     # right click: Save plot as PNG/SVG…, Copy figures
         add_export(it, spec.title)
         it.hideButtons()              # the auto-range "A" would fight the sticky y ranges set below
@@ -194,16 +286,17 @@ class MonitorPlot:
             ax.enableAutoSIPrefix(False)
             self.right_vb.setXLink(it)
             it.vb.sigResized.connect(self._sync_right)
-        self.curves: dict[str, pg.PlotDataItem] = {}
+        self.curves: dict[str, SeriesCurve] = {}
         self.series: dict[str, Series] = {}
         self.dots: dict[str, pg.ScatterPlotItem] = {}
         for s in spec.series:
             pen = pg.mkPen(s.color, width=s.width, style=s.style)
             if s.right and self.right_vb is not None:
-                c = pg.PlotDataItem(pen=pen, name=f"{s.name} (right)", connect="finite")
+                c = SeriesCurve(pen, f"{s.name} (right)")
                 self.right_vb.addItem(c)
             else:
-                c = it.plot(pen=pen, name=s.name, connect="finite")
+                c = SeriesCurve(pen, s.name)
+                it.addItem(c)
             self.curves[s.column] = c
             self.series[s.column] = s
             # a reading with no neighbour (a prompt read within one poll, a slot busy for one tick) has no line
@@ -341,7 +434,7 @@ class MonitorPlot:
                     self._set_dots(col, None, None)
                     self.empty[col] = True
             else:
-                curve.setData(t, y, connect="finite")
+                curve.setData(t, y)
                 lone = isolated(y)
                 if lone.any() or self.dots[col].data.size:
                     self._set_dots(col, t[lone], y[lone])
