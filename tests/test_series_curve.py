@@ -38,10 +38,9 @@ def decode_only(plot, t: np.ndarray, y: np.ndarray) -> None:
     plot.item.vb.setYRange(0.0, 20.0, padding=0)
 
 
-def screen(qtbot, glw) -> QImage:
+def screen(glw) -> QImage:
     """What the X server shows in the plot's viewport: read back from the screen, not painted again for the
     test (``QWidget.grab`` would repaint everything and hide a part Qt failed to repaint)."""
-    qtbot.wait(80)                  # let the scene's update reach the viewport
     vp = glw.viewport()
     top = vp.mapTo(glw.window(), vp.rect().topLeft())
     return glw.screen().grabWindow(glw.window().winId(), top.x(), top.y(), vp.width(), vp.height()).toImage()
@@ -58,6 +57,12 @@ def blue_near(glw, plot, img: QImage, t: float, y: float, reach: int = 2) -> boo
     return False
 
 
+def shows(qtbot, glw, plot, t: float, y: float) -> QImage:
+    """Wait until the screen shows the line at (t, y) (the repaint has reached the X server); the picture then."""
+    qtbot.waitUntil(lambda: blue_near(glw, plot, screen(glw), t, y), timeout=10_000)
+    return screen(glw)
+
+
 def is_blue(c: QColor) -> bool:
     """The decode colour, or it under a faint grid line (the y grid is drawn over the curves at 25 %)."""
     return abs(c.red() - BLUE.red()) + abs(c.green() - BLUE.green()) + abs(c.blue() - BLUE.blue()) < 40
@@ -69,8 +74,8 @@ def test_the_line_is_drawn_where_readings_are_and_broken_where_they_are_missing(
     y = np.full(60, 7.3)
     y[20:40] = np.nan                                     # twenty missing readings
     decode_only(plot, t, y)
-    img = screen(qtbot, glw)
-    assert blue_near(glw, plot, img, 10.0, 7.3) and blue_near(glw, plot, img, 50.0, 7.3)
+    shows(qtbot, glw, plot, 10.0, 7.3)
+    img = shows(qtbot, glw, plot, 50.0, 7.3)              # both ends drawn, in one paint
     assert not blue_near(glw, plot, img, 30.0, 7.3)       # a gap, not a line across it
     xs, ys = plot.curves["decode_tok_s"].getData()
     assert xs.size == 60 and np.isnan(ys[25]) and ys[10] == 7.3
@@ -81,15 +86,13 @@ def test_a_line_that_moves_leaves_nothing_behind(qtbot, tok):
     glw, plot = tok
     t = np.arange(60, dtype=float)
     decode_only(plot, t, np.full(60, 5.3))
-    assert blue_near(glw, plot, screen(qtbot, glw), 30.0, 5.3)
+    shows(qtbot, glw, plot, 30.0, 5.3)
     curve = plot.curves["decode_tok_s"]                   # the curve alone: nothing else asks for a repaint
     curve.setData(t, np.full(60, 14.7))
-    img = screen(qtbot, glw)
-    assert blue_near(glw, plot, img, 30.0, 14.7)
-    assert not blue_near(glw, plot, img, 30.0, 5.3)
+    img = shows(qtbot, glw, plot, 30.0, 14.7)             # the paint that drew the new line ...
+    assert not blue_near(glw, plot, img, 30.0, 5.3)       # ... also cleared the old one
     curve.setData(t, np.full(60, np.nan))                 # nothing to draw: the line goes
-    img = screen(qtbot, glw)
-    assert not blue_near(glw, plot, img, 30.0, 14.7)
+    qtbot.waitUntil(lambda: not blue_near(glw, plot, screen(glw), 30.0, 14.7), timeout=10_000)
     assert plot.curves["decode_tok_s"].boundingRect().isEmpty()
 
 
