@@ -125,3 +125,19 @@ def test_the_right_click_menu_has_the_view_and_export_entries_not_plot_options(q
     assert {"View All", "Save plot as PNG…", "Save plot as SVG…", "Copy figures"} <= set(texts), texts
     assert plot.item.getContextMenus(None) is None        # pyqtgraph's transforms act on PlotDataItems only
     assert all(c.implements("plotData") for c in plot.curves.values())
+
+
+def test_pyqtgraphs_own_csv_export_writes_the_curves(qtbot, tok, tmp_path):
+    """The plot's menu also has pyqtgraph's Export… dialog; its CSV exporter reads the curves as data items."""
+    import csv
+
+    from pyqtgraph.exporters import CSVExporter
+
+    _, plot = tok
+    t = np.arange(10.0, 15.0)
+    decode_only(plot, t, np.array([1.0, 2.0, np.nan, 4.0, 5.0]))
+    out = tmp_path / "tok.csv"
+    CSVExporter(plot.item).export(str(out))
+    rows = list(csv.reader(out.open()))
+    assert rows[0][:2] == ["decode (all slots)_x", "decode (all slots)_y"]
+    assert [r[:2] for r in rows[1:6]] == [["10.", "1."], ["11.", "2."], ["12.", "nan"], ["13.", "4."], ["14.", "5."]]
