@@ -123,14 +123,19 @@ class FitLabel(QLabel):
 CARD_RADIUS = 4.0
 
 
-def _paint_card(w: QWidget) -> None:
-    """The card's patch: the palette's base colour (white, or dark in the dark theme), rounded corners."""
+def _paint_patch(w: QWidget, color: QColor, radius: float) -> None:
+    """A rounded patch of ``color`` over the whole of ``w``."""
     p = QPainter(w)
     p.setRenderHint(QPainter.RenderHint.Antialiasing)
     p.setPen(Qt.PenStyle.NoPen)
-    p.setBrush(w.palette().color(QPalette.ColorRole.Base))
-    p.drawRoundedRect(QRectF(w.rect()), CARD_RADIUS, CARD_RADIUS)
+    p.setBrush(color)
+    p.drawRoundedRect(QRectF(w.rect()), radius, radius)
     p.end()
+
+
+def _paint_card(w: QWidget) -> None:
+    """The card's patch: the palette's base colour (white, or dark in the dark theme), rounded corners."""
+    _paint_patch(w, w.palette().color(QPalette.ColorRole.Base), CARD_RADIUS)
 
 
 class Pill(QLabel):
@@ -160,12 +165,7 @@ class Pill(QLabel):
 
     def paintEvent(self, ev) -> None:  # noqa: N802 - Qt's name
         if self._bg is not None and self.text():
-            p = QPainter(self)
-            p.setRenderHint(QPainter.RenderHint.Antialiasing)
-            p.setPen(Qt.PenStyle.NoPen)
-            p.setBrush(self._bg)
-            p.drawRoundedRect(QRectF(self.rect()), 3.0, 3.0)
-            p.end()
+            _paint_patch(self, self._bg, 3.0)
         super().paintEvent(ev)
 
 

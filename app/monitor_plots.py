@@ -189,9 +189,6 @@ class SeriesCurve(pg.GraphicsObject):
         self.informViewBoundsChanged()
         self.update()
 
-    def clear(self) -> None:
-        self.setData([], [])
-
     def dataBounds(self, ax: int, frac: float = 1.0, orthoRange=None):  # noqa: N802 - pyqtgraph naming
         if self._bounds is None:
             return None, None
@@ -205,9 +202,10 @@ class SeriesCurve(pg.GraphicsObject):
                 x0, x1, y0, y1 = self._bounds
                 # half the pen's width beyond the points, in data units: what Qt repaints when the curve moves
                 px = py = 0.0
-                view = self.scene().views()[0] if self.scene() is not None and self.scene().views() else None
-                if view is not None:
-                    t = self.deviceTransform(view.viewportTransform())
+                scene = self.scene()
+                views = scene.views() if scene is not None else []
+                if views:
+                    t = self.deviceTransform(views[0].viewportTransform())
                     if t.m11() and t.m22():
                         pad = max(1.0, self._pen.widthF()) * 0.7072 + 1.0
                         px, py = pad / abs(t.m11()), pad / abs(t.m22())
