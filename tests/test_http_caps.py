@@ -83,6 +83,55 @@ def test_a_dripping_server_is_cut_at_the_overall_deadline(hostile):
         get_capped(c, hostile + "/drip", deadline_s=2)
 
 
+def test_answers_leave_no_deadline_behind_and_a_drip_beside_them_is_still_cut(hostile):
+    """One shared thread keeps every request's deadline: a request that ends forgets its own (and its socket), and
+    a dripping answer read beside many quick ones is still cut at its deadline."""
+    from engine_manager.engines import _http
+
+    with httpx.Client() as c:
+        for _ in range(20):
+            assert get_capped(c, hostile + "/ok").json() == {"status": "ok"}
+        assert _http._DEADLINES.pending() == 0
+        slow: list[BaseException] = []
+
+        def drip() -> None:
+            try:
+                with httpx.Client() as c2:
+                    get_capped(c2, hostile + "/drip", deadline_s=2)
+            except BaseException as exc:  # noqa: BLE001 - the test reads what it was
+                slow.append(exc)
+        t = threading.Thread(target=drip)
+        t.start()
+        while t.is_alive():
+            get_capped(c, hostile + "/ok")
+        t.join()
+    assert len(slow) == 1 and isinstance(slow[0], AnswerTooSlow), slow
+    assert _http._DEADLINES.pending() == 0
+
+
+def test_an_earlier_deadline_added_while_the_thread_waits_for_a_later_one_is_kept():
+    import socket
+
+    from engine_manager.engines._http import _Deadlines
+
+    d = _Deadlines()
+    late_a, late_b = socket.socketpair()
+    soon_a, soon_b = socket.socketpair()
+    late_fired, soon_fired = threading.Event(), threading.Event()
+    try:
+        late = d.add(3600.0, late_a, late_fired)      # the thread now waits for an hour
+        d.add(0.05, soon_a, soon_fired)
+        assert soon_fired.wait(30)
+        soon_b.settimeout(30)
+        assert soon_b.recv(1) == b""                  # its socket was shut down: the reader sees the end
+        assert not late_fired.is_set() and d.pending() == 1
+        d.cancel(late)
+        assert d.pending() == 0
+    finally:
+        for s in (late_a, late_b, soon_a, soon_b):
+            s.close()
+
+
 def test_terminal_safe_escapes_control_characters():
     hostile_id = "model\x1b]0;pwned\x07\x1b[2J\rfake: pack is ready\u2028"
     out = terminal_safe(hostile_id)

@@ -16,6 +16,8 @@ adapters or directly with :func:`probe_health`.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import socket
 import threading
 import time
@@ -67,6 +69,60 @@ def _cut(sock: Any, fired: threading.Event) -> None:
         pass
 
 
+class _Deadlines:
+    """One daemon thread that cuts the sockets of capped requests whose deadline has passed (:func:`_cut`), for
+    every request of the process.
+
+    Written by hand: a ``threading.Timer`` per request started and ended a thread each time, ~2 requests a second
+    while the panel monitors (the engine poll, the health check, the overview strip); those thread starts were
+    ~4 % of the whole window's own CPU in a py-spy profile (``benchmarks/panel_cpu.py --profile``), and
+    ``benchmarks/deadline_cost.py`` measures the two side by side. The standard library's ``sched`` cannot be
+    woken for an earlier deadline while it waits for a later one."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Any, threading.Event]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, delay_s: float, sock: Any, fired: threading.Event) -> int:
+        """Cut ``sock`` (and set ``fired``) ``delay_s`` from now unless :meth:`cancel` comes first; a handle."""
+        with self._cond:
+            n = next(self._seq)
+            heapq.heappush(self._heap, (time.monotonic() + delay_s, n, sock, fired))
+            if self._thread is None or not self._thread.is_alive():     # first use, or a child after fork()
+                self._thread = threading.Thread(target=self._run, name="http-deadlines", daemon=True)
+                self._thread.start()
+            elif self._heap[0][1] == n:
+                self._cond.notify()                     # earlier than what the thread waits for
+            return n
+
+    def cancel(self, handle: int) -> None:
+        """The request is over: forget its deadline (and its socket) now."""
+        with self._cond:
+            for i, entry in enumerate(self._heap):
+                if entry[1] == handle:
+                    self._heap[i] = self._heap[-1]
+                    self._heap.pop()
+                    heapq.heapify(self._heap)
+                    return
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._heap)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(max(0.0, self._heap[0][0] - time.monotonic()) if self._heap else None)
+                _, _, sock, fired = heapq.heappop(self._heap)
+            _cut(sock, fired)
+
+
+_DEADLINES = _Deadlines()
+
+
 def get_capped(client: Any, url: str, *, headers: dict[str, str] | None = None, cap: int = SMALL_BODY_CAP,
                deadline_s: float = REQUEST_DEADLINE_S, params: Any = None) -> Any:
     """``GET url`` with ``client`` (an ``httpx.Client``), reading at most ``cap`` bytes of body within ``deadline_s``
@@ -75,7 +131,8 @@ def get_capped(client: Any, url: str, *, headers: dict[str, str] | None = None, 
     for no connection. Redirects are never followed (the client's setting is kept).
 
     The deadline is for the whole answer: httpx's timeout bounds each read, so a server dripping a byte a second
-    would keep it alive for ever; here a timer shuts the connection's socket down when the deadline passes."""
+    would keep it alive for ever; here one shared thread (:class:`_Deadlines`) shuts the connection's socket down
+    when the deadline passes."""
     import httpx
 
     end = time.monotonic() + deadline_s
@@ -90,10 +147,7 @@ def get_capped(client: Any, url: str, *, headers: dict[str, str] | None = None, 
     try:
         with client.stream("GET", url, headers=headers, params=params, timeout=httpx.Timeout(left())) as r:
             sock = _socket_of(r)
-            timer = threading.Timer(left(), _cut, (sock, fired)) if sock is not None else None
-            if timer is not None:
-                timer.daemon = True
-                timer.start()
+            timer = _DEADLINES.add(left(), sock, fired) if sock is not None else None
             try:
                 declared = r.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > cap:
@@ -116,7 +170,7 @@ def get_capped(client: Any, url: str, *, headers: dict[str, str] | None = None, 
                 raise
             finally:
                 if timer is not None:
-                    timer.cancel()
+                    _DEADLINES.cancel(timer)
             body = b"".join(chunks)
             # iter_raw gives the bytes as sent: decode any content-encoding ourselves, with the cap, and re-wrap
             # without the header (httpx.Response decodes a body it is given with one, without any cap: a gzip
