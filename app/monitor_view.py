@@ -668,6 +668,11 @@ class MonitorView(Panel, QWidget):
             self._setting_range = True
             try:
                 p.item.setXRange(x0, x1, padding=0)
+                # the new range applied now, not in the paint: applied there, it moved every item of the plot
+                # once more and Qt painted the plot twice for each step of the time axis
+                p.item.vb.updateMatrix()
+                if p.right_vb is not None:
+                    p.right_vb.updateMatrix()
             finally:
                 self._setting_range = False
         p.place_note()

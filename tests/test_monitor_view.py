@@ -725,3 +725,45 @@ def test_the_monitor_fits_the_width_it_has_on_a_1280x800_screen(qtbot, view, sim
     assert hit.note_fits(), (hit.note.sceneBoundingRect(), hit.item.vb.sceneBoundingRect())
     # the note and the planner's label never write over each other (they did at 1280x800: both near the top left)
     assert not hit.note.sceneBoundingRect().intersects(lab), (hit.note.sceneBoundingRect(), lab)
+
+
+def test_a_step_of_the_time_axis_paints_the_plots_once(qtbot, view):
+    """When the time range steps on, the six plots are drawn again in one paint. pyqtgraph applies a new range in
+    the paint that follows it, which moved every item once more and made Qt paint the plots a second time; the
+    view applies it as it sets it."""
+    from PySide6.QtCore import QObject
+
+    store = M.RingStore(M.COLUMN_NAMES, hz=1.0)
+    now = time.time()
+    for k in range(60):
+        t = now - 60 + k
+        vals = {"decode_tok_s": 45.0 + 5 * math.sin(k / 5), "slots_busy": 1.0, "slots_total": 2.0,
+                "slot0_tok_s": 45.0, "hit_rate": 0.8}
+        store.append(t, vals)
+        view.feed(tick_at(t, **vals), store)
+    qtbot.waitUntil(lambda: not view.redraw_pending() and view.plots["tok"].data_t.size >= 60, timeout=5000)
+
+    class Paints(QObject):
+        n = 0
+
+        def eventFilter(self, obj, ev):  # noqa: N802 - Qt's name
+            if ev.type() == QEvent.Type.Paint:
+                self.n += 1
+            return False
+
+    def idle() -> bool:
+        n = paints.n
+        qtbot.wait(150)
+        return paints.n == n
+
+    paints = Paints()
+    view.glw.viewport().installEventFilter(paints)
+    qtbot.waitUntil(idle, timeout=10_000)
+    paints.n = 0
+    view.feed_hz = 1.0                          # the default rate: all six plots in one pass of the event loop
+    (x0, x1), _ = view.plots["tok"].item.vb.viewRange()
+    view._draw_range(x0 + 30.0, x1 + 30.0, follow=True)
+    qtbot.waitUntil(lambda: not view.redraw_pending() and paints.n >= 1, timeout=10_000)
+    qtbot.waitUntil(idle, timeout=10_000)
+    assert all(abs(p.item.vb.viewRange()[0][1] - (x1 + 30.0)) < 1e-6 for p in view.plots.values())
+    assert paints.n == 1, f"the step was painted {paints.n} times"
