@@ -132,6 +132,51 @@ def test_an_earlier_deadline_added_while_the_thread_waits_for_a_later_one_is_kep
             s.close()
 
 
+def test_a_child_after_fork_has_deadlines_of_its_own(hostile):
+    """A process forked while another thread of its parent held the deadline thread's lock still cuts a dripping
+    answer at its deadline (the child gets an empty deadline keeper: the lock and the thread were the parent's)."""
+    import os
+    import signal
+
+    from engine_manager.engines import _http
+
+    with httpx.Client() as c:
+        get_capped(c, hostile + "/ok")                    # the parent's deadline thread is running
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _http._DEADLINES._cond:
+            held.set()
+            release.wait(60)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(30)
+    pid = os.fork()
+    if pid == 0:                                          # the child: its answer decides its exit status
+        code = 1
+        try:
+            with httpx.Client() as c:
+                get_capped(c, hostile + "/drip", deadline_s=1)
+        except AnswerTooSlow:
+            code = 0
+        except BaseException:  # noqa: BLE001 - any other end is a failure, told by the status
+            code = 2
+        os._exit(code)
+    release.set()
+    holder.join()
+    status = None
+    for _ in range(600):                                  # up to a minute; it ends in about a second
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the child hung: the deadline keeper's lock was still its parent's")
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_terminal_safe_escapes_control_characters():
     hostile_id = "model\x1b]0;pwned\x07\x1b[2J\rfake: pack is ready\u2028"
     out = terminal_safe(hostile_id)

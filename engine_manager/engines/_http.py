@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import socket
 import threading
 import time
@@ -80,6 +81,10 @@ class _Deadlines:
     woken for an earlier deadline while it waits for a later one."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """Empty, no thread: made so, and in a child after ``fork()`` (its parent's thread and lock are not its)."""
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, Any, threading.Event]] = []
         self._seq = itertools.count()
@@ -90,7 +95,7 @@ class _Deadlines:
         with self._cond:
             n = next(self._seq)
             heapq.heappush(self._heap, (time.monotonic() + delay_s, n, sock, fired))
-            if self._thread is None or not self._thread.is_alive():     # first use, or a child after fork()
+            if self._thread is None or not self._thread.is_alive():     # first use
                 self._thread = threading.Thread(target=self._run, name="http-deadlines", daemon=True)
                 self._thread.start()
             elif self._heap[0][1] == n:
@@ -121,6 +126,7 @@ class _Deadlines:
 
 
 _DEADLINES = _Deadlines()
+os.register_at_fork(after_in_child=_DEADLINES._reset)
 
 
 def get_capped(client: Any, url: str, *, headers: dict[str, str] | None = None, cap: int = SMALL_BODY_CAP,
