@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from engine_manager.engines import _http  # noqa: E402
+from engine_manager.procs import free_port  # noqa: E402
 
 
 class TimerPerRequest:
@@ -41,12 +41,6 @@ class TimerPerRequest:
 
     def cancel(self, handle: threading.Timer) -> None:
         handle.cancel()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_per_request(client: httpx.Client, url: str, n: int) -> float:

@@ -105,12 +105,10 @@ class _Deadlines:
     def cancel(self, handle: int) -> None:
         """The request is over: forget its deadline (and its socket) now."""
         with self._cond:
-            for i, entry in enumerate(self._heap):
-                if entry[1] == handle:
-                    self._heap[i] = self._heap[-1]
-                    self._heap.pop()
-                    heapq.heapify(self._heap)
-                    return
+            entry = next((e for e in self._heap if e[1] == handle), None)
+            if entry is not None:
+                self._heap.remove(entry)
+                heapq.heapify(self._heap)
 
     def pending(self) -> int:
         with self._cond:
@@ -153,7 +151,7 @@ def get_capped(client: Any, url: str, *, headers: dict[str, str] | None = None, 
     try:
         with client.stream("GET", url, headers=headers, params=params, timeout=httpx.Timeout(left())) as r:
             sock = _socket_of(r)
-            timer = _DEADLINES.add(left(), sock, fired) if sock is not None else None
+            deadline = _DEADLINES.add(left(), sock, fired) if sock is not None else None
             try:
                 declared = r.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > cap:
@@ -175,8 +173,8 @@ def get_capped(client: Any, url: str, *, headers: dict[str, str] | None = None, 
                     raise _too_slow(url, deadline_s) from exc
                 raise
             finally:
-                if timer is not None:
-                    _DEADLINES.cancel(timer)
+                if deadline is not None:
+                    _DEADLINES.cancel(deadline)
             body = b"".join(chunks)
             # iter_raw gives the bytes as sent: decode any content-encoding ourselves, with the cap, and re-wrap
             # without the header (httpx.Response decodes a body it is given with one, without any cap: a gzip
