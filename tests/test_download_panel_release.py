@@ -95,6 +95,9 @@ def test_url_without_sha256_waits_for_the_users_confirmation(panel, qtbot, serve
     panel.url_edit.setText(url)
     panel.url_btn.click()
     qtbot.waitUntil(lambda: panel.confirm_box.isVisible(), timeout=60000)
+    # the box shows as the download's result arrives; its worker ends a moment later, and the button is enabled
+    # only then (a loaded CI run typed the right sha256 in between and found the button still off)
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=60000)
     assert sha in panel.digest_label.text()
     s = panel.ctx.settings
     assert not [p for p in (s.cache_path / "engine").iterdir() if not p.name.startswith(".")]   # nothing unpacked
