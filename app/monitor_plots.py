@@ -444,6 +444,9 @@ class MonitorPlot:
         """The lone readings of ``col`` as dots; a scatter item with none is hidden: drawn empty, each of the
         plots' ~10 scatter items cost ~0.4 ms per paint (cProfile, benchmarks/gui_load.py part 2)."""
         dots = self.dots[col]
+        if t is not None and y is not None and t.size and t.size == dots.data.size \
+                and np.array_equal(dots.data["x"], t) and np.array_equal(dots.data["y"], y):
+            return                  # the same dots (a tick that added none): setting them again cost ~0.3 ms
         if t is None or y is None or t.size == 0:
             dots.setData([], [])
             dots.setVisible(False)

@@ -141,3 +141,33 @@ def test_pyqtgraphs_own_csv_export_writes_the_curves(qtbot, tok, tmp_path):
     rows = list(csv.reader(out.open()))
     assert rows[0][:2] == ["decode (all slots)_x", "decode (all slots)_y"]
     assert [r[:2] for r in rows[1:6]] == [["10.", "1."], ["11.", "2."], ["12.", "nan"], ["13.", "4."], ["14.", "5."]]
+
+
+def test_lone_readings_are_dots_and_a_tick_that_adds_none_leaves_them_alone(qtbot, tok):
+    """A reading with no neighbour is drawn as a dot; a tick whose lone readings are the ones already drawn does
+    not set the dots again (~0.3 ms each time, once a tick for a curve with any dot in view)."""
+    _, plot = tok
+    dots = plot.dots["decode_tok_s"]
+    calls = []
+    set_dots = dots.setData
+
+    def counted(*a, **k):
+        calls.append(1)
+        return set_dots(*a, **k)
+
+    dots.setData = counted
+    t = np.arange(31, dtype=float)
+    y = np.full(31, np.nan)
+    y[10] = 5.0                                            # lone
+    y[20:31] = 7.0                                         # a line
+    decode_only(plot, t, y)
+    assert list(dots.data["x"]) == [10.0] and dots.isVisible() and len(calls) == 1
+    t, y = np.arange(32, dtype=float), np.append(y, 7.0)   # the line grows; no new lone reading
+    decode_only(plot, t, y)
+    assert len(calls) == 1 and list(dots.data["x"]) == [10.0] and dots.isVisible()
+    t, y = np.arange(34, dtype=float), np.append(y, [np.nan, 9.0])   # a gap, then a lone reading at 33
+    decode_only(plot, t, y)
+    assert len(calls) == 2 and list(dots.data["x"]) == [10.0, 33.0]
+    t, y = np.arange(35, dtype=float), np.append(y, 9.0)   # its neighbour arrives: a line, no longer a dot
+    decode_only(plot, t, y)
+    assert len(calls) == 3 and list(dots.data["x"]) == [10.0]
