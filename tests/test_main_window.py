@@ -325,6 +325,52 @@ def test_log_view_opens_at_the_start_of_its_lines_and_wraps(qtbot):
     assert hbar.value() == 0 and vbar.value() == vbar.maximum()
 
 
+def test_log_follow_survives_lines_on_another_tab_and_into_an_empty_log_and_only_the_user_turns_it_off(qtbot):
+    """Follow keeps the newest line in view until the user scrolls. Before, every move of the scroll bar that the
+    view had not made itself counted as the user's: the first lines into an empty log, and lines arriving while
+    another page was on screen, turned Follow off. Lines that arrive on another tab are not followed there (going
+    to the end laid the text out for nobody: two thirds of an append's cost); shown, the page is at the newest line,
+    from its start."""
+    from PySide6.QtWidgets import QAbstractSlider, QLabel, QTabWidget
+
+    from app.context import AppContext
+    from app.log_view import LogView
+    from engine_manager.settings import load_settings
+
+    tabs = QTabWidget()
+    qtbot.addWidget(tabs)
+    tabs.resize(700, 400)
+    tabs.addTab(QLabel("the Monitor"), "Monitor")
+    view = LogView(AppContext(load_settings()))           # no log file yet: an empty log
+    tabs.addTab(view, "Log")
+    tabs.setCurrentIndex(1)
+    tabs.show()
+    qtbot.waitExposed(tabs)
+    qtbot.waitUntil(lambda: not view._loading, timeout=10_000)
+    vbar = view.text.verticalScrollBar()
+    view.append_lines([f"first line {i} " + "x" * 200 for i in range(60)])
+    qtbot.waitUntil(lambda: vbar.value() == vbar.maximum() > 0, timeout=5_000)
+    assert view.follow.isChecked()
+    tabs.setCurrentIndex(0)
+    qtbot.waitUntil(lambda: not view.isVisible(), timeout=5_000)
+    value = vbar.value()
+    for i in range(40):
+        view.append_lines([f"line {i} " + "y" * 300, "READY"])
+    assert view.line_count() >= 140 and view.follow.isChecked()
+    tabs.setCurrentIndex(1)
+    qtbot.waitUntil(lambda: vbar.value() == vbar.maximum() and vbar.value() > value, timeout=5_000)
+    assert view.text.horizontalScrollBar().value() == 0 and view.follow.isChecked()
+    vbar.triggerAction(QAbstractSlider.SliderAction.SliderPageStepSub)     # the user clicks above the handle
+    assert not view.follow.isChecked()
+    up = vbar.value()
+    view.append_lines(["after the user looked back"])
+    assert vbar.value() == up                              # the view stays where the user is ...
+    qtbot.wait(50)
+    assert not view.follow.isChecked()                     # ... and Qt laying the text out does not follow again
+    vbar.triggerAction(QAbstractSlider.SliderAction.SliderToMaximum)
+    assert view.follow.isChecked()
+
+
 def test_settings_dialog_shows_every_setting_without_scrolling(qtbot):
     """It showed ~12 rows in a small scroll area; on a 1600×1000 screen every setting is in view."""
     from app.context import AppContext
