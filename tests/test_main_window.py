@@ -331,6 +331,7 @@ def test_log_follow_survives_lines_on_another_tab_and_into_an_empty_log_and_only
     another page was on screen, turned Follow off. Lines that arrive on another tab are not followed there (going
     to the end laid the text out for nobody: two thirds of an append's cost); shown, the page is at the newest line,
     from its start."""
+    from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QAbstractSlider, QLabel, QTabWidget
 
     from app.context import AppContext
@@ -346,7 +347,7 @@ def test_log_follow_survives_lines_on_another_tab_and_into_an_empty_log_and_only
     tabs.setCurrentIndex(1)
     tabs.show()
     qtbot.waitExposed(tabs)
-    qtbot.waitUntil(lambda: not view._loading, timeout=10_000)
+    qtbot.waitUntil(lambda: bool(view.path_label.text()) and not view._loading, timeout=10_000)   # file read
     vbar = view.text.verticalScrollBar()
     view.append_lines([f"first line {i} " + "x" * 200 for i in range(60)])
     qtbot.waitUntil(lambda: vbar.value() == vbar.maximum() > 0, timeout=5_000)
@@ -369,6 +370,13 @@ def test_log_follow_survives_lines_on_another_tab_and_into_an_empty_log_and_only
     assert not view.follow.isChecked()                     # ... and Qt laying the text out does not follow again
     vbar.triggerAction(QAbstractSlider.SliderAction.SliderToMaximum)
     assert view.follow.isChecked()
+    view.text.setFocus()                                   # the keys start from the newest line
+    qtbot.waitUntil(lambda: view.text.textCursor().blockNumber() == view.text.blockCount() - 1, timeout=5_000)
+    qtbot.keyClick(view.text, Qt.Key.Key_PageUp)
+    qtbot.waitUntil(lambda: not view.follow.isChecked(), timeout=5_000)
+    assert vbar.value() < vbar.maximum()
+    qtbot.keyClick(view.text, Qt.Key.Key_End, Qt.KeyboardModifier.ControlModifier)
+    qtbot.waitUntil(view.follow.isChecked, timeout=5_000)
 
 
 def test_settings_dialog_shows_every_setting_without_scrolling(qtbot):
