@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     bare_cmd = [sys.executable, "-c", BARE, str(args.hold)]
     floor_cmd = [sys.executable, "-c", FLOOR, str(args.hold)]
     panel_cmd = [sys.executable, "-m", "app", "--report-startup", "--quit-after", str(args.hold + 2.0)]
-    # one of each first, not counted: the disk cache warms for both
+    # one of each first, not counted: the disk cache warms for all three
     trial(bare_cmd, env, 60)
     trial(panel_cmd, env, 60)
     trial(floor_cmd, env, 60)
