@@ -245,8 +245,9 @@ class MonitorView(Panel, QWidget):
         self.glw.setObjectName("monitorPlots")
         self.glw.ci.setSpacing(2)
         self.plots: dict[str, MonitorPlot] = {}
+        clock_pictures: dict = {}                   # the time axes' pictures, shared by axes of one width
         for i, spec in enumerate(plot_specs()):
-            self.plots[spec.key] = MonitorPlot(self.glw.ci, spec, i // 2, i % 2)
+            self.plots[spec.key] = MonitorPlot(self.glw.ci, spec, i // 2, i % 2, clock_pictures)
         for col in (0, 1):                          # two columns of the same width, whatever their titles hold
             self.glw.ci.layout.setColumnStretchFactor(col, 1)
             self.glw.ci.layout.setColumnPreferredWidth(col, 200)

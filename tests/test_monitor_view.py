@@ -767,3 +767,61 @@ def test_a_step_of_the_time_axis_paints_the_plots_once(qtbot, view):
     qtbot.waitUntil(idle, timeout=10_000)
     assert all(abs(p.item.vb.viewRange()[0][1] - (x1 + 30.0)) < 1e-6 for p in view.plots.values())
     assert paints.n == 1, f"the step was painted {paints.n} times"
+
+
+def test_time_axes_of_one_width_share_the_picture_each_would_draw(qtbot, view, monkeypatch):
+    """The six plots show one time range, so after a step of the time axis the axes of one width replay one
+    picture instead of each laying out the same ticks (app.monitor_plots.ClockAxis); each axis still shows exactly
+    what it draws on its own."""
+    import pyqtgraph as pg
+    from PySide6.QtGui import QImage, QPainter
+
+    drawn: list = []
+    original = pg.DateAxisItem.generateDrawSpecs
+
+    def counted(self, p):
+        drawn.append(self)
+        return original(self, p)
+
+    monkeypatch.setattr(pg.DateAxisItem, "generateDrawSpecs", counted)
+    store = M.RingStore(M.COLUMN_NAMES, hz=1.0)
+    now = time.time()
+    for k in range(60):
+        t = now - 60 + k
+        vals = {"decode_tok_s": 45.0 + 5 * math.sin(k / 5), "slots_busy": 1.0, "slots_total": 2.0,
+                "slot0_tok_s": 45.0, "hit_rate": 0.8, "swaps_per_s": 3.0}
+        store.append(t, vals)
+        view.feed(tick_at(t, **vals), store)
+    qtbot.waitUntil(lambda: not view.redraw_pending() and view.plots["tok"].data_t.size >= 60, timeout=5000)
+    axes = [p.item.getAxis("bottom") for p in view.plots.values()]
+    qtbot.waitUntil(lambda: all(a.picture is not None for a in axes), timeout=10_000)
+
+    drawn.clear()
+    view.feed_hz = 1.0
+    (x0, x1), _ = view.plots["tok"].item.vb.viewRange()
+    view._draw_range(x0 + 30.0, x1 + 30.0, follow=True)
+    qtbot.waitUntil(lambda: not view.redraw_pending() and all(a.picture is not None for a in axes), timeout=10_000)
+    pictures = {id(a.picture) for a in axes}
+    widths = {a.geometry().width() for a in axes}
+    assert len(drawn) == len(pictures) <= len(widths) < len(axes), (len(drawn), len(pictures), widths)
+
+    def image(axis) -> QImage:
+        r = axis.boundingRect()
+        img = QImage(int(r.width()) + 2, int(r.height()) + 2, QImage.Format.Format_ARGB32)
+        img.fill(0)
+        qp = QPainter(img)
+        qp.translate(-r.left(), -r.top())
+        axis.picture.play(qp)
+        qp.end()
+        return img
+
+    replayed = [image(a) for a in axes]
+    for a in axes:                             # each axis on its own: nothing to replay, it draws its picture
+        a._shared = {}
+        a.picture = None
+        a.update()
+    drawn.clear()
+    qtbot.waitUntil(lambda: all(a.picture is not None for a in axes), timeout=10_000)
+    assert len(drawn) == len(axes)
+    for key, a, before in zip(view.plots, axes, replayed):
+        assert image(a) == before, f"the {key} plot's time axis showed another axis's picture"
