@@ -727,21 +727,26 @@ def test_the_monitor_fits_the_width_it_has_on_a_1280x800_screen(qtbot, view, sim
     assert not hit.note.sceneBoundingRect().intersects(lab), (hit.note.sceneBoundingRect(), lab)
 
 
+def feed_a_minute(qtbot, view, **more: float) -> None:
+    """A minute of readings at 1 Hz up to now, drawn."""
+    store = M.RingStore(M.COLUMN_NAMES, hz=1.0)
+    now = time.time()
+    for k in range(60):
+        t = now - 60 + k
+        vals = {"decode_tok_s": 45.0 + 5 * math.sin(k / 5), "slots_busy": 1.0, "slots_total": 2.0,
+                "slot0_tok_s": 45.0, "hit_rate": 0.8, **more}
+        store.append(t, vals)
+        view.feed(tick_at(t, **vals), store)
+    qtbot.waitUntil(lambda: not view.redraw_pending() and view.plots["tok"].data_t.size >= 60, timeout=5000)
+
+
 def test_a_step_of_the_time_axis_paints_the_plots_once(qtbot, view):
     """When the time range steps on, the six plots are drawn again in one paint. pyqtgraph applies a new range in
     the paint that follows it, which moved every item once more and made Qt paint the plots a second time; the
     view applies it as it sets it."""
     from PySide6.QtCore import QObject
 
-    store = M.RingStore(M.COLUMN_NAMES, hz=1.0)
-    now = time.time()
-    for k in range(60):
-        t = now - 60 + k
-        vals = {"decode_tok_s": 45.0 + 5 * math.sin(k / 5), "slots_busy": 1.0, "slots_total": 2.0,
-                "slot0_tok_s": 45.0, "hit_rate": 0.8}
-        store.append(t, vals)
-        view.feed(tick_at(t, **vals), store)
-    qtbot.waitUntil(lambda: not view.redraw_pending() and view.plots["tok"].data_t.size >= 60, timeout=5000)
+    feed_a_minute(qtbot, view)
 
     class Paints(QObject):
         n = 0
@@ -784,15 +789,7 @@ def test_time_axes_of_one_width_share_the_picture_each_would_draw(qtbot, view, m
         return original(self, p)
 
     monkeypatch.setattr(pg.DateAxisItem, "generateDrawSpecs", counted)
-    store = M.RingStore(M.COLUMN_NAMES, hz=1.0)
-    now = time.time()
-    for k in range(60):
-        t = now - 60 + k
-        vals = {"decode_tok_s": 45.0 + 5 * math.sin(k / 5), "slots_busy": 1.0, "slots_total": 2.0,
-                "slot0_tok_s": 45.0, "hit_rate": 0.8, "swaps_per_s": 3.0}
-        store.append(t, vals)
-        view.feed(tick_at(t, **vals), store)
-    qtbot.waitUntil(lambda: not view.redraw_pending() and view.plots["tok"].data_t.size >= 60, timeout=5000)
+    feed_a_minute(qtbot, view, swaps_per_s=3.0)
     axes = [p.item.getAxis("bottom") for p in view.plots.values()]
     qtbot.waitUntil(lambda: all(a.picture is not None for a in axes), timeout=10_000)
 
