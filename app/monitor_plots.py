@@ -18,7 +18,7 @@ from PySide6.QtGui import QFont, QFontMetricsF, QPainterPath
 from PySide6.QtWidgets import QGraphicsItem
 
 from engine_manager import metrics as M
-from engine_manager.fmt import GIB
+from engine_manager.fmt import GIB, nice_ceil
 from engine_manager.metrics.presenter import fmt_value
 
 DASH = Qt.PenStyle.DashLine
@@ -96,17 +96,6 @@ def plot_specs() -> list[PlotSpec]:
             Series("gpu_util_pct", "GPU util", "#2ca02c", unit="%"),
         ], y_max=100.0),
     ]
-
-
-def nice_ceil(x: float) -> float:
-    """The smallest of 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8 × 10^k that is ≥ x (x > 0)."""
-    if x <= 0:
-        return 1.0
-    k = math.floor(math.log10(x))
-    for m in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0):
-        if m * 10**k >= x * (1 - 1e-12):
-            return m * 10**k
-    return 10.0 ** (k + 1)
 
 
 def nice_range(lo: float, hi: float, floor: float | None, cap: float | None) -> tuple[float, float]:

@@ -14,7 +14,6 @@ labelled "simulated". The Placement tab hears about the running engine through `
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -51,7 +50,6 @@ from .monitor_plots import (  # noqa: F401
     PlotSpec,
     Series,
     isolated,
-    nice_ceil,
     nice_range,
     plot_specs,
 )
@@ -609,21 +607,9 @@ class MonitorView(Panel, QWidget):
         span = self.store.span()
         if span is None:
             return
-        now = span[1]
-        # The right edge advances in steps of 1/30 of the window (a chart recorder's jump) rather than every
-        # tick: between steps the axes and the grid stay as painted and only the curves are redrawn.
-        if self.window_s is not None:
-            step = max(1.0, self.window_s / 30.0)
-            x1 = math.ceil((now + 1e-6) / step) * step
-            x0 = x1 - self.window_s
-            if span[0] > x0:                      # a run younger than the window fills the plot, with up to
-                step = nice_ceil(max(30.0, now - span[0]) / 6.0)   # 1/6 of room to grow before it steps on
-                x1 = math.ceil((now + 1e-6) / step) * step
-                x0 = min(span[0], x1 - 10.0)
-        else:                                     # everything: from the first sample, in "nice" steps
-            step = nice_ceil(max(60.0, now - span[0]) / 10.0)
-            x1 = math.ceil((now + 1e-6) / step) * step
-            x0 = span[0]
+        # the right edge moves in steps (a young run's span grows in steps), not on every tick: between steps the
+        # axes and the grid stay as painted and only the curves are drawn again
+        x0, x1 = presenter.follow_range(span[0], span[1], self.window_s)
         self._draw_range(x0, x1, follow=True)
 
     def _draw_range(self, x0: float, x1: float, follow: bool) -> None:

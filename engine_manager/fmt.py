@@ -6,6 +6,7 @@ The units live here and nowhere else: ``KIB``/``MIB``/``GIB`` (powers of 1024: m
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 KIB = 1 << 10
@@ -14,6 +15,17 @@ GIB = 1 << 30
 KB = 10**3
 MB = 10**6
 GB = 10**9
+
+
+def nice_ceil(x: float) -> float:
+    """The smallest of 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8 × 10^k that is ≥ x (x > 0): a plot's scale, a step of it."""
+    if x <= 0:
+        return 1.0
+    k = math.floor(math.log10(x))
+    for m in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0):
+        if m * 10**k >= x * (1 - 1e-12):
+            return m * 10**k
+    return 10.0 ** (k + 1)
 
 
 def gib(n: float, digits: int = 1) -> str:

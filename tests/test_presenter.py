@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from engine_manager import metrics as M
 from engine_manager.engines.base import Sample
@@ -126,3 +127,35 @@ def test_stopped_cards_say_so():
                for c in stopped.values())
     assert P.stopped_status(True).startswith("Engine stopped") and "Ctrl+E" in P.stopped_status(True)
     assert P.stopped_status(False) == "Not collecting: no engine is running."
+
+
+def test_the_followed_time_range_grows_in_few_steps_then_slides_in_small_ones():
+    """What the Monitor's plots show while following the newest reading, a reading a second for 1.5 windows: the
+    range holds every reading kept, is laid out again only when it steps, and steps rarely while the run is young
+    (each step redraws every plot) yet keeps the readings over most of the width."""
+    first = 1_000_003.7
+    for window in (60.0, 600.0, 3600.0):
+        ranges = [P.follow_range(first, first + age, window) for age in range(int(window * 1.5))]
+        steps = [age for age in range(1, len(ranges)) if ranges[age] != ranges[age - 1]]
+        for age, (x0, x1) in enumerate(ranges):
+            now = first + age
+            assert x1 >= now and x0 <= max(first, now - window + window / 30) + 1e-9, (window, age)
+            if age < window - window / 30:
+                assert x0 == first, (window, age)                          # a young run: all of it
+            assert x1 - x0 <= window + 1e-9 and x1 - x0 >= min(30.0, window)
+            if age >= 30 and age < window:
+                assert (now - first) / (x1 - x0) >= 2 / 3 - 1e-9, (window, age)   # the run fills most of it
+        young = [a for a in steps if a < window]
+        assert len([a for a in young if 5 <= a <= 35]) == 1                          # at 30 s
+        assert len(young) == len([s for s in P.YOUNG_SPANS_S if s < window]) + 1          # + into the window
+        # older than the window: the window itself, its right edge a 30th of it ahead at most, on a 30th's grid
+        for age in range(int(window) + int(window / 30) + 1, len(ranges)):
+            x0, x1 = ranges[age]
+            assert x1 - x0 == pytest.approx(window) and 0 < x1 - (first + age) <= window / 30 + 1e-6
+            assert x1 / (window / 30) == pytest.approx(round(x1 / (window / 30)))
+        old = [a for a in steps if a > window + window / 30]
+        assert len(old) == pytest.approx((len(ranges) - window) / (window / 30), abs=2)
+    # everything: from the first reading, the right edge a tenth of the age ahead at most (60 s at first)
+    for age in (0.0, 59.0, 61.0, 3_000.0, 86_400.0):
+        x0, x1 = P.follow_range(first, first + age, None)
+        assert x0 == first and first + age <= x1 <= first + age + max(60.0, age) / 10 * 1.5

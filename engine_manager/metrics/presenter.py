@@ -17,7 +17,7 @@ from typing import Any
 
 from .columns import MAX_SLOTS, SLOT_COLUMNS
 from ..engines import find_engine
-from ..fmt import GIB
+from ..fmt import GIB, nice_ceil
 from .hub import Tick
 
 DASH = "—"
@@ -34,6 +34,39 @@ CARD_TITLES_IN_FULL = {"hit": "Expert picks served from VRAM"}
 PREFILL_SLOTS_NOTE = ("All slots together: Strata and the scripted engine report no per-slot prefill, so none is "
                       "drawn.")
 STOPPED_TIP = "The engine is not running: no live figures."
+
+
+# How much time the plots show while the run is younger than their window: the shortest of these spans (seconds)
+# longer than the run, each about 1.5× the one before, so after a step the readings fill 2/3 of the width or more.
+# The time axis is laid out again at each step, and every plot drawn again (~22 ms of the GUI thread on this
+# project's 2-core machine, benchmarks/results/panel_cpu.md): 10 steps in a 10-minute window's first 10 minutes
+# and 1 between a run's 5th and 35th second, where rounding the span up to a sixth of the age made 36 and 7.
+YOUNG_SPANS_S: tuple[float, ...] = (30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 240.0, 300.0, 450.0, 600.0, 900.0,
+                                    1200.0, 1800.0, 2700.0, 3600.0, 5400.0, 7200.0, 10800.0, 14400.0, 21600.0,
+                                    43200.0, 86400.0)
+
+
+def follow_range(first: float, now: float, window_s: float | None) -> tuple[float, float]:
+    """The time range (x0, x1) of plots that follow the newest reading, from the times of the oldest (``first``)
+    and newest (``now``) readings kept and the window (``window_s``; None: everything). The right edge moves in
+    steps, not on every tick, so between steps the axes and the grid stay as painted and only the curves change:
+
+    * a run older than the window: the window, its right edge advancing in steps of 1/30 of it (a chart
+      recorder's jump);
+    * a younger run: from its first reading over the shortest of :data:`YOUNG_SPANS_S` longer than its age, at
+      most the window;
+    * everything: from the first reading, the right edge advancing in "nice" steps of about a tenth of the age.
+    """
+    if window_s is None:
+        step = nice_ceil(max(60.0, now - first) / 10.0)
+        return first, math.ceil((now + 1e-6) / step) * step
+    step = max(1.0, window_s / 30.0)
+    x1 = math.ceil((now + 1e-6) / step) * step
+    if first <= x1 - window_s:
+        return x1 - window_s, x1
+    age = now - first
+    span = next((s for s in YOUNG_SPANS_S if s > age), window_s)
+    return first, first + min(span, window_s)
 
 
 @dataclass(frozen=True)
