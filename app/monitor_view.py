@@ -635,20 +635,31 @@ class MonitorView(Panel, QWidget):
         # pass costs less CPU in all (one paint instead of six) and the pass is still short enough.
         rate = self.hub.hz if self.hub is not None else getattr(self, "feed_hz", 1.0)
         n = 1 if rate > self.BATCH_BELOW_HZ else len(self._queue)
-        for _ in range(n):
-            self._draw_one(self._queue.pop(0))
+        keys, self._queue = self._queue[:n], self._queue[n:]
+        # one read of the store for the plots of this pass: the same rows and buckets for every column, and
+        # each read has its own cost (an old run's six reads 0.9–1.4 ms a tick against 0.53 ms for one)
+        rows = self._rows(keys)
+        for key in keys:
+            self._draw_one(key, rows)
         if self._queue:
             self._step_timer.start()
         else:
             self._redraws += 1
 
-    def _draw_one(self, key: str) -> None:
-        x0, x1, follow = self._target
-        p = self.plots[key]
+    def _rows(self, keys: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The store's rows for the target range and the curves of the plots ``keys``, about two points a pixel
+        pair at most (min and max per bucket)."""
+        assert self._target is not None and self.store is not None
+        x0, x1, _ = self._target
         width = max(200, self.glw.width() // 2)
         pad = (x1 - x0) * 0.02
-        t, data = self.store.window(x0 - pad, x1 + pad, list(p.curves),
-                                    max_points=width * self.MAX_POINTS_PER_PIXEL)
+        cols = list(dict.fromkeys(c for k in keys for c in self.plots[k].curves))
+        return self.store.window(x0 - pad, x1 + pad, cols, max_points=width * self.MAX_POINTS_PER_PIXEL)
+
+    def _draw_one(self, key: str, rows: tuple[np.ndarray, dict[str, np.ndarray]]) -> None:
+        x0, x1, follow = self._target
+        p = self.plots[key]
+        t, data = rows
         p.set_data(t, data, fit_y=follow, x_range=(x0, x1))
         vx0, vx1 = p.item.vb.viewRange()[0]
         if abs(vx0 - x0) > 1e-6 or abs(vx1 - x1) > 1e-6:

@@ -239,6 +239,33 @@ def test_window_reduction_keeps_peaks_and_the_newest_rows():
         assert tt[-1] == pytest.approx(t[-1] + 0.1) and d["a"][-1] == 3.0
 
 
+def test_peak_reduce_is_each_buckets_min_and_max_for_any_set_of_columns():
+    """The Monitor reads the rows of all its plots at once: each column reduces as it would alone, to the min
+    and max of each bucket of rows (NaN only where the whole bucket is), for any number of rows a bucket."""
+    from engine_manager.metrics.store import peak_reduce
+
+    rng = np.random.default_rng(7)
+    for n, max_points in ((650, 546), (650, 350), (1201, 400), (37, 30), (5, 4), (2_000, 3), (10, 40), (25, 40)):
+        t = 1e9 + np.arange(n, dtype=np.float64)
+        v = rng.normal(size=(n, 3)).astype(np.float32)
+        v[rng.random((n, 3)) < 0.2] = np.nan
+        v[: max(1, n // 10), 2] = np.nan                      # a stretch missing in one column
+        tt, vv = peak_reduce(t, v, max_points)
+        nb = max(1, max_points // 2)
+        starts = sorted(set(int(e) for e in np.linspace(0, n, nb + 1)[:-1]))
+        ends = starts[1:] + [n]
+        assert tt.tolist() == [x for a, b in zip(starts, ends) for x in (t[a], t[b - 1])]
+        with np.errstate(all="ignore"):
+            for j in range(3):
+                _, one = peak_reduce(t, v[:, [j]], max_points)
+                assert np.array_equal(one[:, 0], vv[:, j], equal_nan=True)
+                for k, (a, b) in enumerate(zip(starts, ends)):
+                    part = v[a:b, j]
+                    lo = np.nanmin(part) if np.isfinite(part).any() else np.nan
+                    hi = np.nanmax(part) if np.isfinite(part).any() else np.nan
+                    assert np.array_equal(vv[2 * k: 2 * k + 2, j], [lo, hi], equal_nan=True), (n, max_points, j, k)
+
+
 # -- recording -------------------------------------------------------------------------------------------------
 def test_recorder_writes_owner_only_csv_and_reads_back(tmp_path):
     rec = M.Recorder(tmp_path / "run", meta={"engine": "sim"})

@@ -396,7 +396,8 @@ def peak_reduce(t: np.ndarray, v: np.ndarray, max_points: int) -> tuple[np.ndarr
     n = t.shape[0]
     nb = max(1, max_points // 2)
     edges = np.linspace(0, n, nb + 1).astype(np.int64)
-    starts = np.unique(edges[:-1])
+    # with two rows a bucket or more the starts rise already (np.unique's sort was a third of the time)
+    starts = edges[:-1] if n >= 2 * nb else np.unique(edges[:-1])
     with np.errstate(invalid="ignore"):
         vmin = np.fmin.reduceat(v, starts, axis=0)
         vmax = np.fmax.reduceat(v, starts, axis=0)
