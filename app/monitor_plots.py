@@ -288,7 +288,7 @@ class MonitorPlot:
         # lines its cached picture would span the whole plot (measured ~30 ms per plot on a software X server)
         it.showGrid(x=False, y=True, alpha=0.25)
         # no clipToView/auto-downsampling: the store hands each curve only the visible range, already reduced to
-        # min/max per two pixels (MonitorView._draw_one); pyqtgraph's own pass over the same points was ~30 % of
+        # min/max per two pixels (MonitorView._rows); pyqtgraph's own pass over the same points was ~30 % of
         # the GUI thread's work at 1 Hz (cProfile of benchmarks/gui_load.py part 2)
         # the view's menu (View All, axis ranges, mouse mode, and the export entries below) stays; pyqtgraph's
         # "Plot Options" (log/FFT transforms, decimation, averaging) acts on PlotDataItems, which these curves are

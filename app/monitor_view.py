@@ -647,8 +647,8 @@ class MonitorView(Panel, QWidget):
             self._redraws += 1
 
     def _rows(self, keys: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The store's rows for the target range and the curves of the plots ``keys``, about two points a pixel
-        pair at most (min and max per bucket)."""
+        """The store's rows for the target range and the curves of the plots ``keys``: about one point a pixel of a
+        plot at most (longer stretches come as the min and max of each bucket of rows)."""
         assert self._target is not None and self.store is not None
         x0, x1, _ = self._target
         width = max(200, self.glw.width() // 2)

@@ -102,7 +102,7 @@ class Supervisor:
     def __init__(self, settings: Any, *, hardware: Any = None, grace_s: float = 20.0,
                  silent_after_s: float = 60.0, backoff_base_s: float = 2.0, backoff_max_s: float = 60.0,
                  crash_limit: int = 5, crash_window_s: float = 600.0, poll_s: float = 0.1,
-                 health_every_s: float = 2.0, progress_every_s: float = 0.5, log_max_bytes: int = 10 * 2**20,
+                 health_every_s: float = 5.0, progress_every_s: float = 0.5, log_max_bytes: int = 10 * 2**20,
                  log_backups: int = 3, auto_restart: bool | None = None,
                  engine_resolver: Callable[[str], Engine] = get_engine,
                  ready_timeout_s: float | None = None, started_by: str = "panel"):
@@ -117,6 +117,9 @@ class Supervisor:
         self.crash_window_s = crash_window_s
         self.poll_s = poll_s
         self.watch_poll_s = max(poll_s, 0.25)
+        # a ready engine's health check (through httpx, ~1.5 ms of CPU on loopback) every 5 s: every 2 s it was
+        # most of the watch's 0.43 % of a core (benchmarks/results/panel_cpu.md); a hung engine is still stopped
+        # after silent_after_s (60 s), 12 checks later
         self.health_every_s = health_every_s
         self.progress_every_s = progress_every_s
         self.log_max_bytes = log_max_bytes

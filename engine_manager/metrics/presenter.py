@@ -37,7 +37,7 @@ STOPPED_TIP = "The engine is not running: no live figures."
 
 
 # How much time the plots show while the run is younger than their window: the shortest of these spans (seconds)
-# longer than the run, each about 1.5× the one before, so after a step the readings fill 2/3 of the width or more.
+# longer than the run, each 1.25–1.5× the one before, so after a step the readings fill 2/3 of the width or more.
 # The time axis is laid out again at each step, and every plot drawn again (~22 ms of the GUI thread on this
 # project's 2-core machine, benchmarks/results/panel_cpu.md): 10 steps in a 10-minute window's first 10 minutes
 # and 1 between a run's 5th and 35th second, where rounding the span up to a sixth of the age made 36 and 7.
