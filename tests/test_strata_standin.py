@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -406,6 +408,14 @@ def test_a_layer_split_across_shards_is_strict_only_on_request(small_model, stra
     assert any("," in x.split()[-1] for x in lines[1:])          # a layer in two shards names both
 
 
+def sigterm_caught(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGTERM (its ``SigCgt`` mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
 def test_sigterm_quits_the_engine_and_leaves_no_process(strata_server_proc):
     """serve/server.py @2291cb3 main(): SIGTERM raises KeyboardInterrupt ("docker stop sends SIGTERM"), whose path
     closes the HTTP server and the engine (QUIT on its stdin) and prints "[strata] stopped"; exit 0. The engine
@@ -414,6 +424,12 @@ def test_sigterm_quits_the_engine_and_leaves_no_process(strata_server_proc):
     proc, port, tmp_path = strata_server_proc
     children = psutil.Process(proc.pid).children(recursive=True)
     assert children, "the server has no engine child"
+    # main() sets its SIGTERM handler only after the port is open (and says "ready:"): a SIGTERM sent in between
+    # ends the server the default way (exit -15). Wait until the kernel says the signal is caught.
+    deadline = time.monotonic() + 60
+    while not sigterm_caught(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline, "the server never set its SIGTERM handler"
+        time.sleep(0.05)
     proc.terminate()
     assert proc.wait(timeout=60) == 0
     gone, alive = psutil.wait_procs(children, timeout=30)
