@@ -424,8 +424,9 @@ def test_sigterm_quits_the_engine_and_leaves_no_process(strata_server_proc):
     proc, port, tmp_path = strata_server_proc
     children = psutil.Process(proc.pid).children(recursive=True)
     assert children, "the server has no engine child"
-    # main() sets its SIGTERM handler only after the port is open (and says "ready:"): a SIGTERM sent in between
-    # ends the server the default way (exit -15). Wait until the kernel says the signal is caught.
+    # serve/server.py @2291cb3 main() sets its SIGTERM handler only after serve() has opened the port and "ready:"
+    # is printed: a SIGTERM sent in between ends the server the default way (exit -15). Wait until the kernel says
+    # the signal is caught.
     deadline = time.monotonic() + 60
     while not sigterm_caught(proc.pid):
         assert proc.poll() is None and time.monotonic() < deadline, "the server never set its SIGTERM handler"
