@@ -11,12 +11,12 @@ import signal
 import struct
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from supervisor_helpers import wait_until
 from strata_support import engine_env, release_python, run_iq_pack, stop, strata_config, wait_port, write_config
 
 KEY = "test-key-0123456789"
@@ -427,10 +427,7 @@ def test_sigterm_quits_the_engine_and_leaves_no_process(strata_server_proc):
     # serve/server.py @2291cb3 main() sets its SIGTERM handler only after serve() has opened the port and "ready:"
     # is printed: a SIGTERM sent in between ends the server the default way (exit -15). Wait until the kernel says
     # the signal is caught.
-    deadline = time.monotonic() + 60
-    while not sigterm_caught(proc.pid):
-        assert proc.poll() is None and time.monotonic() < deadline, "the server never set its SIGTERM handler"
-        time.sleep(0.05)
+    assert wait_until(lambda: sigterm_caught(proc.pid), timeout=60), "the server never set its SIGTERM handler"
     proc.terminate()
     assert proc.wait(timeout=60) == 0
     gone, alive = psutil.wait_procs(children, timeout=30)

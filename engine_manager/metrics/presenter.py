@@ -65,8 +65,7 @@ def follow_range(first: float, now: float, window_s: float | None) -> tuple[floa
     if first <= x1 - window_s:
         return x1 - window_s, x1
     age = now - first
-    span = next((s for s in YOUNG_SPANS_S if s > age), window_s)
-    return first, first + min(span, window_s)
+    return first, first + next((s for s in YOUNG_SPANS_S if age < s < window_s), window_s)
 
 
 @dataclass(frozen=True)
