@@ -115,14 +115,16 @@ class Watchdog:
             return self._out(Liveness(NOT_ANSWERING, detail=missing or "the engine's metrics did not answer",
                                       **base))
         self._count_failures(sample)
-        rate = _f(getattr(sample, "decode_tok_s", None))
-        if rate:
-            self._gaps.append(1.0 / rate)
-            base.update(stall_after_s=self.stall_after_s, token_gap_s=self.token_gap_s)
         state = getattr(sample, "state", None)
         in_flight = state in BUSY_STATES or (_f(getattr(sample, "queued", None)) or 0) > 0
         progress = (getattr(sample, "tokens_generated_total", None), getattr(sample, "requests_total", None),
                     extra.get("generated"), extra.get("prompt_read"), extra.get("prompt_total"))
+        rate = _f(getattr(sample, "decode_tok_s", None))
+        # The pace is learnt only from a reading that moved: an engine's rate over its last seconds (Strata's
+        # live.tok_s, llama.cpp's) falls while it is stuck, and learning from it would push the limit away.
+        if rate and rate > 0 and (self._progress is None or progress != self._progress):
+            self._gaps.append(1.0 / rate)
+            base.update(stall_after_s=self.stall_after_s, token_gap_s=self.token_gap_s)
         if not in_flight or progress != self._progress or self._progress_t is None:
             self._progress, self._progress_t, self._progress_cpu = progress, t, cpu
         since = t - self._progress_t if in_flight else None

@@ -119,3 +119,15 @@ def test_the_limit_follows_the_measured_pace_and_progress_resets_it():
     assert wd.feed_sample(_sample(42, "generating", 2)).state == "ok"           # a token: progress again
     assert wd.feed_sample(_sample(100, "idle", 2)).state == "idle"              # nothing in flight: never stalled
     assert Watchdog(stall_after_s=5).feed_sample(_sample(0, "generating", 1, 100.0)).stall_after_s == 5
+
+
+def test_a_rate_that_falls_while_nothing_moves_does_not_push_the_limit_away():
+    # An engine's rate over its last seconds falls while it is stuck (the scripted engine's live.tok_s, Strata's):
+    # only a reading whose counters moved teaches the watchdog the pace.
+    wd = Watchdog()
+    for i in range(5):
+        assert wd.feed_sample(_sample(float(i), "generating", 10 * (i + 1), 10.0)).state == "ok"
+    assert wd.stall_after_s == 10                                   # 0.1 s a token: the 10 s floor
+    for t, tok_s in ((6, 5.0), (8, 1.0), (10, 0.2), (12, 0.1), (15, 0.1)):
+        live = wd.feed_sample(_sample(float(t), "generating", 50, tok_s))
+    assert wd.token_gap_s == 0.1 and live.state == STALLED and live.since_progress_s == 11
