@@ -6,7 +6,8 @@ answer health while every request ends in an error. :class:`Watchdog` is fed suc
 :class:`~engine_manager.engines.base.Sample`, or a Monitor tick) and says:
 - ``stalled`` — a request in flight, the process alive, and no progress (no token, no prompt token read, no request
   finished) for longer than :attr:`Watchdog.stall_after_s` (the setting, else ``max(min_stall_s, pace_factor × the
-  slowest token gap measured recently)``), with the engine's CPU time and the GPU's utilisation and power beside it;
+  slowest token gap measured recently)``, learnt only from readings whose counters moved), with the engine's CPU
+  time and the GPU's utilisation and power beside it;
 - ``unavailable`` — the engine answers but its last ``fail_streak`` finished requests all ended in an error;
 - ``ok`` (serving), ``idle`` (nothing in flight), ``not answering`` (the process runs, its metrics do not answer),
   ``down`` (the process is gone: the supervisor's crash handling says why).
@@ -120,8 +121,9 @@ class Watchdog:
         progress = (getattr(sample, "tokens_generated_total", None), getattr(sample, "requests_total", None),
                     extra.get("generated"), extra.get("prompt_read"), extra.get("prompt_total"))
         rate = _f(getattr(sample, "decode_tok_s", None))
-        # The pace is learnt only from a reading that moved: an engine's rate over its last seconds (Strata's
-        # live.tok_s, llama.cpp's) falls while it is stuck, and learning from it would push the limit away.
+        # The pace is learnt only from a reading that moved: a rate measured over time (Strata's live.tok_s over
+        # 2 s, llama.cpp's request mean since its first token) falls while the engine is stuck, and learning from
+        # it would push the limit away as the stall goes on.
         if rate and rate > 0 and (self._progress is None or progress != self._progress):
             self._gaps.append(1.0 / rate)
             base.update(stall_after_s=self.stall_after_s, token_gap_s=self.token_gap_s)
