@@ -54,6 +54,7 @@ def monitor_until(base_url: str, api_key: str, want: str, limit_s: float = 120, 
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
     return None, seen
 
 
