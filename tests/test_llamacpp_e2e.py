@@ -162,6 +162,12 @@ def chat_while_polling(spec, base_url: str, api_key: str):
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
+    # the first reading before the request, as the Monitor has one: the adapter bounds a request's first token by
+    # the poll before that saw none of it. Without one, a poll that first sees the reply well into it (a starved
+    # poller) has only the pace since to place the first token by, and the decode slows as its context grows.
+    first = time.monotonic() + 60
+    while not samples and time.monotonic() < first:
+        time.sleep(0.02)
     text, done, engine_rates = [], None, []
     try:
         with chat.ChatClient(base_url, api_key) as client:
