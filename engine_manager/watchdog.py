@@ -120,14 +120,15 @@ class Watchdog:
         in_flight = state in BUSY_STATES or (_f(getattr(sample, "queued", None)) or 0) > 0
         progress = (getattr(sample, "tokens_generated_total", None), getattr(sample, "requests_total", None),
                     extra.get("generated"), extra.get("prompt_read"), extra.get("prompt_total"))
+        moved = progress != self._progress            # also True for the first reading (no progress known yet)
         rate = _f(getattr(sample, "decode_tok_s", None))
         # The pace is learnt only from a reading that moved: a rate measured over time (Strata's live.tok_s over
         # 2 s, llama.cpp's request mean since its first token) falls while the engine is stuck, and learning from
         # it would push the limit away as the stall goes on.
-        if rate and rate > 0 and (self._progress is None or progress != self._progress):
+        if (rate or 0) > 0 and moved:
             self._gaps.append(1.0 / rate)
             base.update(stall_after_s=self.stall_after_s, token_gap_s=self.token_gap_s)
-        if not in_flight or progress != self._progress or self._progress_t is None:
+        if not in_flight or moved or self._progress_t is None:
             self._progress, self._progress_t, self._progress_cpu = progress, t, cpu
         since = t - self._progress_t if in_flight else None
         dcpu = cpu - self._progress_cpu if cpu is not None and self._progress_cpu is not None and in_flight else None
