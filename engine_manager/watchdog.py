@@ -125,7 +125,7 @@ class Watchdog:
         # The pace is learnt only from a reading that moved: a rate measured over time (Strata's live.tok_s over
         # 2 s, llama.cpp's request mean since its first token) falls while the engine is stuck, and learning from
         # it would push the limit away as the stall goes on.
-        if (rate or 0) > 0 and moved:
+        if rate is not None and rate > 0 and moved:
             self._gaps.append(1.0 / rate)
             base.update(stall_after_s=self.stall_after_s, token_gap_s=self.token_gap_s)
         if not in_flight or moved or self._progress_t is None:
