@@ -32,7 +32,7 @@ from .engine_state import (
 from .engines.base import Engine, LaunchSpec, LogEvent
 from .logtail import LogTail, read_log_tail, run_lines
 from .numa import Binding
-from .procs import EngineGroup, alive, ctime_of, find_child, key_fingerprint
+from .procs import BOOT_ID, EngineGroup, alive, ctime_of, find_child, key_fingerprint
 from .state_files import StateFiles
 from .supervisor_events import LogLines
 
@@ -204,7 +204,7 @@ class EngineProcess:
             "engine": spec.engine, "label": spec.label, "simulated": spec.simulated,
             "pid": self.engine_pid, "pid_start_time": self.engine_ctime,
             "keeper_pid": self.keeper_pid, "keeper_start_time": self.keeper_ctime, "pgid": self.pgid,
-            "host": spec.host, "port": spec.port, "base_url": spec.base_url,
+            "boot_id": BOOT_ID, "host": spec.host, "port": spec.port, "base_url": spec.base_url,
             "health_path": spec.health_path,
             "argv": self.shown_argv(), "env": self.shown_env(), "files": dict(spec.files), "cwd": spec.cwd,
             "binding": self.binding.to_dict() if self.binding else None,

@@ -157,6 +157,7 @@ class EngineRecord(BaseModel):
     keeper_pid: int | None = Field(None, gt=0)
     keeper_start_time: float | int | None = None
     pgid: int | None = Field(None, gt=0)
+    boot_id: str | None = Field(None, max_length=64)    # the boot the start times count from (procs.BOOT_ID)
     host: str | None = None
     port: int | None = Field(None, ge=0, le=65535)
     base_url: str | None = None
@@ -219,9 +220,9 @@ class EngineRecord(BaseModel):
 
         if not self.keeper_pid:
             return False
-        if not alive(self.keeper_pid, self.keeper_start_time):
+        if not alive(self.keeper_pid, self.keeper_start_time, self.boot_id):
             return False
-        return self.pid is None or alive(self.pid, self.pid_start_time)
+        return self.pid is None or alive(self.pid, self.pid_start_time, self.boot_id)
 
 
 def why_invalid(exc: Exception) -> str:

@@ -24,14 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import psutil
-
 from . import paths
 from .atomic import ensure_private_dir, move_aside
 from .chat_events import (
     StreamStats,  # the stats type only: the history never imports the chat client (httpx)
 )
 from .errors import UserError
+from .procs import BOOT_ID, alive, ctime_of
 
 DB_NAME = "chat_history.sqlite3"
 SCHEMA_VERSION = 1
@@ -67,7 +66,9 @@ CREATE TABLE IF NOT EXISTS messages (
     stats           TEXT,                       -- chat.StreamStats of an answer (JSON)
     model           TEXT,
     writer_pid      INTEGER,                    -- who streams it (status 'streaming' only)
-    writer_started  REAL,                       -- that process's start time (guards against pid reuse)
+    writer_started  REAL,                       -- that process's start (guards against pid reuse): seconds
+                                                -- since boot (older panels: a wall-clock time)
+    writer_boot     TEXT,                       -- the boot it counts from (NULL: written by an older panel)
     created_at      REAL NOT NULL,
     updated_at      REAL NOT NULL
 );
@@ -148,23 +149,14 @@ def title_from(text: str) -> str:
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
 
 
-def _process_start(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, OSError):
-        return None
+# who writes an answer: this process, named by its start since boot and the boot's id (``procs.ctime_of``: a
+# clock step leaves them alone, where psutil's create_time() moves by whole seconds); a row of an older panel holds
+# a wall-clock start and no boot, and is compared the old way (``procs.same_start``)
+_ME_STARTED = ctime_of(os.getpid())
 
 
-_ME_STARTED = _process_start(os.getpid())
-
-
-def _writer_alive(pid: int | None, started: float | None) -> bool:
-    if not pid:
-        return False
-    now_started = _process_start(int(pid))
-    if now_started is None:
-        return False
-    return started is None or abs(now_started - float(started)) < 1.0
+def _writer_alive(pid: int | None, started: float | None, boot: str | None = None) -> bool:
+    return bool(pid) and alive(int(pid or 0), started, boot)
 
 
 def _new_id(cur: sqlite3.Cursor) -> int:
@@ -250,15 +242,21 @@ class HistoryStore:
                 raise HistoryError(f"The chat history {self.path} was written by a newer dsv41 panel (schema "
                                    f"{version}); update the panel or move the file away.")
             conn.executescript(_SCHEMA)
+            # a column added since schema 1 was first written (NULL where an older panel wrote the row, which it
+            # may still do: it names its columns, so the schema's number stays)
+            have = {r[1] for r in conn.execute("PRAGMA table_info(messages)").fetchall()}
+            if "writer_boot" not in have:
+                conn.execute("ALTER TABLE messages ADD COLUMN writer_boot TEXT")
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     # -- recovery ----------------------------------------------------------------------------------------
     def recover_interrupted(self) -> int:
         """Mark answers left ``streaming`` by a process that is gone as ``interrupted``; returns how many."""
         with self.connect() as conn:
-            rows = conn.execute("SELECT id, writer_pid, writer_started FROM messages WHERE status = ?",
+            rows = conn.execute("SELECT id, writer_pid, writer_started, writer_boot FROM messages WHERE status = ?",
                                 (STATUS_STREAMING,)).fetchall()
-            dead = [r["id"] for r in rows if not _writer_alive(r["writer_pid"], r["writer_started"])]
+            dead = [r["id"] for r in rows
+                    if not _writer_alive(r["writer_pid"], r["writer_started"], r["writer_boot"])]
             now = time.time()
             for mid in dead:
                 conn.execute("UPDATE messages SET status = ?, error = ?, writer_pid = NULL, updated_at = ? "
@@ -384,9 +382,9 @@ class HistoryStore:
                 conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (last, int(cid)))
 
     def _refuse_if_streaming(self, conn: sqlite3.Connection, cid: int, after: int = 0) -> None:
-        rows = conn.execute("SELECT writer_pid, writer_started FROM messages WHERE conversation_id = ? AND id > ? "
-                            "AND status = ?", (int(cid), int(after), STATUS_STREAMING)).fetchall()
-        if any(_writer_alive(r["writer_pid"], r["writer_started"]) for r in rows):
+        rows = conn.execute("SELECT writer_pid, writer_started, writer_boot FROM messages WHERE conversation_id = ? "
+                            "AND id > ? AND status = ?", (int(cid), int(after), STATUS_STREAMING)).fetchall()
+        if any(_writer_alive(r["writer_pid"], r["writer_started"], r["writer_boot"]) for r in rows):
             raise HistoryError("An answer in this conversation is still streaming; stop it first.")
 
     def drop_trailing_answers(self, cid: int) -> int | None:
@@ -422,8 +420,8 @@ class HistoryStore:
             self._check_conversation(conn, cid)
             cur = conn.execute(
                 "INSERT INTO messages (conversation_id, role, status, options, model, writer_pid, writer_started, "
-                "created_at, updated_at) VALUES (?, 'assistant', ?, ?, ?, ?, ?, ?, ?)",
-                (int(cid), STATUS_STREAMING, _dumps(options), model, os.getpid(), _ME_STARTED, now, now))
+                "writer_boot, created_at, updated_at) VALUES (?, 'assistant', ?, ?, ?, ?, ?, ?, ?, ?)",
+                (int(cid), STATUS_STREAMING, _dumps(options), model, os.getpid(), _ME_STARTED, BOOT_ID, now, now))
             conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, int(cid)))
             mid = _new_id(cur)
         return AnswerRecorder(self, cid, mid)

@@ -82,51 +82,135 @@ def run_capped(argv: list[str], *, timeout: float, cap: int, env: dict[str, str]
     return Capped(None if cut else rc, bytes(bufs["out"]), bytes(bufs["err"]), cut, p.pid)
 
 
+# -- a process's start: who a pid is ---------------------------------------------------------------------------
+# A pid names "our" process only together with the moment that process started. psutil's create_time() is not that
+# moment's stable name on Linux: it adds the start (clock ticks since boot, /proc/PID/stat) to the boot time of
+# /proc/stat, which the kernel works out from the wall clock at each read and rounds to whole seconds — a clock
+# step (NTP, a person setting the time) moves every process's create_time() by whole seconds, and a recorded
+# keeper would then read as another process. The start since boot never moves; with the boot's id it names one
+# process for good.
+
+LEGACY_WALL = 1e9           # a recorded start this large is a wall-clock time (seconds since 1970), as older
+                            # panels recorded it; a start since boot would need 31 years of uptime to get there
+
+
+def _read_boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            raw = f.read(100).strip().decode("ascii", "replace")
+    except OSError:
+        return None
+    return raw if re.fullmatch(r"[0-9a-fA-F-]{8,64}", raw) else None
+
+
+BOOT_ID: str | None = _read_boot_id()   # this boot's id (Linux); a start since boot is only compared within one
+
+
+def _clock_ticks() -> int:
+    try:
+        return max(1, int(os.sysconf("SC_CLK_TCK")))
+    except (ValueError, OSError, AttributeError):
+        return 100
+
+
+_TICKS = _clock_ticks()
+
+
+def _start_since_boot(pid: int) -> float | None:
+    """``starttime`` of ``/proc/PID/stat`` (its 22nd field, counted in clock ticks since boot; proc(5)) in
+    seconds. None: no such process, not Linux, or a line that does not parse."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            raw = f.read(4096)
+    except (OSError, ValueError):
+        return None
+    # the command name (field 2) sits in parentheses and may itself hold ')' or spaces: the fields after it are
+    # counted from its last ')'; the 3rd field is the first one there, so the 22nd is the 20th
+    head, sep, rest = raw.rpartition(b")")
+    fields = rest.split()
+    if not sep or len(fields) < 20 or not fields[19].isdigit():
+        return None
+    return int(fields[19]) / _TICKS
+
+
 def ctime_of(pid: int) -> float | None:
+    """When ``pid`` started, as the supervisor records it: seconds since this boot on Linux (a clock step leaves
+    it alone), psutil's ``create_time()`` elsewhere. None: no such process."""
+    if os.path.isdir("/proc/self"):
+        return _start_since_boot(pid)
     try:
         return psutil.Process(pid).create_time()
     except (psutil.Error, OSError):
         return None
 
 
-def alive(pid: int | None, ctime: float | None = None) -> bool:
-    """True when ``pid`` runs (not a zombie) and, if given, started at ``ctime`` (not a reused pid)."""
+def same_start(pid: int, recorded: float | int | None, boot: str | None = None) -> bool:
+    """``pid``, if it runs, is the process that started at ``recorded`` (from :func:`ctime_of`) during the boot
+    ``boot`` (None: not recorded) — not another process that got the number since. A ``recorded`` wall-clock
+    time (:data:`LEGACY_WALL`: a record of an older panel) is compared with psutil's ``create_time()``."""
+    if recorded is None:
+        return True
+    if boot is not None and BOOT_ID is not None and boot != BOOT_ID:
+        return False
+    try:
+        rec = float(recorded)
+    except (TypeError, ValueError):         # a hostile or damaged record names no process of ours
+        return False
+    if rec >= LEGACY_WALL or not os.path.isdir("/proc/self"):
+        try:
+            return abs(psutil.Process(pid).create_time() - rec) <= 0.05
+        except (psutil.Error, OSError):
+            return False
+    now = _start_since_boot(pid)
+    return now is not None and abs(now - rec) < 0.5 / _TICKS
+
+
+def alive(pid: int | None, ctime: float | None = None, boot: str | None = None) -> bool:
+    """True when ``pid`` runs (not a zombie) and, if given, started at ``ctime`` during ``boot`` (not a reused
+    pid; :func:`same_start`)."""
     if not pid:
         return False
     try:
-        p = psutil.Process(pid)
-        if ctime is not None and abs(p.create_time() - ctime) > 0.05:
+        if not same_start(pid, ctime, boot):
             return False
-        return p.status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, OSError):
         return False
 
 
-def group_members(pgid: int, since: float | None = None) -> list[psutil.Process]:
+def group_members(pgid: int, since: float | None = None, boot: str | None = None) -> list[psutil.Process]:
     """Live (non-zombie) processes whose process group is ``pgid`` (started at/after ``since``, the group
-    leader's start time).
+    leader's start from :func:`ctime_of`, during the boot ``boot`` when recorded).
 
     Safe against a reused number: Linux never hands out a pid that is still some group's id, so while any member of
     our old group lives, ``pgid`` cannot be a newer group. A *live* process with pid ``pgid`` that started at
     another time than ``since`` therefore leads a different group: nothing is returned for it."""
+    if boot is not None and BOOT_ID is not None and boot != BOOT_ID:
+        return []                           # recorded before the machine restarted: that group is gone
+    legacy = since is not None and float(since) >= LEGACY_WALL
+    tol = 0.05 if legacy else 0.5 / _TICKS
     if since is not None:
         try:
-            leader = psutil.Process(pgid)
-            if abs(leader.create_time() - since) > 0.05:
-                return []
+            lead = psutil.Process(pgid).create_time() if legacy else ctime_of(pgid)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            pass
+            lead = None                     # the leader is gone: its group may still have members
         except (psutil.Error, OSError):
             return []
+        if lead is not None and abs(lead - float(since)) > tol:
+            return []
     out: list[psutil.Process] = []
-    for p in psutil.process_iter(["create_time", "status"]):
+    for pid in psutil.pids():
         try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
+            if os.getpgid(pid) != pgid:     # one system call: the group first, the files of /proc only for members
                 continue
-            if since is not None and p.info["create_time"] < since - 0.05:
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if os.getpgid(p.pid) == pgid:
-                out.append(p)
+            if since is not None:
+                start = p.create_time() if legacy else ctime_of(pid)
+                if start is None or start < float(since) - tol:
+                    continue
+            out.append(p)
         except (ProcessLookupError, PermissionError, psutil.Error, OSError):
             continue
     return out
@@ -230,7 +314,7 @@ def find_child(popen: subprocess.Popen, wait_s: float = 2.0) -> tuple[int | None
             return None, None
         if kids:
             try:
-                return kids[0].pid, kids[0].create_time()
+                return kids[0].pid, ctime_of(kids[0].pid)
             except (psutil.Error, OSError):
                 return None, None
         if popen.poll() is not None:
@@ -263,10 +347,10 @@ def wait_keeper(popen: subprocess.Popen | None, timeout: float = 5.0) -> None:
             pass
 
 
-def kill_group(pgid: int, since: float | None, not_waited: int | None = None) -> int:
-    """SIGKILL every live member of the group ``pgid`` (its leader started at ``since``) and wait up to 3 s for
-    them (but ``not_waited``: the keeper, which its starter reaps). Returns how many there were."""
-    left = group_members(pgid, since)
+def kill_group(pgid: int, since: float | None, not_waited: int | None = None, boot: str | None = None) -> int:
+    """SIGKILL every live member of the group ``pgid`` (its leader started at ``since`` during ``boot``) and wait
+    up to 3 s for them (but ``not_waited``: the keeper, which its starter reaps). Returns how many there were."""
+    left = group_members(pgid, since, boot)
     for p in left:
         try:
             p.kill()

@@ -486,7 +486,7 @@ class Supervisor:
     def _cleanup_dead(self, rec: EngineRecord, eng: Engine | None) -> Events:
         """The state file names an engine that is gone: kill stragglers of its group, say how it ended."""
         if rec.pgid and rec.keeper_start_time:
-            kill_group(int(rec.pgid), rec.keeper_start_time)
+            kill_group(int(rec.pgid), rec.keeper_start_time, boot=rec.boot_id)
         if rec.state == STOPPING or rec.stop_requested:
             self._write_state_file(None, STOPPED, engine=rec.engine, message="stopped")
             return

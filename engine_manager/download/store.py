@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import paths
 from ..atomic import OWNER_ONLY, atomic_write_json, ensure_private_dir
+from ..procs import BOOT_ID
 from ..settings import Settings
 from .events import (
     STATE_DIR,
@@ -175,19 +176,12 @@ def known_verified(path: Path, sha256: str | None) -> bool:
                 and (sha256 is None or rec.get("sha256") == sha256))
 
 
-_BOOT_ID: str | None = None
-
-
 def _boot_id() -> str:
     """Changes at every boot: a checkpoint from this boot may trust the page cache, one from before may not."""
-    global _BOOT_ID
-    if _BOOT_ID is None:
-        try:
-            _BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        except OSError:
-            import psutil
-            _BOOT_ID = f"boot-{int(psutil.boot_time())}"
-    return _BOOT_ID
+    if BOOT_ID is not None:
+        return BOOT_ID
+    import psutil
+    return f"boot-{int(psutil.boot_time())}"
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -143,15 +143,11 @@ def build_hub(running: RunningEngine, *, hz: float = 1.0, plan: Mapping[str, Any
     if recorder is not None:
         recorder.write_meta(hz=hz)
     elif record:
-        create_time = None
-        if pid:
-            try:
-                import psutil
-                create_time = psutil.Process(pid).create_time()
-            except Exception:
-                create_time = None
+        from ..procs import BOOT_ID, ctime_of
+
         meta = {"engine": eng.name, "label": eng.label, "simulated": simulated, "pid": pid,
-                "pid_create_time": create_time, "base_url": base_url, "hz": hz, "gpu_index": gpu_index,
+                "pid_create_time": ctime_of(pid) if pid else None, "boot_id": BOOT_ID, "base_url": base_url,
+                "hz": hz, "gpu_index": gpu_index,
                 "binding_cpus": binding_cpus(binding), "numa_bound": binding_bound(binding),
                 "predicted_hit_rate": predicted_hit_rate(plan, eng.name, spec), "log_path": str(log_path or ""),
                 "started_at": time.time()}

@@ -175,7 +175,8 @@ def open_run(engine: str, meta: Mapping[str, Any], resume_pid: int | None = None
             m = run.meta
             if (m.get("engine") == engine and m.get("pid") == resume_pid
                     and meta.get("pid_create_time") is not None
-                    and m.get("pid_create_time") == meta.get("pid_create_time")):
+                    and m.get("pid_create_time") == meta.get("pid_create_time")
+                    and m.get("boot_id") == meta.get("boot_id")):
                 try:
                     return Recorder(run.path, columns, {**m, **meta, "started_at": m.get("started_at"),
                                                         "ended_at": None, "resumed_at": time.time()})
