@@ -116,9 +116,14 @@ def _clock_ticks() -> int:
 _TICKS = _clock_ticks()
 
 
-def _start_since_boot(pid: int) -> float | None:
-    """``starttime`` of ``/proc/PID/stat`` (its 22nd field, counted in clock ticks since boot; proc(5)) in
-    seconds. None: no such process, not Linux, or a line that does not parse."""
+_PROCFS = os.path.isdir("/proc/self")
+_GONE = (b"Z", b"X", b"x")                 # a zombie or a dead task: the state letter of /proc/PID/stat
+
+
+def _stat(pid: int) -> tuple[bytes, float] | None:
+    """The state letter and the ``starttime`` of ``/proc/PID/stat`` (its 3rd and 22nd fields; the start counted in
+    clock ticks since boot, proc(5)), the start in seconds. None: no such process, or a line that does not parse.
+    One read: what the supervisor's watch asks several times a second."""
     try:
         with open(f"/proc/{int(pid)}/stat", "rb") as f:
             raw = f.read(4096)
@@ -130,38 +135,47 @@ def _start_since_boot(pid: int) -> float | None:
     fields = rest.split()
     if not sep or len(fields) < 20 or not fields[19].isdigit():
         return None
-    return int(fields[19]) / _TICKS
+    return fields[0], int(fields[19]) / _TICKS
 
 
 def ctime_of(pid: int) -> float | None:
     """When ``pid`` started, as the supervisor records it: seconds since this boot on Linux (a clock step leaves
     it alone), psutil's ``create_time()`` elsewhere. None: no such process."""
-    if os.path.isdir("/proc/self"):
-        return _start_since_boot(pid)
+    if _PROCFS:
+        st = _stat(pid)
+        return None if st is None else st[1]
     try:
         return psutil.Process(pid).create_time()
     except (psutil.Error, OSError):
         return None
 
 
+def _recorded(recorded: float | int | None, boot: str | None) -> float | None | bool:
+    """A recorded start as a number (None: none recorded), or False when it names no process of this boot (another
+    boot's, or a damaged value)."""
+    if boot is not None and BOOT_ID is not None and boot != BOOT_ID:
+        return False
+    if recorded is None:
+        return None
+    try:
+        return float(recorded)
+    except (TypeError, ValueError):         # a hostile or damaged record names no process of ours
+        return False
+
+
 def same_start(pid: int, recorded: float | int | None, boot: str | None = None) -> bool:
     """``pid``, if it runs, is the process that started at ``recorded`` (from :func:`ctime_of`) during the boot
     ``boot`` (None: not recorded) — not another process that got the number since. A ``recorded`` wall-clock
     time (:data:`LEGACY_WALL`: a record of an older panel) is compared with psutil's ``create_time()``."""
-    if recorded is None:
-        return True
-    if boot is not None and BOOT_ID is not None and boot != BOOT_ID:
-        return False
-    try:
-        rec = float(recorded)
-    except (TypeError, ValueError):         # a hostile or damaged record names no process of ours
-        return False
-    if rec >= LEGACY_WALL or not os.path.isdir("/proc/self"):
+    rec = _recorded(recorded, boot)
+    if rec is None or rec is False:
+        return rec is None
+    if rec >= LEGACY_WALL or not _PROCFS:
         try:
             return abs(psutil.Process(pid).create_time() - rec) <= 0.05
         except (psutil.Error, OSError):
             return False
-    now = _start_since_boot(pid)
+    now = ctime_of(pid)
     return now is not None and abs(now - rec) < 0.5 / _TICKS
 
 
@@ -170,6 +184,13 @@ def alive(pid: int | None, ctime: float | None = None, boot: str | None = None) 
     pid; :func:`same_start`)."""
     if not pid:
         return False
+    rec = _recorded(ctime, boot)
+    if rec is False:
+        return False
+    if _PROCFS and (rec is None or rec < LEGACY_WALL):
+        st = _stat(pid)                     # state and start in one read
+        return (st is not None and st[0] not in _GONE
+                and (rec is None or abs(st[1] - rec) < 0.5 / _TICKS))
     try:
         if not same_start(pid, ctime, boot):
             return False

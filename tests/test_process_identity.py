@@ -181,3 +181,19 @@ def test_the_state_file_records_the_boot(tmp_path):
     assert rec.alive() and rec.to_json_dict()["boot_id"] == procs.BOOT_ID
     with pytest.raises(ValueError):
         EngineRecord.from_json(json.dumps({"boot_id": "x" * 65}).encode())
+
+
+def test_a_zombie_is_not_alive_though_its_start_is_still_readable():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = procs.ctime_of(p.pid)
+    try:
+        for _ in range(2000):                               # not reaped: it stays a zombie once it has exited
+            if psutil.Process(p.pid).status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.005)
+        assert psutil.Process(p.pid).status() == psutil.STATUS_ZOMBIE
+        assert procs.ctime_of(p.pid) == started
+        assert not procs.alive(p.pid, started) and not procs.alive(p.pid)
+        assert p.pid not in [q.pid for q in procs.group_members(os.getpgid(0))]
+    finally:
+        p.wait()
