@@ -32,7 +32,7 @@ from .engine_state import (
 from .engines.base import Engine, LaunchSpec, LogEvent
 from .logtail import LogTail, read_log_tail, run_lines
 from .numa import Binding
-from .procs import BOOT_ID, EngineGroup, alive, ctime_of, find_child, key_fingerprint
+from .procs import BOOT_ID, EngineGroup, alive, ctime_of, find_child, key_fingerprint, seconds_since
 from .state_files import StateFiles
 from .supervisor_events import LogLines
 
@@ -127,6 +127,11 @@ class EngineProcess:
 
     def shown_env(self) -> dict[str, str]:
         return dict(self.env_shown) if self.env_shown is not None else self.spec.masked_env()
+
+    def age(self) -> float:
+        """Seconds since the keeper started, on a clock no step of the wall clock moves (``procs.seconds_since``):
+        what the READY limit and the load's duration are measured with."""
+        return seconds_since(self.keeper_ctime, self.started_at)
 
     def exited(self) -> bool:
         if self.popen is not None:

@@ -199,6 +199,25 @@ def alive(pid: int | None, ctime: float | None = None, boot: str | None = None) 
         return False
 
 
+def boot_clock() -> float | None:
+    """Seconds since this boot on the boot clock (``CLOCK_BOOTTIME``: the clock the starts of ``/proc/PID/stat``
+    count on; one for every process of the machine, and no clock step moves it). None where there is none."""
+    try:
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):
+        return None
+
+
+def seconds_since(started: float | None, wall_started: float) -> float:
+    """How long ago a process started: on the boot clock against its start since boot (:func:`ctime_of`), so a
+    clock step changes nothing; on the wall clock from ``wall_started`` where ``started`` is a wall-clock time
+    (an older panel's record) or there is no boot clock."""
+    now = boot_clock() if _PROCFS and started is not None and 0 <= started < LEGACY_WALL else None
+    if now is not None and started is not None:
+        return max(0.0, now - started)
+    return max(0.0, time.time() - wall_started)
+
+
 def group_members(pgid: int, since: float | None = None, boot: str | None = None) -> list[psutil.Process]:
     """Live (non-zombie) processes whose process group is ``pgid`` (started at/after ``since``, the group
     leader's start from :func:`ctime_of`, during the boot ``boot`` when recorded).

@@ -44,6 +44,7 @@ from .engine_state import (
     ExitInfo,
     why_invalid,
 )
+from .procs import BOOT_ID, boot_clock
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -200,14 +201,16 @@ class StateFiles:
     def write_stop_request(self) -> None:
         try:
             ensure_private_dir(self.data_dir)
-            atomic_write_json(self.stop_request_path, {"by_pid": os.getpid(), "by": self.token, "at": time.time()})
+            atomic_write_json(self.stop_request_path, {"by_pid": os.getpid(), "by": self.token, "at": time.time(),
+                                                       "boot_id": BOOT_ID, "at_boot": boot_clock()})
         except OSError:
             pass        # the stop itself goes on; only a start in flight elsewhere would miss it
 
-    def stop_requested(self, since: float) -> dict[str, Any] | None:
+    def stop_requested(self, since: float, since_boot: float | None = None) -> dict[str, Any] | None:
         """A stop request written (by another supervisor, usually another process) at or after ``since`` (when
-        this one's run/watch began): a start in flight must obey it rather than report the engine's end as a crash
-        and restart it."""
+        this one's run/watch began; ``since_boot``: the same moment on the boot clock, ``procs.boot_clock``): a
+        start in flight must obey it rather than report the engine's end as a crash and restart it. Both moments
+        of a request written during this boot are compared on the boot clock, which no clock step moves."""
         try:
             st = os.stat(self.stop_request_path, follow_symlinks=False)
         except OSError:
@@ -219,7 +222,10 @@ class StateFiles:
         req = self._stop_file_req
         if not req or req.get("by") == self.token:
             return None
-        at = req.get("at")
+        at, at_boot = req.get("at"), req.get("at_boot")
+        if (since_boot is not None and BOOT_ID is not None and req.get("boot_id") == BOOT_ID
+                and isinstance(at_boot, (int, float)) and not isinstance(at_boot, bool)):
+            return req if at_boot >= since_boot else None
         return req if isinstance(at, (int, float)) and at >= since else None
 
     # -- the start lock ----------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from .launch import LaunchRefused, launch_spec, port_refusal, prepare, start_kee
 from .logtail import LOG_NAME, read_log_tail, run_lines
 from .numa import Binding, choose_binding
 from .procs import (
+    boot_clock,
     describe_owner,
     key_fingerprint,
     kill_group,
@@ -146,6 +147,7 @@ class Supervisor:
         self._http: httpx.Client | None = None
         self._plans: dict[tuple, tuple[dict[str, Any] | None, list[str]]] = {}
         self._since = time.time()               # stop requests older than this run/watch are not for it
+        self._since_boot = boot_clock()         # the same moment on the boot clock (no clock step moves it)
         self.files = StateFiles(self.data_dir, f"{os.getpid()}:{id(self)}:{time.time_ns()}")
 
     # -- http ------------------------------------------------------------------------------------------------
@@ -211,7 +213,7 @@ class Supervisor:
 
     def _stop_requested_elsewhere(self) -> dict[str, Any] | None:
         """A `dsv41 stop` (another supervisor, usually another process) asked since this run/watch began."""
-        return self.files.stop_requested(self._since)
+        return self.files.stop_requested(self._since, self._since_boot)
 
     def _stopped_by_request(self, h: EngineProcess | None, req: dict[str, Any]) -> Events:
         """Another `dsv41 stop` asked for the engine to stop while this supervisor starts (or restarts) it: it
@@ -380,7 +382,7 @@ class Supervisor:
         """Start the engine and wait until ready; with ``watch`` keep supervising it until :meth:`stop` or
         :meth:`detach` (a crash is classified and, with auto-restart, restarted with backoff)."""
         self._reset_requests()
-        self._since = time.time()
+        self._since, self._since_boot = time.time(), boot_clock()
         self._crashes.clear()
         self.last_failure = None
         eng = self._engine(engine)
@@ -396,7 +398,7 @@ class Supervisor:
         match; health decides ready or still starting — and supervise it like :meth:`run`. With the engine
         dead, clean up (kill stragglers of its group) and report how it ended."""
         self._reset_requests()
-        self._since = time.time()
+        self._since, self._since_boot = time.time(), boot_clock()
         h = yield from self._attach()
         if h is None:
             return self.status(check_health=False)
@@ -479,7 +481,7 @@ class Supervisor:
                        "chat requests will be refused (401). Stop and start it to use the current key.", "warning")
         yield from _emit(self._set_state(READY if healthy else STARTING, msg))
         if healthy:
-            yield Ready(spec.base_url, time.time() - h.started_at, spec.engine, h.engine_pid, spec.simulated,
+            yield Ready(spec.base_url, h.age(), spec.engine, h.engine_pid, spec.simulated,
                         attached=True)
         return h
 
@@ -634,7 +636,9 @@ class Supervisor:
         # margin longer, so that its own words ("did not report READY within N s") arrive before the panel gives up
         timeout = self.ready_timeout_s + (h.engine.ready_margin_s if h.engine is not None else 0.0)
         h.phase, h.fraction = "starting", None
-        last_out = time.time()
+        # intervals on the monotonic clock, the time since the start on the boot clock (h.age()): a step of the
+        # wall clock (NTP, a person setting the time) neither times a loading engine out nor starves the checks
+        last_out = time.monotonic()
         next_check = next_progress = 0.0
         client = self.http()
         while True:
@@ -647,7 +651,7 @@ class Supervisor:
                 return (yield from self._stopped_by_request(h, req))
             batch = h.drain()
             if batch is not None:
-                last_out = time.time()
+                last_out = time.monotonic()
                 yield batch
                 if any(e.kind == "ready" for e in batch.events):
                     next_check = 0.0
@@ -659,8 +663,8 @@ class Supervisor:
                 if req is not None:
                     return (yield from self._stopped_by_request(h, req))
                 return h.exit_info(self.files)
-            now = time.time()
-            elapsed = now - h.started_at
+            now = time.monotonic()
+            elapsed = h.age()
             if now >= next_check and h.engine is not None:
                 next_check = now + (0.1 if elapsed < 10 else 0.5)   # often at first, then every 0.5 s
                 try:
@@ -671,14 +675,14 @@ class Supervisor:
                     req = self._stop_requested_elsewhere()
                     if req is not None:           # never mark it ready over a stop that came meanwhile
                         return (yield from self._stopped_by_request(h, req))
-                    h.ready_at = time.time()
+                    h.ready_at, took = time.time(), h.age()
                     batch = h.drain()            # the lines written up to readiness come before "ready"
                     if batch is not None:
                         yield batch
                     self._write_state_file(h, READY)
-                    yield from _emit(self._set_state(READY, f"ready after {h.ready_at - h.started_at:.1f} s "
+                    yield from _emit(self._set_state(READY, f"ready after {took:.1f} s "
                                                             f"at {h.spec.base_url}"))
-                    yield Ready(h.spec.base_url, h.ready_at - h.started_at, h.spec.engine, h.engine_pid,
+                    yield Ready(h.spec.base_url, took, h.spec.engine, h.engine_pid,
                                 h.spec.simulated, attached=h.attached)
                     return "ready"
             if elapsed > timeout:
@@ -708,8 +712,8 @@ class Supervisor:
             h = self._handle
         if h is None:
             return "stopped"
-        last_ok = time.time()
-        next_health = time.time() + self.health_every_s
+        last_ok = time.monotonic()                  # monotonic: a step of the wall clock neither starves the
+        next_health = last_ok + self.health_every_s  # health checks nor makes a busy engine look silent
         client = self.http()
         while True:
             if self._detach_req.is_set():
@@ -726,14 +730,14 @@ class Supervisor:
                 return h.exit_info(self.files)
             if self._stop_req.is_set():
                 return "stopped"
-            now = time.time()
+            now = time.monotonic()
             if now >= next_health and h.engine is not None:
                 next_health = now + self.health_every_s
                 if h.healthy(client):
-                    last_ok = time.time()
-                elif time.time() - last_ok >= self.silent_after_s and not h.exited() \
+                    last_ok = time.monotonic()
+                elif time.monotonic() - last_ok >= self.silent_after_s and not h.exited() \
                         and not self._stop_req.is_set():
-                    silent = time.time() - last_ok
+                    silent = time.monotonic() - last_ok
                     yield Note(f"The engine has not answered its health check for {silent:.0f} s while its "
                                "process is alive; stopping it.", "warning")
                     yield from self._terminate(h, grace=min(self.grace_s, 5.0), quiet=True)
@@ -778,7 +782,7 @@ class Supervisor:
         if not tail:
             tail = run_lines(read_log_tail(self.log_path, 64_000), h.run_id if h is not None else None)[-200:]
         hint = classify_exit(eng, info, tail)
-        now = time.time()
+        now = time.monotonic()
         self._crashes.append(now)
         while self._crashes and now - self._crashes[0] > self.crash_window_s:
             self._crashes.popleft()

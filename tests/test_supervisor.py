@@ -910,3 +910,77 @@ def test_engine_session_keeps_the_running_handle_and_tells_listeners(port):
     assert not EngineSession.carries_plots(r, r.with_(base_url="http://127.0.0.1:1"), now - 5, now)
     assert not EngineSession.carries_plots(r, r, now - EngineSession.CONTINUE_PLOT_S - 1, now)
     assert not EngineSession.carries_plots(None, r, now, now)
+
+
+# -- a step of the wall clock --------------------------------------------------------------------------------
+
+class SteppedWallClock:
+    """The ``time`` module as the supervisor's modules see it, with a wall clock the test steps as NTP or a person
+    setting the time would. A real step needs CAP_SYS_TIME and moves the whole machine's clock (libfaketime cannot
+    leave the monotonic clock alone under Python 3.11: its ``clock_nanosleep`` then fails with EINVAL). The
+    monotonic and boot clocks, the sleeps and everything else are the real ones."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.offset
+
+    def time_ns(self) -> int:
+        return time.time_ns() + int(self.offset * 1e9)
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+@pytest.fixture
+def wall_clock(monkeypatch):
+    from engine_manager import engine_process, procs, state_files
+
+    clock = SteppedWallClock()
+    for mod in (sv, engine_process, procs, state_files):
+        monkeypatch.setattr(mod, "time", clock)
+    return clock
+
+
+def test_a_clock_step_while_the_engine_loads_does_not_time_it_out(port, monkeypatch, wall_clock):
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 2")
+    run = Runner(make(ready_timeout_s=60).run(sim_engine(), watch=False))
+    run.wait_for(lambda e: e.kind == "progress")
+    wall_clock.offset = 7200.0                       # two hours forward, mid-load
+    ready = run.wait_for(lambda e: e.kind in ("ready", "failed"), timeout=60)
+    assert ready.kind == "ready", ready.to_dict()
+    assert ready.elapsed_s < 60                       # the load's own time, not the step
+    assert run.join(timeout=30).state == "ready"
+    drain(make().stop())
+
+
+def test_a_clock_step_back_does_not_starve_the_health_checks(port, wall_clock):
+    sup = make(auto_restart=False, silent_after_s=1.5, health_every_s=0.3)
+    run = Runner(sup.run(sim_engine()))
+    ready = run.wait_for(lambda e: e.kind == "ready")
+    pgid = os.getpgid(ready.pid)
+    wall_clock.offset = -7200.0                      # two hours back: the next check was due in 0.3 s, not 2 h
+    os.kill(ready.pid, signal.SIGSTOP)               # hung: alive but not answering
+    crash = run.wait_for(lambda e: e.kind == "crashed", timeout=30)
+    assert crash.cause == "engine_silent"
+    run.join()
+    assert_gone(pgid, port)
+
+
+def test_a_stop_after_a_clock_step_still_wins_over_a_start(port, monkeypatch, wall_clock):
+    """The start's clock read two hours ahead when it began (as after a step back since): the stop written by
+    `dsv41 stop` is newer on the boot clock and must still be obeyed."""
+    monkeypatch.setenv("DSV41_SIM_ARGS", "--load-time 60")
+    wall_clock.offset = 7200.0
+    sup = make(auto_restart=True, grace_s=5.0)
+    run = Runner(sup.run(sim_engine(), watch=True))
+    run.wait_for(lambda e: e.kind == "progress")
+    rec = sup.files.read_state()
+    r = dsv41_cli("stop", "--grace", "5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = run.join(timeout=60)
+    assert not kinds(run.events, "crashed") and not kinds(run.events, "restarting")
+    assert st.state == "stopped"
+    assert rec is not None and rec.pgid
+    assert_gone(rec.pgid, port)
