@@ -58,6 +58,7 @@ class NoticeFilter:
         panel = extra.get("panel") or {}
         missing = extra.get("missing")
         live = self.watchdog.feed_sample(None if missing else sample, t=getattr(sample, "t", None),
+                                         mono=_num(extra.get("mono")),
                                          cpu_pct=_num(panel.get("engine_cpu_pct")),
                                          gpu_util_pct=_num(panel.get("gpu_util_pct")),
                                          gpu_power_w=_num(panel.get("gpu_power_w")), missing=str(missing or ""))

@@ -92,11 +92,13 @@ class Watchdog:
 
     def feed_sample(self, sample: Any, *, t: float | None = None, alive: bool | None = None,
                     cpu_time_s: float | None = None, cpu_pct: float | None = None, gpu_util_pct: float | None = None,
-                    gpu_power_w: float | None = None, missing: str = "") -> Liveness:
+                    gpu_power_w: float | None = None, missing: str = "", mono: float | None = None) -> Liveness:
         """One reading: ``sample`` the engine adapter's Sample (None when the engine did not answer: ``missing``
         says why), ``alive`` whether its process runs (None: unknown), the engine's CPU time (or CPU %, integrated
-        here) and the GPU's utilisation and power (None when not read)."""
-        t = float(t if t is not None else getattr(sample, "t", 0.0) or 0.0)
+        here) and the GPU's utilisation and power (None when not read). ``mono``: the reading's time on the
+        monotonic clock (a Monitor tick's); the intervals are measured on it when given, since a step of the wall
+        clock (``t``, the sample's) would read as an hour without progress and restart a working engine."""
+        t = float(mono if mono is not None else t if t is not None else getattr(sample, "t", 0.0) or 0.0)
         if cpu_time_s is None and cpu_pct is not None and self._last_t is not None and t > self._last_t:
             self._cpu_s = (self._cpu_s or 0.0) + cpu_pct / 100.0 * (t - self._last_t)
         elif cpu_time_s is None and cpu_pct is not None and self._cpu_s is None:
@@ -146,7 +148,8 @@ class Watchdog:
         """One Monitor tick (:class:`engine_manager.metrics.hub.Tick`): its engine sample, the engine's CPU % and
         the GPU's utilisation and power (NVML columns, where present)."""
         v = getattr(tick, "values", {}) or {}
-        return self.feed_sample(getattr(tick, "sample", None), t=getattr(tick, "t", None), alive=alive,
+        return self.feed_sample(getattr(tick, "sample", None), t=getattr(tick, "t", None),
+                                mono=getattr(tick, "mono", None), alive=alive,
                                 cpu_pct=_f(v.get("engine_cpu_pct")), gpu_util_pct=_f(v.get("gpu_util_pct")),
                                 gpu_power_w=_f(v.get("gpu_power_w")),
                                 missing=(getattr(tick, "missing", {}) or {}).get("engine", ""))

@@ -132,3 +132,30 @@ def test_a_rate_that_falls_while_nothing_moves_does_not_push_the_limit_away():
     for t, tok_s in ((6, 5.0), (8, 1.0), (10, 0.2), (12, 0.1), (15, 0.1)):
         live = wd.feed_sample(_sample(float(t), "generating", 50, tok_s))
     assert wd.token_gap_s == 0.1 and live.state == STALLED and live.since_progress_s == 11
+
+
+def test_a_step_of_the_wall_clock_is_not_a_stall():
+    """A Monitor tick carries its monotonic time; the watchdog measures on it, so the wall clock set an hour
+    forward mid-request (NTP, a person) is not an hour without progress — the panel would restart the engine."""
+    from engine_manager.desktop_notices import NoticeFilter
+    from engine_manager.metrics.hub import Tick
+
+    wall, mono = 1_800_000_000.0, 500.0
+    wd = Watchdog()
+    notices = NoticeFilter(Watchdog())
+    for i in range(6):                                     # a prompt being read: nothing counted moves for a while
+        step = 3600.0 if i == 3 else 0.0
+        wall += 1.0 + step
+        mono += 1.0
+        s = _sample(wall, "reading", 10, 10.0)
+        tick = Tick(seq=i, t=wall, mono=mono, values={}, engine="sim", sample=s)
+        live = wd.feed_tick(tick)
+        assert live.state == "ok" and (live.since_progress_s or 0) <= 6, live
+        assert notices.sample(tick.to_sample()) is None
+        assert notices.watchdog.last is not None and notices.watchdog.last.state == "ok"
+    wd2 = Watchdog()                                       # the same wall times without the monotonic clock
+    wall = 1_800_000_000.0
+    for i in range(6):
+        wall += 1.0 + (3600.0 if i == 3 else 0.0)
+        live = wd2.feed_sample(_sample(wall, "reading", 10, 10.0))
+    assert live.state == STALLED                           # what the step alone reads as

@@ -44,6 +44,8 @@ class Tick:
     notes: dict[str, Any] = field(default_factory=dict)
     predicted_hit_rate: float | None = None
     hz: float = 1.0
+    mono: float | None = None       # time.monotonic() of the tick: the clock intervals are measured on (``t`` is the
+                                    # wall clock, which a step of the clock moves)
 
     def get(self, name: str) -> float | None:
         return self.values.get(name)
@@ -58,6 +60,8 @@ class Tick:
         else:
             s.extra = dict(s.extra)
         s.extra["panel"] = dict(self.values)
+        if self.mono is not None:
+            s.extra["mono"] = self.mono
         return s
 
 
@@ -348,7 +352,7 @@ class MetricsHub:
         notes["not_exported"] = not_exported(values, self._unexported)
         if values["prefill_live_tok_s"] is not None and "prefill_tok_s" in origin:
             origin["prefill_live_tok_s"] = origin["prefill_tok_s"]
-        tick = Tick(seq=k, t=t, values=values, engine=self.engine, simulated=simulated, sample=sample,
+        tick = Tick(seq=k, t=t, mono=t0, values=values, engine=self.engine, simulated=simulated, sample=sample,
                     missing=missing, origin=origin, notes=notes, predicted_hit_rate=self.predicted_hit_rate,
                     hz=self.hz)
         self.store.append(t, values)
