@@ -131,7 +131,7 @@ def _stat(pid: int) -> tuple[bytes, float] | None:
         return None
     # the command name (field 2) sits in parentheses and may itself hold ')' or spaces: the fields after it are
     # counted from its last ')'; the 3rd field is the first one there, so the 22nd is the 20th
-    head, sep, rest = raw.rpartition(b")")
+    _, sep, rest = raw.rpartition(b")")
     fields = rest.split()
     if not sep or len(fields) < 20 or not fields[19].isdigit():
         return None
