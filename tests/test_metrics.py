@@ -219,6 +219,11 @@ def test_extend_equals_append_and_clock_step_back_keeps_order():
     one.append(500.0, {"a": 7.0})                # the wall clock stepped back: still after the last row
     t3, d3 = one.window()
     assert np.all(np.diff(t3) > 0) and d3["a"][-1] == 7.0
+    for k in range(1, 11):                       # and the rows after it keep their pace, not one instant
+        one.append(500.0 + k, {"a": float(k)})
+    t4, d4 = one.window()
+    assert np.allclose(np.diff(t4[-11:]), 1.0) and t4[-11] == t3[-1] == 1300.0
+    assert list(d4["a"][-10:]) == [float(k) for k in range(1, 11)]
 
 
 def test_window_reduction_keeps_peaks_and_the_newest_rows():

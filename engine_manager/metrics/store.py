@@ -178,6 +178,7 @@ class RingStore:
         self._acc_rows = 0
         self._lock = threading.RLock()
         self.appended = 0
+        self.t_shift = 0.0          # added to each appended time since the wall clock stepped back (see append)
 
     # -- writing ----------------------------------------------------------------------------------------------
     def row_from(self, values: Mapping[str, float | None]) -> np.ndarray:
@@ -190,12 +191,20 @@ class RingStore:
         return row
 
     def append(self, t: float, values: Mapping[str, float | None] | np.ndarray) -> None:
-        """One row at time ``t`` (epoch s). Missing keys and ``None`` are stored as missing (NaN)."""
+        """One row at time ``t`` (epoch s). Missing keys and ``None`` are stored as missing (NaN).
+
+        The series stays ordered when the wall clock steps back (NTP, a person setting the time): the row goes one
+        period after the last, and every later row keeps that shift (:attr:`t_shift`), so the plots go on at
+        their pace instead of piling every row on one instant until the clock has caught up (an hour, for a
+        step of an hour). The times then read ahead of the clock by the step. A step forward leaves a gap."""
         row = values if isinstance(values, np.ndarray) else self.row_from(values)
         with self._lock:
             last = self._full.last_t()
-            if last is not None and t <= last:          # clock stepped back: keep the series ordered
-                t = last + 1e-6
+            t = float(t) + self.t_shift
+            if last is not None and t <= last:
+                gap = last + 1.0 / self.hz - t
+                self.t_shift += gap
+                t += gap
             ev = self._full.push(float(t), row)
             if ev is not None:
                 self._decimate(np.array([ev[0]]), ev[1][None, :])
