@@ -831,7 +831,8 @@ class EnginePanel(Panel, QWidget):
         parts = [f"<b>{html.escape(st.label or st.engine or '')}</b>"
                  + (f" · {html.escape(st.started_by_words)}" if st.started_by_words else "")]
         # to the minute: a label that changed every second relaid and repainted the whole column each second
-        up = f" · up {fmt.uptime(time.time() - st.started_at)}" if st.started_at and self._state == READY else ""
+        up_s = st.uptime_s() if self._state == READY else None
+        up = f" · up {fmt.uptime(up_s)}" if up_s is not None else ""
         parts.append(f"pid {st.pid or '?'} · port {st.port}{up}")
         if st.ready_at:
             parts.append(f"<code>{html.escape(st.base_url or '')}</code>")

@@ -64,7 +64,7 @@ def status_from_record(rec: EngineRecord, alive_now: bool, *, log_path: Path, ap
         plan_path=rec.plan_path,
         # the launch as recorded: its files (plan, routing trace) let a monitor started after a panel restart,
         # or `dsv41 monitor`, find what the command line does not show (Strata's trace flag sits in its config)
-        spec=spec, started_by=rec.started_by,
+        spec=spec, started_by=rec.started_by, keeper_start=rec.keeper_start_time,
     )
 
 
@@ -231,4 +231,4 @@ class EngineProcess:
             argv=self.shown_argv(), owner="panel", message=message, last_failure=last_failure,
             key_matches=(spec.api_key == api_key) if api_key else None,
             binding_note=b.note if b else None, plan_path=spec.files.get("plan"), spec=spec,
-            started_by=self.started_by or started_by)
+            started_by=self.started_by or started_by, keeper_start=self.keeper_ctime)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -264,6 +263,16 @@ class EngineStatus:
     plan_path: str | None = None         # the plan the engine was started with (JSON), when it had one
     spec: Any = None                     # engine_manager.engines.base.LaunchSpec, when known
     started_by: str | None = None        # "panel", "cli", "inferencekey" (STARTED_BY_WORDS); None: not recorded
+    keeper_start: float | None = None    # the keeper's start as recorded (procs.ctime_of: seconds since boot)
+
+    def uptime_s(self) -> float | None:
+        """How long the running engine has been up (None: not running), on the boot clock where the keeper's
+        start since boot is known (a step of the wall clock does not change it), else on the wall clock."""
+        if not self.started_at or not self.running:
+            return None
+        from .procs import seconds_since
+
+        return seconds_since(self.keeper_start, self.started_at)
 
     @property
     def started_by_words(self) -> str | None:
@@ -282,7 +291,8 @@ class EngineStatus:
         d = asdict(self)
         d.pop("spec", None)
         d["running"] = self.running
-        d["uptime_s"] = round(time.time() - self.started_at, 1) if self.started_at and self.running else None
+        up = self.uptime_s()
+        d["uptime_s"] = round(up, 1) if up is not None else None
         return d
 
 

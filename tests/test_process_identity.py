@@ -197,3 +197,21 @@ def test_a_zombie_is_not_alive_though_its_start_is_still_readable():
         assert p.pid not in [q.pid for q in procs.group_members(os.getpgid(0))]
     finally:
         p.wait()
+
+
+def test_the_uptime_is_counted_from_the_keepers_start_on_the_boot_clock(child, monkeypatch):
+    from types import SimpleNamespace
+
+    from engine_manager.engine_state import EngineStatus
+
+    started = procs.ctime_of(child.pid)
+    now = time.time()
+    st = EngineStatus("ready", started_at=now, keeper_start=started)
+    assert st.uptime_s() is not None and 0 <= st.uptime_s() < 60
+    # procs' view of the time module with the wall clock set two hours back (the boot clock is the real one)
+    stepped = SimpleNamespace(time=lambda: time.time() - 7200, clock_gettime=time.clock_gettime,
+                              CLOCK_BOOTTIME=time.CLOCK_BOOTTIME)
+    monkeypatch.setattr(procs, "time", stepped)
+    assert 0 <= st.uptime_s() < 60
+    assert EngineStatus("ready", started_at=now, keeper_start=None).uptime_s() == 0.0   # the wall clock's word
+    assert EngineStatus("stopped", started_at=now, keeper_start=started).uptime_s() is None

@@ -363,8 +363,9 @@ def run_status(args, ctx) -> int:
     rows = [("state", st.state), ("engine", name)] + ([("engine build", build)] if build else []) + [
             ("pid", st.pid), ("process group", st.pgid), ("port", st.port), ("base_url", st.base_url),
             ("binding", st.binding)]
-    if st.started_at and st.running:
-        rows.append(("uptime", _fmt_s(time.time() - st.started_at)))
+    up = st.uptime_s()
+    if up is not None:
+        rows.append(("uptime", _fmt_s(up)))
     rows.append(("log", st.log_path))
     for k, v in rows:
         print(f"{k:<14} {v if v not in (None, '') else '—'}")
