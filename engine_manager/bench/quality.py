@@ -351,7 +351,7 @@ class QualityRun:
 
     def run(self) -> Generator[BenchEvent, None, dict[str, Any]]:
         s = self.spec
-        started = time.time()
+        started, m_start = time.time(), time.monotonic()    # the duration on the monotonic clock (no clock step)
         doc: dict[str, Any] = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
                                "id": time.strftime("quality_%Y%m%dT%H%M%SZ", time.gmtime(started)),
                                "started_at": started, "spec": {**s.to_dict(), "limits": s.limits.to_dict()},
@@ -417,7 +417,7 @@ class QualityRun:
             yield BenchNote(f"Could not start the previous engine again ({exc}); start it with the panel's Start "
                             "button or with `dsv41 start`.")
         self.done = self.total
-        doc.update(finished_at=time.time(), duration_s=round(time.time() - started, 3), cancelled=cancelled,
+        doc.update(finished_at=time.time(), duration_s=round(time.monotonic() - m_start, 3), cancelled=cancelled,
                    error=error)
         doc["scores"] = scores(doc)
         doc["items_digest"] = items_digest(doc)

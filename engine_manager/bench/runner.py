@@ -408,7 +408,7 @@ class BenchRun:
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> Generator[BenchEvent, None, dict[str, Any]]:
         s = self.spec
-        t_start = time.time()
+        t_start, m_start = time.time(), time.monotonic()    # the duration on the monotonic clock (no clock step)
         doc: dict[str, Any] = {"started_at": t_start, "spec": s.to_dict(), "configs": self.results}
         cancelled = False
         error = None
@@ -435,7 +435,7 @@ class BenchRun:
             yield BenchNote(f"Could not start the previous engine again ({exc}); start it with the panel's Start "
                             "button or with `dsv41 start`.")
         from .results import assemble
-        doc.update(finished_at=time.time(), duration_s=time.time() - t_start, cancelled=cancelled, error=error,
+        doc.update(finished_at=time.time(), duration_s=time.monotonic() - m_start, cancelled=cancelled, error=error,
                    token_ratio=self.ratio.to_dict())
         result = assemble(doc, self.settings, self.hardware)
         yield BenchDone(result, cancelled=cancelled)
