@@ -155,8 +155,11 @@ def title_from(text: str) -> str:
 _ME_STARTED = ctime_of(os.getpid())
 
 
-def _writer_alive(pid: int | None, started: float | None, boot: str | None = None) -> bool:
-    return bool(pid) and alive(int(pid or 0), started, boot)
+def _writer_alive(pid: Any, started: Any, boot: Any = None) -> bool:
+    """The process a streaming row names still runs (values as read from the file: a damaged one names nobody)."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return False
+    return alive(pid, started, boot if isinstance(boot, str) else None if boot is None else "?")
 
 
 def _new_id(cur: sqlite3.Cursor) -> int:

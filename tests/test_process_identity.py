@@ -215,3 +215,18 @@ def test_the_uptime_is_counted_from_the_keepers_start_on_the_boot_clock(child, m
     assert 0 <= st.uptime_s() < 60
     assert EngineStatus("ready", started_at=now, keeper_start=None).uptime_s() == 0.0   # the wall clock's word
     assert EngineStatus("stopped", started_at=now, keeper_start=started).uptime_s() is None
+
+
+def test_damaged_writer_values_in_the_history_name_nobody(tmp_path):
+    store = hist.HistoryStore(tmp_path / "history.sqlite3")
+    cid = store.create_conversation("q")
+    rows = [store.begin_answer(cid) for _ in range(4)]
+    damaged = [("abc", procs.ctime_of(os.getpid()), procs.BOOT_ID), (os.getpid(), "x", procs.BOOT_ID),
+               (os.getpid(), procs.ctime_of(os.getpid()), 5), (True, procs.ctime_of(os.getpid()), procs.BOOT_ID)]
+    with store.connect() as conn:
+        for rec, (pid, started, boot) in zip(rows, damaged):
+            conn.execute("UPDATE messages SET writer_pid = ?, writer_started = ?, writer_boot = ? WHERE id = ?",
+                         (pid, started, boot, rec.message_id))
+    again = hist.HistoryStore(store.path)
+    assert again.recovered == 4
+    assert {again.message(r.message_id).status for r in rows} == {hist.STATUS_INTERRUPTED}
