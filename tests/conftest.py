@@ -38,11 +38,38 @@ def isolated_dirs(tmp_path_factory, monkeypatch):
     return base
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORT_BLOCK = 1500          # ports of one xdist worker
+_next_port: dict[str, int] = {}
+
+
 @pytest.fixture
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the one helper: ``engine_manager.sim.launch.free_port``)."""
-    from engine_manager.sim.launch import free_port as pick
+    """A TCP port on 127.0.0.1 that is free now, for an engine a test starts on its own port.
 
+    Taken below the kernel's ephemeral range (``ip_local_port_range``), each xdist worker from its own block: a
+    port the kernel picks (``bind(0)``, what ``engine_manager.procs.free_port`` and every test server do, and the
+    source port of every outgoing connection) is released before the engine binds it, and another worker's test
+    server once took it in that moment ("Port 42217 is in use by pid … python -u -c import sys;exec(…)", CI)."""
+    from engine_manager.procs import free_port as pick
+    from engine_manager.procs import port_free
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    n = int(worker[2:]) if worker[2:].isdigit() else 0
+    lo = 16000 + (n % 10) * _PORT_BLOCK
+    if lo + _PORT_BLOCK > _ephemeral_low():
+        return pick("127.0.0.1")              # an unusual range: the kernel's pick, as before
+    for _ in range(_PORT_BLOCK):
+        port = _next_port.get(worker, lo)
+        _next_port[worker] = lo + (port + 1 - lo) % _PORT_BLOCK
+        if port_free("127.0.0.1", port):
+            return port
     return pick("127.0.0.1")
 
 
