@@ -151,7 +151,7 @@ def title_from(text: str) -> str:
 
 # who writes an answer: this process, named by its start since boot and the boot's id (``procs.ctime_of``: a
 # clock step leaves them alone, where psutil's create_time() moves by whole seconds); a row of an older panel holds
-# a wall-clock start and no boot, and is compared the old way (``procs.same_start``)
+# a wall-clock start and no boot, and is compared the old way (``procs.alive``)
 _ME_STARTED = ctime_of(os.getpid())
 
 
@@ -159,7 +159,7 @@ def _writer_alive(pid: Any, started: Any, boot: Any = None) -> bool:
     """The process a streaming row names still runs (values as read from the file: a damaged one names nobody)."""
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         return False
-    return alive(pid, started, boot if isinstance(boot, str) else None if boot is None else "?")
+    return alive(pid, started, boot)        # a boot that is not this one's id (text or not) names nobody
 
 
 def _new_id(cur: sqlite3.Cursor) -> int:

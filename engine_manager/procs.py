@@ -114,6 +114,8 @@ def _clock_ticks() -> int:
 
 
 _TICKS = _clock_ticks()
+_TOL = 0.5 / _TICKS         # two starts since boot are one when they fall in the same clock tick
+_LEGACY_TOL = 0.05          # two wall-clock starts (psutil's create_time()), as older panels compared them
 
 
 _PROCFS = os.path.isdir("/proc/self")
@@ -163,25 +165,10 @@ def _recorded(recorded: float | int | None, boot: str | None) -> float | None | 
         return False
 
 
-def same_start(pid: int, recorded: float | int | None, boot: str | None = None) -> bool:
-    """``pid``, if it runs, is the process that started at ``recorded`` (from :func:`ctime_of`) during the boot
-    ``boot`` (None: not recorded) — not another process that got the number since. A ``recorded`` wall-clock
-    time (:data:`LEGACY_WALL`: a record of an older panel) is compared with psutil's ``create_time()``."""
-    rec = _recorded(recorded, boot)
-    if rec is None or rec is False:
-        return rec is None
-    if rec >= LEGACY_WALL or not _PROCFS:
-        try:
-            return abs(psutil.Process(pid).create_time() - rec) <= 0.05
-        except (psutil.Error, OSError):
-            return False
-    now = ctime_of(pid)
-    return now is not None and abs(now - rec) < 0.5 / _TICKS
-
-
 def alive(pid: int | None, ctime: float | None = None, boot: str | None = None) -> bool:
-    """True when ``pid`` runs (not a zombie) and, if given, started at ``ctime`` during ``boot`` (not a reused
-    pid; :func:`same_start`)."""
+    """True when ``pid`` runs (not a zombie) and, if given, started at ``ctime`` (from :func:`ctime_of`) during the
+    boot ``boot`` (None: not recorded) — not another process that got the number since. A ``ctime`` that is a
+    wall-clock time (:data:`LEGACY_WALL`: a record of an older panel) is compared with psutil's ``create_time()``."""
     if not pid:
         return False
     rec = _recorded(ctime, boot)
@@ -189,12 +176,12 @@ def alive(pid: int | None, ctime: float | None = None, boot: str | None = None) 
         return False
     if _PROCFS and (rec is None or rec < LEGACY_WALL):
         st = _stat(pid)                     # state and start in one read
-        return (st is not None and st[0] not in _GONE
-                and (rec is None or abs(st[1] - rec) < 0.5 / _TICKS))
+        return st is not None and st[0] not in _GONE and (rec is None or abs(st[1] - rec) < _TOL)
     try:
-        if not same_start(pid, ctime, boot):
+        p = psutil.Process(pid)
+        if rec is not None and abs(p.create_time() - rec) > _LEGACY_TOL:
             return False
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return p.status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, OSError):
         return False
 
@@ -228,7 +215,7 @@ def group_members(pgid: int, since: float | None = None, boot: str | None = None
     if boot is not None and BOOT_ID is not None and boot != BOOT_ID:
         return []                           # recorded before the machine restarted: that group is gone
     legacy = since is not None and float(since) >= LEGACY_WALL
-    tol = 0.05 if legacy else 0.5 / _TICKS
+    tol = _LEGACY_TOL if legacy else _TOL
     if since is not None:
         try:
             lead = psutil.Process(pgid).create_time() if legacy else ctime_of(pgid)

@@ -146,8 +146,7 @@ class Supervisor:
         self._binding_cache: dict[tuple, Binding] = {}
         self._http: httpx.Client | None = None
         self._plans: dict[tuple, tuple[dict[str, Any] | None, list[str]]] = {}
-        self._since = time.time()               # stop requests older than this run/watch are not for it
-        self._since_boot = boot_clock()         # the same moment on the boot clock (no clock step moves it)
+        self._mark_since()
         self.files = StateFiles(self.data_dir, f"{os.getpid()}:{id(self)}:{time.time_ns()}")
 
     # -- http ------------------------------------------------------------------------------------------------
@@ -210,6 +209,11 @@ class Supervisor:
     def _pop_state_notes(self) -> Iterator[Note]:
         for n in self.files.pop_notes():
             yield Note(n, "warning")
+
+    def _mark_since(self) -> None:
+        """Stop requests older than now are not for this run/watch: now on the wall clock, and on the boot clock
+        (no clock step moves it), which a request of this boot is compared on."""
+        self._since, self._since_boot = time.time(), boot_clock()
 
     def _stop_requested_elsewhere(self) -> dict[str, Any] | None:
         """A `dsv41 stop` (another supervisor, usually another process) asked since this run/watch began."""
@@ -382,7 +386,7 @@ class Supervisor:
         """Start the engine and wait until ready; with ``watch`` keep supervising it until :meth:`stop` or
         :meth:`detach` (a crash is classified and, with auto-restart, restarted with backoff)."""
         self._reset_requests()
-        self._since, self._since_boot = time.time(), boot_clock()
+        self._mark_since()
         self._crashes.clear()
         self.last_failure = None
         eng = self._engine(engine)
@@ -398,7 +402,7 @@ class Supervisor:
         match; health decides ready or still starting — and supervise it like :meth:`run`. With the engine
         dead, clean up (kill stragglers of its group) and report how it ended."""
         self._reset_requests()
-        self._since, self._since_boot = time.time(), boot_clock()
+        self._mark_since()
         h = yield from self._attach()
         if h is None:
             return self.status(check_health=False)
