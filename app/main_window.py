@@ -116,6 +116,7 @@ class MainWindow(QMainWindow):
 
     pagesBuilt = Signal()
     firstPageShown = Signal()       # the staged start: the engine column and the page on screen built and painted
+    firstPageDone = Signal()        # … and what that page builds in a second step (the Monitor's plots) too
 
     def __init__(self, ctx, parent=None, lazy: bool = False, show_first_run: bool = True):
         """``ctx``: the AppContext, or (with ``lazy``) a function that makes it — called after the first paint, so
@@ -225,10 +226,13 @@ class MainWindow(QMainWindow):
         for act in getattr(self._engine_panel, "actions_for_menu", lambda: [])():
             self.engine_menu.insertAction(self._engine_sep, act)
 
-    def _build_tab(self, name: str) -> None:
+    def _build_tab(self, name: str, in_two_steps: bool = False) -> None:
+        """``in_two_steps``: a page that can (the Monitor) leaves its heavy part — the plots and pyqtgraph — for
+        :meth:`_finish_tab`."""
         if name in self.pages:
             return
-        page = _tab_class(name)(self.ctx)
+        cls = _tab_class(name)
+        page = cls(self.ctx, plots_later=True) if in_two_steps and hasattr(cls, "build_plots") else cls(self.ctx)
         self.pages[name] = page
         current = self.tabs.currentIndex()
         self.tabs.blockSignals(True)
@@ -241,6 +245,18 @@ class MainWindow(QMainWindow):
         if name == "Monitor":
             for act in getattr(page, "file_actions", lambda: [])():
                 self.file_menu.insertAction(self._file_sep, act)
+
+    def _finish_tab(self, name: str, first: bool = False) -> None:
+        """The second step of a page built in two (:meth:`_build_tab`); nothing for a page built whole. ``first``:
+        the page on screen at the start — painted now, then ``firstPageDone``."""
+        page = self.pages.get(name)
+        finish = getattr(page, "build_plots", None)
+        if finish is not None:
+            finish()
+        if first:
+            if self.isVisible():
+                self.repaint()
+            self.firstPageDone.emit()
 
     def _build_chat(self) -> None:
         if self._chat_pane is not None:
@@ -277,10 +293,12 @@ class MainWindow(QMainWindow):
         self.pagesBuilt.emit()
 
     def _steps(self) -> list:
-        """The pieces in the order the staged start builds them: the engine column and the page on screen, then
-        the chat pane, the status bar, the other pages, and last what only a first run needs."""
+        """The pieces in the order the staged start builds them: the engine column and the page on screen (its
+        controls and figures: the Monitor's bar and cards), then that page's plots, the chat pane, the status bar,
+        the other pages, and last what only a first run needs."""
         shown = self._shown_tab_name()
-        return [self._build_engine_panel, lambda: self._build_tab(shown), self._build_chat, self._build_status,
+        return [self._build_engine_panel, lambda: self._build_tab(shown, in_two_steps=True),
+                lambda: self._finish_tab(shown, first=True), self._build_chat, self._build_status,
                 *(lambda n=n: self._build_tab(n) for n in TAB_NAMES if n != shown), self._finish]
 
     def build_pages(self) -> None:

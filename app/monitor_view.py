@@ -18,10 +18,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import pyqtgraph as pg
 from PySide6.QtCore import QEvent, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
@@ -45,16 +43,11 @@ from engine_manager.engine_state import RunningEngine
 from engine_manager.session import EngineSession
 
 from .monitor_cards import CompareCard, ElidedLabel, NowCard
-from .monitor_plots import (  # noqa: F401
-    MonitorPlot,
-    PlotSpec,
-    Series,
-    isolated,
-    nice_range,
-    plot_specs,
-)
 from .panel_base import Panel
 from .workers import TaskOwner
+
+if TYPE_CHECKING:
+    import numpy as np      # with the plots (pyqtgraph brings it): not on the page's first step
 
 WINDOWS: tuple[tuple[str, float | None], ...] = (("1 min", 60.0), ("10 min", 600.0), ("1 h", 3600.0), ("All", None))
 RATES = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -119,7 +112,12 @@ class MonitorView(Panel, QWidget):
     BATCH_BELOW_HZ = 2.0       # at or below this rate all plots are drawn in one pass
     STEP_INTERVAL_MS = 15       # between one plot's update and the next: room for Qt to paint the first alone
 
-    def __init__(self, ctx, parent=None):
+    plotsBuilt = Signal()              # the plots are in place of their placeholder (at once unless plots_later)
+
+    def __init__(self, ctx, parent=None, plots_later: bool = False):
+        """``plots_later``: the bar and the cards now, the plots (pyqtgraph) when :meth:`build_plots` is called or
+        when first needed — the panel's staged start paints the page and takes input before pyqtgraph is
+        imported (its import and the six plots were ~0.5 s of a 1.3-s first step, benchmarks/results/startup.md)."""
         super().__init__(parent)
         self.ctx = ctx
         self.hub: M.MetricsHub | None = None
@@ -143,7 +141,20 @@ class MonitorView(Panel, QWidget):
             for label, secs in WINDOWS:
                 if label == st["monitor_window"]:
                     self.window_s = secs
+        self.plots: dict = {}                             # key → app.monitor_plots.MonitorPlot, once built
+        self.plots_built = False
+        self._slots_shown: int | None = None              # the slot count the slots plot shows columns for
+        self._ref_plot = "tok"                            # the plot whose range the others follow when paused
+        self._hit_reference: tuple[tuple, dict] = ((None, "", "planner's prediction: unknown"), {})
+        self._queue: list[str] = []
+        self._target: tuple[float, float, bool] | None = None
+        self._step_timer = QTimer(self)
+        self._step_timer.setSingleShot(True)
+        self._step_timer.setInterval(self.STEP_INTERVAL_MS)
+        self._step_timer.timeout.connect(self._redraw_step)
         self._build()
+        if not plots_later:
+            self.build_plots()
         ctx.engineRunning.connect(self.on_engine_running)
         ctx.planChanged.connect(self._on_plan)
         ctx.settingsChanged.connect(self._on_settings)
@@ -238,34 +249,57 @@ class MonitorView(Panel, QWidget):
         self.top_holder = _LayoutBarrier(top_box)
         root.addWidget(self.top_holder)
 
+        # the plots' place: a quiet word until build_plots() puts them there
+        self.plots_placeholder = QLabel("Drawing the plots…")
+        self.plots_placeholder.setObjectName("monitorPlotsPlaceholder")
+        self.plots_placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.plots_placeholder.setStyleSheet("QLabel { background: white; color: #888; }")
+        root.addWidget(self.plots_placeholder, 1)
+
+    def build_plots(self) -> None:
+        """Put the six plots in place of their placeholder (once; pyqtgraph is imported here), then draw what the
+        view already holds."""
+        if self.plots_built:
+            return
+        import pyqtgraph as pg
+
+        from .monitor_plots import MonitorPlot, plot_specs
+
+        self.plots_built = True
         self.glw = pg.GraphicsLayoutWidget()
         self.glw.setBackground("w")
         self.glw.setObjectName("monitorPlots")
         self.glw.ci.setSpacing(2)
-        self.plots: dict[str, MonitorPlot] = {}
+        plots: dict[str, MonitorPlot] = {}
         clock_pictures: dict = {}                   # the time axes' pictures, shared by axes of one width
         for i, spec in enumerate(plot_specs()):
-            self.plots[spec.key] = MonitorPlot(self.glw.ci, spec, i // 2, i % 2, clock_pictures)
+            plots[spec.key] = MonitorPlot(self.glw.ci, spec, i // 2, i % 2, clock_pictures)
         for col in (0, 1):                          # two columns of the same width, whatever their titles hold
             self.glw.ci.layout.setColumnStretchFactor(col, 1)
             self.glw.ci.layout.setColumnPreferredWidth(col, 200)
         # The plots share their time range, kept in step by this view rather than by pyqtgraph's x-link: a link
         # moves every plot in one go, so one redraw would repaint all six at once (~45 ms on a software X
         # server); stepping them one per event-loop pass keeps every pass short (see redraw()).
-        for key, p in self.plots.items():
+        for key, p in plots.items():
             p.item.vb.sigRangeChangedManually.connect(lambda *_a, k=key: self._user_moved(k))
             p.item.vb.sigXRangeChanged.connect(lambda *_a, k=key: self._x_changed(k))
         self._ref_plot = "tok"
-        self._queue: list[str] = []
-        self._target: tuple[float, float, bool] | None = None
-        self._step_timer = QTimer(self)
-        self._step_timer.setSingleShot(True)
-        self._step_timer.setInterval(self.STEP_INTERVAL_MS)
-        self._step_timer.timeout.connect(self._redraw_step)
-        self.plots["hit"].set_reference(None, "", "planner's prediction: unknown")
+        self.plots = plots
+        args, kwargs = self._hit_reference
+        plots["hit"].set_reference(*args, **kwargs)
+        if self._slots_shown is not None:
+            plots["slots"].show_columns(presenter.slot_columns(self._slots_shown))
         self._empty_range()
         self._hover_proxy = pg.SignalProxy(self.glw.scene().sigMouseMoved, rateLimit=30, slot=self._mouse_moved)
-        root.addWidget(self.glw, 1)
+        self.layout().replaceWidget(self.plots_placeholder, self.glw)
+        self.glw.show()                             # now, not on the layout's queued show: drawn in this pass
+        self.plots_placeholder.hide()
+        self.plots_placeholder.deleteLater()
+        self._resize_titles()
+        if self.last_tick is not None:
+            self.update_cards(self.last_tick)
+        self.plotsBuilt.emit()
+        self.schedule_redraw()
 
     def _empty_range(self) -> None:
         """Before any data: the time axes show the window ending now (clock times, not "00.250 00.500" of an
@@ -277,7 +311,12 @@ class MonitorView(Panel, QWidget):
 
     def resizeEvent(self, ev) -> None:
         super().resizeEvent(ev)
+        self._resize_titles()
+
+    def _resize_titles(self) -> None:
         # the legends above the plots wrap to the plots' new width (only on a resize: a title change relays out)
+        if not self.plots_built:
+            return
         width = self.glw.width() / 2 - 12
         for p in self.plots.values():
             p.relayout_title(width)
@@ -404,6 +443,8 @@ class MonitorView(Panel, QWidget):
         self._queue = []
         self._slots_shown = None
         for p in self.plots.values():
+            import numpy as np      # the plots are built: pyqtgraph has imported it
+
             p.set_data(np.empty(0), {c: np.empty(0) for c in p.curves}, fit_y=False)
             p.set_note("")
         self._apply_plan(None)
@@ -483,10 +524,13 @@ class MonitorView(Panel, QWidget):
         if pred is None:
             why = ("unknown: no plan" if not plan else
                    f"{plan.get('predicted_hit_rate_note') or 'unknown until the engine has seen traffic'}")
-            self.plots["hit"].set_reference(None, "", f"planner's prediction: {why}")
+            self._hit_reference = ((None, "", f"planner's prediction: {why}"), {})
         else:
-            self.plots["hit"].set_reference(pred * 100.0, f"planner {pred * 100:.1f}%",
-                                            legend=f"planner: {presenter.PLANNER_MEANS}")
+            self._hit_reference = ((pred * 100.0, f"planner {pred * 100:.1f}%"),
+                                   {"legend": f"planner: {presenter.PLANNER_MEANS}"})
+        if self.plots_built:
+            args, kwargs = self._hit_reference
+            self.plots["hit"].set_reference(*args, **kwargs)
 
     # -- ticks ------------------------------------------------------------------------------------------------
     def _on_tick(self, tick: M.Tick) -> None:
@@ -604,6 +648,8 @@ class MonitorView(Panel, QWidget):
     def redraw(self) -> None:
         if self.store is None or self.paused:
             return
+        if not self.plots_built:            # figures to show before the staged start built the plots
+            self.build_plots()
         span = self.store.span()
         if span is None:
             return
@@ -697,9 +743,10 @@ class MonitorView(Panel, QWidget):
     def update_cards(self, tick: M.Tick) -> None:
         """The cards for one tick, as :func:`engine_manager.metrics.presenter.cards` words them."""
         total = presenter.slots_total(tick)
-        if total is not None and total != getattr(self, "_slots_shown", None):
+        if total is not None and total != self._slots_shown:
             self._slots_shown = total
-            self.plots["slots"].show_columns(presenter.slot_columns(total))
+            if self.plots_built:
+                self.plots["slots"].show_columns(presenter.slot_columns(total))
         for key, text in presenter.cards(tick).items():
             self.cards[key].show(text)
         gone = presenter.plot_notes(tick, {k: p.curves for k, p in self.plots.items()})

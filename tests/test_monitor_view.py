@@ -822,3 +822,44 @@ def test_time_axes_of_one_width_share_the_picture_each_would_draw(qtbot, view, m
     assert len(drawn) == len(axes)
     for key, a, before in zip(view.plots, axes, replayed):
         assert image(a) == before, f"the {key} plot's time axis showed another axis's picture"
+
+
+def test_a_page_whose_plots_come_later_takes_input_and_shows_what_came_before_them(qtbot, ctx):
+    """The panel's staged start builds the Monitor's bar and cards first and its plots a step later
+    (``plots_later``): meanwhile the controls work, a plan and a tick may arrive, and the plots, once built, show
+    them — the planner's line, the engine's slots, the readings — as a view built whole would."""
+    from app.monitor_view import MonitorView
+
+    v = MonitorView(ctx, plots_later=True)
+    qtbot.addWidget(v)
+    v.resize(1100, 800)
+    v.show()
+    qtbot.waitExposed(v)
+    try:
+        assert not v.plots_built and v.plots == {}
+        assert v.plots_placeholder.isVisible() and v.plots_placeholder.text() == "Drawing the plots…"
+        v.pause_btn.click()                                      # the bar takes input before the plots exist
+        assert v.paused and v.pause_btn.text() == "Paused"
+        v.pause_btn.click()
+        assert not v.paused
+        v.resize(900, 700)                                       # a resize before the plots: nothing to relay out
+        ctx.set_plan({"predicted_hit_rate": 0.874, "model": {"expert_bytes": 12_792_627}})
+        store, now = synthetic_history(0.05)
+        for k in range(1, 4):
+            store.append(now + k, {"decode_tok_s": 70.0, "slots_busy": 2.0, "slots_total": 4.0})
+        v.set_paused(True)                                       # held: the tick below must not build the plots
+        v.feed(tick_at(now + 3, decode_tok_s=70.0, slots_busy=2.0, slots_total=4.0), store)
+        assert not v.plots_built and v.cards["decode"].value.text() != "—"
+        with qtbot.waitSignal(v.plotsBuilt, timeout=10000):
+            v.set_paused(False)                                  # the redraw needs the plots: they are built
+        assert v.plots_built and v.glw.isVisible() and set(v.plots) == {s.key for s in __import__(
+            "app.monitor_plots", fromlist=["plot_specs"]).plot_specs()}
+        assert v.plots["hit"].ref_line is not None and v.plots["hit"].ref_line.value() == pytest.approx(87.4)
+        assert v.plots["slots"].curves["slot3_tok_s"].isVisible()
+        assert not v.plots["slots"].curves["slot4_tok_s"].isVisible()      # the engine has 4 slots
+        qtbot.waitUntil(lambda: np.nanmax(curve_y(v, "tok", "decode_tok_s"), initial=0) == pytest.approx(70.0),
+                        timeout=5000)
+        v.build_plots()                                          # a second call changes nothing
+        assert v.layout().indexOf(v.glw) >= 0
+    finally:
+        v.shutdown()

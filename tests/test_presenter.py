@@ -32,6 +32,29 @@ def test_the_presenter_never_imports_qt():
     assert out.stdout.strip() == ""
 
 
+def test_wording_figures_leaves_numpy_to_the_hub_and_the_store():
+    """The presenter and the guides (the Monitor's cards, the Placement tab, the panel's first step) import
+    neither numpy nor the hub; the package's other names are there on first use, with their real values."""
+    code = ("import sys\n"
+            "import engine_manager.metrics as M\n"
+            "from engine_manager.metrics import guides, presenter\n"
+            "print('light', [m for m in ('numpy', 'engine_manager.metrics.hub', 'engine_manager.metrics.store',\n"
+            "                            'engine_manager.metrics.sources', 'psutil', 'httpx') if m in sys.modules])\n"
+            "from engine_manager.metrics.store import RingStore\n"
+            "print('names', M.RingStore is RingStore, M.Tick.__module__, callable(M.build_hub),\n"
+            "      'export_csv' in dir(M), 'numpy' in sys.modules)\n"
+            "try:\n"
+            "    M.no_such_name\n"
+            "except AttributeError as exc:\n"
+            "    print('missing', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # psutil: the engines' process checks (engine_manager.procs), not the metrics'
+    assert "light []" in out.stdout or "light ['psutil']" in out.stdout, out.stdout
+    assert "names True engine_manager.metrics.hub True True True" in out.stdout, out.stdout
+    assert "missing module 'engine_manager.metrics' has no attribute 'no_such_name'" in out.stdout, out.stdout
+
+
 def test_cards_status_and_cli_line_from_a_real_scripted_engine(sim1):
     running = RunningEngine.from_status(None, sim1.base_url, sim1.api_key, engine="sim")
     assert running.simulated and running.engine == "sim"

@@ -16,8 +16,9 @@ far, returned as ``(MetricsHub, RingStore, RunningEngine, rows_loaded)``.
 
 from __future__ import annotations
 
+import importlib
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..engines import find_engine, get_engine
 from ..engine_state import RunningEngine
@@ -25,30 +26,59 @@ from ..engines.base import LaunchSpec
 from ..numa import binding_bound, binding_cpus
 from .columns import ALL_COLUMNS, BY_NAME, COLUMN_NAMES, MAX_SLOTS, SLOT_COLUMNS, Column
 from .guides import Comparison, compare, guide_figures, is_guide_model, judge
-from .hub import MetricsHub, Tick, derive, prefill_is_live
-from .record import (
-    Recorder,
-    export_csv,
-    list_runs,
-    load_into,
-    metrics_runs_dir,
-    open_run,
-    prune_runs,
-    read_recording,
-)
-from .sources import (
-    EngineSource,
-    HostSource,
-    LogSwapSource,
-    NvmlSource,
-    Reading,
-    RoutingSource,
-    Source,
-    spec_for,
-    trace_path_from_argv,
-)
 from .steady import Steady, SteadySnapshot, SteadyTracker
-from .store import RingStore, peak_reduce
+
+if TYPE_CHECKING:
+    from .hub import MetricsHub, Tick, derive, prefill_is_live
+    from .record import (
+        Recorder,
+        export_csv,
+        list_runs,
+        load_into,
+        metrics_runs_dir,
+        open_run,
+        prune_runs,
+        read_recording,
+    )
+    from .sources import (
+        EngineSource,
+        HostSource,
+        LogSwapSource,
+        NvmlSource,
+        Reading,
+        RoutingSource,
+        Source,
+        spec_for,
+        trace_path_from_argv,
+    )
+    from .store import RingStore, peak_reduce
+
+# The hub, the store, the recordings and the sources bring numpy (and psutil, httpx): imported on first use of one
+# of their names, so a page that only words figures (the Monitor's cards, the Placement tab, `dsv41 monitor`'s
+# presenter) does not pay for them — numpy's import was ~0.12 s of the panel's first step (2-core machine,
+# `python -X importtime`, benchmarks/results/startup.md).
+_LAZY = {
+    **dict.fromkeys(("MetricsHub", "Tick", "derive", "prefill_is_live"), "hub"),
+    **dict.fromkeys(("Recorder", "export_csv", "list_runs", "load_into", "metrics_runs_dir", "open_run",
+                     "prune_runs", "read_recording"), "record"),
+    **dict.fromkeys(("EngineSource", "HostSource", "LogSwapSource", "NvmlSource", "Reading", "RoutingSource",
+                     "Source", "spec_for", "trace_path_from_argv"), "sources"),
+    **dict.fromkeys(("RingStore", "peak_reduce"), "store"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "ALL_COLUMNS", "BY_NAME", "COLUMN_NAMES", "MAX_SLOTS", "SLOT_COLUMNS", "Column", "Comparison", "compare",
@@ -115,6 +145,11 @@ def build_hub(running: RunningEngine, *, hz: float = 1.0, plan: Mapping[str, Any
 
     ``running`` is the :class:`RunningEngine` (its spec, pid, binding, log, argv, gpu and plan are used; ``plan``
     overrides its plan when given); an engine reached by URL alone is ``RunningEngine(base_url, api_key, ...)``."""
+    from .hub import MetricsHub
+    from .record import metrics_runs_dir, open_run
+    from .sources import EngineSource, HostSource, LogSwapSource, NvmlSource, RoutingSource, spec_for
+    from .sources import trace_path_from_argv
+
     if plan is None:
         plan = running.plan
     eng = get_engine(running.engine)
@@ -176,6 +211,9 @@ def hub_for_running_engine(running: RunningEngine, hz: float, plan: Mapping[str,
     Returns ``(hub, store, running, rows_loaded)``; ``running`` with its plan read. Blocking (I/O): call it off
     the GUI thread."""
     import numpy as np
+
+    from .record import load_into
+    from .store import RingStore
 
     running = running.with_plan()
     use_plan = running.plan if running.plan is not None else plan

@@ -6,8 +6,12 @@ figure is "—", never 0.
 
 from __future__ import annotations
 
-from .hub import Tick
+from typing import TYPE_CHECKING
+
 from .presenter import DASH, cards, is_idle
+
+if TYPE_CHECKING:
+    from .hub import Tick      # annotations only: the hub brings numpy
 
 # (key, label) in the order the view shows them
 ROWS: tuple[tuple[str, str], ...] = (("state", "Engine"), ("decode", "Decode"), ("hit", "Picks in VRAM"),

@@ -13,12 +13,14 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .columns import MAX_SLOTS, SLOT_COLUMNS
 from ..engines import find_engine
 from ..fmt import GIB, nice_ceil
-from .hub import Tick
+
+if TYPE_CHECKING:
+    from .hub import Tick      # annotations only: the hub brings numpy
 
 DASH = "—"
 
