@@ -222,6 +222,10 @@ class MainWindow(QMainWindow):
         cl = self.control.layout()
         cl.replaceWidget(self._engine_placeholder, self.control_scroll)
         cl.setStretchFactor(self.control_scroll, 1)
+        # shown now, not by the layout's queued show one pass later: the staged start's first paint has the
+        # engine column in it (it painted the "Loading…" placeholder, deleted later, in its place)
+        self.control_scroll.show()
+        self._engine_placeholder.hide()
         self._engine_placeholder.deleteLater()
         for act in getattr(self._engine_panel, "actions_for_menu", lambda: [])():
             self.engine_menu.insertAction(self._engine_sep, act)

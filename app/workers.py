@@ -1,33 +1,119 @@
-"""The one worker idiom of the GUI: run an engine_manager generator (or plain function) on a worker thread
-(superqt's thread workers) and get its yielded events, result and error back on the GUI thread as signals.
+"""The one worker idiom of the GUI: run an engine_manager generator (or plain function) on a worker thread of
+Qt's global pool and get its yielded events, result and error back on the GUI thread as signals.
+
+The workers are this module's own (:class:`Worker`), written in place of superqt's thread workers, whose API they
+keep (``started``/``yielded``/``returned``/``errored``/``finished``, ``quit()``, ``is_running``): importing
+``superqt.utils`` runs superqt's package, which imports all its widgets and qtpy (qtpy star-imports QtCore, QtGui,
+QtOpenGL and QtWidgets, creating every class PySide6 would otherwise create on first use) — 176 ms on the panel's
+first step, where the engine column starts its first task (2-core machine, ``python -X importtime -m app``;
+benchmarks/results/startup.md), for what is here about eighty lines.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import functools
 import threading
 import time
 
-from PySide6.QtCore import QCoreApplication, Qt, QThreadPool
+from PySide6.QtCore import QCoreApplication, QObject, QRunnable, Qt, QThreadPool, Signal
 
 from engine_manager.cancel import CancelToken
 
-if TYPE_CHECKING:
-    from superqt.utils import FunctionWorker, GeneratorWorker
-
-# superqt is imported on first use (~0.17 s): the main window appears before any worker is needed
-
-# superqt starts workers on Qt's global pool, whose default size is the number of cores (2 on small machines).
-# Our workers are long-lived and I/O-bound (a streaming chat answer, a readiness wait, the metrics poller, a
-# download), so a pool that small lets two of them starve every other panel: seen with a third conversation
-# that did not start until another answer finished. They sleep on sockets, so many threads cost little.
+# Qt's global pool's default size is the number of cores (2 on small machines). Our workers are long-lived and
+# I/O-bound (a streaming chat answer, a readiness wait, the metrics poller, a download), so a pool that small lets
+# two of them starve every other panel: seen with a third conversation that did not start until another answer
+# finished. They sleep on sockets, so many threads cost little.
 MIN_POOL_THREADS = 64
 
 
 QUIT_WAIT_MS = 3000
 _quit_hooked = False
+
+
+class _Signals(QObject):
+    """A worker's signals (a QRunnable is not a QObject). Made on the thread that makes the worker (the GUI
+    thread), so what a worker thread emits reaches the slots there, queued."""
+
+    started = Signal()
+    yielded = Signal(object)        # each value a generator yields
+    returned = Signal(object)       # the return value (not after quit())
+    errored = Signal(object)        # the exception the work raised
+    finished = Signal()             # last, whatever happened
+    _done = Signal(object)          # the worker, to let go of it on the GUI thread
+
+
+class Worker(QRunnable):
+    """``fn(*args, **kwargs)`` on a thread of Qt's global pool: a generator function yields its events one by one
+    (``quit()`` stops it at its next yield, without ``returned``); a plain function runs to its end (``quit()``
+    only keeps ``returned`` from being emitted). The signals are reached as attributes (``worker.yielded``)."""
+
+    _live: ClassVar[set[Worker]] = set()        # started and not yet let go of: Qt's pool holds no Python ref
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
+        super().__init__()
+        import inspect
+
+        self._fn, self._args, self._kwargs = fn, args, kwargs
+        self._generator = inspect.isgeneratorfunction(fn)
+        self._quit = threading.Event()
+        self._running = False
+        self.signals = _Signals()
+        self.started = self.signals.started
+        self.yielded = self.signals.yielded
+        self.returned = self.signals.returned
+        self.errored = self.signals.errored
+        self.finished = self.signals.finished
+        self.signals._done.connect(Worker._let_go)
+
+    def quit(self) -> None:
+        self._quit.set()
+
+    @property
+    def abort_requested(self) -> bool:
+        return self._quit.is_set()
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    def start(self) -> None:
+        if self in Worker._live:
+            raise RuntimeError("this worker has already been started")
+        Worker._live.add(self)
+        _ensure_pool()
+        QThreadPool.globalInstance().start(self)
+
+    @classmethod
+    def _let_go(cls, worker: Worker) -> None:
+        cls._live.discard(worker)
+
+    def run(self) -> None:  # the pool's thread
+        self._running = True
+        self.signals.started.emit()
+        try:
+            result = self._work()
+            if not self._quit.is_set():
+                self.signals.returned.emit(result)
+        except Exception as exc:  # noqa: BLE001 - handed to errored, as the work's outcome
+            self.signals.errored.emit(exc)
+        finally:
+            self._running = False
+            self.signals.finished.emit()
+            self.signals._done.emit(self)
+
+    def _work(self) -> Any:
+        if not self._generator:
+            return self._fn(*self._args, **self._kwargs)
+        gen = self._fn(*self._args, **self._kwargs)
+        while not self._quit.is_set():
+            try:
+                value = next(gen)
+            except StopIteration as stop:
+                return stop.value
+            self.signals.yielded.emit(value)
+        return None
 
 
 def _ensure_pool() -> None:
@@ -45,12 +131,26 @@ def stop_all(wait_ms: int = QUIT_WAIT_MS) -> bool:
     """Ask every running worker to stop (generators stop at their next yield) and wait up to ``wait_ms`` for the
     pool: called when the application quits, so no worker emits into widgets that are being deleted. Returns
     whether every worker finished in time (a blocking call that does not yield may outlast the wait)."""
-    from superqt.utils import WorkerBase
-    try:
-        WorkerBase.await_workers(wait_ms)
-    except RuntimeError:
-        return False
-    return True
+    for worker in list(Worker._live):
+        worker.quit()
+    return QThreadPool.globalInstance().waitForDone(wait_ms)
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc           # an error nobody handles: on the GUI thread, where Qt reports an exception in a slot
+
+
+def make_worker(fn: Callable[..., Any], *args: Any,
+                on_event: Callable[[Any], None] | None = None,
+                on_done: Callable[[Any], None] | None = None,
+                on_error: Callable[[BaseException], None] | None = None,
+                on_finished: Callable[[], None] | None = None,
+                **kwargs: Any) -> Worker:
+    """A :class:`Worker` for ``fn`` with the callbacks connected, not started (connect more, then ``start()``).
+    Without ``on_error`` an error is raised again on the GUI thread."""
+    worker = Worker(fn, *args, **kwargs)
+    _connect(worker, on_event, on_done, on_error if on_error is not None else _reraise, on_finished)
+    return worker
 
 
 def run_generator(fn: Callable[..., Iterator[Any]], *args: Any,
@@ -58,14 +158,11 @@ def run_generator(fn: Callable[..., Iterator[Any]], *args: Any,
                   on_done: Callable[[Any], None] | None = None,
                   on_error: Callable[[BaseException], None] | None = None,
                   on_finished: Callable[[], None] | None = None,
-                  **kwargs: Any) -> GeneratorWorker:
+                  **kwargs: Any) -> Worker:
     """Start ``fn(*args, **kwargs)`` (a generator function) on a thread; each yielded event reaches
     ``on_event`` on the GUI thread. ``worker.quit()`` asks the generator to stop at its next yield."""
-    from superqt.utils import create_worker
-    _ensure_pool()
-    kwargs.setdefault("_ignore_errors", on_error is not None)  # handled by on_error: do not re-raise in the GUI
-    worker = create_worker(fn, *args, _start_thread=False, **kwargs)
-    _connect(worker, on_event, on_done, on_error, on_finished)
+    worker = make_worker(fn, *args, on_event=on_event, on_done=on_done, on_error=on_error,
+                         on_finished=on_finished, **kwargs)
     worker.start()
     return worker
 
@@ -74,13 +171,9 @@ def run_function(fn: Callable[..., Any], *args: Any,
                  on_done: Callable[[Any], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
                  on_finished: Callable[[], None] | None = None,
-                 **kwargs: Any) -> FunctionWorker:
+                 **kwargs: Any) -> Worker:
     """Run a blocking call (I/O, a probe) off the GUI thread; its return value reaches ``on_done``."""
-    from superqt.utils import create_worker
-    _ensure_pool()
-    kwargs.setdefault("_ignore_errors", on_error is not None)
-    worker = create_worker(fn, *args, _start_thread=False, **kwargs)
-    _connect(worker, None, on_done, on_error, on_finished)
+    worker = make_worker(fn, *args, on_done=on_done, on_error=on_error, on_finished=on_finished, **kwargs)
     worker.start()
     return worker
 
@@ -182,13 +275,9 @@ class TaskOwner:
             if on_finished is not None and self.current(key, serial):
                 on_finished()
 
-        common = dict(on_done=guard(on_done), on_error=guard(on_error), on_finished=finished)
-        if on_error is None:
-            common.pop("on_error")
-        if inspect.isgeneratorfunction(fn):
-            worker = run_generator(fn, *args, on_event=guard(on_event), **common, **kwargs)
-        else:
-            worker = run_function(fn, *args, **common, **kwargs)
+        worker = make_worker(fn, *args, on_event=guard(on_event) if inspect.isgeneratorfunction(fn) else None,
+                             on_done=guard(on_done), on_error=guard(on_error) if on_error is not None else None,
+                             on_finished=finished, **kwargs)
         holder.append(worker)
         self._tasks[key] = worker
         self._tokens[key] = task_token
@@ -198,6 +287,7 @@ class TaskOwner:
         # while shutdown() waits)
         worker.finished.connect(done.set, Qt.ConnectionType.DirectConnection)
         worker.finished.connect(functools.partial(self._done.pop, id(worker), None))
+        worker.start()                      # every connection made first: none can miss a signal
         return worker
 
     def cancel(self, key: str) -> None:
@@ -225,7 +315,7 @@ class TaskOwner:
             except (RuntimeError, AttributeError):
                 pass
         self._tasks.clear()
-        # only this owner's workers (superqt's await_workers would quit every worker of the application)
+        # only this owner's workers (stop_all would quit every worker of the application)
         deadline = time.monotonic() + wait_ms / 1000.0
         ok = True
         for done in list(self._done.values()):

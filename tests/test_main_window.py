@@ -252,9 +252,10 @@ def test_the_staged_start_builds_what_is_on_screen_first(tmp_path):
 
 
 def test_the_monitor_on_screen_takes_input_before_its_plots_and_pyqtgraph(tmp_path):
-    """The staged start with the Monitor on screen (a first start): its bar and cards are built and painted, and
-    take a click, before pyqtgraph or numpy is imported (~0.5 s of the first step with the six plots,
-    benchmarks/results/startup.md); the plots replace their placeholder in the next step (``firstPageDone``)."""
+    """The staged start with the Monitor on screen (a first start): the engine column and the Monitor's bar and
+    cards are built and painted, and take a click, before pyqtgraph or numpy is imported (~0.5 s of the first step
+    with the six plots, benchmarks/results/startup.md); the plots replace their placeholder in the next step
+    (``firstPageDone``)."""
     import subprocess
     import sys
 
@@ -272,6 +273,7 @@ def test_the_monitor_on_screen_takes_input_before_its_plots_and_pyqtgraph(tmp_pa
         "    page = win.pages['Monitor']\n"
         "    print('first:', win.tabs.currentWidget() is page, page.plots_built,\n"
         "          [m for m in ('pyqtgraph', 'numpy') if m in sys.modules], flush=True)\n"
+        "    print('column:', win._engine_panel.isVisible(), win._engine_placeholder.isVisible(), flush=True)\n"
         "    page.pause_btn.click()\n"
         "    print('clicked:', page.paused, page.plots_placeholder.isVisible(), flush=True)\n"
         "    page.pause_btn.click()\n"
@@ -290,6 +292,7 @@ def test_the_monitor_on_screen_takes_input_before_its_plots_and_pyqtgraph(tmp_pa
                        timeout=90)
     out = p.stdout + p.stderr
     assert "first: True False []" in p.stdout, out
+    assert "column: True False" in p.stdout, out        # the engine column is in that first paint, not "Loading…"
     assert "clicked: True True" in p.stdout, out
     assert "done: True True 6 True" in p.stdout, out
 
