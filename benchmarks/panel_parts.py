@@ -34,12 +34,12 @@ def main() -> int:
     if "statusbar" in off:
         statusbar.LiveStatusBar.refresh = nothing
     if "plot-paint" in off:
-        build = monitor_view.MonitorView._build
+        build = monitor_view.MonitorView.build_plots
 
         def build_unpainted(self) -> None:
             build(self)
             self.glw.setUpdatesEnabled(False)
-        monitor_view.MonitorView._build = build_unpainted
+        monitor_view.MonitorView.build_plots = build_unpainted
     from app.main import main as panel_main
     return panel_main([])
 
