@@ -252,12 +252,12 @@ class MainWindow(QMainWindow):
 
     def _finish_tab(self, name: str, first: bool = False) -> None:
         """The second step of a page built in two (:meth:`_build_tab`); nothing for a page built whole. ``first``:
-        the page on screen at the start — painted now, then ``firstPageDone``."""
+        the page on screen at the start — in the staged start, painted now, then ``firstPageDone``."""
         page = self.pages.get(name)
         finish = getattr(page, "build_plots", None)
         if finish is not None:
             finish()
-        if first:
+        if first and self._staged:
             if self.isVisible():
                 self.repaint()
             self.firstPageDone.emit()

@@ -283,7 +283,6 @@ class MonitorView(Panel, QWidget):
         for key, p in plots.items():
             p.item.vb.sigRangeChangedManually.connect(lambda *_a, k=key: self._user_moved(k))
             p.item.vb.sigXRangeChanged.connect(lambda *_a, k=key: self._x_changed(k))
-        self._ref_plot = "tok"
         self.plots = plots
         args, kwargs = self._hit_reference
         plots["hit"].set_reference(*args, **kwargs)
@@ -442,11 +441,12 @@ class MonitorView(Panel, QWidget):
         self.last_comparison = None
         self._queue = []
         self._slots_shown = None
-        for p in self.plots.values():
+        if self.plots_built:
             import numpy as np      # the plots are built: pyqtgraph has imported it
 
-            p.set_data(np.empty(0), {c: np.empty(0) for c in p.curves}, fit_y=False)
-            p.set_note("")
+            for p in self.plots.values():
+                p.set_data(np.empty(0), {c: np.empty(0) for c in p.curves}, fit_y=False)
+                p.set_note("")
         self._apply_plan(None)
 
     def show_stopped_cards(self) -> None:
