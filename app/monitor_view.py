@@ -284,8 +284,7 @@ class MonitorView(Panel, QWidget):
             p.item.vb.sigRangeChangedManually.connect(lambda *_a, k=key: self._user_moved(k))
             p.item.vb.sigXRangeChanged.connect(lambda *_a, k=key: self._x_changed(k))
         self.plots = plots
-        args, kwargs = self._hit_reference
-        plots["hit"].set_reference(*args, **kwargs)
+        self._show_hit_reference()
         if self._slots_shown is not None:
             plots["slots"].show_columns(presenter.slot_columns(self._slots_shown))
         self._empty_range()
@@ -528,6 +527,10 @@ class MonitorView(Panel, QWidget):
         else:
             self._hit_reference = ((pred * 100.0, f"planner {pred * 100:.1f}%"),
                                    {"legend": f"planner: {presenter.PLANNER_MEANS}"})
+        self._show_hit_reference()
+
+    def _show_hit_reference(self) -> None:
+        """The planner's line on the hit-rate plot, as last set (kept until the plots exist)."""
         if self.plots_built:
             args, kwargs = self._hit_reference
             self.plots["hit"].set_reference(*args, **kwargs)

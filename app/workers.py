@@ -71,10 +71,6 @@ class Worker(QRunnable):
         self._quit.set()
 
     @property
-    def abort_requested(self) -> bool:
-        return self._quit.is_set()
-
-    @property
     def is_running(self) -> bool:
         return self._running
 
@@ -244,7 +240,6 @@ class TaskOwner:
               on_error: Callable[[BaseException], None] | None = None,
               on_finished: Callable[[], None] | None = None,
               replace: bool = True, token: CancelToken | None = None, **kwargs: Any) -> Any:
-        import inspect
         if self.shut_down:
             return None
         if key in self._tasks:
@@ -275,8 +270,9 @@ class TaskOwner:
             if on_finished is not None and self.current(key, serial):
                 on_finished()
 
-        worker = make_worker(fn, *args, on_event=guard(on_event) if inspect.isgeneratorfunction(fn) else None,
-                             on_done=guard(on_done), on_error=guard(on_error) if on_error is not None else None,
+        # a plain function never yields: its on_event, if any, is never called
+        worker = make_worker(fn, *args, on_event=guard(on_event), on_done=guard(on_done),
+                             on_error=guard(on_error) if on_error is not None else None,
                              on_finished=finished, **kwargs)
         holder.append(worker)
         self._tasks[key] = worker

@@ -113,6 +113,20 @@ def _run_panel(args, timeout=90):
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+# the end of every window script below: show the window, give up after a minute, run the loop
+WINDOW_SCRIPT_END = "win.show()\nQTimer.singleShot(60000, app.quit)\napp.exec()\n"
+
+
+def _run_window_script(script):
+    """Run ``script`` (a file written by the test) in a fresh interpreter with this checkout on the path."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=90)
+
+
 @pytest.mark.parametrize("seconds", ["0", "0.05", "0.2"])
 def test_quit_after_at_start_up_quits(seconds):
     """`dsv41-panel --quit-after 0` (or any quit in the first ~0.2 s, before the pages are built) used to hang
@@ -146,8 +160,6 @@ def test_the_window_is_painted_before_the_heavy_pages_are_imported(tmp_path):
     """The window appears first: at its first paint none of the pages' heavy imports (pyqtgraph, numpy, superqt,
     httpx, the supervisor, the metrics) has been made; the pages are built right after, in place of their
     placeholders, and the menus get their actions."""
-    import subprocess
-    import sys
 
     script = tmp_path / "lazy.py"
     script.write_text(
@@ -173,12 +185,8 @@ def test_the_window_is_painted_before_the_heavy_pages_are_imported(tmp_path):
         "          'export' , 'actionExportMetrics' in names, flush=True)\n"
         "    win.close(); app.quit()\n"
         "win.pagesBuilt.connect(lambda: QTimer.singleShot(0, built))\n"
-        "win.show()\n"
-        "QTimer.singleShot(60000, app.quit)\n"
-        "app.exec()\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=90)
+        + WINDOW_SCRIPT_END)
+    p = _run_window_script(script)
     out = p.stdout + p.stderr
     assert "at paint: built False heavy []" in p.stdout, out
     assert "built: tabs ['MonitorView', 'PlacementView', 'DownloadPanel', 'LogView', 'BenchView'] export True" \
@@ -211,8 +219,6 @@ def test_the_staged_start_builds_what_is_on_screen_first(tmp_path):
     last session) are built and painted first, while the chat pane and the other pages still wait; choosing a
     waiting tab builds it at once; the rest follow one per pass of the event loop, and every built panel is shut
     down on close."""
-    import subprocess
-    import sys
 
     script = tmp_path / "staged.py"
     script.write_text(
@@ -238,12 +244,8 @@ def test_the_staged_start_builds_what_is_on_screen_first(tmp_path):
         "    print('panels:', names, flush=True)\n"
         "    win.close(); app.quit()\n"
         "win.pagesBuilt.connect(lambda: QTimer.singleShot(0, built))\n"
-        "win.show()\n"
-        "QTimer.singleShot(60000, app.quit)\n"
-        "app.exec()\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=90)
+        + WINDOW_SCRIPT_END)
+    p = _run_window_script(script)
     out = p.stdout + p.stderr
     assert "first: ['Log'] True True False" in p.stdout, out
     assert "chosen: ['Log', 'Placement'] PlacementView" in p.stdout, out
@@ -256,8 +258,6 @@ def test_the_monitor_on_screen_takes_input_before_its_plots_and_pyqtgraph(tmp_pa
     cards are built and painted, and take a click, before pyqtgraph or numpy is imported (~0.5 s of the first step
     with the six plots, benchmarks/results/startup.md); the plots replace their placeholder in the next step
     (``firstPageDone``)."""
-    import subprocess
-    import sys
 
     script = tmp_path / "monitor_first.py"
     script.write_text(
@@ -284,12 +284,8 @@ def test_the_monitor_on_screen_takes_input_before_its_plots_and_pyqtgraph(tmp_pa
         "          flush=True)\n"
         "    win.close(); app.quit()\n"
         "win.firstPageDone.connect(done)\n"
-        "win.show()\n"
-        "QTimer.singleShot(60000, app.quit)\n"
-        "app.exec()\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=90)
+        + WINDOW_SCRIPT_END)
+    p = _run_window_script(script)
     out = p.stdout + p.stderr
     assert "first: True False []" in p.stdout, out
     assert "column: True False" in p.stdout, out        # the engine column is in that first paint, not "Loading…"
