@@ -350,9 +350,12 @@ class OverviewStrip(Panel, QTreeWidget):
 class ConnectionsView(Panel, QWidget):
     """The engine column's "Watching" part: the picker, Attach to… / Remove, what is watched, the overview."""
 
-    def __init__(self, ctx, parent=None, *, period_s: float = C.OVERVIEW_PERIOD_S):
+    def __init__(self, ctx, parent=None, *, period_s: float = C.OVERVIEW_PERIOD_S, list_later: bool = False):
+        """``list_later``: the saved list is read by :meth:`read_list`, called later (the window's staged start:
+        validating the list imports pydantic, ~0.1 s, which the first paint does not wait for)."""
         super().__init__(parent)
         self.ctx = ctx
+        self.list_read = False
         self.setObjectName("connectionsView")
         self.tasks = TaskOwner(self)
         self.dialog: AddConnectionDialog | None = None
@@ -414,6 +417,15 @@ class ConnectionsView(Panel, QWidget):
             self.addAction(a)
         ctx.watchChanged.connect(self._watch_changed)
         ctx.ownEngineChanged.connect(lambda _r: self.overview.poll())
+        if not list_later:
+            self.read_list()
+        self._show_info()
+
+    def read_list(self) -> None:
+        """Read the saved list, then watch again what was watched when the panel last closed (once)."""
+        if self.list_read:
+            return
+        self.list_read = True
         self.refresh()
         last = uistate.load().get(UISTATE_KEY)
         if isinstance(last, str) and last in self._names:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import html
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QByteArray, QMimeData, Qt, QTimer
 from PySide6.QtGui import QAction, QFontDatabase, QGuiApplication, QKeySequence
@@ -41,10 +41,8 @@ from PySide6.QtWidgets import (
 )
 
 from engine_manager import fmt
-from engine_manager.dryrun import DryRun
 from engine_manager.engine_state import (CRASHED, READY, RESTARTING, RUNNING_STATES, STARTING, STOPPED, STOPPING,
                                          EngineStatus)
-from engine_manager.procs import describe_owner
 from engine_manager.start_plan import plan_host_warning, usable_plan
 from engine_manager.supervisor_events import (Attached, Crashed, Event, GaveUp, LogLines, Note, Progress, Ready,
                                               Restarting, StartFailed, StateChanged, Stopped, Stopping)
@@ -58,6 +56,16 @@ from .connections_view import ConnectionsView
 from .checks_view import ChecksView
 from .panel_base import Panel
 from .workers import QUIT_WAIT_MS, TaskOwner
+
+if TYPE_CHECKING:
+    from engine_manager.dryrun import DryRun
+
+
+def _owner_words(owner: Any) -> str:
+    """Who holds the port, in words (engine_manager.procs, with psutil: imported when there is one to name, not
+    with the engine column)."""
+    from engine_manager.procs import describe_owner
+    return describe_owner(owner)
 
 
 def _text_label(name: str, text_format: Qt.TextFormat | None = None) -> QLabel:
@@ -158,12 +166,14 @@ class DryRunDialog(QDialog):
 
 
 class EnginePanel(Panel, QWidget):
-    def __init__(self, ctx, parent=None):
+    def __init__(self, ctx, parent=None, *, list_later: bool = False):
+        """``list_later``: the saved connections are read later, by ``connections.read_list()`` (the staged
+        start)."""
         super().__init__(parent)
         self.ctx = ctx
+        self._list_later = list_later
         self.setObjectName("enginePanel")
         self.session = ctx.session
-        self.sup = ctx.session.supervisor
         self._state = STOPPED
         # background tasks by key: "run" (run/watch: owns the engine), "stop", "status" (the idle poll), "dry",
         # "placement"; callbacks are dropped once the panel shuts down
@@ -202,12 +212,18 @@ class EnginePanel(Panel, QWidget):
         self._render_state(STOPPED, "")
         QTimer.singleShot(0, self.reattach)
 
+    @property
+    def sup(self):
+        """The session's supervisor, made on first use — by the first task that needs it, on its own thread
+        (:meth:`EngineSession.configure`)."""
+        return self.session.supervisor
+
     # -- layout ----------------------------------------------------------------------------------------------------
     def _build(self) -> None:
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 4, 0, 0)
         lay.setSpacing(6)
-        self.connections = ConnectionsView(self.ctx)
+        self.connections = ConnectionsView(self.ctx, list_later=self._list_later)
         lay.addWidget(self.connections)
         line = QFrame()
         line.setFrameShape(QFrame.Shape.HLine)
@@ -319,9 +335,9 @@ class EnginePanel(Panel, QWidget):
 
         self.auto_restart = QCheckBox("Restart after a crash")
         self.auto_restart.setObjectName("autoRestart")
+        limit, window_s = self.session.crash_rule()
         self.auto_restart.setToolTip("Restart the engine after a crash, waiting longer after each one, and give up "
-                                     f"after {self.sup.crash_limit} crashes within "
-                                     f"{self.sup.crash_window_s / 60:.0f} minutes (a crash loop)")
+                                     f"after {limit} crashes within {window_s / 60:.0f} minutes (a crash loop)")
         self.auto_restart.setChecked(bool(self.ctx.settings.auto_restart))
         self.auto_restart.toggled.connect(self._auto_restart_toggled)
         lay.addWidget(self.auto_restart)
@@ -453,9 +469,8 @@ class EnginePanel(Panel, QWidget):
         self.notes_toggle.hide()
         self.placement.reset()
         self._show_placement()
-        self.sup.settings = self.ctx.settings
-        self.sup.hardware = self.ctx.hardware
-        self.sup.auto_restart = self.auto_restart.isChecked()
+        self.session.configure(settings=self.ctx.settings, hardware=self.ctx.hardware,
+                               auto_restart=self.auto_restart.isChecked())
         engine = self.resolved_engine()
         self._render_state(STARTING, f"starting {find_engine(engine).words or engine}")
         # the Placement tab's "Start with this plan": that plan as it is, even one made for another host (warned)
@@ -547,17 +562,15 @@ class EnginePanel(Panel, QWidget):
         and supervise it; after a dead one, clean up and show how it ended."""
         if self.tasks.running("run") or self.tasks.shut_down:
             return
-        self.sup.settings = self.ctx.settings
-        self.sup.auto_restart = self.auto_restart.isChecked()
-        if self._state == STOPPED and self.sup.state_path.exists():
+        self.session.configure(settings=self.ctx.settings, auto_restart=self.auto_restart.isChecked())
+        if self._state == STOPPED and self.session.record_exists():
             # an engine was left running (or its record was): say so for the seconds the check takes, not "Stopped"
             self._render_state("reattaching", "re-attaching to the running engine…")
         self.tasks.start("run", self.session.watch, feed=False, on_event=self._on_event, on_done=self._run_done,
                          on_error=self._on_error, on_finished=self._run_finished)
 
     def dry_run(self) -> None:
-        self.sup.settings = self.ctx.settings
-        self.sup.hardware = self.ctx.hardware
+        self.session.configure(settings=self.ctx.settings, hardware=self.ctx.hardware)
         self.dry_button.setEnabled(False)
         self.ctx.statusMessage.emit("Preparing the dry run (probing the binding)…", 3000)
         engine = self.resolved_engine()
@@ -897,7 +910,7 @@ class EnginePanel(Panel, QWidget):
                 self.ctx.statusMessage.emit(f"Could not save the engine choice: {exc}", 6000)
 
     def _auto_restart_toggled(self, on: bool) -> None:
-        self.sup.auto_restart = on
+        self.session.configure(auto_restart=on)
         if bool(self.ctx.settings.auto_restart) != on and not self.ctx.loaded.env_locked("auto_restart"):
             try:
                 self.ctx.update_settings({"auto_restart": on})
@@ -906,11 +919,11 @@ class EnginePanel(Panel, QWidget):
 
     def _settings_changed(self, loaded) -> None:
         if not self.is_running():
-            self.sup.settings = loaded.settings
+            self.session.configure(settings=loaded.settings)
         self.auto_restart.blockSignals(True)
         self.auto_restart.setChecked(bool(loaded.settings.auto_restart))
         self.auto_restart.blockSignals(False)
-        self.sup.auto_restart = bool(loaded.settings.auto_restart)
+        self.session.configure(auto_restart=bool(loaded.settings.auto_restart))
         idx = self.engine_box.findData(loaded.settings.server_engine)
         if idx >= 0 and idx != self.engine_box.currentIndex():
             self.engine_box.blockSignals(True)
@@ -920,7 +933,7 @@ class EnginePanel(Panel, QWidget):
 
     def _hardware_changed(self, report) -> None:
         if not self.is_running():
-            self.sup.hardware = report
+            self.session.configure(hardware=report)
         self._update_resolved()
 
     # -- engines started elsewhere ----------------------------------------------------------------------------------
@@ -937,7 +950,7 @@ class EnginePanel(Panel, QWidget):
             self.reattach()
         elif st.external:
             self.details.setText(f"<b>Port {self.ctx.settings.port} is taken</b> by something this panel did not "
-                                 f"start: {html.escape(describe_owner(st.external))}. It is shown, never "
+                                 f"start: {html.escape(_owner_words(st.external))}. It is shown, never "
                                  "stopped; to start an engine, choose another port in File ▸ Settings… → Port.")
             self.details.show()
         elif self.details.text().startswith("<b>Port"):

@@ -210,7 +210,7 @@ class MainWindow(QMainWindow):
         if self._engine_panel is not None:
             return
         from .engine_panel import EnginePanel
-        self._engine_panel = EnginePanel(self.ctx)
+        self._engine_panel = EnginePanel(self.ctx, list_later=self._staged)
         # the column scrolls when the screen is short (1280×800 with a crash banner up): its labels are never
         # squeezed below the height their words need
         self.control_scroll = QScrollArea()
@@ -298,12 +298,18 @@ class MainWindow(QMainWindow):
 
     def _steps(self) -> list:
         """The pieces in the order the staged start builds them: the engine column and the page on screen (its
-        controls and figures: the Monitor's bar and cards), then that page's plots, the chat pane, the status bar,
-        the other pages, and last what only a first run needs."""
+        controls and figures: the Monitor's bar and cards), then that page's plots, the saved connections' list
+        (pydantic validates it), the chat pane, the status bar, the other pages, and last what only a first run
+        needs."""
         shown = self._shown_tab_name()
         return [self._build_engine_panel, lambda: self._build_tab(shown, in_two_steps=True),
-                lambda: self._finish_tab(shown, first=True), self._build_chat, self._build_status,
+                lambda: self._finish_tab(shown, first=True), self._read_connections, self._build_chat,
+                self._build_status,
                 *(lambda n=n: self._build_tab(n) for n in TAB_NAMES if n != shown), self._finish]
+
+    def _read_connections(self) -> None:
+        if self._engine_panel is not None:
+            self._engine_panel.connections.read_list()
 
     def build_pages(self) -> None:
         """Build every piece not built yet — engine panel, the tabs, the chat pane, the live status bar — in place

@@ -36,11 +36,7 @@ def _literal_choices(annotation: Any) -> list[str] | None:
 
 
 def _bounds(info) -> tuple[float | None, float | None]:
-    lo = hi = None
-    for m in info.metadata:
-        lo = getattr(m, "ge", lo)
-        hi = getattr(m, "le", hi)
-    return lo, hi
+    return info.ge, info.le
 
 
 class SettingsDialog(QDialog):

@@ -11,7 +11,7 @@ started to the first paint of its window:
   (that page's plots drawn too) and *built* (every page built).
 
 * **floor**: the bare window, then — after its first paint — the libraries a first page with the Monitor's
-  plots cannot do without: its settings read and validated (pydantic, ``engine_manager.settings.load_settings``)
+  plots cannot do without: its settings read and validated (``engine_manager.settings.load_settings``)
   and the plotting library (pyqtgraph, which imports numpy). No widget of the panel is built: this is the least
   the *done* mark can cost, whatever the panel's own code does.
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "  dsv41-panel first page done: not reported",
         f"  dsv41-panel pages built:   median {statistics.median(built):.3f} s" if built else
         "  dsv41-panel pages built:   not reported",
-        f"  floor (bare window, then the settings with pydantic and pyqtgraph with numpy): median "
+        f"  floor (bare window, then the settings and pyqtgraph with numpy): median "
         f"{statistics.median(floor):.3f} s = {statistics.median(floor) / mb:.2f}x bare  "
         f"(all: {', '.join(f'{x:.3f}' for x in floor)})",
         f"  ratio shown/bare: {ms / mb:.2f}x  (goal <= 1.5x: {'met' if ms / mb <= 1.5 else 'NOT met'})",

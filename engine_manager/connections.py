@@ -31,15 +31,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
 from . import atomic, paths
 from .engines import find_engine, get_engine
 from .engines.base import Evidence, mask_in
 from .engines.registry import DETECTION_ORDER
 from .errors import UserError
 from .fmt import MB
-from .engine_state import RunningEngine, why_invalid
+from .engine_state import RunningEngine
 from .detection import DETECT_DEADLINE_S, DETECT_TIMEOUT_S, KIND_LABELS, Detection, transport_problem
 from .tls import verify as tls_verify
 
@@ -140,83 +138,96 @@ def _finite(v: float | None) -> float | None:
     return v
 
 
-class _LastTestRecord(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    t: float = Field(ge=0)
-    state: Literal["ok", "unreachable", "problem"]
-    kind: str | None = Field(None, max_length=40)
-    message: str = Field("", max_length=4 * MESSAGE_CHARS)
-    last_ok: float | None = Field(None, ge=0)
-    gui_message: str = Field("", max_length=4 * MESSAGE_CHARS)
-
-    _check_t = field_validator("t", "last_ok")(_finite)
+_FILE_MODEL: Any = None
 
 
-class _ConnectionRecord(BaseModel):
-    """One saved connection as the list file must hold it: every field typed, the URL and host as
-    :func:`add_connection` would accept them."""
+def _file_model() -> Any:
+    """The list file's shape as pydantic models, built on first use: the engine column imports this module in the
+    window's first step, and pydantic's import with these models' build was ~0.1 s of it (benchmarks/results/
+    startup.md, eleventh pass); the list itself is read on a worker."""
+    global _FILE_MODEL
+    if _FILE_MODEL is not None:
+        return _FILE_MODEL
+    from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    class _LastTestRecord(BaseModel):
+        model_config = ConfigDict(extra="ignore", strict=True)
 
-    name: str = Field(pattern=_NAME_RE.pattern)
-    base_url: str = Field(max_length=2048)
-    ssh_host: str | None = None
-    kind: str | None = None
-    key_store: Literal["keyring", "file"] | None = None
-    added_at: float = Field(0.0, ge=0)
-    last_test: _LastTestRecord | None = None
+        t: float = Field(ge=0)
+        state: Literal["ok", "unreachable", "problem"]
+        kind: str | None = Field(None, max_length=40)
+        message: str = Field("", max_length=4 * MESSAGE_CHARS)
+        last_ok: float | None = Field(None, ge=0)
+        gui_message: str = Field("", max_length=4 * MESSAGE_CHARS)
 
-    _check_added = field_validator("added_at")(_finite)
+        _check_t = field_validator("t", "last_ok")(_finite)
 
-    @field_validator("base_url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        try:
-            return check_url(v)
-        except ConnectionSetupError as exc:
-            raise ValueError(str(exc)) from None
+    class _ConnectionRecord(BaseModel):
+        """One saved connection as the list file must hold it: every field typed, the URL and host as
+        :func:`add_connection` would accept them."""
 
-    @field_validator("ssh_host")
-    @classmethod
-    def _host(cls, v: str | None) -> str | None:
-        from .tunnel import valid_host
+        model_config = ConfigDict(extra="ignore", strict=True)
 
-        if v is not None and not valid_host(v):
-            raise ValueError("not an ssh host")
-        return v or None
+        name: str = Field(pattern=_NAME_RE.pattern)
+        base_url: str = Field(max_length=2048)
+        ssh_host: str | None = None
+        kind: str | None = None
+        key_store: Literal["keyring", "file"] | None = None
+        added_at: float = Field(0.0, ge=0)
+        last_test: _LastTestRecord | None = None
 
-    @field_validator("kind")
-    @classmethod
-    def _kind(cls, v: str | None) -> str | None:
-        if v is not None and v not in KIND_LABELS:
-            raise ValueError(f"not a kind of engine the panel knows ({', '.join(KIND_LABELS)})")
-        return v
+        _check_added = field_validator("added_at")(_finite)
 
+        @field_validator("base_url")
+        @classmethod
+        def _url(cls, v: str) -> str:
+            try:
+                return check_url(v)
+            except ConnectionSetupError as exc:
+                raise ValueError(str(exc)) from None
 
-class _ConnectionsFile(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+        @field_validator("ssh_host")
+        @classmethod
+        def _host(cls, v: str | None) -> str | None:
+            from .tunnel import valid_host
 
-    schema_version: int = Field(SCHEMA, alias="schema", ge=1)
-    connections: list[_ConnectionRecord] = Field(max_length=MAX_CONNECTIONS)
+            if v is not None and not valid_host(v):
+                raise ValueError("not an ssh host")
+            return v or None
 
-    @model_validator(mode="after")
-    def _unique(self) -> "_ConnectionsFile":
-        names = [c.name for c in self.connections]
-        if len(set(names)) != len(names):
-            raise ValueError("a name is saved twice")
-        return self
+        @field_validator("kind")
+        @classmethod
+        def _kind(cls, v: str | None) -> str | None:
+            if v is not None and v not in KIND_LABELS:
+                raise ValueError(f"not a kind of engine the panel knows ({', '.join(KIND_LABELS)})")
+            return v
 
-    def to_connections(self) -> list[Connection]:
-        out = []
-        for r in self.connections:
-            lt = r.last_test
-            out.append(Connection(name=r.name, base_url=r.base_url, ssh_host=r.ssh_host, kind=r.kind,
-                                  key_store=r.key_store, added_at=r.added_at,
-                                  last_test=LastTest(lt.t, lt.state, lt.kind, lt.message, lt.last_ok,
-                                                     lt.gui_message)
-                                  if lt is not None else None))
-        return out
+    class _ConnectionsFile(BaseModel):
+        model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+        schema_version: int = Field(SCHEMA, alias="schema", ge=1)
+        connections: list[_ConnectionRecord] = Field(max_length=MAX_CONNECTIONS)
+
+        @model_validator(mode="after")
+        def _unique(self) -> "_ConnectionsFile":
+            names = [c.name for c in self.connections]
+            if len(set(names)) != len(names):
+                raise ValueError("a name is saved twice")
+            return self
+
+        def to_connections(self) -> list[Connection]:
+            out = []
+            for r in self.connections:
+                lt = r.last_test
+                out.append(Connection(name=r.name, base_url=r.base_url, ssh_host=r.ssh_host, kind=r.kind,
+                                      key_store=r.key_store, added_at=r.added_at,
+                                      last_test=LastTest(lt.t, lt.state, lt.kind, lt.message, lt.last_ok,
+                                                         lt.gui_message)
+                                      if lt is not None else None))
+            return out
+
+    _FILE_MODEL = _ConnectionsFile
+    return _FILE_MODEL
 
 
 _lock = threading.RLock()
@@ -312,10 +323,11 @@ def load_connections() -> list[Connection]:
             return []
         if not isinstance(d, dict):
             raise ValueError(f"it holds a JSON {type(d).__name__}, not the list's object")
-        return _ConnectionsFile.model_validate(d).to_connections()
-    except ValidationError as exc:
-        raise _set_aside(path, why_invalid(exc), "the list of saved connections", redo) from None
-    except ValueError as exc:
+        return _file_model().model_validate(d).to_connections()
+    except ValueError as exc:       # pydantic's ValidationError is one
+        if hasattr(exc, "errors"):
+            from .engine_record import why_invalid
+            raise _set_aside(path, why_invalid(exc), "the list of saved connections", redo) from None
         raise _set_aside(path, str(exc), "the list of saved connections", redo) from None
 
 

@@ -12,15 +12,17 @@ import shlex
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .atomic import atomic_write_json, ensure_private_dir
-from .engine_state import EngineRecord
 from .engines.base import Engine
 from .launch import keeper_argv, preflight
 from .numa import Binding
 from .procs import describe_owner, port_free, port_owner
 from .supervisor_events import engine_words, running_conflict
+
+if TYPE_CHECKING:
+    from .engine_record import EngineRecord
 
 
 @dataclass

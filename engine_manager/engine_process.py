@@ -25,10 +25,10 @@ from .engine_state import (
     STATE_SCHEMA,
     STOPPED,
     STOPPING,
-    EngineRecord,
     EngineStatus,
     ExitInfo,
 )
+from .engine_record import EngineRecord
 from .engines.base import Engine, LaunchSpec, LogEvent
 from .logtail import LogTail, read_log_tail, run_lines
 from .numa import Binding

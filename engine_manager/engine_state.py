@@ -4,7 +4,8 @@
 - :class:`RunningEngine` — the one handle for the engine that is ready: where it answers, its key, which engine,
   its process, launch spec, binding, log and plan; built with :meth:`RunningEngine.from_status` or from a URL
   and key alone (an engine reached with ``--url``), and handed around instead of loose ``(base_url, api_key)``;
-- :class:`EngineRecord` — the state file (``engine-state.json``) typed: the supervisor reads it only through this;
+- the state file (``engine-state.json``) typed is :class:`engine_manager.engine_record.EngineRecord` (pydantic:
+  kept apart so that importing this module stays cheap);
 - :class:`EngineStatus` — what :meth:`engine_manager.supervisor.Supervisor.status` says runs now;
 - :class:`ExitInfo` — how the engine's process ended (the keeper's exit file, else the keeper's own status).
 
@@ -20,8 +21,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
 # -- states ------------------------------------------------------------------------------------------------
 
 STOPPED, STARTING, READY, STOPPING, CRASHED, RESTARTING = (
@@ -36,6 +35,11 @@ EXIT_FILE = "engine-exit.json"
 LOCK_FILE = "engine.lock"
 STOP_FILE = "engine-stop-request.json"   # `dsv41 stop` leaves it: a start in flight (another process) obeys it
 STATE_SCHEMA = 1
+
+# -- the supervisor's crash-loop rule, by default: it gives up after this many crashes within this window ---------
+
+CRASH_LIMIT = 5
+CRASH_WINDOW_S = 600.0
 
 
 # -- the one handle ----------------------------------------------------------------------------------------
@@ -135,105 +139,6 @@ class RunningEngine:
 
 #: who started an engine, in words, where it was not the panel itself (the state file's ``started_by``)
 STARTED_BY_WORDS = {"inferencekey": "started by the InferenceKey backend", "cli": "started with dsv41 start"}
-
-
-class EngineRecord(BaseModel):
-    """The state file (``engine-state.json``) as the supervisor writes it: every field it reads, with its type.
-    A file that does not fit (``{"keeper_pid": "1x"}``, a list, half a record) is moved aside, never half-used.
-    The supervisor reads the record only through these attributes (None = not recorded)."""
-
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True, frozen=True)
-
-    schema_version: int | None = Field(None, alias="schema")
-    owner: str | None = None
-    state: str | None = None
-    updated_at: float | int | None = None
-    engine: str | None = None
-    label: str | None = None
-    simulated: bool | None = None
-    pid: int | None = Field(None, gt=0)
-    pid_start_time: float | int | None = None
-    keeper_pid: int | None = Field(None, gt=0)
-    keeper_start_time: float | int | None = None
-    pgid: int | None = Field(None, gt=0)
-    boot_id: str | None = Field(None, max_length=64)    # the boot the start times count from (procs.BOOT_ID)
-    host: str | None = None
-    port: int | None = Field(None, ge=0, le=65535)
-    base_url: str | None = None
-    health_path: str | None = None
-    argv: list[str] | None = None
-    env: dict[str, str] | None = None
-    files: dict[str, str] | None = None
-    cwd: str | None = None
-    binding: dict[str, Any] | None = None
-    log_path: str | None = None
-    exit_file: str | None = None
-    started_at: float | int | None = None
-    ready_at: float | int | None = None
-    supervisor_pid: int | None = None
-    key_fingerprint: str | None = None
-    message: str | None = None
-    last_failure: dict[str, Any] | None = None
-    stop_requested: dict[str, Any] | bool | None = None
-    run_id: str | None = None
-    started_by: str | None = Field(None, max_length=40)    # who started it (STARTED_BY_WORDS); None: not recorded
-
-    @model_validator(mode="after")
-    def _keeper_needs_its_start_time(self) -> "EngineRecord":
-        if self.keeper_pid is not None and self.keeper_start_time is None:
-            raise ValueError("keeper_pid without keeper_start_time")
-        return self
-
-    @classmethod
-    def empty(cls) -> "EngineRecord":
-        """A record of nothing (every field None): what "no state file" reads as where a record is needed."""
-        return cls.model_validate({})
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> "EngineRecord":
-        """Parse and validate; ``ValueError`` (or pydantic's ``ValidationError``) when it is not a record."""
-        try:
-            d = json.loads(raw.decode("utf-8"))
-        except RecursionError:              # 100,000 nested brackets: not a ValueError by itself
-            raise ValueError("it nests too deeply to be read") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"it holds a JSON {type(d).__name__}, not a record")
-        return cls.model_validate(d)
-
-    def to_json_dict(self) -> dict[str, Any]:
-        """The record as written: the keys it had (``schema`` by its name), nothing added."""
-        return self.model_dump(by_alias=True, exclude_unset=True)
-
-    @property
-    def names_process(self) -> bool:
-        """It names a keeper (an engine was started): only then is there a process to re-attach to or clean up."""
-        return bool(self.keeper_pid)
-
-    @property
-    def plan_path(self) -> str | None:
-        return (self.files or {}).get("plan")
-
-    def alive(self) -> bool:
-        """The engine it names runs: keeper and engine both alive with their recorded start times."""
-        from .procs import alive
-
-        if not self.keeper_pid:
-            return False
-        if not alive(self.keeper_pid, self.keeper_start_time, self.boot_id):
-            return False
-        return self.pid is None or alive(self.pid, self.pid_start_time, self.boot_id)
-
-
-def why_invalid(exc: Exception) -> str:
-    """A validation error of the state file in a few plain words (at most three fields)."""
-    if isinstance(exc, ValidationError):
-        parts = []
-        for e in exc.errors()[:3]:
-            where = ".".join(str(x) for x in e.get("loc", ())) or "the record"
-            parts.append(f"{where}: {e.get('msg')}" + (f" (got {e['input']!r:.40})" if "input" in e and
-                                                      not isinstance(e["input"], dict) else ""))
-        return "; ".join(parts)
-    return str(exc)
 
 
 # -- the supervisor's status ------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ finally, on a host with one NUMA node, that node. ``numa_node_source`` says whic
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import socket
 import time
@@ -24,9 +23,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from . import fmt, nvml
+
+# psutil and platform are imported by the probes that use them: the window's first step imports this module for
+# its values (HardwareReport) and probes on a worker later (psutil with platform: ~15 ms of that step)
 
 SYSFS = Path("/sys")
 
@@ -168,6 +168,8 @@ def numa_nodes(sysfs: Path = SYSFS) -> list[NumaNodeInfo]:
                 pass
             nodes.append(NumaNodeInfo(int(d.name[4:]), cpus, total, free))
     if not nodes:  # no sysfs NUMA info (containers, other OSes): one node with every CPU
+        import psutil
+
         vm = psutil.virtual_memory()
         nodes.append(NumaNodeInfo(0, list(range(psutil.cpu_count() or 1)), vm.total, vm.available))
     return nodes
@@ -181,6 +183,10 @@ def _existing_parent(p: Path) -> Path:
 
 
 def probe_host(disk_path: Path, sysfs: Path = SYSFS) -> HostInfo:
+    import platform
+
+    import psutil
+
     vm = psutil.virtual_memory()
     target = _existing_parent(Path(disk_path))
     free: int | None

@@ -44,6 +44,7 @@ class EngineSession:
         self._supervisor = supervisor
         self.running: RunningEngine | None = None
         self._lock = threading.Lock()
+        self._making = threading.Lock()     # the supervisor is made once, by the first thread that needs it
         self._on_event: list[Callable[[Any], None]] = []
         self._on_running: list[Callable[[RunningEngine | None], None]] = []
 
@@ -52,10 +53,57 @@ class EngineSession:
         """The :class:`~engine_manager.supervisor.Supervisor`, made on first use (the window paints before the
         supervisor's imports — httpx, psutil — are loaded)."""
         if self._supervisor is None:
-            from .supervisor import Supervisor
+            with self._making:
+                if self._supervisor is None:
+                    from .supervisor import Supervisor
 
-            self._supervisor = Supervisor(self._settings, hardware=self._hardware, **self._kwargs)
+                    with self._lock:
+                        settings, hardware, kwargs = self._settings, self._hardware, dict(self._kwargs)
+                    sup = Supervisor(settings, hardware=hardware, **kwargs)
+                    with self._lock:    # what configure() was told meanwhile
+                        sup.settings, sup.hardware = self._settings, self._hardware
+                        if "auto_restart" in self._kwargs:
+                            sup.auto_restart = self._kwargs["auto_restart"]
+                        self._supervisor = sup
         return self._supervisor
+
+    _KEEP = object()
+
+    def configure(self, *, settings: Any = _KEEP, hardware: Any = _KEEP, auto_restart: Any = _KEEP) -> None:
+        """The settings, hardware report or restart choice the supervisor works with: given to it when it is made,
+        or set on it now if it is. A front end calls this instead of reading :attr:`supervisor`, so that nothing
+        on its GUI thread makes the supervisor (its imports: the state file's pydantic model, httpx, psutil);
+        the first task that needs it — the re-attach check, the idle poll — makes it on its own thread. Never
+        waits for a supervisor being made."""
+        given = {k: v for k, v in (("settings", settings), ("hardware", hardware), ("auto_restart", auto_restart))
+                 if v is not self._KEEP}
+        with self._lock:
+            if "settings" in given:
+                self._settings = given["settings"]
+            if "hardware" in given:
+                self._hardware = given["hardware"]
+            if "auto_restart" in given:
+                self._kwargs["auto_restart"] = given["auto_restart"]
+            for name, value in given.items() if self._supervisor is not None else ():
+                setattr(self._supervisor, name, value)
+
+    def crash_rule(self) -> tuple[int, float]:
+        """The crash loop the supervisor gives up after: (crashes, within seconds) — made supervisor or not."""
+        from .engine_state import CRASH_LIMIT, CRASH_WINDOW_S
+        sup = self._supervisor
+        if sup is not None:
+            return int(sup.crash_limit), float(sup.crash_window_s)
+        return int(self._kwargs.get("crash_limit", CRASH_LIMIT)), float(self._kwargs.get("crash_window_s",
+                                                                                           CRASH_WINDOW_S))
+
+    def record_exists(self) -> bool:
+        """An engine's state file is there (an engine was left running, or its record was); made supervisor or
+        not."""
+        if self._supervisor is not None:
+            return bool(self._supervisor.state_path.exists())
+        from . import paths
+        from .engine_state import STATE_FILE
+        return (paths.data_dir() / STATE_FILE).exists()
 
     @property
     def log_path(self) -> Any:

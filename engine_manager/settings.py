@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
-import secrets
+import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticCustomError
+from typing import Any, Callable, Iterator, Literal, Mapping
 
 from . import paths
 from .engines.registry import ALIASES
@@ -43,26 +41,68 @@ EngineName = Literal["auto", "strata", "llamacpp", "sim"]    # "auto" + engines.
 ENGINE_ALIASES = ALIASES            # engines.registry: the other spellings of an engine's name
 
 
-class Settings(BaseModel):
-    """Every setting of the panel. ``json_schema_extra`` carries the environment name and the allowed values
-    in words, used for error messages, the CLI and the settings dialog."""
+class SettingField:
+    """One setting's declaration: its type (``annotation``), default, words and bounds."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    __slots__ = ("name", "annotation", "default", "default_factory", "title", "description", "ge", "le",
+                 "json_schema_extra", "kind", "choices")
+
+    def __init__(self, default: Any = None, *, default_factory: Callable[[], Any] | None = None, title: str = "",
+                 description: str = "", ge: float | None = None, le: float | None = None,
+                 json_schema_extra: dict[str, Any] | None = None):
+        self.name, self.annotation, self.kind, self.choices = "", None, "", ()
+        self.default, self.default_factory = default, default_factory
+        self.title, self.description, self.ge, self.le = title, description, ge, le
+        self.json_schema_extra: dict[str, Any] = dict(json_schema_extra or {})
+
+    def __repr__(self) -> str:
+        return f"SettingField({self.name}: {self.kind})"
+
+    def get_default(self) -> Any:
+        return self.default_factory() if self.default_factory is not None else self.default
+
+
+def setting(default: Any = None, **kw: Any) -> Any:
+    """A setting's declaration in the class body (typed ``Any`` so that ``port: int = setting(8090, ...)`` reads as
+    the attribute's type)."""
+    return SettingField(default, **kw)
+
+
+class InvalidSetting(ValueError):
+    """A value a setting refuses: ``name``, the ``problem`` in words; ``text_rule`` when it is the text rules (not
+    UTF-8, too long, not a usable path) that refused it — the message then says why."""
+
+    def __init__(self, name: str, problem: str, text_rule: bool = False):
+        super().__init__(f"{name}: {problem}")
+        self.name, self.problem, self.text_rule = name, problem, text_rule
+
+
+class Settings:
+    """Every setting of the panel, each checked when it is given (``Settings(port=8091)``, :meth:`model_validate`,
+    :meth:`model_copy`, an assignment): a value of the wrong kind, out of its range or not one of its choices is
+    refused with :class:`InvalidSetting`. A field's ``json_schema_extra`` carries the environment name and the
+    allowed values in words, used for error messages, the CLI and the settings dialog.
+
+    Written here rather than as a pydantic model: importing pydantic and building this model took 0.16–0.20 s of
+    the window's first step, most of the 0.41 s between the frame and a usable window (2-core machine, see
+    benchmarks/results/startup.md, eleventh pass); the checks are ranges, choices and the text rules below."""
+
+    model_fields: typing.ClassVar[dict[str, SettingField]]
 
     # -- the variables the deepseek-one-gpu guides name --------------------------------------------------
-    model_dir: Path | None = Field(
+    model_dir: Path | None = setting(
         None,
         title="Model folder",
         description="Folder that already holds the model's seven GGUF shards (skips the download)",
         json_schema_extra={"env": "DSV41_MODEL_DIR", "allowed": "a folder path, or empty"},
     )
-    cache_dir: Path = Field(
+    cache_dir: Path = setting(
         Path("~/.cache/deepseek-one-gpu"),
         title="Cache folder",
         description="Where downloaded model shards and engine releases are kept",
         json_schema_extra={"env": "DSV41_CACHE_DIR", "allowed": "a folder path"},
     )
-    default_max_tokens: int = Field(
+    default_max_tokens: int = setting(
         4096,
         title="Default max tokens",
         ge=1,
@@ -70,7 +110,7 @@ class Settings(BaseModel):
         description="max_tokens of a chat request unless the request says otherwise",
         json_schema_extra={"env": "DSV41_DEFAULT_MAX_TOKENS", "allowed": "an integer from 1 to 1048576"},
     )
-    server_engine: EngineName = Field(
+    server_engine: EngineName = setting(
         "auto",
         title="Engine",
         description="Which engine to run: strata (deepseek-one-gpu), llamacpp (stock llama-server), "
@@ -81,13 +121,13 @@ class Settings(BaseModel):
         },
     )
     # -- the engine's server ----------------------------------------------------------------------------
-    host: str = Field(
+    host: str = setting(
         "127.0.0.1",
         title="Host (loopback)",
         description="Address the engine listens on (loopback only)",
         json_schema_extra={"env": "DSV41_HOST", "allowed": "a loopback address such as 127.0.0.1 or ::1"},
     )
-    port: int = Field(
+    port: int = setting(
         8090,
         title="Port",
         ge=1024,
@@ -95,7 +135,7 @@ class Settings(BaseModel):
         description="TCP port of the engine's HTTP server",
         json_schema_extra={"env": "DSV41_PORT", "allowed": "an integer from 1024 to 65535"},
     )
-    api_key: str = Field(
+    api_key: str = setting(
         "",
         title="API key",
         description="API key the engine requires (generated on first run; shown masked)",
@@ -105,7 +145,7 @@ class Settings(BaseModel):
             "secret": True,
         },
     )
-    slots: int = Field(
+    slots: int = setting(
         1,
         title="Slots (users)",
         ge=1,
@@ -113,7 +153,7 @@ class Settings(BaseModel):
         description="Concurrent requests the engine serves (batch slots)",
         json_schema_extra={"env": "DSV41_SLOTS", "allowed": "an integer from 1 to 8"},
     )
-    context_length: int = Field(
+    context_length: int = setting(
         32768,
         title="Context per slot (tokens)",
         ge=512,
@@ -121,26 +161,26 @@ class Settings(BaseModel):
         description="Maximum context per slot, in tokens",
         json_schema_extra={"env": "DSV41_CONTEXT_LENGTH", "allowed": "an integer from 512 to 1048576"},
     )
-    kv_type: Literal["int8", "q4_0", "k8v4"] = Field(
+    kv_type: Literal["int8", "q4_0", "k8v4"] = setting(
         "int8",
         title="KV cache type",
         description="KV cache type",
         json_schema_extra={"env": "DSV41_KV_TYPE", "allowed": "one of int8, q4_0, k8v4"},
     )
-    cpu_numerics: Literal["fork", "gpu"] = Field(
+    cpu_numerics: Literal["fork", "gpu"] = setting(
         "fork",
         title="CPU expert numerics",
         description="CPU expert numerics: fork (fast) or gpu (bit-identical batched answers, ~26% slower)",
         json_schema_extra={"env": "DSV41_CPU_NUMERICS", "allowed": "one of fork, gpu"},
     )
-    strata_prefill_auto: bool = Field(
+    strata_prefill_auto: bool = setting(
         True,
         title="Read prompts in chunks (Strata --prefill auto)",
         description="Pass --prefill auto to the Strata engine, as Strata's setup does (its default reads a prompt "
                     "token by token)",
         json_schema_extra={"env": "DSV41_STRATA_PREFILL_AUTO", "allowed": "true or false"},
     )
-    vram_reserve_mib: int = Field(
+    vram_reserve_mib: int = setting(
         700,
         title="VRAM reserve (MiB)",
         ge=0,
@@ -148,7 +188,7 @@ class Settings(BaseModel):
         description="VRAM kept free for CUDA's own use, in MiB",
         json_schema_extra={"env": "DSV41_VRAM_RESERVE_MIB", "allowed": "an integer from 0 to 65536"},
     )
-    ready_timeout_s: int = Field(
+    ready_timeout_s: int = setting(
         7200,
         title="Readiness timeout (s)",
         ge=5,
@@ -156,7 +196,7 @@ class Settings(BaseModel):
         description="How long to wait for the engine to become ready, in seconds",
         json_schema_extra={"env": "DSV41_READY_TIMEOUT", "allowed": "an integer from 5 to 172800"},
     )
-    gpu_index: int = Field(
+    gpu_index: int = setting(
         0,
         title="GPU index",
         ge=0,
@@ -164,19 +204,19 @@ class Settings(BaseModel):
         description="Which GPU (NVML index) the engine uses",
         json_schema_extra={"env": "DSV41_GPU", "allowed": "an integer from 0 to 63"},
     )
-    numa_binding: Literal["auto", "off"] = Field(
+    numa_binding: Literal["auto", "off"] = setting(
         "auto",
         title="NUMA binding",
         description="Bind the engine to the GPU's NUMA node (auto) or not (off)",
         json_schema_extra={"env": "DSV41_NUMA", "allowed": "one of auto, off"},
     )
-    auto_restart: bool = Field(
+    auto_restart: bool = setting(
         True,
         title="Restart after a crash",
         description="Restart the engine after a crash (with backoff, up to a crash-loop limit)",
         json_schema_extra={"env": "DSV41_AUTO_RESTART", "allowed": "true or false"},
     )
-    metrics_hz: float = Field(
+    metrics_hz: float = setting(
         1.0,
         title="Monitor rate (Hz)",
         ge=0.25,
@@ -184,7 +224,7 @@ class Settings(BaseModel):
         description="How often the monitor polls, in Hz",
         json_schema_extra={"env": "DSV41_METRICS_HZ", "allowed": "a number from 0.25 to 10"},
     )
-    desktop_notifications: bool = Field(
+    desktop_notifications: bool = setting(
         False,
         title="Desktop notifications",
         description="Tell the desktop (tray message, else notify-send) when the engine crashes or stalls, or a "
@@ -192,37 +232,37 @@ class Settings(BaseModel):
         json_schema_extra={"env": "DSV41_DESKTOP_NOTIFICATIONS", "allowed": "true or false"},
     )
     # -- the model and the engine binaries -------------------------------------------------------------
-    model_repo: str = Field(
+    model_repo: str = setting(
         DEFAULT_MODEL_REPO,
         title="Model repository",
         description="Hugging Face repository of the GGUF shards",
         json_schema_extra={"env": "DSV41_MODEL_REPO", "allowed": "owner/name"},
     )
-    model_revision: str = Field(
+    model_revision: str = setting(
         default_factory=_manifest_revision,
         title="Model revision",
         description="Revision (commit) of the repository to download",
         json_schema_extra={"env": "DSV41_MODEL_REVISION", "allowed": "a branch, tag or 40-hex commit"},
     )
-    engine_dir: Path | None = Field(
+    engine_dir: Path | None = setting(
         None,
         title="Strata engine folder",
         description="Folder of the unpacked Strata engine release (empty: the one downloaded into the cache)",
         json_schema_extra={"env": "DSV41_ENGINE_DIR", "allowed": "a folder path, or empty"},
     )
-    llama_server: Path | None = Field(
+    llama_server: Path | None = setting(
         None,
         title="llama-server binary",
         description="Path of a llama-server binary (empty: the one from the [llamacpp] extra)",
         json_schema_extra={"env": "DSV41_LLAMA_SERVER", "allowed": "a file path, or empty"},
     )
-    llamacpp_model: Path | None = Field(
+    llamacpp_model: Path | None = setting(
         None,
         title="GGUF for llama-server",
         description="First shard of the GGUF that llama-server loads (empty: the model folder's)",
         json_schema_extra={"env": "DSV41_LLAMACPP_MODEL", "allowed": "a .gguf file path, or empty"},
     )
-    llamacpp_log_verbosity: int = Field(
+    llamacpp_log_verbosity: int = setting(
         4,
         title="llama-server log level",
         ge=3,
@@ -231,112 +271,77 @@ class Settings(BaseModel):
         "(and per token, and the prompts)",
         json_schema_extra={"env": "DSV41_LLAMACPP_LOG_VERBOSITY", "allowed": "an integer from 3 to 5"},
     )
-    llamacpp_load_mode: Literal["auto", "mmap", "none", "mlock"] = Field(
+    llamacpp_load_mode: Literal["auto", "mmap", "none", "mlock"] = setting(
         "auto",
         title="llama-server load mode",
         description="How llama-server loads weights: auto (pinned RAM for RAM-resident experts on a GPU build), "
         "mmap, none, mlock",
         json_schema_extra={"env": "DSV41_LLAMACPP_LOAD_MODE", "allowed": "one of auto, mmap, none, mlock"},
     )
-    engine_manifest: Path | None = Field(
+    engine_manifest: Path | None = setting(
         None,
         title="Engine release manifest",
         description="Engine release manifest (version, url, size, sha256) instead of the pinned one",
         json_schema_extra={"env": "DSV41_ENGINE_MANIFEST", "allowed": "a .json file path, or empty"},
     )
-    sim_args: str = Field(
+    sim_args: str = setting(
         "",
         title="Scripted engine flags",
         description="Extra flags for the scripted engine (fault switches, --speed, --skew; see dsv41 sim --help)",
         json_schema_extra={"env": "DSV41_SIM_ARGS", "allowed": "command-line flags of `dsv41 sim`"},
     )
-    hf_token: str = Field(
+    hf_token: str = setting(
         "",
         title="Hugging Face token",
         description="Hugging Face token for the download (HF_TOKEN in the environment also works)",
         json_schema_extra={"env": "DSV41_HF_TOKEN", "allowed": "a Hugging Face token, or empty", "secret": True},
     )
 
-    # -- validation ----------------------------------------------------------------------------------------
-    @field_validator("*", mode="before")
-    @classmethod
-    def _text(cls, v: Any, info) -> Any:
-        """Text no file or environment could sensibly hold is refused for every setting, with the reason (bytes
-        that are not UTF-8 made `start --dry-run` fail with PydanticSerializationError; a 300-character folder name
-        with an OSError traceback: tests/test_junk_settings.py)."""
-        if isinstance(v, Path):
-            v = str(v)
-        if not isinstance(v, str):
-            return v
-        if info.field_name in PATH_FIELDS:
-            problem = paths.path_problem(v)
-        elif paths._has_surrogates(v):
-            problem = "it is not valid UTF-8 text"
-        elif len(v) > MAX_TEXT:
-            problem = f"it is {len(v):,} characters long (at most {MAX_TEXT:,})"
-        else:
-            problem = None
-        if problem:
-            raise PydanticCustomError("dsv41_text", problem)
-        return v
+    # -- values ----------------------------------------------------------------------------------------------
+    def __init__(self, **values: Any):
+        fields = type(self).model_fields
+        unknown = [n for n in values if n not in fields]
+        if unknown:
+            raise InvalidSetting(unknown[0], "there is no such setting")
+        for name, f in fields.items():
+            object.__setattr__(self, name, _check(f, values[name]) if name in values else f.get_default())
 
-    @field_validator("server_engine", mode="before")
-    @classmethod
-    def _alias_engine(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            v = v.strip().lower()
-            return ENGINE_ALIASES.get(v, v)
-        return v
+    def __setattr__(self, name: str, value: Any) -> None:
+        f = type(self).model_fields.get(name)
+        if f is None:
+            raise AttributeError(f"there is no setting named {name!r}")
+        object.__setattr__(self, name, _check(f, value))
 
-    @field_validator("host")
     @classmethod
-    def _loopback(cls, v: str) -> str:
-        v = v.strip()
-        if v == "localhost":
-            return v
-        try:
-            if ipaddress.ip_address(v).is_loopback:
-                return v
-        except ValueError:
-            pass
-        raise ValueError("not a loopback address")
+    def model_validate(cls, data: Mapping[str, Any]) -> "Settings":
+        """Settings from a mapping of name → value, each value checked; a name that is not a setting is refused."""
+        if not isinstance(data, Mapping):
+            raise InvalidSetting("settings", f"a mapping of names to values is needed, not {type(data).__name__}")
+        return cls(**dict(data))
 
-    @field_validator("api_key")
-    @classmethod
-    def _key(cls, v: str) -> str:
-        if v and (len(v) < 16 or len(v) > 256 or not v.isprintable() or any(c.isspace() for c in v)):
-            raise ValueError("bad API key")
-        return v
+    def model_copy(self, update: Mapping[str, Any] | None = None) -> "Settings":
+        """A copy, with the values of ``update`` checked and put in."""
+        return type(self)(**{**self.model_dump(), **dict(update or {})})
 
-    @field_validator("model_repo")
-    @classmethod
-    def _repo(cls, v: str) -> str:
-        parts = v.strip().split("/")
-        if len(parts) != 2 or not all(parts):
-            raise ValueError("not owner/name")
-        return v.strip()
+    def model_dump(self) -> dict[str, Any]:
+        """Name → value, in the declaration's order (paths as ``Path``)."""
+        return {name: getattr(self, name) for name in type(self).model_fields}
 
-    @field_validator("model_revision")
-    @classmethod
-    def _rev(cls, v: str) -> str:
-        v = v.strip()
-        if not v or any(c.isspace() for c in v):
-            raise ValueError("empty revision")
-        return v
+    def model_dump_json(self) -> str:
+        return json.dumps(self.model_dump(), default=str)
 
-    @field_validator("sim_args")
-    @classmethod
-    def _sim_args(cls, v: str) -> str:
-        import shlex
-        shlex.split(v)  # unbalanced quotes are refused here, not when the engine starts
-        return v.strip()
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.model_dump().items())
 
-    @field_validator("model_dir", "engine_dir", "llama_server", "llamacpp_model", "engine_manifest", mode="before")
-    @classmethod
-    def _empty_path(cls, v: Any) -> Any:
-        if v is None or (isinstance(v, str) and not v.strip()):
-            return None
-        return v
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Settings):
+            return NotImplemented
+        return self.model_dump() == other.model_dump()
+
+    __hash__ = None     # type: ignore[assignment]  # mutable, compared by value
+
+    def __repr__(self) -> str:
+        return f"Settings({', '.join(f'{k}={v!r}' for k, v in self.masked().items())})"
 
     # -- derived ---------------------------------------------------------------------------------------------
     @property
@@ -359,6 +364,168 @@ class Settings(BaseModel):
                 value = str(value)
             out[name] = value
         return out
+
+
+# -- the checks ------------------------------------------------------------------------------------------------
+
+_TRUE, _FALSE = {"1", "true", "yes", "on", "t", "y"}, {"0", "false", "no", "off", "f", "n"}
+_INT = re.compile(r"[+-]?[0-9]+")
+
+
+def _kind(annotation: Any) -> tuple[str, tuple[Any, ...]]:
+    if typing.get_origin(annotation) is Literal:
+        return "choice", typing.get_args(annotation)
+    if annotation in (bool, int, float, str, Path):
+        return annotation.__name__.lower(), ()
+    if set(typing.get_args(annotation)) == {Path, type(None)}:
+        return "optional_path", ()
+    raise TypeError(f"no check for settings of type {annotation!r}")
+
+
+def _text_rules(f: SettingField, v: Any) -> Any:
+    """Text no file or environment could sensibly hold is refused for every setting, with the reason (bytes that
+    are not UTF-8 made `start --dry-run` fail when the settings were written out; a 300-character folder name with
+    an OSError traceback: tests/test_junk_settings.py)."""
+    if isinstance(v, Path):
+        v = str(v)
+    if not isinstance(v, str):
+        return v
+    if f.kind in ("path", "optional_path"):
+        problem = paths.path_problem(v)
+    elif paths._has_surrogates(v):
+        problem = "it is not valid UTF-8 text"
+    elif len(v) > MAX_TEXT:
+        problem = f"it is {len(v):,} characters long (at most {MAX_TEXT:,})"
+    else:
+        problem = None
+    if problem:
+        raise InvalidSetting(f.name, problem, text_rule=True)
+    return v
+
+
+def _of_kind(f: SettingField, v: Any) -> Any:
+    """``v`` as the setting's type: numbers and true/false also from their text (the environment's values are
+    text); nothing else is converted."""
+    k = f.kind
+    if k == "bool":
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, (int, float)) and v in (0, 1):
+            return bool(v)
+        if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
+            return v.strip().lower() in _TRUE
+        raise InvalidSetting(f.name, "not true or false")
+    if k == "int":
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, str) and _INT.fullmatch(v.strip()) and len(v.strip()) <= 20:
+            return int(v.strip())
+        raise InvalidSetting(f.name, "not a whole number")
+    if k == "float":
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out = float(v)
+        elif isinstance(v, str) and len(v) <= 64:
+            try:
+                out = float(v.strip())
+            except ValueError:
+                raise InvalidSetting(f.name, "not a number") from None
+        else:
+            raise InvalidSetting(f.name, "not a number")
+        if not math.isfinite(out):
+            raise InvalidSetting(f.name, "not a finite number")
+        return out
+    if k == "str":
+        if isinstance(v, str):
+            return v
+        raise InvalidSetting(f.name, "not text")
+    if k in ("path", "optional_path"):
+        if isinstance(v, str):
+            return Path(v)
+        raise InvalidSetting(f.name, "not a path")
+    if isinstance(v, str) and v in f.choices:
+        return v
+    raise InvalidSetting(f.name, f"not one of {', '.join(map(str, f.choices))}")
+
+
+def _loopback(v: str) -> str:
+    v = v.strip()
+    if v == "localhost":
+        return v
+    try:
+        if ipaddress.ip_address(v).is_loopback:
+            return v
+    except ValueError:
+        pass
+    raise ValueError("not a loopback address")
+
+
+def _key(v: str) -> str:
+    if v and (len(v) < 16 or len(v) > 256 or not v.isprintable() or any(c.isspace() for c in v)):
+        raise ValueError("bad API key")
+    return v
+
+
+def _repo(v: str) -> str:
+    parts = v.strip().split("/")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError("not owner/name")
+    return v.strip()
+
+
+def _rev(v: str) -> str:
+    v = v.strip()
+    if not v or any(c.isspace() for c in v):
+        raise ValueError("empty revision")
+    return v
+
+
+def _sim_args(v: str) -> str:
+    import shlex
+    shlex.split(v)  # unbalanced quotes are refused here, not when the engine starts
+    return v.strip()
+
+
+# after the type and range: the rules of single settings
+_AFTER: dict[str, Callable[[Any], Any]] = {"host": _loopback, "api_key": _key, "model_repo": _repo,
+                                           "model_revision": _rev, "sim_args": _sim_args}
+
+
+def _check(f: SettingField, v: Any) -> Any:
+    """``v`` checked as setting ``f``: its value as the setting holds it, or :class:`InvalidSetting`."""
+    if f.kind == "optional_path" and (v is None or (isinstance(v, str) and not v.strip())):
+        return None
+    if f.name == "server_engine" and isinstance(v, str):
+        v = v.strip().lower()
+        v = ENGINE_ALIASES.get(v, v)
+    v = _of_kind(f, _text_rules(f, v))
+    if (f.ge is not None and v < f.ge) or (f.le is not None and v > f.le):
+        raise InvalidSetting(f.name, f"out of range ({f.ge} to {f.le})")
+    rule = _AFTER.get(f.name)
+    if rule is not None:
+        try:
+            v = rule(v)
+        except ValueError as exc:
+            raise InvalidSetting(f.name, str(exc)) from None
+    return v
+
+
+def _collect_fields(cls: type) -> dict[str, SettingField]:
+    """The class body's ``setting(...)`` declarations, in order, each told its name and type; the class keeps
+    them in ``model_fields`` only (an instance holds the values)."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, SettingField] = {}
+    for name, value in list(vars(cls).items()):
+        if isinstance(value, SettingField):
+            value.name, value.annotation = name, hints[name]
+            value.kind, value.choices = _kind(value.annotation)
+            out[name] = value
+            delattr(cls, name)
+    return out
+
+
+Settings.model_fields = _collect_fields(Settings)
 
 
 PATH_FIELDS = frozenset(n for n, f in Settings.model_fields.items()
@@ -388,6 +555,8 @@ API_KEY_PREFIX = "dsv41-"
 def new_api_key() -> str:
     """A fresh engine API key, the one format the panel generates: ``dsv41-`` and 43 URL-safe characters (256
     random bits), which the ``api_key`` setting accepts."""
+    import secrets
+
     return API_KEY_PREFIX + secrets.token_urlsafe(32)
 
 
@@ -398,11 +567,9 @@ def mask_secret(value: str | None) -> str:
     return f"{paths.shown(value[:4])}…({len(value)} chars)"
 
 
-def _extra(info: FieldInfo) -> dict[str, Any]:
-    """A settings field's ``json_schema_extra`` (env, allowed, secret): always a dict here, never pydantic's
-    callable form."""
-    extra = info.json_schema_extra
-    return extra if isinstance(extra, dict) else {}
+def _extra(info: SettingField) -> dict[str, Any]:
+    """A setting's ``json_schema_extra``: env, allowed, secret."""
+    return info.json_schema_extra
 
 
 def field_env(name: str) -> str:
@@ -484,13 +651,14 @@ class LoadedSettings:
 
 def _check_one(name: str, value: Any, source: str, path: Path | None = None) -> Any:
     """Validate one value on its own, so the error names exactly this setting."""
+    f = Settings.model_fields.get(name)
+    if f is None:
+        raise unknown_setting(name, value)
     try:
-        validated = Settings.model_validate({name: value})
-        return getattr(validated, name)
-    except ValidationError as exc:
-        env = field_env(name) if name in Settings.model_fields else None
-        reason = next((e["msg"] for e in exc.errors() if e["type"] == "dsv41_text"), None)
-        raise SettingsError(name, value, field_allowed(name), source, env, path, reason) from exc
+        return _check(f, value)
+    except InvalidSetting as exc:
+        reason = exc.problem if exc.text_rule else None
+        raise SettingsError(name, value, field_allowed(name), source, field_env(name), path, reason) from exc
 
 
 def _coerce_env(name: str, raw: str) -> Any:

@@ -23,8 +23,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from pydantic import ValidationError
-
 from .atomic import (
     LinkRefused,
     atomic_write_json,
@@ -40,10 +38,9 @@ from .engine_state import (
     STATE_SCHEMA,
     STOP_FILE,
     STOPPED,
-    EngineRecord,
     ExitInfo,
-    why_invalid,
 )
+from .engine_record import EngineRecord, why_invalid
 from .procs import BOOT_ID, boot_clock
 
 
@@ -108,7 +105,7 @@ class StateFiles:
         else:
             try:
                 return EngineRecord.from_json(raw)
-            except (ValueError, ValidationError) as exc:
+            except ValueError as exc:     # pydantic's ValidationError is one
                 why = why_invalid(exc)
         try:
             where = f"moved aside to {move_aside(path, 'bad')}"

@@ -33,16 +33,18 @@ from .crash import PERMANENT_CAUSES, classify_exit
 from .dryrun import DryRun, build_dry_run
 from .engine_process import EngineProcess, spec_from_record, status_from_record
 from .engine_state import (
+    CRASH_LIMIT,
+    CRASH_WINDOW_S,
     CRASHED,
     READY,
     RESTARTING,
     STARTING,
     STOPPED,
     STOPPING,
-    EngineRecord,
     EngineStatus,
     ExitInfo,
 )
+from .engine_record import EngineRecord
 from .engines import get_engine
 from .engines.base import Engine, LaunchSpec
 from .launch import LaunchRefused, launch_spec, port_refusal, prepare, start_keeper, write_run_header
@@ -102,7 +104,7 @@ class Supervisor:
 
     def __init__(self, settings: Any, *, hardware: Any = None, grace_s: float = 20.0,
                  silent_after_s: float = 60.0, backoff_base_s: float = 2.0, backoff_max_s: float = 60.0,
-                 crash_limit: int = 5, crash_window_s: float = 600.0, poll_s: float = 0.1,
+                 crash_limit: int = CRASH_LIMIT, crash_window_s: float = CRASH_WINDOW_S, poll_s: float = 0.1,
                  health_every_s: float = 5.0, progress_every_s: float = 0.5, log_max_bytes: int = 10 * 2**20,
                  log_backups: int = 3, auto_restart: bool | None = None,
                  engine_resolver: Callable[[str], Engine] = get_engine,

@@ -52,9 +52,9 @@ def console_script() -> str:
     return str(script)
 
 
-# pydantic: imported by engine_manager.cli itself (the settings), before main() runs;
+# engine_manager.settings: imported by engine_manager.cli itself, before main() runs;
 # engine_manager.doctor: imported by a sub-command's module while main() builds the parser
-@pytest.mark.parametrize("trigger", ["pydantic", "engine_manager.doctor"])
+@pytest.mark.parametrize("trigger", ["engine_manager.settings", "engine_manager.doctor"])
 @pytest.mark.parametrize("entry", ["script", "-m"])
 def test_ctrl_c_while_loading_exits_130_without_a_traceback(trigger, entry):
     rc, out, err = run_child(trigger, console_script() if entry == "script" else "-m")
@@ -65,7 +65,7 @@ def test_ctrl_c_while_loading_exits_130_without_a_traceback(trigger, entry):
 
 def test_an_inherited_ignored_sigint_stays_ignored():
     """``dsv41 … &`` from a script: the shell ignores SIGINT for it, and the CLI keeps it so."""
-    rc, out, err = run_child("pydantic", "-m", ignore=True)
+    rc, out, err = run_child("engine_manager.settings", "-m", ignore=True)
     assert rc == 0, err
     assert out.strip().endswith("settings.json")
 

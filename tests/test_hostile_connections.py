@@ -349,7 +349,8 @@ DEEP = "[" * 100_000 + "]" * 100_000
 def test_deep_nesting_in_any_file_the_panel_reads_is_a_bad_file(tmp_path):
     from engine_manager import paths, settings, uistate
     from engine_manager.atomic import read_json_capped
-    from engine_manager.engine_state import EngineRecord, read_plan_file
+    from engine_manager.engine_record import EngineRecord
+    from engine_manager.engine_state import read_plan_file
 
     paths.config_dir().mkdir(parents=True, exist_ok=True)
     uistate.state_file().write_text(DEEP)

@@ -323,7 +323,7 @@ def test_the_engine_the_backend_started_is_labelled_so(monkeypatch, free_port):
 def test_a_state_record_with_a_bad_started_by_is_set_aside():
     from pydantic import ValidationError
 
-    from engine_manager.engine_state import EngineRecord
+    from engine_manager.engine_record import EngineRecord
 
     with pytest.raises(ValidationError):
         EngineRecord.model_validate({"started_by": 5})

@@ -293,6 +293,46 @@ def test_the_monitor_on_screen_takes_input_before_its_plots_and_pyqtgraph(tmp_pa
     assert "done: True True 6 True" in p.stdout, out
 
 
+def test_the_first_step_needs_no_pydantic_even_with_saved_connections(tmp_path):
+    """The staged start's first step — the settings read, the engine column, the Monitor's bar and cards — imports
+    no pydantic (its import with the models' build was ~0.25 s of that step, benchmarks/results/startup.md): the
+    settings are checked by ``engine_manager.settings`` itself, a saved connections' list is read in a later step,
+    and the supervisor (the state file's model) is made by the first task that needs it, on its own thread. The
+    list is there once the pages are built."""
+    from engine_manager import connections as C
+
+    C.add_connection("lab", "http://127.0.0.1:9")
+    script = tmp_path / "no_pydantic.py"
+    script.write_text(
+        "import sys\n"
+        "from PySide6.QtCore import QTimer\n"
+        "from PySide6.QtWidgets import QApplication\n"
+        "app = QApplication([sys.argv[0]])\n"
+        "from app.context import AppContext\n"
+        "from app.main_window import MainWindow\n"
+        "from engine_manager.settings import load_settings\n"
+        "from engine_manager.session import EngineSession\n"
+        "def ctx():\n"
+        "    loaded = load_settings()\n"
+        "    return AppContext(loaded, session=EngineSession(loaded.settings))\n"
+        "win = MainWindow(ctx, lazy=True, show_first_run=False)\n"
+        "def first():\n"
+        "    view = win._engine_panel.connections\n"
+        "    print('first:', 'pydantic' in sys.modules, view.list_read, view.names(),\n"
+        "          win.ctx.session._supervisor is None, flush=True)\n"
+        "win.firstPageShown.connect(first)\n"
+        "def built():\n"
+        "    view = win._engine_panel.connections\n"
+        "    print('built:', view.list_read, view.names(), view.picker.count(), flush=True)\n"
+        "    win.close(); app.quit()\n"
+        "win.pagesBuilt.connect(built)\n"
+        + WINDOW_SCRIPT_END)
+    p = _run_window_script(script)
+    out = p.stdout + p.stderr
+    assert "first: False False [] True" in p.stdout, out
+    assert "built: True ['lab'] 2" in p.stdout, out
+
+
 def test_cheaper_pyside_check_gives_pyside6s_own_answers():
     """app.pyside_hook answers "does this module use PySide6?" as PySide6's own check does, for every module
     loaded (the window's modules included)."""

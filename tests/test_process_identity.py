@@ -22,7 +22,7 @@ import pytest
 
 from engine_manager import history as hist
 from engine_manager import procs
-from engine_manager.engine_state import EngineRecord
+from engine_manager.engine_record import EngineRecord
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="the start since boot is Linux's")
 

@@ -278,3 +278,30 @@ def test_a_folder_variable_pointed_at_home_does_not_close_home(tmp_path, monkeyp
     load_settings()
     assert stat.S_IMODE(home.stat().st_mode) == 0o755
     assert (home / "settings.json").exists()
+
+
+def test_every_way_in_checks_the_value_and_says_which_setting():
+    """The model checks a value however it arrives — built, validated, copied or assigned — with the setting's
+    name in the refusal; numbers and true/false also from text (the environment's values are text), nothing else
+    converted; a secret never in the repr."""
+    from engine_manager.settings import InvalidSetting
+
+    s = Settings(port="8091", auto_restart="off", metrics_hz=" 2.5 ", model_dir="  ")
+    assert (s.port, s.auto_restart, s.metrics_hz, s.model_dir) == (8091, False, 2.5, None)
+    for bad in ({"port": 80}, {"port": True}, {"port": "80 90"}, {"metrics_hz": "nan"}, {"kv_type": "int4"},
+                {"auto_restart": "maybe"}, {"model_repo": 5}, {"host": "10.0.0.1"}, {"no_such": 1}):
+        name = next(iter(bad))
+        with pytest.raises(InvalidSetting) as info:
+            Settings.model_validate(bad)
+        assert info.value.name == name, bad
+    with pytest.raises(InvalidSetting):
+        s.slots = 9
+    with pytest.raises(InvalidSetting):
+        s.model_copy(update={"context_length": 10})
+    assert s.slots == 1 and s.model_copy(update={"slots": "4"}).slots == 4
+    with pytest.raises(AttributeError):
+        s.not_a_setting = 1
+    key = "k" * 40
+    shown = repr(Settings(api_key=key))
+    assert key not in shown and mask_secret(key) in shown
+    assert Settings(api_key=key) == Settings(api_key=key) != Settings()

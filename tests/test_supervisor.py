@@ -862,7 +862,7 @@ def test_events_are_frozen_on_one_base_and_consumed_with_match():
 
 
 def test_the_state_file_is_read_as_a_typed_record(port):
-    from engine_manager.engine_state import EngineRecord
+    from engine_manager.engine_record import EngineRecord
 
     sup = make()
     evs, st = drain(sup.run(sim_engine(), watch=False))

@@ -44,7 +44,8 @@ def stop_if_ours(backend_pid: int) -> bool:
     Returns True when it stopped one."""
     from .. import paths
     from ..atomic import read_bytes_nofollow
-    from ..engine_state import STATE_FILE, EngineRecord
+    from ..engine_record import EngineRecord
+    from ..engine_state import STATE_FILE
     from ..session import EngineSession
     from ..settings import load_settings
 
