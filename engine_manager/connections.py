@@ -23,13 +23,12 @@ import fcntl
 import math
 import os
 import re
-import ssl
 import threading
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
 
 from . import atomic, paths
 from .engines import find_engine, get_engine
@@ -40,6 +39,9 @@ from .fmt import MB
 from .engine_state import RunningEngine
 from .detection import DETECT_DEADLINE_S, DETECT_TIMEOUT_S, KIND_LABELS, Detection, transport_problem
 from .tls import verify as tls_verify
+
+if TYPE_CHECKING:
+    import ssl
 
 SCHEMA = 1
 KEYRING_SERVICE = "dsv41-panel"

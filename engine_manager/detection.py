@@ -4,7 +4,6 @@ endpoint probe (``engine_manager.inferencekey.endpoint``), below both."""
 
 from __future__ import annotations
 
-import ssl
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,6 +67,8 @@ class Detection:
 
 def transport_problem(exc: BaseException, url: str, timeout_s: float = DETECT_TIMEOUT_S,
                        deadline_s: float = DETECT_DEADLINE_S) -> tuple[str, str]:
+    import ssl
+
     import httpx
 
     from .engines._http import AnswerTooSlow

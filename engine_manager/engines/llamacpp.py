@@ -32,6 +32,7 @@ from ..figures import measured_int
 from ..gguf_split import FIRST_SHARD_GLOB, first_shard_name
 from ..settings import new_api_key
 from . import prometheus_text as _prom
+from ..lazyre import lazy_re
 from ._http import (
     METRICS_BODY_CAP, SMALL_BODY_CAP, bearer_headers, deadline_of, get_capped, json_body, probe_health)
 from .base import (
@@ -51,7 +52,7 @@ _RATE_POINT_S = 1.0         # … keeping one (time, tokens) point a second for 
 KV_TYPES = {"int8": ("q8_0", "q8_0"), "q4_0": ("q4_0", "q4_0"), "k8v4": ("q8_0", "q4_0")}
 # device memory: CUDA0, ROCm0, Vulkan0, Metal, … (and CUDA_Split). CUDA_Host is *pinned host RAM*: on a CUDA build a
 # "=CPU" override lands there ("buffer type overridden to CUDA_Host"), as do CPU_Mapped / CPU / AMX / CPU_REPACK.
-GPU_BUFFER = re.compile(r"^(CUDA|ROCm|HIP|Vulkan|Metal|SYCL|MUSA|CANN|OpenCL)\d*(_Split)?$", re.I)
+GPU_BUFFER = lazy_re(r"^(CUDA|ROCm|HIP|Vulkan|Metal|SYCL|MUSA|CANN|OpenCL)\d*(_Split)?$", re.I)
 
 
 def is_gpu_buffer(name: str) -> bool:
@@ -180,29 +181,29 @@ def gpu_backend(binary_path: Path) -> bool | None:
 
 
 # -- log lines -------------------------------------------------------------------------------------------------
-_RE_OVERRIDE = re.compile(r"tensor (blk\.(\d+)\.(\S+?)) \((\d+) MiB (\w+)\) buffer type overridden to (\S+)")
-_RE_MODEL_BUF = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
-_RE_KV_BUF = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB")
-_RE_KV_SIZE = re.compile(r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells,\s+(\d+) layers,\s+(\d+)/(\d+) seqs\)"
+_RE_OVERRIDE = lazy_re(r"tensor (blk\.(\d+)\.(\S+?)) \((\d+) MiB (\w+)\) buffer type overridden to (\S+)")
+_RE_MODEL_BUF = lazy_re(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
+_RE_KV_BUF = lazy_re(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB")
+_RE_KV_SIZE = lazy_re(r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells,\s+(\d+) layers,\s+(\d+)/(\d+) seqs\)"
                          r"(?:, K \((\w+)\):\s+[\d.]+ MiB, V \((\w+)\))?")
-_RE_COMPUTE_BUF = re.compile(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
-_RE_OFFLOADED = re.compile(r"load_tensors: offloaded (\d+)/(\d+) layers to GPU")
-_RE_LAYER_DEV = re.compile(r"load_tensors: layer\s+(\d+) assigned to device (\w+)")
-_RE_LOADING = re.compile(r"load_tensors: loading model tensors.*\(load_mode = (\w+)\)")
-_RE_FIT = re.compile(r"common_params_fit_impl: (.*\S)")
-_RE_FIT_RESULT = re.compile(r"common_fit_params: (successfully fit params.*|failed to fit params.*|"
+_RE_COMPUTE_BUF = lazy_re(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
+_RE_OFFLOADED = lazy_re(r"load_tensors: offloaded (\d+)/(\d+) layers to GPU")
+_RE_LAYER_DEV = lazy_re(r"load_tensors: layer\s+(\d+) assigned to device (\w+)")
+_RE_LOADING = lazy_re(r"load_tensors: loading model tensors.*\(load_mode = (\w+)\)")
+_RE_FIT = lazy_re(r"common_params_fit_impl: (.*\S)")
+_RE_FIT_RESULT = lazy_re(r"common_fit_params: (successfully fit params.*|failed to fit params.*|"
                             r"encountered an error.*)")
 # "| memory breakdown [MiB] | total free self model context compute unaccounted |" rows, one per device / host
-_RE_BREAKDOWN = re.compile(r"memory_breakdown_print: \|\s+- (\S+)(?: \(([^)]*)\))?\s+\|\s+(?:(\d+) = (\d+) \+ \()?"
+_RE_BREAKDOWN = lazy_re(r"memory_breakdown_print: \|\s+- (\S+)(?: \(([^)]*)\))?\s+\|\s+(?:(\d+) = (\d+) \+ \()?"
                            r"\s*(\d+) =\s+(\d+) \+\s+(\d+) \+\s+(\d+)")
-_RE_DEVICE = re.compile(r"common_param:\s+- (\S+)\s+: (.*?) \((\d+) MiB, (\d+) MiB free\)")
-_RE_SLOTS = re.compile(r"load_model: initializing, n_slots = (\d+), n_ctx_slot = (\d+)")
-_RE_READY = re.compile(r"llama_server: (?:server is )?listening on (\S+)|main: server is listening on (\S+)")
-_RE_LOADED = re.compile(r"llama_server: model loaded")
-_RE_LOADING_MODEL = re.compile(r"load_model: loading model '([^']+)'")
-_RE_WARMUP = re.compile(r"warming up the model")
-_RE_ERROR = re.compile(r"^\S+ E |^error:|error while handling argument")
-_RE_TIMING = re.compile(r"print_timing: id\s+(\d+) \| task (\d+) \|\s+eval time =\s+([\d.]+) ms /\s+(\d+) tokens "
+_RE_DEVICE = lazy_re(r"common_param:\s+- (\S+)\s+: (.*?) \((\d+) MiB, (\d+) MiB free\)")
+_RE_SLOTS = lazy_re(r"load_model: initializing, n_slots = (\d+), n_ctx_slot = (\d+)")
+_RE_READY = lazy_re(r"llama_server: (?:server is )?listening on (\S+)|main: server is listening on (\S+)")
+_RE_LOADED = lazy_re(r"llama_server: model loaded")
+_RE_LOADING_MODEL = lazy_re(r"load_model: loading model '([^']+)'")
+_RE_WARMUP = lazy_re(r"warming up the model")
+_RE_ERROR = lazy_re(r"^\S+ E |^error:|error while handling argument")
+_RE_TIMING = lazy_re(r"print_timing: id\s+(\d+) \| task (\d+) \|\s+eval time =\s+([\d.]+) ms /\s+(\d+) tokens "
                         r"\(\s*([\d.]+) ms per token,\s+([\d.]+) tokens per second\)")
 
 
@@ -426,7 +427,7 @@ def _ranges(xs: Iterable[int]) -> str:
 
 
 # the line the supervisor writes to the engine log before each start ("[dsv41 2025-01-02 03:04:05] starting …")
-_START_LINE = re.compile(r"\[dsv41 [^\]]*\] starting ")
+_START_LINE = lazy_re(r"\[dsv41 [^\]]*\] starting ")
 
 
 def placement_from_log(path: Path | str | None = None) -> PlacementSummary:
@@ -478,20 +479,20 @@ H_ARCH = _hint(
     "unsupported_model", "This llama-server does not support the model's architecture",
     "Update llama.cpp (reinstall the [llamacpp] extra) or use a model it supports.")
 FAILURE_PATTERNS = [      # most specific first (see classify_failure)
-    LogPattern(re.compile(r"unknown buffer type"), H_UNKNOWN_BUFFER),
-    LogPattern(re.compile(r"cudaMalloc failed: out of memory|CUDA error: out of memory|failed to allocate "
+    LogPattern(lazy_re(r"unknown buffer type"), H_UNKNOWN_BUFFER),
+    LogPattern(lazy_re(r"cudaMalloc failed: out of memory|CUDA error: out of memory|failed to allocate "
                           r"CUDA\d* buffer|ggml_backend_cuda_buffer_type_alloc_buffer.*out of memory|"
                           r"unable to allocate CUDA\d* buffer", re.I), H_CUDA_OOM),
-    LogPattern(re.compile(r"couldn't bind HTTP server socket|Address already in use|bind\(\) failed", re.I), H_PORT),
-    LogPattern(re.compile(r"does not divide n_embd_head"), H_KV_TYPE),
-    LogPattern(re.compile(r"unknown model architecture"), H_ARCH),
-    LogPattern(re.compile(r"failed to load model|error loading model|failed to open GGUF file|"
+    LogPattern(lazy_re(r"couldn't bind HTTP server socket|Address already in use|bind\(\) failed", re.I), H_PORT),
+    LogPattern(lazy_re(r"does not divide n_embd_head"), H_KV_TYPE),
+    LogPattern(lazy_re(r"unknown model architecture"), H_ARCH),
+    LogPattern(lazy_re(r"failed to load model|error loading model|failed to open GGUF file|"
                           r"gguf_init_from_\w+: failed|failed to create_context|failed to create context"),
                H_MODEL_LOAD),
-    LogPattern(re.compile(r"error: invalid argument|error while handling argument"), H_BAD_ARG),
+    LogPattern(lazy_re(r"error: invalid argument|error while handling argument"), H_BAD_ARG),
 ]
 # request errors that show in the log but never stop the server: never a crash cause
-_REQUEST_ERROR = re.compile(r"ill-formed UTF-8|invalid UTF-8|unauthorized: Invalid API Key|"
+_REQUEST_ERROR = lazy_re(r"ill-formed UTF-8|invalid UTF-8|unauthorized: Invalid API Key|"
                             r"json\.exception|invalid_request_error")
 
 
@@ -795,7 +796,7 @@ def sample_from(t: float, slots: list[dict] | None, prom: dict[str, float] | Non
 
 HELP_CAP = 1 << 20                  # bytes of --help read (llama-server b4xxx-b7xxx: ~60 KB)
 HELP_TIMEOUT_S = 15.0
-_OPTION = re.compile(r"(?:^|[\s,])(--?[A-Za-z][A-Za-z0-9-]*)")
+_OPTION = lazy_re(r"(?:^|[\s,])(--?[A-Za-z][A-Za-z0-9-]*)")
 _MIN_OPTIONS = 30                   # fewer found: not llama-server's usage text, so no verdict
 
 

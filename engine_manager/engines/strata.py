@@ -30,6 +30,7 @@ from ..errors import PlacementRefused
 from ..figures import measured
 from ..fmt import MB
 from . import prometheus_text as _prom
+from ..lazyre import lazy_re
 from ._http import (  # noqa: F401 - NOT_STRATA: re-exported
     METRICS_BODY_CAP, NOT_STRATA, SMALL_BODY_CAP, AnswerTooLarge, bearer_headers, deadline_of, get_capped, json_body,
     probe_health)
@@ -71,7 +72,7 @@ STRATA_MB_TO_MB = 1.024
 # tests/data/strata/SOURCES.md (Niko1221/Strata src/program/generate.cpp @0083bb7 ``main``'s option loop and
 # serve loop; serve/server.py @2291cb3 ``listen_problem``, ``start_failure_hint``, ``StrataEngine.death_note``).
 def _p(regex: str, cause: str, title: str, fix: str) -> LogPattern:
-    return LogPattern(re.compile(regex, re.I), FailureHint(cause, title, fix))
+    return LogPattern(lazy_re(regex, re.I), FailureHint(cause, title, fix))
 
 
 UPGRADE_RELEASE = _release.UPGRADE_RELEASE
@@ -179,7 +180,7 @@ def classify(patterns: list[LogPattern], returncode: int | None, log_tail: list[
     return None
 
 
-_EXPERT_CACHE_OOM = re.compile(r"ExpertCache: (?P<n>\d{1,9}) slots x (?P<b>\d{1,12}) B = (?P<want>[\d.]{1,12}) GiB, "
+_EXPERT_CACHE_OOM = lazy_re(r"ExpertCache: (?P<n>\d{1,9}) slots x (?P<b>\d{1,12}) B = (?P<want>[\d.]{1,12}) GiB, "
                                r"but only (?P<free>[\d.]{1,12}) GiB of VRAM is free \((?P<used>[\d.]{1,12}) GiB of "
                                r"(?P<total>[\d.]{1,12}) GiB total\)")
 
@@ -207,43 +208,43 @@ def expert_cache_fix(line: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ log lines
-_READY = re.compile(r"^\s*(\[[^\]]*\]\s*)?READY\b|\bserver (is )?ready\b|Uvicorn running on", re.I)
-_PHASE = re.compile(r"^\s*(?:\[[^\]]*\]\s*)?phase:\s*(?P<text>.+)$", re.I)
-_LOADING = re.compile(r"^\s*(loading|reading|mapping|filling|pinning|allocating|warming|downloading)\b", re.I)
+_READY = lazy_re(r"^\s*(\[[^\]]*\]\s*)?READY\b|\bserver (is )?ready\b|Uvicorn running on", re.I)
+_PHASE = lazy_re(r"^\s*(?:\[[^\]]*\]\s*)?phase:\s*(?P<text>.+)$", re.I)
+_LOADING = lazy_re(r"^\s*(loading|reading|mapping|filling|pinning|allocating|warming|downloading)\b", re.I)
 # serve.py narrate_start() / Service._ensure_loaded_native() on the server's stdout; generate.cpp's load lines
-_STRATA_PHASE = re.compile(r"^\s*\[strata\] (?P<text>(starting the engine|filling the GPU's expert cache|"
+_STRATA_PHASE = lazy_re(r"^\s*\[strata\] (?P<text>(starting the engine|filling the GPU's expert cache|"
                            r"experts loaded|almost ready|still starting|loading|the engine had stopped|"
                            r"the engine is running)"
                            r".*)$|^\s*strata generate: (?P<gen>(loaded [\d.]+ GiB at|expert arena:|profile .*ranked "
                            r"pairs|PCIe probe).*)$", re.I)
-_PCT = re.compile(r"\((\d{1,3})%\)|\b(\d{1,3})%")
+_PCT = lazy_re(r"\((\d{1,3})%\)|\b(\d{1,3})%")
 # the scripted engine's swap report (Strata prints none per swap: SOURCES.md "Swaps")
-_SWAP = re.compile(r"\badapt\w*\b.*?\b(?:swapped (?P<a>\d+) experts?|(?P<b>\d+) (?:expert )?swaps?)\b", re.I)
-_SIZE = re.compile(r"\(?([\d.]+) ?(KiB|MiB|GiB|KB|MB|GB)\b")
-_INFO = re.compile(r"^\s*INFO\b(?P<rest>.*)$")
-_KV = re.compile(r"(\w+)=(\S+)")
+_SWAP = lazy_re(r"\badapt\w*\b.*?\b(?:swapped (?P<a>\d+) experts?|(?P<b>\d+) (?:expert )?swaps?)\b", re.I)
+_SIZE = lazy_re(r"\(?([\d.]+) ?(KiB|MiB|GiB|KB|MB|GB)\b")
+_INFO = lazy_re(r"^\s*INFO\b(?P<rest>.*)$")
+_KV = lazy_re(r"(\w+)=(\S+)")
 # server.py Service.run's stdout: "[strata] done: N tokens ... expert cache X% hit (+Y% of the routed experts over
 # PCIe)" — one finished request
-_HIT = re.compile(r"expert cache ([\d.]+)% hit(?: \(\+([\d.]+)% of the routed experts over PCIe\))?", re.I)
+_HIT = lazy_re(r"expert cache ([\d.]+)% hit(?: \(\+([\d.]+)% of the routed experts over PCIe\))?", re.I)
 # generate.cpp @2291cb3 serve loop, after DONE (a solo request, or a batch admission: prompt + first token):
 # "strata serve: decode expert cache hit rate: 90.0% (H hits / L lookups)[; O more read by the GPU over PCIe or from
 # another GPU (P% of all R routed)]" — the experts read over PCIe are not in the lookups (#588)
-_DECODE_HIT = re.compile(r"decode expert cache hit rate: ([\d.]+)% \((\d+) hits / (\d+) lookups\)"
+_DECODE_HIT = lazy_re(r"decode expert cache hit rate: ([\d.]+)% \((\d+) hits / (\d+) lookups\)"
                          r"(?:; (\d+) more read by the GPU over PCIe or from another GPU \(([\d.]+)% of all (\d+) "
                          r"routed\))?")
 # generate.cpp @2291cb3, the batch windows' report when the last slot is done (all slots' decode together):
 # "strata batch: N windows, ...; routed entries per window: VRAM a (p%), PCIe b (q%), CPU c (r%)..."
-_BATCH_HIT = re.compile(r"strata batch: (\d+) windows,.*routed entries per window: VRAM [\d.]+ \(([\d.]+)%\), "
+_BATCH_HIT = lazy_re(r"strata batch: (\d+) windows,.*routed entries per window: VRAM [\d.]+ \(([\d.]+)%\), "
                         r"PCIe [\d.]+ \(([\d.]+)%\), CPU [\d.]+ \(([\d.]+)%\)")
 # serve/server.py @2291cb3 StrataEngine.__init__: fewer batch slots than the config's "parallel" asked for
-_PARALLEL = re.compile(r"\[strata\] parallel requests: (\d+) asked, the engine runs (\d+|one at a time)")
+_PARALLEL = lazy_re(r"\[strata\] parallel requests: (\d+) asked, the engine runs (\d+|one at a time)")
 # generate.cpp: "strata serve: prompt N tokens = R reused + F read in MS ms (X tok/s), G generated in MS ms (Y tok/s)"
-_REQUEST = re.compile(r"prompt (?P<prompt>\d+) tokens = (?P<reused>\d+) reused \+ \d+(?: of \d+)? read in "
+_REQUEST = lazy_re(r"prompt (?P<prompt>\d+) tokens = (?P<reused>\d+) reused \+ \d+(?: of \d+)? read in "
                       r"(?P<pms>[\d.]+) ms \((?P<pp>[\d.]+) tok/s\), (?P<gen>\d+) generated in (?P<gms>[\d.]+) ms "
                       r"\((?P<tg>[\d.]+) tok/s\)")
 # generate.cpp resident RAM mode, cumulative: "... N exchanged with the VRAM tier ..."
-_EXCHANGED = re.compile(r"resident RAM: [\d.]+ GiB of experts in RAM, (\d+) exchanged with the VRAM tier")
-_UNKNOWN_ARG = re.compile(r"^\s*unknown argument: (?P<arg>\S+)")
+_EXCHANGED = lazy_re(r"resident RAM: [\d.]+ GiB of experts in RAM, (\d+) exchanged with the VRAM tier")
+_UNKNOWN_ARG = lazy_re(r"^\s*unknown argument: (?P<arg>\S+)")
 _UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
@@ -645,7 +646,7 @@ def write_strp(path: Path, n_layers: int, n_experts: int, pairs: list[tuple[int,
 # ------------------------------------------------------------------------------------------------ the engine
 # how Strata finds a split model's shards: BY NAME beside shard 1 (tools/iq_pack.py @d4e6823 Model.__init__;
 # src/program/generate.cpp @2291cb3 gguf_split_paths): <name>-0000N-of-0000M.gguf
-STRATA_SHARD_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+STRATA_SHARD_RE = lazy_re(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 def shard_name_problem(native: str) -> str | None:
@@ -992,8 +993,8 @@ ENGINE = StrataEngine()
 
 HELP_TIMEOUT_S = 15.0
 HELP_CAP = 1 << 20                   # bytes of its answer read (the usage text of generate.cpp @2291cb3: ~25 KB)
-_UNKNOWN = re.compile(r"^unknown argument: (.{1,200})$", re.M)
-_USAGE_OPTION = re.compile(r"(?:^|\s)(--[a-z][a-z0-9-]*)", re.M)
+_UNKNOWN = lazy_re(r"^unknown argument: (.{1,200})$", re.M)
+_USAGE_OPTION = lazy_re(r"(?:^|\s)(--[a-z][a-z0-9-]*)", re.M)
 
 
 def engine_argv(config: dict[str, Any]) -> list[str]:
