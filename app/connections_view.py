@@ -352,7 +352,7 @@ class ConnectionsView(Panel, QWidget):
 
     def __init__(self, ctx, parent=None, *, period_s: float = C.OVERVIEW_PERIOD_S, list_later: bool = False):
         """``list_later``: the saved list is read by :meth:`read_list`, called later (the window's staged start:
-        validating the list imports pydantic, ~0.1 s, which the first paint does not wait for)."""
+        validating the list imports pydantic, 0.11–0.16 s, which the first paint does not wait for)."""
         super().__init__(parent)
         self.ctx = ctx
         self.list_read = False
@@ -417,7 +417,9 @@ class ConnectionsView(Panel, QWidget):
             self.addAction(a)
         ctx.watchChanged.connect(self._watch_changed)
         ctx.ownEngineChanged.connect(lambda _r: self.overview.poll())
-        if not list_later:
+        if list_later:
+            self._show_list([])         # this panel's engine alone until the list is read
+        else:
             self.read_list()
         self._show_info()
 
@@ -447,6 +449,9 @@ class ConnectionsView(Panel, QWidget):
             except C.ConnectionSetupError as again:
                 self.note, conns = str(again), []
             self._show_info()
+        self._show_list(conns)
+
+    def _show_list(self, conns: list[C.Connection]) -> None:
         self._names = [c.name for c in conns]
         self._remote = {c.name: c.remote for c in conns}
         self._conns = {c.name: c for c in conns}

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .main_window import MainWindow
 
-    # the window shows first; the settings (pydantic) are read and its pages (plots, chat, engine panel: most of
+    # the window shows first; the settings are read and its pages (plots, chat, engine panel: most of
     # the start-up's imports) built right after its first paint
     automated = bool(args.screenshot or args.quit_after is not None)
 

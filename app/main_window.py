@@ -120,7 +120,7 @@ class MainWindow(QMainWindow):
 
     def __init__(self, ctx, parent=None, lazy: bool = False, show_first_run: bool = True):
         """``ctx``: the AppContext, or (with ``lazy``) a function that makes it — called after the first paint, so
-        the settings are read (pydantic, ~0.1 s) after the window appears; it returns None when it cannot (a bad
+        the settings are read after the window appears; it returns None when it cannot (a bad
         setting: it has said so), and then no page is built."""
         super().__init__(parent)
         self._ctx_factory = ctx if callable(ctx) else None

@@ -145,8 +145,8 @@ _FILE_MODEL: Any = None
 
 def _file_model() -> Any:
     """The list file's shape as pydantic models, built on first use: the engine column imports this module in the
-    window's first step, and pydantic's import with these models' build was ~0.1 s of it (benchmarks/results/
-    startup.md, eleventh pass); the list itself is read on a worker."""
+    window's first step, and pydantic's import alone is 0.11–0.16 s (benchmarks/results/startup.md, eleventh
+    pass); the window reads the list itself a step later."""
     global _FILE_MODEL
     if _FILE_MODEL is not None:
         return _FILE_MODEL

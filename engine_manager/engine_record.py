@@ -3,8 +3,8 @@ file that does not fit.
 
 A module of its own, apart from :mod:`engine_manager.engine_state`: the record is a pydantic model, and the
 window's first step (the engine column, the session) imports the engine's states and handles but never reads the
-state file — the first task that does (the re-attach check, on its own thread) imports this. pydantic's import and
-this model's build were ~0.1 s of that first step (benchmarks/results/startup.md, eleventh pass).
+state file — the first task that does (the re-attach check, on its own thread) imports this. pydantic's import
+alone is 0.11–0.16 s on the project's 2-core machine (benchmarks/results/startup.md, eleventh pass).
 This module never imports Qt.
 """
 
