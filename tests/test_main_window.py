@@ -114,6 +114,10 @@ def _run_panel(args, timeout=90):
 
 
 # the end of every window script below: show the window, give up after a minute, run the loop
+# what the staged-start scripts begin with: an application, the window's parts, the settings reader
+WINDOW_SCRIPT_START = ("import sys\nfrom PySide6.QtCore import QTimer\nfrom PySide6.QtWidgets import QApplication\n"
+                       "app = QApplication([sys.argv[0]])\nfrom app.context import AppContext\n"
+                       "from app.main_window import MainWindow\nfrom engine_manager.settings import load_settings\n")
 WINDOW_SCRIPT_END = "win.show()\nQTimer.singleShot(60000, app.quit)\napp.exec()\n"
 
 
@@ -261,13 +265,7 @@ def test_the_monitor_on_screen_takes_input_before_its_plots_and_pyqtgraph(tmp_pa
 
     script = tmp_path / "monitor_first.py"
     script.write_text(
-        "import sys\n"
-        "from PySide6.QtCore import QTimer\n"
-        "from PySide6.QtWidgets import QApplication\n"
-        "app = QApplication([sys.argv[0]])\n"
-        "from app.context import AppContext\n"
-        "from app.main_window import MainWindow\n"
-        "from engine_manager.settings import load_settings\n"
+        WINDOW_SCRIPT_START +
         "win = MainWindow(lambda: AppContext(load_settings()), lazy=True, show_first_run=False)\n"
         "def first():\n"
         "    page = win.pages['Monitor']\n"
@@ -304,13 +302,7 @@ def test_the_first_step_needs_no_pydantic_even_with_saved_connections(tmp_path):
     C.add_connection("lab", "http://127.0.0.1:9")
     script = tmp_path / "no_pydantic.py"
     script.write_text(
-        "import sys\n"
-        "from PySide6.QtCore import QTimer\n"
-        "from PySide6.QtWidgets import QApplication\n"
-        "app = QApplication([sys.argv[0]])\n"
-        "from app.context import AppContext\n"
-        "from app.main_window import MainWindow\n"
-        "from engine_manager.settings import load_settings\n"
+        WINDOW_SCRIPT_START +
         "from engine_manager.session import EngineSession\n"
         "def ctx():\n"
         "    loaded = load_settings()\n"
