@@ -12,7 +12,6 @@ from html import escape
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QLabel
 
-from engine_manager.checks import collect_checks, failed, summary
 
 from .panel_base import Panel
 from .workers import TaskOwner
@@ -53,6 +52,8 @@ class ChecksView(Panel, QLabel):
         running = self._running
         if running is None or self.tasks.shut_down:
             return
+        from engine_manager.checks import collect_checks    # with the first engine: not on the column's first step
+
         self.tasks.start("checks", collect_checks, running, on_done=self.show_report)
 
     def show_report(self, report) -> None:
@@ -61,6 +62,8 @@ class ChecksView(Panel, QLabel):
             self.hide()
             return
         self.ctx.checksReported.emit(report)     # the desktop notifications hear it (app.notify)
+        from engine_manager.checks import failed, summary
+
         bad = failed(report.checks)
         self.setToolTip("<br>".join(escape(c.line()) for c in report.checks))
         if bad:

@@ -15,15 +15,16 @@ of the watched connection (None: the panel's own engine).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QObject, Signal
 
-from engine_manager.supervisor_events import LogLines
-from engine_manager.hardware import HardwareReport
 from engine_manager.engine_state import RunningEngine
 from engine_manager.session import EngineSession
 from engine_manager.settings import LoadedSettings, resolve_engine, save_settings
+
+if TYPE_CHECKING:
+    from engine_manager.hardware import HardwareReport      # the probe's module: imported by the probe's worker
 
 
 class AppContext(QObject):
@@ -93,6 +94,8 @@ class AppContext(QObject):
 
     # -- the engine session's events, re-emitted ----------------------------------------------------------------
     def _session_event(self, ev: Any) -> None:
+        from engine_manager.supervisor_events import LogLines      # imported by the supervisor that sent ``ev``
+
         if isinstance(ev, LogLines):
             self.engineLog.emit(ev)
 

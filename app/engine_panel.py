@@ -44,10 +44,7 @@ from engine_manager import fmt
 from engine_manager.engine_state import (CRASHED, READY, RESTARTING, RUNNING_STATES, STARTING, STOPPED, STOPPING,
                                          EngineStatus)
 from engine_manager.start_plan import plan_host_warning, usable_plan
-from engine_manager.supervisor_events import (Attached, Crashed, Event, GaveUp, LogLines, Note, Progress, Ready,
-                                              Restarting, StartFailed, StateChanged, Stopped, Stopping)
 from engine_manager.engines import ENGINE_NAMES, find_engine, get_engine
-from engine_manager.engines.llamacpp import PlacementSummary, placement_from_log
 from engine_manager.liveness_line import LivenessLine, StallEpisode
 from engine_manager.release_check import engine_release_facts
 from engine_manager.settings import resolve_engine
@@ -59,6 +56,8 @@ from .workers import QUIT_WAIT_MS, TaskOwner
 
 if TYPE_CHECKING:
     from engine_manager.dryrun import DryRun
+    from engine_manager.engines.llamacpp import PlacementSummary
+    from engine_manager.supervisor_events import Event, Progress
 
 
 def _owner_words(owner: Any) -> str:
@@ -184,8 +183,9 @@ class EnginePanel(Panel, QWidget):
         self._last_notes: list[str] = []
         self._emitted_state = STOPPED        # the state the rest of the window was last told (status bar …)
         self._refused_cause: str | None = None  # a start refused because another engine runs: keep saying why
-        # where llama-server put each buffer, folded (in engine_manager) from the log events of this run
-        self.placement = PlacementSummary()
+        # where llama-server put each buffer, folded (in engine_manager) from the log events of this run: made on
+        # first use, with the llama.cpp adapter's module (:attr:`placement`)
+        self._placement: PlacementSummary | None = None
         self._build()
         self._build_actions()
         ctx.requestStart.connect(self.start)
@@ -398,6 +398,17 @@ class EnginePanel(Panel, QWidget):
             return choice
         return resolve_engine(self.ctx.settings, self.ctx.has_gpu)
 
+    @property
+    def placement(self) -> PlacementSummary:
+        if self._placement is None:
+            from engine_manager.engines.llamacpp import PlacementSummary
+            self._placement = PlacementSummary()
+        return self._placement
+
+    @placement.setter
+    def placement(self, summary: PlacementSummary) -> None:
+        self._placement = summary
+
     def _update_resolved(self) -> None:
         name = self.resolved_engine()
         if self.selected_engine() == "auto":
@@ -585,6 +596,11 @@ class EnginePanel(Panel, QWidget):
 
     # -- events from the supervisor ----------------------------------------------------------------------------------
     def _on_event(self, ev: Event) -> None:
+        # the events' module (a dozen frozen dataclasses: 10–17 ms of import) comes with the first event, not with
+        # the engine column's first step
+        from engine_manager.supervisor_events import (Attached, Crashed, GaveUp, LogLines, Note, Progress, Ready,
+                                                      Restarting, StartFailed, StateChanged, Stopped, Stopping)
+
         self.session.feed(ev)          # the ready engine (ctx.running, engineRunning) and the log (engineLog)
         match ev:
             case LogLines():
@@ -642,6 +658,7 @@ class EnginePanel(Panel, QWidget):
                 self._emitted_state = ev.state
                 self.ctx.engineStateChanged.emit(ev)
                 if find_engine(ev.engine).placement_in_log:   # its loading lines went by before this panel watched
+                    from engine_manager.engines.llamacpp import placement_from_log
                     self.tasks.start("placement", placement_from_log, self.session.log_path,
                                      on_done=self._placement_read,
                                      on_error=lambda _exc: None)  # an unreadable log: the box just stays empty
@@ -797,7 +814,10 @@ class EnginePanel(Panel, QWidget):
         self._state = state
         if ev is not None or state != self._emitted_state:
             self._emitted_state = state
-            self.ctx.engineStateChanged.emit(ev if ev is not None else StateChanged(state, prev, message))
+            if ev is None:
+                from engine_manager.supervisor_events import StateChanged
+                ev = StateChanged(state, prev, message)
+            self.ctx.engineStateChanged.emit(ev)
         text, bg, fg = BADGE.get(state, (state, "#eee", "#333"))
         self.badge.setText(text)
         self.badge.setToolTip(message or text)

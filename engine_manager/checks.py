@@ -392,7 +392,7 @@ def _node_words(proc: ProcReading | None) -> str | None:
 
 def check_affinity(binding: Any, proc: ProcReading | None) -> Check:
     from .hardware import format_cpulist
-    from .metrics import binding_cpus
+    from .numa import binding_cpus
 
     title = "CPU affinity as bound"
     cpus = binding_cpus(binding)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -215,6 +214,8 @@ class ReleaseCheck:
 def python_imports(python: Path, modules: tuple[str, ...] = SERVER_NEEDS, timeout_s: float = 30.0
                    ) -> tuple[bool, str]:
     """(ok, what it said): runs ``python -c`` importing ``modules`` (no shell, a bounded answer)."""
+    import subprocess       # here, not at the top: the engine column reads the release's facts on its first step
+
     code = "import " + ", ".join(modules)
     from .procs import run_capped
 

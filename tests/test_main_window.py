@@ -296,7 +296,9 @@ def test_the_first_step_needs_no_pydantic_even_with_saved_connections(tmp_path):
     no pydantic (its import with the models' build was ~0.25 s of that step, benchmarks/results/startup.md): the
     settings are checked by ``engine_manager.settings`` itself, a saved connections' list is read in a later step,
     and the supervisor (the state file's model) is made by the first task that needs it, on its own thread. The
-    picker offers this panel's engine meanwhile; the list is there once the pages are built."""
+    picker offers this panel's engine meanwhile; the list is there once the pages are built. Nor does it import
+    what only a running engine needs (the supervisor's events, the hardware probe and NUMA, the checks, the GGUF
+    readers, subprocess: 40–60 ms of that step, ``python -X importtime``)."""
     from engine_manager import connections as C
 
     C.add_connection("lab", "http://127.0.0.1:9")
@@ -312,6 +314,9 @@ def test_the_first_step_needs_no_pydantic_even_with_saved_connections(tmp_path):
         "    view = win._engine_panel.connections\n"
         "    print('first:', 'pydantic' in sys.modules, view.list_read, view.names(), view.picker.count(),\n"
         "          view.remove_button.isEnabled(), win.ctx.session._supervisor is None, flush=True)\n"
+        "    later = ('engine_manager.supervisor_events', 'engine_manager.hardware', 'engine_manager.numa',\n"
+        "             'engine_manager.checks', 'engine_manager.gguf_split', 'subprocess')\n"
+        "    print('loaded early:', [m for m in later if m in sys.modules], flush=True)\n"
         "win.firstPageShown.connect(first)\n"
         "def built():\n"
         "    view = win._engine_panel.connections\n"
@@ -322,6 +327,7 @@ def test_the_first_step_needs_no_pydantic_even_with_saved_connections(tmp_path):
     p = _run_window_script(script)
     out = p.stdout + p.stderr
     assert "first: False False [] 1 False True" in p.stdout, out     # this panel's engine alone, meanwhile
+    assert "loaded early: []" in p.stdout, out
     assert "built: True ['lab'] 2" in p.stdout, out
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -63,6 +62,8 @@ def _socket_of(r: Any) -> Any:
 
 def _cut(sock: Any, fired: threading.Event) -> None:
     """The deadline passed: shut the socket down, which wakes a read blocked in it (closing would not)."""
+    import socket       # here: the adapters import this module on the engine column's first step (socket: 3–7 ms)
+
     fired.set()
     try:
         sock.shutdown(socket.SHUT_RDWR)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -29,7 +28,6 @@ from .. import fmt
 from ..atomic import atomic_write_bytes
 from ..errors import EngineSetupError
 from ..figures import measured_int
-from ..gguf_split import FIRST_SHARD_GLOB, first_shard_name
 from ..settings import new_api_key
 from . import prometheus_text as _prom
 from ..lazyre import lazy_re
@@ -75,6 +73,8 @@ class ModelNotFound(EngineSetupError):
 def resolve_model(settings: Any, plan: dict[str, Any] | None) -> Path:
     """The GGUF llama-server loads: the ``llamacpp_model`` setting, else the plan's model file, else the first
     shard in the model folder."""
+    from ..gguf_split import FIRST_SHARD_GLOB, first_shard_name    # the GGUF readers: when a model is resolved
+
     cands: list[Path] = []
     if getattr(settings, "llamacpp_model", None):
         cands.append(Path(settings.llamacpp_model).expanduser())
@@ -163,6 +163,8 @@ def _gpu_backend(path: str, mtime: float) -> bool | None:
         return True
     if "libggml-cpu" in libs and "libggml-base" in libs:
         return False        # the pip build: CPU backend only
+    import subprocess       # here and below, not at the top: the engine chooser imports this module on its first step
+
     from ..procs import run_capped
 
     try:        # a static build: ask it (its answer capped, as every question to a binary)
@@ -807,6 +809,8 @@ def _is_option(arg: str) -> bool:
 def accepted_options(binary: str, env: dict[str, str] | None = None) -> frozenset[str] | None:
     """Every option ``binary --help`` lists (short and long forms, as printed), or None when its help could not be
     read or does not look like llama-server's (fewer than ``_MIN_OPTIONS`` options)."""
+    import subprocess
+
     from ..procs import run_capped
 
     try:

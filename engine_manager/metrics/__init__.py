@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..engines import find_engine, get_engine
 from ..engine_state import RunningEngine
 from ..engines.base import LaunchSpec
-from ..numa import binding_bound, binding_cpus
 from .columns import ALL_COLUMNS, BY_NAME, COLUMN_NAMES, MAX_SLOTS, SLOT_COLUMNS, Column
 from .guides import Comparison, compare, guide_figures, is_guide_model, judge
 from .steady import Steady, SteadySnapshot, SteadyTracker
@@ -147,6 +146,7 @@ def build_hub(running: RunningEngine, *, hz: float = 1.0, plan: Mapping[str, Any
     overrides its plan when given); an engine reached by URL alone is ``RunningEngine(base_url, api_key, ...)``."""
     from .hub import MetricsHub
     from .record import metrics_runs_dir, open_run
+    from ..numa import binding_bound, binding_cpus    # with the hardware probe's module: a hub's, not a page's
     from .sources import EngineSource, HostSource, LogSwapSource, NvmlSource, RoutingSource, spec_for
     from .sources import trace_path_from_argv
 
