@@ -12,7 +12,6 @@ from html import escape
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QLabel
 
-
 from .panel_base import Panel
 from .workers import TaskOwner
 
@@ -57,13 +56,13 @@ class ChecksView(Panel, QLabel):
         self.tasks.start("checks", collect_checks, running, on_done=self.show_report)
 
     def show_report(self, report) -> None:
+        from engine_manager.checks import failed, summary
+
         self.report = report
         if report is None or self._running is None:
             self.hide()
             return
         self.ctx.checksReported.emit(report)     # the desktop notifications hear it (app.notify)
-        from engine_manager.checks import failed, summary
-
         bad = failed(report.checks)
         self.setToolTip("<br>".join(escape(c.line()) for c in report.checks))
         if bad:
