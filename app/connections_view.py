@@ -423,12 +423,19 @@ class ConnectionsView(Panel, QWidget):
             self.read_list()
         self._show_info()
 
+    def reserve(self, height: int) -> None:
+        """Keep ``height`` (this part's last start's, with its list) until the list is read, so that the engine
+        controls below do not move down when the saved connections' lines come (:meth:`read_list`)."""
+        if not self.list_read:
+            self.setMinimumHeight(height)
+
     def read_list(self) -> None:
         """Read the saved list, then watch again what was watched when the panel last closed (once)."""
         if self.list_read:
             return
         self.list_read = True
         self.refresh()
+        self.setMinimumHeight(0)
         last = uistate.load().get(UISTATE_KEY)
         if isinstance(last, str) and last in self._names:
             QTimer.singleShot(0, lambda: self.select(last))

@@ -95,9 +95,18 @@ class HardwareBanner(QLabel):
         ctx.hardwareChanged.connect(self.show_report)
         ctx.settingsChanged.connect(lambda _l: self.show_report(ctx.hardware) if ctx.hardware else None)
 
+    reported = False            # a report is shown (its height is worth keeping for the next start)
+
+    def reserve(self, height: int) -> None:
+        """Keep ``height`` (the banner's last start's, with its report) until the report comes, so that what is
+        below it — the engine column's Start — does not move down when the probe answers."""
+        self.setMinimumHeight(height)
+
     def show_report(self, report) -> None:     # engine_manager.hardware.HardwareReport
         engine = self.ctx.engine_name()
         self.setTextFormat(Qt.TextFormat.RichText)
+        self.reported = True
+        self.setMinimumHeight(0)
         if report.has_gpu:
             g = report.gpu(self.ctx.settings.gpu_index) or report.gpus[0]
             self.setStyleSheet("")
@@ -214,6 +223,8 @@ class MainWindow(QMainWindow):
             return
         from .engine_panel import EnginePanel
         self._engine_panel = EnginePanel(self.ctx, list_later=self._staged)
+        if self._staged and self._reserved.get("watching"):
+            self._engine_panel.connections.reserve(self._reserved["watching"])
         # the column scrolls when the screen is short (1280×800 with a crash banner up): its labels are never
         # squeezed below the height their words need
         self.control_scroll = QScrollArea()
@@ -615,6 +626,11 @@ class MainWindow(QMainWindow):
     ask_on_close = True         # False (automation: --quit-after, --screenshot): close without a question, an
     #                             engine that runs is left running (the next panel re-attaches to it)
     _restored_sizes: list[int] | None = None
+    _reserved: dict[str, int] = {}      # heights kept from the last start until what fills them comes
+
+    # what fills part of the control column comes after the first paint (the probe's report, the saved
+    # connections' list): the heights they took last time are kept meanwhile, within these bounds (pixels)
+    RESERVE_BOUNDS = (1, 2000)
 
     def _restore_state(self) -> None:
         try:
@@ -641,6 +657,12 @@ class MainWindow(QMainWindow):
         if isinstance(sizes, list) and len(sizes) == 3:
             self.splitter.setSizes(sizes)
             self._restored_sizes = list(sizes)
+        heights = st.get("column_heights")
+        lo, hi = self.RESERVE_BOUNDS
+        self._reserved = {k: v for k, v in heights.items() if k in ("banner", "watching") and isinstance(v, int)
+                          and not isinstance(v, bool) and lo <= v <= hi} if isinstance(heights, dict) else {}
+        if self._reserved.get("banner") and not self.banner.reported:
+            self.banner.reserve(self._reserved["banner"])
         tab = st.get("main_tab")
         if isinstance(tab, str):
             self.show_tab(tab)
@@ -654,10 +676,17 @@ class MainWindow(QMainWindow):
         key = self.screen_key()
         uistate.save_window_state(key, base64.b64encode(bytes(self.saveGeometry())).decode(),
                                   [int(s) for s in self.splitter.sizes()])
+        heights = dict(self._reserved)
+        if self.banner.reported:
+            heights["banner"] = self.banner.height()
+        watching = getattr(self._engine_panel, "connections", None)
+        if watching is not None and watching.list_read:
+            heights["watching"] = watching.height()
         uistate.save({
             "main_screen": key,
             "main_tab": self.tabs.tabText(self.tabs.currentIndex()),
             "chat_visible": self._chat_widget().isVisibleTo(self),
+            "column_heights": heights,
         })
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt's name

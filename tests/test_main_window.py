@@ -331,6 +331,66 @@ def test_the_first_step_needs_no_pydantic_even_with_saved_connections(tmp_path):
     assert "built: True ['lab'] 2" in p.stdout, out
 
 
+def test_the_start_button_stays_where_it_was_first_painted_when_the_report_and_the_list_come(tmp_path):
+    """The hardware probe's report and the saved connections' list come after the first paint; the heights they
+    took at the last start are kept until then, so the engine column's Start is not moved down under a click
+    (it moved ~75 px at 1280×800: the banner grew from one line to four, the overview by a line a connection)."""
+    from engine_manager import connections as C
+
+    C.add_connection("lab", "http://127.0.0.1:9")
+    script = tmp_path / "start_stays.py"
+    script.write_text(
+        WINDOW_SCRIPT_START +
+        "from PySide6.QtCore import QPoint\n"
+        "from engine_manager.session import EngineSession\n"
+        "def ctx():\n"
+        "    loaded = load_settings()\n"
+        "    return AppContext(loaded, session=EngineSession(loaded.settings))\n"
+        "win = MainWindow(ctx, lazy=True, show_first_run=False)\n"
+        "win.resize(1280, 800)\n"
+        "def start_y():\n"
+        "    return win._engine_panel.start_button.mapTo(win, QPoint(0, 0)).y()\n"
+        "win.firstPageShown.connect(lambda: print('first:', start_y(), flush=True))\n"
+        "def settled():\n"
+        "    for _ in range(3):\n"
+        "        app.sendPostedEvents()\n"
+        "    names = win._engine_panel.connections.names()\n"
+        "    print('settled:', start_y(), win.ctx.hardware is not None, names, flush=True)\n"
+        "    win.close(); app.quit()\n"
+        "def report(_r=None):\n"
+        "    QTimer.singleShot(0, settled)\n"
+        "def built():\n"
+        "    if win.ctx.hardware is not None:\n"
+        "        report()\n"
+        "    else:\n"
+        "        win.ctx.hardwareChanged.connect(report)\n"
+        "win.pagesBuilt.connect(built)\n"
+        + WINDOW_SCRIPT_END)
+    first = _run_window_script(script)                       # no heights kept yet: this start keeps them
+    assert "settled:" in first.stdout, first.stdout + first.stderr
+    p = _run_window_script(script)
+    out = p.stdout + p.stderr
+    ys = {line.split()[0]: line.split()[1] for line in p.stdout.splitlines() if line.startswith(("first:", "settled:"))}
+    assert "True ['lab']" in p.stdout, out                   # the report and the list did come
+    assert ys["first:"] == ys["settled:"], out
+
+
+@pytest.mark.parametrize("kept, banner", [
+    ({"banner": 84, "watching": 146}, 84),
+    ({"banner": 10**9}, 0), ({"banner": True}, 0), ({"banner": -5}, 0), ({"banner": "84"}, 0), ([84], 0),
+])
+def test_kept_column_heights_are_used_only_when_they_are_sane(qtbot, kept, banner):
+    """The kept heights come from a file: a huge, negative, true/false or non-number height reserves nothing."""
+    from app.main_window import MainWindow
+    from engine_manager import uistate
+
+    uistate.save({"column_heights": kept})
+    win = MainWindow(lambda: None, lazy=True, show_first_run=False)
+    qtbot.addWidget(win)
+    assert win.banner.minimumHeight() == banner
+    assert set(win._reserved) <= {"banner", "watching"}
+
+
 def test_cheaper_pyside_check_gives_pyside6s_own_answers():
     """app.pyside_hook answers "does this module use PySide6?" as PySide6's own check does, for every module
     loaded (the window's modules included)."""
