@@ -6,12 +6,13 @@ strings (base64 of ``saveGeometry()``) and lists of ints here.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from . import paths
-from .atomic import atomic_write_json, move_aside
+from .atomic import atomic_write_json, move_aside, read_json_capped
+
+MAX_BYTES = 1 << 20         # a few window states and choices take a few kB; a larger file is not this panel's
 
 
 def state_file() -> Path:
@@ -20,8 +21,8 @@ def state_file() -> Path:
 
 def load() -> dict[str, Any]:
     p = state_file()
-    try:
-        data = json.loads(p.read_text())
+    try:            # never through a link, a regular file only, at most MAX_BYTES
+        data = read_json_capped(p, MAX_BYTES)
         return data if isinstance(data, dict) else {}
     except FileNotFoundError:
         return {}

@@ -346,6 +346,26 @@ def test_concurrent_adds_keep_every_connection_and_its_key(tmp_path):
 DEEP = "[" * 100_000 + "]" * 100_000
 
 
+def test_the_ui_state_is_read_capped_and_never_through_a_link(tmp_path):
+    """The window's small state file: one larger than its cap, or a link to another file, is not read — the window
+    starts from its defaults, and the link's target is left as it was."""
+    from engine_manager import paths, uistate
+
+    paths.config_dir().mkdir(parents=True, exist_ok=True)
+    f = uistate.state_file()
+    f.write_text('{"main_tab": "Log", "pad": "' + "x" * uistate.MAX_BYTES + '"}')
+    assert uistate.load() == {}
+    assert not f.exists()                                   # set aside: the next save starts a new one
+    other = tmp_path / "elsewhere.json"
+    other.write_text('{"main_tab": "Log"}')
+    f.symlink_to(other)
+    assert uistate.load() == {}
+    assert other.read_text() == '{"main_tab": "Log"}'
+    f.unlink(missing_ok=True)
+    f.write_text('{"main_tab": "Log"}')
+    assert uistate.load() == {"main_tab": "Log"}
+
+
 def test_deep_nesting_in_any_file_the_panel_reads_is_a_bad_file(tmp_path):
     from engine_manager import paths, settings, uistate
     from engine_manager.atomic import read_json_capped
