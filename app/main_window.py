@@ -626,11 +626,9 @@ class MainWindow(QMainWindow):
     ask_on_close = True         # False (automation: --quit-after, --screenshot): close without a question, an
     #                             engine that runs is left running (the next panel re-attaches to it)
     _restored_sizes: list[int] | None = None
-    _reserved: dict[str, int] = {}      # heights kept from the last start until what fills them comes
-
     # what fills part of the control column comes after the first paint (the probe's report, the saved
-    # connections' list): the heights they took last time are kept meanwhile, within these bounds (pixels)
-    RESERVE_BOUNDS = (1, 2000)
+    # connections' list): the heights they took at the last start are kept meanwhile (uistate.column_heights)
+    _reserved: dict[str, int] = {}
 
     def _restore_state(self) -> None:
         try:
@@ -657,10 +655,7 @@ class MainWindow(QMainWindow):
         if isinstance(sizes, list) and len(sizes) == 3:
             self.splitter.setSizes(sizes)
             self._restored_sizes = list(sizes)
-        heights = st.get("column_heights")
-        lo, hi = self.RESERVE_BOUNDS
-        self._reserved = {k: v for k, v in heights.items() if k in ("banner", "watching") and isinstance(v, int)
-                          and not isinstance(v, bool) and lo <= v <= hi} if isinstance(heights, dict) else {}
+        self._reserved = uistate.column_heights(st)
         if self._reserved.get("banner") and not self.banner.reported:
             self.banner.reserve(self._reserved["banner"])
         tab = st.get("main_tab")

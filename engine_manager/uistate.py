@@ -13,6 +13,10 @@ from . import paths
 from .atomic import atomic_write_json, move_aside, read_json_capped
 
 MAX_BYTES = 1 << 20         # a few window states and choices take a few kB; a larger file is not this panel's
+# the parts of the window's control column filled after its first paint (the hardware probe's report, the saved
+# connections' list), whose heights are kept for the next start (pixels, within these bounds)
+COLUMN_PARTS = ("banner", "watching")
+COLUMN_HEIGHT_BOUNDS = (1, 2000)
 
 
 def state_file() -> Path:
@@ -95,3 +99,14 @@ def fit_rect(size: tuple[int, int], available: tuple[int, int, int, int],
     x = ax + max(0, (aw - fw - w) // 2)
     y = ay + max(0, (ah - fh - h) // 2)
     return x, y, w, h
+
+
+def column_heights(state: dict[str, Any]) -> dict[str, int]:
+    """The kept heights of the control column's parts (``state["column_heights"]``) that are sane: a known part, a
+    whole number of pixels within :data:`COLUMN_HEIGHT_BOUNDS` (not true/false); anything else is left out."""
+    kept = state.get("column_heights")
+    if not isinstance(kept, dict):
+        return {}
+    lo, hi = COLUMN_HEIGHT_BOUNDS
+    return {k: v for k, v in kept.items()
+            if k in COLUMN_PARTS and isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi}

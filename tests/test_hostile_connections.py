@@ -366,6 +366,21 @@ def test_the_ui_state_is_read_capped_and_never_through_a_link(tmp_path):
     assert uistate.load() == {"main_tab": "Log"}
 
 
+@pytest.mark.parametrize("kept, sane", [
+    ({"banner": 84, "watching": 146}, {"banner": 84, "watching": 146}),
+    ({"banner": 10**9, "watching": 0}, {}), ({"banner": True}, {}), ({"banner": -5}, {}), ({"banner": "84"}, {}),
+    ({"banner": 84.5, "other": 30}, {}), ([84], {}), ("84", {}),
+])
+def test_kept_column_heights_from_the_ui_state_are_only_sane_ones(kept, sane):
+    """The heights the window keeps for its next start come from a file: only a known part with a whole number of
+    pixels in bounds is used; huge, zero, negative, true/false, text, fractions, unknown parts and other shapes
+    are left out."""
+    from engine_manager import uistate
+
+    assert uistate.column_heights({"column_heights": kept}) == sane
+    assert uistate.column_heights({}) == {}
+
+
 def test_deep_nesting_in_any_file_the_panel_reads_is_a_bad_file(tmp_path):
     from engine_manager import paths, settings, uistate
     from engine_manager.atomic import read_json_capped
