@@ -100,7 +100,8 @@ class HardwareBanner(QLabel):
     def reserve(self, height: int) -> None:
         """Keep ``height`` (the banner's last start's, with its report) until the report comes, so that what is
         below it — the engine column's Start — does not move down when the probe answers."""
-        self.setMinimumHeight(height)
+        if not self.reported:
+            self.setMinimumHeight(height)
 
     def show_report(self, report) -> None:     # engine_manager.hardware.HardwareReport
         engine = self.ctx.engine_name()
@@ -656,7 +657,7 @@ class MainWindow(QMainWindow):
             self.splitter.setSizes(sizes)
             self._restored_sizes = list(sizes)
         self._reserved = uistate.column_heights(st)
-        if self._reserved.get("banner") and not self.banner.reported:
+        if self._reserved.get("banner"):
             self.banner.reserve(self._reserved["banner"])
         tab = st.get("main_tab")
         if isinstance(tab, str):

@@ -11,6 +11,7 @@ from typing import Any
 
 from . import paths
 from .atomic import atomic_write_json, move_aside, read_json_capped
+from .figures import measured_int
 
 MAX_BYTES = 1 << 20         # a few window states and choices take a few kB; a larger file is not this panel's
 # the parts of the window's control column filled after its first paint (the hardware probe's report, the saved
@@ -103,10 +104,11 @@ def fit_rect(size: tuple[int, int], available: tuple[int, int, int, int],
 
 def column_heights(state: dict[str, Any]) -> dict[str, int]:
     """The kept heights of the control column's parts (``state["column_heights"]``) that are sane: a known part, a
-    whole number of pixels within :data:`COLUMN_HEIGHT_BOUNDS` (not true/false); anything else is left out."""
+    whole number of pixels within :data:`COLUMN_HEIGHT_BOUNDS` (``figures.measured_int``); anything else is left
+    out."""
     kept = state.get("column_heights")
     if not isinstance(kept, dict):
         return {}
     lo, hi = COLUMN_HEIGHT_BOUNDS
-    return {k: v for k, v in kept.items()
-            if k in COLUMN_PARTS and isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi}
+    sane = {k: measured_int(v, lo, hi) for k, v in kept.items() if k in COLUMN_PARTS}
+    return {k: v for k, v in sane.items() if v is not None}
