@@ -60,6 +60,10 @@ class AppContext(QObject):
         self.watching: str | None = None            # the watched connection's name; None: the panel's own engine
         self.watching_remote = False                # the watched connection is reached over SSH (another machine)
         self.engine_lock: str | None = None         # set while something else drives the engine (the benchmark)
+        # the badge's last state event, for a part built after it was sent (the staged start builds the status bar
+        # after the engine column, whose re-attach may already have reported the engine ready)
+        self.engine_state_event: Any = None
+        self.engineStateChanged.connect(self._keep_engine_state)
         self.session = session if session is not None else EngineSession(loaded.settings, hardware=hardware)
         self.session.subscribe(on_event=self._session_event, on_running=self.set_running)
 
@@ -93,6 +97,9 @@ class AppContext(QObject):
         self.planChanged.emit(plan)
 
     # -- the engine session's events, re-emitted ----------------------------------------------------------------
+    def _keep_engine_state(self, ev: Any) -> None:
+        self.engine_state_event = ev
+
     def _session_event(self, ev: Any) -> None:
         from engine_manager.supervisor_events import LogLines      # imported by the supervisor that sent ``ev``
 

@@ -52,6 +52,8 @@ class LiveStatusBar(QStatusBar):
         self.timer.start()
         ctx.statusMessage.connect(self.showMessage)
         ctx.engineStateChanged.connect(self._on_state)
+        if ctx.engine_state_event is not None:      # the badge changed before this bar was built
+            self._on_state(ctx.engine_state_event)
         QTimer.singleShot(0, self.refresh)
 
     @staticmethod

@@ -125,6 +125,11 @@ def test_a_relaunch_says_re_attaching_instead_of_stopped(qtbot, port):
     assert states[0] == "reattaching" and "stopped" not in states[:states.index("ready")]
     assert panel2.badge.text() == "Ready" and panel2.sup.snapshot().pid == pid
     assert LiveStatusBar.engine_text("reattaching") == "engine: re-attaching…"
+    # a status bar built after the re-attach (the window's staged start builds it after the engine column) says
+    # what the badge says, not the "stopped" it starts with
+    late = LiveStatusBar(ctx2)
+    qtbot.addWidget(late)
+    assert late.engine_label.text() == LiveStatusBar.engine_text("ready") == bar.engine_label.text()
 
 
 # -- the Getting-started wizard ---------------------------------------------------------------------------------
