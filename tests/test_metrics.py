@@ -401,6 +401,21 @@ def test_rate_bounds_and_stop_from_another_thread():
     assert len(got) == 1
 
 
+def test_each_runner_is_woken_by_its_own_request_and_by_the_stop():
+    a, b = CountingSource(), CountingSource()
+    b.name = "count-2"
+    hub = M.MetricsHub([a, b], hz=10.0)
+    ticks = [hub.tick_once() for _ in range(3)]
+    assert [t.values["decode_tok_s"] for t in ticks] == [1.0, 2.0, 3.0] and a.n == b.n == 3
+    runners = list(hub._runners or [])
+    assert len(runners) == 2 and all(r.is_alive() for r in runners)
+    hub.stop()
+    # each waits on a condition of its own with a 30 s guard: only the stop's notify ends it well before that
+    for r in runners:
+        r.join(10.0)
+    assert not any(r.is_alive() for r in runners)
+
+
 def test_derive_prefers_driver_for_real_engines_and_model_for_simulated():
     raw = {"engine_vram_used_bytes": 1.0, "nvml_vram_used_bytes": 2.0, "engine_pcie_rx_mb_s": 3.0,
            "nvml_pcie_rx_mb_s": None, "engine_swaps_per_s": None, "log_swaps_per_s": 4.0}
