@@ -205,10 +205,11 @@ class EnginePanel(Panel, QWidget):
         self.poll_timer.setInterval(POLL_MS)
         self.poll_timer.timeout.connect(self._poll_status)
         self.poll_timer.start()
+        # the details' uptime, again when its words change (to the minute): a 1 s clock read the engine's status
+        # and rebuilt the details 60 times for each change
         self.clock = QTimer(self)
-        self.clock.setInterval(1000)
+        self.clock.setSingleShot(True)
         self.clock.timeout.connect(lambda: self._state == READY and self._refresh_details())
-        self.clock.start()
         self._render_state(STOPPED, "")
         QTimer.singleShot(0, self.reattach)
 
@@ -866,6 +867,8 @@ class EnginePanel(Panel, QWidget):
         # to the minute: a label that changed every second relaid and repainted the whole column each second
         up_s = st.uptime_s() if self._state == READY else None
         up = f" · up {fmt.uptime(up_s)}" if up_s is not None else ""
+        if up_s is not None:        # just past the next whole minute of uptime
+            self.clock.start(int((60.0 - up_s % 60.0) * 1000) + 50)
         parts.append(f"pid {st.pid or '?'} · port {st.port}{up}")
         if st.ready_at:
             parts.append(f"<code>{html.escape(st.base_url or '')}</code>")

@@ -72,6 +72,9 @@ def test_click_start_see_ready_click_stop_see_stopped(qtbot, port):
     ctx.lock_engine(None)
     assert panel.start_button.isEnabled() and panel.stop_action.isEnabled()
     assert "numactl" in panel.details.text() and str(port) in panel.details.text()
+    assert "up under a minute" in panel.details.text()
+    # the uptime is said to the minute: the details are made again just past the next whole minute, not every second
+    assert panel.clock.isActive() and panel.clock.isSingleShot() and 0 < panel.clock.remainingTime() <= 60_050
     assert "starting" in states and "ready" in states
     st = panel.sup.snapshot()
     pid, pgid = st.pid, st.pgid
