@@ -133,6 +133,22 @@ class EngineProcess:
         what the READY limit and the load's duration are measured with."""
         return seconds_since(self.keeper_ctime, self.started_at)
 
+    def exit_fd(self) -> int | None:
+        """A descriptor that becomes readable when the keeper ends (a Linux pidfd), for :func:`select.poll`; None
+        where the kernel has none (or the keeper is already gone): the caller then looks at :meth:`exited` on a
+        clock. The caller closes it."""
+        if not self.keeper_pid or not hasattr(os, "pidfd_open") or (self.popen and self.popen.returncode is not None):
+            return None
+        try:
+            fd = os.pidfd_open(self.keeper_pid)
+        except OSError:
+            return None
+        # opened by number: it is the keeper only if the keeper still runs now (not a process that took the number)
+        if self.popen is None and not alive(self.keeper_pid, self.keeper_ctime):
+            os.close(fd)
+            return None
+        return fd
+
     def exited(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is not None

@@ -89,6 +89,55 @@ def _emit(ev: Event | None) -> Iterator[Event]:
         yield ev
 
 
+class _Wake:
+    """A flag that ends a wait at once when set, as ``threading.Event``, and that :func:`select.poll` can wait on
+    together with another descriptor (an eventfd; a plain Event where the system has none)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._fd: int | None = None
+        if hasattr(os, "eventfd"):
+            try:
+                self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            except OSError:
+                self._fd = None
+            else:       # closed with the object, never before: a set() from another thread never writes to a
+                import weakref          # number the system gave to another file meanwhile
+
+                weakref.finalize(self, os.close, self._fd)
+
+    def set(self) -> None:
+        self._event.set()
+        if self._fd is not None:
+            try:
+                os.eventfd_write(self._fd, 1)
+            except OSError:         # the counter is full: it is readable either way
+                pass
+
+    def clear(self) -> None:
+        self._event.clear()
+        if self._fd is not None:
+            try:
+                os.eventfd_read(self._fd)
+            except BlockingIOError:         # nothing to read
+                pass
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float, other_fd: int | None = None) -> None:
+        """Until set, ``other_fd`` is readable, or ``timeout`` s have passed."""
+        if other_fd is None or self._fd is None:
+            self._event.wait(timeout)
+            return
+        import select
+
+        p = select.poll()
+        p.register(self._fd, select.POLLIN)
+        p.register(other_fd, select.POLLIN)
+        p.poll(max(0, int(timeout * 1000)))
+
+
 class Supervisor:
     """Owns one engine process at a time.
 
@@ -119,7 +168,13 @@ class Supervisor:
         self.crash_limit = crash_limit
         self.crash_window_s = crash_window_s
         self.poll_s = poll_s
-        self.watch_poll_s = max(poll_s, 0.25)
+        # A ready engine's log lines are looked at once a second; its exit, a stop and a detach wake the watch at
+        # once (a pidfd of the keeper and an eventfd, polled together). Each wake of a thread costs ~0.13 ms of CPU
+        # here before any work (a thread that only waits 0.25 s in a loop used 0.51 ms a second; 1 s: 0.14), and
+        # looking 4 times a second made the watch ~0.2 % of a core, the window's largest thread after the GUI's
+        # and the engine poll (benchmarks/panel_cpu.py). Without a pidfd (an old kernel) it looks 4 times a second.
+        self.watch_poll_s = max(poll_s, 1.0)
+        self.watch_poll_blind_s = max(poll_s, 0.25)
         # a ready engine's health check (through httpx, ~1.5 ms of CPU on loopback) every 5 s: every 2 s it was
         # most of the watch's 0.43 % of a core (benchmarks/results/panel_cpu.md); a hung engine is still stopped
         # after silent_after_s (60 s), 12 checks later
@@ -143,6 +198,7 @@ class Supervisor:
         self._stop_req = threading.Event()
         self._force_req = threading.Event()
         self._detach_req = threading.Event()
+        self._wake = _Wake()                        # set with each request above: the watch's wait ends at once
         self._stop_active = threading.Event()
         self._crashes: deque[float] = deque()
         self._binding_cache: dict[tuple, Binding] = {}
@@ -184,6 +240,7 @@ class Supervisor:
         """Ask a start in progress (or a pending restart) to give up; the owning generator then stops the engine.
         (:meth:`stop` from another thread does the same and reports the stop as it goes.)"""
         self._stop_req.set()
+        self._wake.set()
 
     def request_force(self) -> None:
         """During a stop: skip the rest of the grace period and SIGKILL now."""
@@ -192,6 +249,7 @@ class Supervisor:
     def detach(self) -> None:
         """Stop watching but leave the engine running (the window closes; the next panel re-attaches)."""
         self._detach_req.set()
+        self._wake.set()
 
     def _reset_requests(self) -> None:
         self._stop_req.clear()
@@ -721,7 +779,17 @@ class Supervisor:
         last_ok = time.monotonic()                  # monotonic: a step of the wall clock neither starves the
         next_health = last_ok + self.health_every_s  # health checks nor makes a busy engine look silent
         client = self.http()
+        exit_fd = h.exit_fd()
+        try:
+            return (yield from self._watching(h, client, last_ok, next_health, exit_fd))
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
+
+    def _watching(self, h: EngineProcess, client: Any, last_ok: float, next_health: float,
+                  exit_fd: int | None) -> Events:
         while True:
+            self._wake.clear()          # before the requests are looked at: one made after this wakes the wait
             if self._detach_req.is_set():
                 return "detached"
             batch = h.drain()
@@ -750,9 +818,8 @@ class Supervisor:
                     info = h.exit_info(self.files)
                     info.silent_s = silent
                     return info
-            # a ready engine's log lines and exit are looked at 4 times a second (10 while starting): at 10 the
-            # watch was ~11 % of the whole panel's own CPU (py-spy, 1 Hz monitoring); a stop request wakes it
-            self._stop_req.wait(self.watch_poll_s)
+            # the keeper's exit, a stop or a detach wakes it at once (watch_poll_s: see __init__)
+            self._wake.wait(self.watch_poll_s if exit_fd is not None else self.watch_poll_blind_s, exit_fd)
 
     def _stopped_elsewhere(self) -> bool:
         rec = self.files.read_state()
@@ -856,6 +923,7 @@ class Supervisor:
 
     def _stop(self, force: bool) -> Events:
         self._stop_req.set()
+        self._wake.set()
         if force:
             self._force_req.set()
         self.files.write_stop_request()     # a start in flight in another process obeys it (stop beats start)

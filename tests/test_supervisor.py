@@ -194,6 +194,38 @@ def test_dry_run_lists_every_command_with_the_key_masked(port):
 
 # -- crashes -------------------------------------------------------------------------------------------------
 
+def test_the_watch_wakes_on_the_keepers_exit_and_on_a_request_not_on_a_quick_clock(port):
+    """A ready engine's watch looks at its log once a second; the keeper's end (a pidfd) and a stop or detach (an
+    eventfd) end its wait at once instead."""
+    import select
+
+    sup = make()
+    assert sup.watch_poll_s >= 1.0
+    run = Runner(sup.run(sim_engine()))
+    run.wait_for(lambda e: e.kind == "ready")
+    fd = sup._handle.exit_fd()
+    assert fd is not None                     # Linux ≥ 5.3 has pidfd_open: exits are not found on a clock
+    try:
+        exit_poll = select.poll()
+        exit_poll.register(fd, select.POLLIN)
+        assert exit_poll.poll(0) == []            # the keeper runs
+        wake = sv._Wake()
+        wake_poll = select.poll()
+        wake_poll.register(wake._fd, select.POLLIN)
+        assert wake_poll.poll(0) == [] and not wake.is_set()
+        wake.set()
+        assert wake_poll.poll(0) and wake.is_set()
+        wake.wait(60.0, fd)                       # set: returns at once, not after 60 s
+        wake.clear()
+        assert wake_poll.poll(0) == [] and not wake.is_set()
+        evs, st = drain(sup.stop())
+        assert st.state == "stopped"
+        assert exit_poll.poll(30_000)             # the keeper's end made it readable
+    finally:
+        os.close(fd)
+    run.join()
+
+
 def test_sigkill_is_explained_within_a_second_and_auto_restart_brings_it_back(port):
     sup = make(auto_restart=True)
     run = Runner(sup.run(sim_engine()))
