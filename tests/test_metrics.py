@@ -416,6 +416,31 @@ def test_each_runner_is_woken_by_its_own_request_and_by_the_stop():
     assert not any(r.is_alive() for r in runners)
 
 
+def test_local_sources_share_one_thread_and_a_failing_one_leaves_the_others_figures():
+    class LocalCount(CountingSource):
+        name = "local-count"
+        columns = ("gpu_util_pct",)
+        local = True
+
+        def read(self) -> Reading:
+            self.n += 1
+            return Reading({"gpu_util_pct": float(self.n)})
+
+    class LocalBroken(FailingSource):
+        local = True
+
+    remote, ok, broken = CountingSource(), LocalCount(), LocalBroken()
+    hub = M.MetricsHub([remote, broken, ok], hz=10.0)
+    ticks = [hub.tick_once() for _ in range(2)]
+    names = sorted(r.name for r in hub._runners or [])
+    assert names == ["metrics-broken+local-count", "metrics-count"]       # the two local ones on one thread
+    for i, t in enumerate(ticks, 1):
+        assert t.values["decode_tok_s"] == float(i) and t.values["gpu_util_pct"] == float(i)
+        assert "engine went away" in t.missing["broken"] and "local-count" not in t.missing
+        assert t.values["ram_used_bytes"] is None
+    hub.stop()
+
+
 def test_derive_prefers_driver_for_real_engines_and_model_for_simulated():
     raw = {"engine_vram_used_bytes": 1.0, "nvml_vram_used_bytes": 2.0, "engine_pcie_rx_mb_s": 3.0,
            "nvml_pcie_rx_mb_s": None, "engine_swaps_per_s": None, "log_swaps_per_s": 4.0}

@@ -2,7 +2,8 @@
 
 - :mod:`.columns` — the series kept, with units;
 - :mod:`.sources` — the engine adapter, NVML, the host (psutil) and the engine's log (swaps);
-- :mod:`.hub` — :class:`MetricsHub`: each source on its own thread and timeout, one :class:`Tick` per period;
+- :mod:`.hub` — :class:`MetricsHub`: each source with its own timeout (one that waits on another program on its own
+  thread, the local ones together on one), one :class:`Tick` per period;
 - :mod:`.store` — :class:`RingStore`: 24 h at full rate, older data decimated, bounded;
 - :mod:`.record` — every run recorded under ``runs_dir()/metrics``; CSV export;
 - :mod:`.steady` — the steady decode rate (no ramp-up, no prompt reads; whole lone replies) the card judges;

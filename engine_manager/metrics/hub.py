@@ -159,31 +159,36 @@ def prefill_is_live(engine: str, state: str | None) -> bool:
     return find_engine(engine).prefill_rate_live or state == "reading"
 
 
-def _last_error(r: "_Runner") -> str:
+def _last_error(r: "_Runner", name: str) -> str:
     """The words of a late source's last finished reading when it failed (a server past its size cap or its
     deadline ends after the tick is composed: without this, the tick would only ever say "no answer")."""
-    return f"; the last reading: {r.error}" if r.error and r.answered > 0 else ""
+    err = r.results.get(name, (None, None))[1]
+    return f"; the last reading: {err}" if err and r.answered > 0 else ""
 
 
 class _Runner(threading.Thread):
-    """Reads one source whenever the hub asks, on its own thread.
+    """Reads its sources, one after the other, whenever the hub asks, on its own thread: a source that waits on
+    another program (the engine's HTTP, NVML) alone; the local ones (``Source.local``: /proc, the log, the trace)
+    together — one thread each cost ~0.1 % of a core more at 1 Hz in all (their wakes and the GIL passed among four
+    threads woken at once; ``benchmarks/panel_cpu.py``, per-thread run time).
 
     It waits on a condition of its own (``wake``, on the hub's lock), and a reading it finished wakes only the hub
     (``done``). With one condition for all, every notify woke every runner and the hub, and each woke twice a
     second more to look: ~20 thread switches a second per runner at 1 Hz, where a tick needs 2 (a count from
     ``/proc/PID/task/*/status`` in the running window)."""
 
-    def __init__(self, source: Source, lock: threading.Lock, done: threading.Condition, stop: threading.Event):
-        super().__init__(name=f"metrics-{source.name}", daemon=True)
-        self.source = source
+    def __init__(self, sources: Sequence[Source], lock: threading.Lock, done: threading.Condition,
+                 stop: threading.Event):
+        super().__init__(name="metrics-" + "+".join(s.name for s in sources), daemon=True)
+        self.sources = list(sources)
+        self.timeout_s = max(s.timeout_s for s in self.sources)
         self.cond = done
         self.wake = threading.Condition(lock)           # ``done``'s lock, the hub's: one lock to hold for both
         self.stop_event = stop
         self.requested = 0          # tick asked for
         self.answered = 0           # tick the result belongs to
         self.busy = False
-        self.result: Reading | None = None
-        self.error: str | None = None
+        self.results: dict[str, tuple[Reading | None, str | None]] = {}     # by source name: (reading, error)
         self.elapsed_s = 0.0
 
     def run(self) -> None:
@@ -196,15 +201,18 @@ class _Runner(threading.Thread):
                 k = self.requested
                 self.busy = True
             t0 = time.monotonic()
-            result, error = None, None
-            try:
-                result = self.source.read()
-            except SourceMissing as exc:
-                error = str(exc)
-            except Exception as exc:  # any failure of a source is "missing", with its reason
-                error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            results: dict[str, tuple[Reading | None, str | None]] = {}
+            for source in self.sources:
+                result, error = None, None
+                try:
+                    result = source.read()
+                except SourceMissing as exc:
+                    error = str(exc)
+                except Exception as exc:  # any failure of a source is "missing", with its reason
+                    error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                results[source.name] = (result, error)
             with self.cond:
-                self.result, self.error = result, error
+                self.results = results
                 self.answered = k
                 self.busy = False
                 self.elapsed_s = time.monotonic() - t0
@@ -284,7 +292,10 @@ class MetricsHub:
     # -- running ----------------------------------------------------------------------------------------------
     def _ensure_runners(self) -> list[_Runner]:
         if self._runners is None:
-            self._runners = [_Runner(s, self._lock, self._cond, self._stop) for s in self.sources if not s.unavailable]
+            usable = [s for s in self.sources if not s.unavailable]
+            local = [s for s in usable if s.local]
+            groups = [[s] for s in usable if not s.local] + ([local] if local else [])
+            self._runners = [_Runner(g, self._lock, self._cond, self._stop) for g in groups]
             for r in self._runners:
                 r.start()
         return self._runners
@@ -302,37 +313,40 @@ class MetricsHub:
         t0 = time.monotonic()
         asked: list[_Runner] = []
         missing: dict[str, str] = {s.name: s.unavailable for s in self.sources if s.unavailable}
+        def limit(r: _Runner) -> float:
+            return min(r.timeout_s, 0.9 * self.period_s)
+
         with self._cond:
             for r in runners:
                 if r.busy:
-                    missing[r.source.name] = (f"still busy with an earlier reading "
-                                              f"(> {min(r.source.timeout_s, 0.9 * self.period_s):.2g} s)"
-                                              + _last_error(r))
+                    for s in r.sources:
+                        missing[s.name] = (f"still busy with an earlier reading (> {limit(r):.2g} s)"
+                                           + _last_error(r, s.name))
                 else:
                     r.requested = k
                     asked.append(r)
                     r.wake.notify()
             while True:
                 now = time.monotonic()
-                waiting = [r for r in asked if r.answered < k
-                           and now < t0 + min(r.source.timeout_s, 0.9 * self.period_s)]
+                waiting = [r for r in asked if r.answered < k and now < t0 + limit(r)]
                 if not waiting or self._stop.is_set():
                     break
-                nearest = min(t0 + min(r.source.timeout_s, 0.9 * self.period_s) for r in waiting)
+                nearest = min(t0 + limit(r) for r in waiting)
                 self._cond.wait(max(0.001, nearest - now))
-            results = {r.source.name: (r.result, r.error) if r.answered == k else (None, None) for r in asked}
+            results = {s.name: (r.results.get(s.name, (None, None)) if r.answered == k else (None, None), r)
+                       for r in asked for s in r.sources}
         values: dict[str, float | None] = {c: None for c in self.columns}
         notes: dict[str, Any] = {}
         sample: Sample | None = None
         simulated = self.simulated
-        for r in asked:
-            res, err = results[r.source.name]
-            if res is None:
-                missing[r.source.name] = err or (f"no answer within "
-                                                 f"{min(r.source.timeout_s, 0.9 * self.period_s):.2g} s"
-                                                 + _last_error(r))
+        for src in self.sources:                 # in the sources' order (a later one's notes win, as always)
+            if src.name not in results:
                 continue
-            for c in r.source.columns:
+            (res, err), r = results[src.name]
+            if res is None:
+                missing[src.name] = err or f"no answer within {limit(r):.2g} s" + _last_error(r, src.name)
+                continue
+            for c in src.columns:
                 if c in values:
                     x = res.values.get(c)
                     values[c] = measured(x, lo=None)     # not finite, or past what a float holds: missing

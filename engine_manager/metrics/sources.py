@@ -44,6 +44,9 @@ class Source(ABC):
     columns: tuple[str, ...] = ()
     timeout_s: float = 2.0
     unavailable: str | None = None      # set when the source cannot work on this machine (the reason)
+    # reads only this machine's files and /proc, never waits on another program: shares the hub's thread with the
+    # other local sources (a source that can hang, such as an HTTP poll or NVML, has one of its own)
+    local: bool = False
 
     @abstractmethod
     def read(self) -> Reading:
@@ -282,6 +285,7 @@ class HostSource(Source):
     (the engine is not bound, so there is nothing to compare)."""
 
     name = "host"
+    local = True
     columns = tuple(c.name for c in HOST_COLUMNS)
 
     def __init__(self, pid: int | None = None, bound_cpus: list[int] | None = None, timeout_s: float = 1.0):
@@ -405,6 +409,7 @@ class LogSwapSource(Source):
     twice. Until a log is attached the series are missing; once attached, a tick without swaps is a real 0."""
 
     name = "log"
+    local = True
     columns = tuple(c.name for c in LOG_COLUMNS)
     MAX_READ = 4 * 1024 * 1024
 
@@ -609,6 +614,7 @@ class RoutingSource(Source):
     start; a trace cut short in place is read again from its start. Counts go on adding up across both."""
 
     name = "routing"
+    local = True
     columns = ()
     MAX_READ = 16 * 1024 * 1024
 
