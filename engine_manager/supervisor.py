@@ -125,17 +125,17 @@ class _Wake:
     def is_set(self) -> bool:
         return self._event.is_set()
 
-    def wait(self, timeout: float, other_fd: int | None = None) -> None:
-        """Until set, ``other_fd`` is readable, or ``timeout`` s have passed."""
+    def wait(self, timeout: float, other_fd: int | None = None) -> bool:
+        """Until set, ``other_fd`` is readable, or ``timeout`` s have passed; whether ``other_fd`` is readable."""
         if other_fd is None or self._fd is None:
             self._event.wait(timeout)
-            return
+            return False
         import select
 
         p = select.poll()
         p.register(self._fd, select.POLLIN)
         p.register(other_fd, select.POLLIN)
-        p.poll(max(0, int(timeout * 1000)))
+        return any(fd == other_fd for fd, _ in p.poll(max(0, int(timeout * 1000))))
 
 
 class Supervisor:
@@ -779,15 +779,16 @@ class Supervisor:
         last_ok = time.monotonic()                  # monotonic: a step of the wall clock neither starves the
         next_health = last_ok + self.health_every_s  # health checks nor makes a busy engine look silent
         client = self.http()
-        exit_fd = h.exit_fd()
+        exit_fd = [h.exit_fd()]
         try:
             return (yield from self._watching(h, client, last_ok, next_health, exit_fd))
         finally:
-            if exit_fd is not None:
-                os.close(exit_fd)
+            if exit_fd[0] is not None:
+                os.close(exit_fd[0])
 
     def _watching(self, h: EngineProcess, client: Any, last_ok: float, next_health: float,
-                  exit_fd: int | None) -> Events:
+                  exit_fd: list[int | None]) -> Events:
+        """The watch loop; ``exit_fd[0]``: the keeper's pidfd (None: none), closed by the caller."""
         while True:
             self._wake.clear()          # before the requests are looked at: one made after this wakes the wait
             if self._detach_req.is_set():
@@ -819,7 +820,13 @@ class Supervisor:
                     info.silent_s = silent
                     return info
             # the keeper's exit, a stop or a detach wakes it at once (watch_poll_s: see __init__)
-            self._wake.wait(self.watch_poll_s if exit_fd is not None else self.watch_poll_blind_s, exit_fd)
+            fd = exit_fd[0]
+            if self._wake.wait(self.watch_poll_s if fd is not None else self.watch_poll_blind_s, fd) \
+                    and fd is not None and not h.exited():
+                # readable while the keeper runs: not a descriptor to wait on (it would be readable at every
+                # pass); looked at on the clock from now on
+                os.close(fd)
+                exit_fd[0] = None
 
     def _stopped_elsewhere(self) -> bool:
         rec = self.files.read_state()

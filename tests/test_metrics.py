@@ -439,6 +439,19 @@ def test_local_sources_share_one_thread_and_a_failing_one_leaves_the_others_figu
         assert "engine went away" in t.missing["broken"] and "local-count" not in t.missing
         assert t.values["ram_used_bytes"] is None
     hub.stop()
+    # a source of its own shape, not a Source (benchmarks/gui_load.py's synthetic one), still ticks, on a thread of
+    # its own
+
+    class Plain:
+        name, columns, timeout_s, unavailable = "plain", ("decode_tok_s",), 0.5, None
+
+        def read(self) -> Reading:
+            return Reading({"decode_tok_s": 7.0})
+
+    hub = M.MetricsHub([Plain(), LocalCount()], hz=10.0)
+    assert hub.tick_once().values["decode_tok_s"] == 7.0
+    assert sorted(r.name for r in hub._runners or []) == ["metrics-local-count", "metrics-plain"]
+    hub.stop()
 
 
 def test_derive_prefers_driver_for_real_engines_and_model_for_simulated():

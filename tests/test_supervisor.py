@@ -215,12 +215,13 @@ def test_the_watch_wakes_on_the_keepers_exit_and_on_a_request_not_on_a_quick_clo
         assert wake_poll.poll(0) == [] and not wake.is_set()
         wake.set()
         assert wake_poll.poll(0) and wake.is_set()
-        wake.wait(60.0, fd)                       # set: returns at once, not after 60 s
+        assert wake.wait(60.0, fd) is False       # set: returns at once (not after 60 s); the keeper runs
         wake.clear()
         assert wake_poll.poll(0) == [] and not wake.is_set()
         evs, st = drain(sup.stop())
         assert st.state == "stopped"
         assert exit_poll.poll(30_000)             # the keeper's end made it readable
+        assert wake.wait(60.0, fd) is True        # ... and ends a wait at once
     finally:
         os.close(fd)
     run.join()

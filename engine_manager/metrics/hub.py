@@ -293,8 +293,8 @@ class MetricsHub:
     def _ensure_runners(self) -> list[_Runner]:
         if self._runners is None:
             usable = [s for s in self.sources if not s.unavailable]
-            local = [s for s in usable if s.local]
-            groups = [[s] for s in usable if not s.local] + ([local] if local else [])
+            local = [s for s in usable if getattr(s, "local", False)]   # a source of another shape: its own thread
+            groups = [[s] for s in usable if s not in local] + ([local] if local else [])
             self._runners = [_Runner(g, self._lock, self._cond, self._stop) for g in groups]
             for r in self._runners:
                 r.start()
